@@ -1,0 +1,221 @@
+"""One backbone, two LoRA slots: the policy is base + adapter "default", the reference is a frozen copy in "ref".
+
+`load_model` loads a causal LM and its tokenizer; `attach_lora` adds (or loads) the trainable "default" adapter;
+`snapshot_ref` copies it into "ref"; `as_reference` runs a block with "ref" active under no_grad. No second model
+copy is ever made, so DPO / KTO / GRPO cost one backbone of memory.
+"""
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+REF = "ref"
+DEFAULT = "default"
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def require(package: str, hint: str):
+    """Import an optional package or fail with a one-line install hint (GPU extras are never imported eagerly)."""
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(f"{hint} needs the optional package '{package}': pip install {package}")
+    return importlib.import_module(package)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' = bf16 on a CUDA card that supports it, else fp32 (CPU bf16 matmuls are slow and lossy here)."""
+    if dtype == "auto":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+
+
+def resolve_attn(attn_implementation: str, device: torch.device) -> str:
+    """'auto' = flash_attention_2 when flash-attn is installed and we are on CUDA, else PyTorch SDPA."""
+    if attn_implementation != "auto":
+        if attn_implementation == "flash_attention_2":
+            require("flash_attn", "--attn-implementation flash_attention_2")
+        return attn_implementation
+    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def load_model(
+    name: str,
+    dtype: str = "auto",
+    attn_implementation: str = "auto",
+    quantization: str | None = None,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+):
+    """Load (model, tokenizer) from a hub id, a local path or an embedded alias such as 'smollm2-135m'.
+
+    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", both through bitsandbytes on CUDA only.
+    """
+    from common.embedded import resolve_model  # alias -> cached local folder; other names pass through
+
+    path = resolve_model(name)
+    device = pick_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
+    if quantization is not None:
+        if device.type != "cuda":
+            raise RuntimeError(f"--quantization {quantization} needs a CUDA GPU (bitsandbytes); drop it on CPU")
+        require("bitsandbytes", f"--quantization {quantization}")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=quantization == "4bit",
+            load_in_8bit=quantization == "8bit",
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch_dtype,
+        )
+        kwargs["device_map"] = {"": device.index or 0}
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    if quantization is None:
+        model.to(device)
+    if tokenizer.pad_token is None:
+        # Padding is always masked out, so any id works; EOS is the usual choice (our masks never rely on pad ids).
+        tokenizer.pad_token = tokenizer.eos_token
+    if quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA), so no enable_input_require_grads hack.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = not gradient_checkpointing
+    return model, tokenizer
+
+
+def attach_lora(
+    model,
+    adapter: str | None = None,
+    r: int = 16,
+    alpha: int = 32,
+    dropout: float = 0.05,
+    target_modules: str | list[str] = "all-linear",
+):
+    """Wrap the model in PEFT with a trainable "default" adapter: loaded from `adapter` (e.g. sft.py's output) or new."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter is not None:
+        if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+            raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
+        return PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, config)
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def _slot_params(model, slot: str) -> dict[str, torch.nn.Parameter]:
+    """LoRA tensors of one slot keyed by their name with the slot name removed, so the two slots line up."""
+    tag = f".{slot}."
+    return {n.replace(tag, ".#."): p for n, p in model.named_parameters() if tag in n}
+
+
+def snapshot_ref(model) -> None:
+    """Copy "default" into a frozen "ref" slot: the reference policy is the starting policy (e.g. the SFT adapter)."""
+    import copy
+
+    if not is_peft(model):
+        raise ValueError("snapshot_ref needs a LoRA policy (attach_lora); full fine-tuning has no 'ref' slot")
+    if REF not in model.peft_config:
+        cfg = copy.deepcopy(model.peft_config[DEFAULT])
+        cfg.inference_mode = True
+        model.add_adapter(REF, cfg)  # PEFT keeps "default" active and creates the new slot frozen
+    src, dst = _slot_params(model, DEFAULT), _slot_params(model, REF)
+    if src.keys() != dst.keys():
+        raise RuntimeError("the 'ref' slot does not mirror 'default' (different target modules)")
+    with torch.no_grad():
+        for key, p in dst.items():
+            p.copy_(src[key])
+            p.requires_grad_(False)
+
+
+@contextlib.contextmanager
+def as_reference(model):
+    """Run the block as the reference policy: "ref" active, eval mode, no_grad; everything restored on exit.
+
+    PEFT's set_adapter() also flips requires_grad (the active slot becomes trainable, the other frozen; seen on
+    peft 0.21), so the exact requires_grad of every parameter is saved first and put back, even if the block raises.
+    """
+    if not is_peft(model) or REF not in model.peft_config:
+        raise RuntimeError("no 'ref' adapter: call snapshot_ref(model) before computing reference log-probs")
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    was_training = model.training
+    try:
+        model.set_adapter(REF)
+        model.eval()  # LoRA dropout off: the reference must be deterministic
+        with torch.no_grad():
+            yield model
+    finally:
+        model.set_adapter(DEFAULT)
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
+        model.train(was_training)
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """What the optimizer holds: never a "ref" tensor (checked, since PEFT's adapter switching can flip flags)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    leaked = [n for n, _ in params if f".{REF}." in n]
+    if leaked:
+        raise RuntimeError(f"'ref' adapter tensors are trainable: {leaked[:3]}")
+    if not params:
+        raise RuntimeError("the model has no trainable parameters")
+    return [p for _, p in params]
+
+
+def adapter_hash(model, slot: str = REF) -> str:
+    """sha256 over a slot's tensors in name order: recorded in checkpoints, verified on resume."""
+    h = hashlib.sha256()
+    for key, p in sorted(_slot_params(model, slot).items()):
+        h.update(key.encode())
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_weights(model, out_dir: str) -> None:
+    """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model."""
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def load_weights(model, src_dir: str) -> None:
+    """Inverse of save_weights into an already-built model (both LoRA slots, or the full state dict)."""
+    from safetensors.torch import load_file
+
+    if not is_peft(model):
+        state = {}
+        for name in sorted(os.listdir(src_dir)):
+            if name.endswith(".safetensors"):
+                state.update(load_file(os.path.join(src_dir, name), device=str(model.device)))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # save_pretrained drops tied copies (lm_head = embed_tokens); anything else missing is a broken checkpoint.
+        own = model.state_dict()
+        loaded = {own[n].data_ptr() for n in state if n in own}
+        broken = [n for n in missing if own[n].data_ptr() not in loaded] + list(unexpected)
+        if broken:
+            raise RuntimeError(f"checkpoint {src_dir} does not match the model: {broken[:3]}")
+        return
+    from peft import set_peft_model_state_dict
+
+    for slot in model.peft_config:
+        path = os.path.join(src_dir, "" if slot == DEFAULT else slot, "adapter_model.safetensors")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"checkpoint {src_dir} has no weights for adapter '{slot}' ({path})")
+        result = set_peft_model_state_dict(model, load_file(path, device=str(model.device)), adapter_name=slot)
+        if getattr(result, "unexpected_keys", None):
+            raise RuntimeError(f"{path}: unexpected keys {result.unexpected_keys[:3]}")

@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny random Qwen2 model + ChatML tokenizer on disk, loaded by path (no hub access)."""
+
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # scripts (sft.py, dpo.py, ...) and common/ import from the repo root
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# One thread: on a 2-vCPU machine torch is far faster and steadier for tiny models (tests only, not a user default).
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tests.tiny import write_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """Tiny Qwen2 (hidden 64, 2 layers) + byte-level BPE ChatML tokenizer, eos=<|im_end|>, pad=<|endoftext|>."""
+    return write_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_pad_eos(tmp_path_factory) -> str:
+    """Same, but pad == eos (the case where a naive mask drops the completion's EOS from the loss)."""
+    return write_tiny(tmp_path_factory.mktemp("tiny_pad_eos"), pad_is_eos=True)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> pathlib.Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder {SHARED_DATA} not present (a fresh user clone); these tests need it")
+    return SHARED_DATA
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

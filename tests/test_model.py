@@ -1,0 +1,195 @@
+"""The dual-adapter backbone: snapshot_ref / as_reference / trainable set / save-load / checkpoints."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from common.model import (
+    DEFAULT, REF, adapter_hash, as_reference, attach_lora, load_model, load_weights, require, save_weights,
+    snapshot_ref, trainable_parameters,
+)
+from common.run import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
+
+
+def lora_model(path, init_nonzero=True):
+    model, tok = load_model(path)
+    model = attach_lora(model, r=4, alpha=8, dropout=0.1)
+    if init_nonzero:  # PEFT zero-inits lora_B; make "default" differ from the base so the tests can see it
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+    return model, tok
+
+
+def base_state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def slot_state(model, slot):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{slot}." in n}
+
+
+def trainable_names(model):
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def logits(model, ids):
+    return model(input_ids=ids).logits
+
+
+def test_snapshot_then_train_keeps_ref_and_base_bit_identical(tiny_model_dir):
+    torch.manual_seed(0)
+    model, _ = lora_model(tiny_model_dir)
+    ids = torch.randint(3, 300, (2, 12))
+    snapshot_ref(model)
+    model.eval()
+    with torch.no_grad():
+        policy = logits(model, ids)
+    with as_reference(model):
+        ref = logits(model, ids)
+    assert torch.equal(policy, ref), "right after snapshot_ref the reference must equal the policy exactly"
+
+    base0, ref0, default0 = base_state(model), slot_state(model, REF), slot_state(model, DEFAULT)
+    names0 = trainable_names(model)
+    assert names0 and all(f".{DEFAULT}." in n for n in names0)
+    opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
+    model.train()
+    for _ in range(3):
+        with as_reference(model):
+            ref_out = logits(model, ids)
+        assert not ref_out.requires_grad
+        loss = logits(model, ids).logsumexp(-1).mean() - ref_out.mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert trainable_names(model) == names0
+    assert all(torch.equal(base0[n], p) for n, p in base_state(model).items()), "base weights changed"
+    assert all(torch.equal(ref0[n], p) for n, p in slot_state(model, REF).items()), "'ref' adapter changed"
+    assert any(not torch.equal(default0[n], p) for n, p in slot_state(model, DEFAULT).items()), "'default' unchanged"
+    model.eval()
+    with torch.no_grad():
+        moved = logits(model, ids)
+    with as_reference(model):
+        assert torch.equal(logits(model, ids), ref), "reference logits moved with training"
+    assert not torch.allclose(moved, ref)
+
+
+def test_as_reference_restores_everything_when_the_body_raises(tiny_model_dir):
+    model, _ = lora_model(tiny_model_dir)
+    snapshot_ref(model)
+    model.train()
+    names0 = trainable_names(model)
+    with pytest.raises(ZeroDivisionError):
+        with as_reference(model):
+            assert model.active_adapter == REF and not model.training and not torch.is_grad_enabled()
+            1 / 0
+    assert trainable_names(model) == names0
+    assert model.active_adapter == DEFAULT and model.training and torch.is_grad_enabled()
+
+
+def test_reference_before_snapshot_fails_loudly(tiny_model_dir):
+    model, _ = lora_model(tiny_model_dir)
+    with pytest.raises(RuntimeError, match="snapshot_ref"):
+        with as_reference(model):
+            pass
+
+
+def test_peft_set_adapter_flips_requires_grad_which_we_guard(tiny_model_dir):
+    """Documents the PEFT behaviour as_reference guards against: if this stops being true, the guard is moot."""
+    model, _ = lora_model(tiny_model_dir)
+    snapshot_ref(model)
+    model.set_adapter(REF)
+    flipped = trainable_names(model)
+    model.set_adapter(DEFAULT)
+    assert any(f".{REF}." in n for n in flipped)
+    for n, p in model.named_parameters():  # undo PEFT's flip the way as_reference does
+        p.requires_grad_(f".{DEFAULT}." in n)
+    with as_reference(model):
+        pass
+    with pytest.raises(RuntimeError, match="ref"):
+        for n, p in model.named_parameters():
+            if f".{REF}." in n:
+                p.requires_grad_(True)
+        trainable_parameters(model)
+
+
+def test_adapter_save_load_roundtrip_and_plain_peft_loads_it(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model, _ = lora_model(tiny_model_dir)
+    snapshot_ref(model)
+    save_weights(model, str(tmp_path / "w"))
+    assert (tmp_path / "w" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "w" / "ref" / "adapter_model.safetensors").exists()
+    fresh, _ = lora_model(tiny_model_dir)
+    snapshot_ref(fresh)
+    with torch.no_grad():  # scramble both slots so the load has to restore them
+        for p in slot_state(fresh, DEFAULT).values():
+            p.zero_()
+    load_weights(fresh, str(tmp_path / "w"))
+    assert adapter_hash(fresh, DEFAULT) == adapter_hash(model, DEFAULT)
+    assert adapter_hash(fresh, REF) == adapter_hash(model, REF)
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tmp_path / "w"))
+    ids = torch.randint(3, 300, (1, 9))
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-6)
+
+
+def test_existing_adapter_becomes_default_and_ref(tiny_model_dir, tmp_path):
+    model, _ = lora_model(tiny_model_dir)
+    model.save_pretrained(str(tmp_path / "sft"))
+    again, _ = load_model(tiny_model_dir)
+    again = attach_lora(again, adapter=str(tmp_path / "sft"))
+    assert adapter_hash(again, DEFAULT) == adapter_hash(model, DEFAULT)
+    assert trainable_names(again)
+    snapshot_ref(again)
+    assert adapter_hash(again, REF) == adapter_hash(model, DEFAULT)
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        attach_lora(load_model(tiny_model_dir)[0], adapter=str(tmp_path))
+
+
+def test_missing_optional_package_gives_install_hint():
+    with pytest.raises(ImportError, match="pip install surely_not_installed_pkg"):
+        require("surely_not_installed_pkg", "--engine vllm")
+
+
+def test_quantization_on_cpu_is_a_clear_error(tiny_model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        load_model(tiny_model_dir, quantization="4bit")
+
+
+def test_checkpoints_are_atomic_pruned_and_verified(tiny_model_dir, tmp_path):
+    model, _ = lora_model(tiny_model_dir)
+    snapshot_ref(model)
+    opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-3)
+    run = str(tmp_path)
+    for step in (1, 2, 3):
+        save_checkpoint(run, step, model, opt, trainer_state={"step": step}, keep_last=2)
+    assert [os.path.basename(p) for p in list_checkpoints(run)] == ["step-2", "step-3"]
+    # A crash mid-save leaves a temp dir or a dir without the completion marker: both are ignored on resume.
+    shutil.copytree(os.path.join(run, "checkpoints", "step-3"), os.path.join(run, "checkpoints", "step-4"))
+    os.remove(os.path.join(run, "checkpoints", "step-4", "checkpoint_complete.json"))
+    os.makedirs(os.path.join(run, "checkpoints", ".tmp-step-5"))
+    assert resolve_checkpoint(run).endswith("step-3")
+    # A tampered 'ref' is caught by the recorded hash.
+    fresh, _ = lora_model(tiny_model_dir)
+    state = load_checkpoint(run, fresh, torch.optim.AdamW(trainable_parameters(fresh), lr=1e-3))
+    assert state["step"] == 3 and state["trainer_state"] == {"step": 3}
+    assert adapter_hash(fresh, REF) == adapter_hash(model, REF)
+    from safetensors.torch import load_file, save_file
+
+    ref_file = os.path.join(run, "checkpoints", "step-3", "weights", "ref", "adapter_model.safetensors")
+    tensors = load_file(ref_file)
+    key = next(iter(tensors))
+    tensors[key] = tensors[key] + 1
+    save_file(tensors, ref_file)
+    with pytest.raises(RuntimeError, match="hash"):
+        load_checkpoint(run, lora_model(tiny_model_dir)[0])
