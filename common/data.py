@@ -1,0 +1,449 @@
+"""Data for every script: load rows, convert common layouts, validate before any model loads, tokenize with loss
+masks, pad and pack. Row formats are TRL's, "standard" (strings) or "conversational" (lists of {role, content}):
+  sft {prompt, completion} | {messages} | {text};  prompt {prompt, ...extra fields such as answer}
+  preference {prompt, chosen, rejected}; with no prompt, chosen and rejected's shared start becomes it (as TRL)
+  binary {prompt, completion, label: bool}; validate_rows also splits {messages, label} (LLaMA-Factory's and many hub
+    KTO sets' layout): the last, assistant, message becomes the completion
+Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages.
+Truncation: sft keeps the start (TRL's truncation_mode="keep_start"). preference/binary keep the END of the prompt
+(max_prompt_length, as TRL < 1.0 with "keep_end"), then cut completions from the right to fit max_length; with
+max_prompt_length=None that is TRL 1.16's DPO/KTO default. A row whose completion would be cut away is dropped, never
+trained as a silent zero loss. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated: that would cut
+the question and the chat header, and rewards would score answers to a question the model never saw (TRL 1.16's GRPO
+does not truncate prompts; older TRL cut them from the left). Drops get one warning: count + first locations.
+"""
+
+import json
+import pathlib
+import warnings
+
+import torch
+
+MAX_SHOWN = 5  # bad rows listed in one error, and locations listed in one warning
+
+
+class DataError(ValueError):
+    """A problem in the user's data; the message names the file and line (or index) of each bad row."""
+
+
+def _first(locs: list) -> str:
+    return ", ".join(str(x) for x in locs[:MAX_SHOWN]) + (", ..." if len(locs) > MAX_SHOWN else "")
+
+
+def _bad(row: dict, field: str, problem: str):
+    raise DataError(f"{row.get('_loc', '<row>')}: field '{field}': {problem}")
+
+
+def _columns(row: dict) -> str:
+    return ", ".join(k for k in row if k != "_loc") or "nothing"
+
+
+def _map_rows(rows: list[dict], fn, what: str) -> list[dict]:
+    """fn over every row; all bad rows' DataErrors become one error, so a file is fixed in one pass, not one per run."""
+    out, errors = [], []
+    for row in rows:
+        try:
+            out.append(fn(row))
+        except DataError as e:
+            errors.append(str(e))
+    if errors:
+        raise DataError(f"{len(errors)} bad row(s) for {what} (first {min(len(errors), MAX_SHOWN)}):\n  "
+                        + "\n  ".join(errors[:MAX_SHOWN]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- loading
+def _json(text: str, name: str, line: int | None = None):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:  # in a whole .json file the decoder knows the line
+        raise DataError(f"{name}:{line or e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+
+
+def _read_file(path: pathlib.Path) -> list[dict]:
+    name = str(path)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # installed with datasets
+
+        return [dict(r, _loc=f"{name}:[{i}]") for i, r in enumerate(pq.read_table(path).to_pylist())]
+    if path.suffix not in (".json", ".jsonl"):
+        raise DataError(f"{name}: unsupported file type {path.suffix!r}; use .json, .jsonl or .parquet")
+    text = path.read_text(encoding="utf-8")
+    # `Dataset.to_json` writes JSON Lines even into files named .json: a .json starting with "{" is read as such.
+    if path.suffix == ".jsonl" or text.lstrip().startswith("{"):
+        lines = enumerate(text.splitlines(), 1)
+        pairs = [(_json(line, name, n), f"{name}:{n}") for n, line in lines if line.strip()]  # skip blank lines
+    else:
+        if not isinstance(data := _json(text, name), list):
+            raise DataError(f"{name}: expected a JSON list of objects, got a {type(data).__name__}")
+        pairs = [(row, f"{name}:[{i}]") for i, row in enumerate(data)]
+    for row, loc in pairs:
+        if not isinstance(row, dict):
+            raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}: {str(row)[:60]}")
+    return [dict(row, _loc=loc) for row, loc in pairs]
+
+
+def load_rows(spec: str, split: str = "train", convert: str | None = None,
+              field_map: dict[str, str] | None = None) -> list[dict]:
+    """Rows from a local .json/.jsonl/.parquet file, `builtin:<name>`, or a hub id ("org/name" or "org/name:config").
+    `field_map` renames columns first ({"question": "prompt"}); then `convert` (a CONVERTERS key) rewrites each row."""
+    path = pathlib.Path(spec)
+    if spec.startswith("builtin:"):
+        from common.embedded import builtin_rows
+
+        rows = [dict(r) for r in builtin_rows(spec.removeprefix("builtin:"), split)]
+    elif path.is_file():
+        rows = _read_file(path)
+    elif path.suffix in (".json", ".jsonl", ".parquet"):
+        raise DataError(f"{spec}: file not found")  # a mistyped path must not turn into a hub lookup
+    else:
+        import datasets
+
+        name, _, config = spec.partition(":")  # hub sets with several configs, e.g. "openai/gsm8k:main"
+        rows = datasets.load_dataset(name, config or None, split=split).to_list()
+    for i, row in enumerate(rows):
+        row.setdefault("_loc", f"{spec}:[{i}]")
+    if field_map and rows:
+        if missing := [k for k in field_map if k not in rows[0]]:
+            raise DataError(f"{rows[0]['_loc']}: field_map names {missing}, not among the columns {_columns(rows[0])}")
+        rows = [{field_map.get(k, k): v for k, v in row.items()} for row in rows]
+    if convert is not None:
+        if convert not in CONVERTERS:
+            raise DataError(f"unknown convert={convert!r}; choose from {sorted(CONVERTERS)}")
+        rows = _map_rows(rows, CONVERTERS[convert], f"convert={convert!r}")
+    return rows
+
+
+# -------------------------------------------------------------------------------------------------- converters
+def _need(row: dict, field: str, kind: type) -> object:
+    if not isinstance(row.get(field), kind):
+        _bad(row, field, f"must be a {kind.__name__}, got {type(row[field]).__name__}" if field in row
+             else f"missing (row has: {_columns(row)})")
+    return row[field]
+
+
+def _rest(row: dict, *drop: str) -> dict:
+    return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
+
+
+def _alpaca(row: dict) -> dict:
+    """{instruction, input, output[, system]} -> conversational {prompt: [system?, user], completion: [assistant]}."""
+    user, output = _need(row, "instruction", str), _need(row, "output", str)
+    if row.get("input"):
+        user += "\n\n" + row["input"]  # Alpaca's layout: the instruction, a blank line, then the input
+    system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    return _rest(row, "instruction", "input", "output", "system") | {
+        "prompt": system + [{"role": "user", "content": user}],
+        "completion": [{"role": "assistant", "content": output}]}
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _sharegpt_message(row: dict, field: str, turn: object) -> dict:
+    if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+        _bad(row, field, f"expected {{from: one of {sorted(SHAREGPT_ROLES)}, value: str}}, got {str(turn)[:80]}")
+    return {"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]}
+
+
+def _sharegpt(row: dict) -> dict:
+    """{conversations: [{from, value}]} -> {messages}; with chosen/rejected {from, value} turns it is a preference row
+    whose prompt is the conversation. A `system` column becomes a leading system message (LLaMA-Factory's layout)."""
+    messages = [_sharegpt_message(row, "conversations", t) for t in _need(row, "conversations", list)]
+    messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + messages
+    if "chosen" not in row and "rejected" not in row:
+        return _rest(row, "conversations", "system") | {"messages": messages}
+    pair = {k: [_sharegpt_message(row, k, row.get(k))] for k in ("chosen", "rejected")}
+    return _rest(row, "conversations", "system") | {"prompt": messages} | pair
+
+
+CONVERTERS = {"alpaca": _alpaca, "sharegpt": _sharegpt}
+
+
+# -------------------------------------------------------------------------------------------------- validation
+def _text_problem(value: object, may_be_empty: bool) -> str | None:
+    """What is wrong with a string-or-messages field, or None."""
+    if not isinstance(value, (str, list)):
+        return f"must be a string or a list of {{role, content}} messages, got {type(value).__name__}"
+    if value == []:  # even where an empty string is fine: chat templates refuse to render an empty conversation
+        return "is an empty message list"
+    for j, m in enumerate(value if isinstance(value, list) else []):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"message {j} must be an object with string 'role' and 'content', got {str(m)[:80]}"
+    text = value if isinstance(value, str) else "".join(m["content"] for m in value)
+    return None if may_be_empty or text.strip() else "is empty"
+
+
+def _extract_prompt(chosen, rejected):
+    """TRL's implicit prompt: the longest shared start (messages, or characters) of chosen and rejected."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str) and n > 0 and chosen[n - 1] == " ":
+        n -= 1  # as TRL: the space before the answers stays with the answers
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _check_row(row: dict, kind: str) -> dict:
+    # Normalise first: implicit-prompt preference rows and {messages, label} binary rows into prompt/completion form.
+    if kind == "preference" and "prompt" not in row and isinstance(row.get("chosen"), (str, list)) \
+            and type(row.get("rejected")) is type(row["chosen"]):
+        row = row | dict(zip(("prompt", "chosen", "rejected"), _extract_prompt(row["chosen"], row["rejected"])))
+    if kind == "binary" and "messages" in row and "prompt" not in row and "completion" not in row:
+        msgs = row["messages"]
+        if not (isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant"):
+            _bad(row, "messages", "the last message must be an assistant turn (it becomes the completion)")
+        row = _rest(row, "messages") | {"prompt": msgs[:-1], "completion": msgs[-1:]}
+    # (field, may be empty); an SFT row uses whichever of its three layouts it has
+    fields = {"preference": [("prompt", True), ("chosen", False), ("rejected", False)],
+              "binary": [("prompt", True), ("completion", False)], "prompt": [("prompt", False)],
+              "sft": [("messages", False)] if "messages" in row else [("text", False)] if "text" in row
+              else [("prompt", True), ("completion", False)]}[kind]
+    for field, may_be_empty in fields:
+        if field not in row:
+            hint = "; sft rows need {prompt, completion}, {messages} or {text}" if kind == "sft" else ""
+            _bad(row, field, f"missing{hint} (row has: {_columns(row)})")
+        if problem := _text_problem(row[field], may_be_empty):
+            _bad(row, field, problem)
+        first = row[fields[0][0]]
+        if isinstance(row[field], list) != isinstance(first, list):  # apply_chat_template or plain text, not both
+            _bad(row, field, f"is a {type(row[field]).__name__} but '{fields[0][0]}' is a {type(first).__name__}: "
+                             "use strings for all fields or message lists for all")
+    if fields[0][0] == "messages":
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in row["messages"]):
+            _bad(row, "messages", "has no assistant turn with content, so there is nothing to learn")
+        if row["messages"][0]["role"] == "assistant":
+            _bad(row, "messages", "starts with an assistant turn, which answers nothing (add the user turn before it)")
+    if kind == "binary" and type(row.get("label")) is not bool:  # 1, "true", None are not labels: say so, no guessing
+        _bad(row, "label", f"must be a JSON boolean (true/false), got {type(row['label']).__name__} {row['label']!r}"
+             if "label" in row else "missing")
+    return row
+
+
+def validate_rows(rows: list[dict], kind: str) -> list[dict]:
+    """Check rows of kind "sft" | "preference" | "binary" | "prompt" before any model loads; returns them normalised
+    (implicit prompts extracted, {messages, label} split). Raises one DataError listing the first bad rows."""
+    if kind not in ("sft", "preference", "binary", "prompt"):
+        raise ValueError(f"unknown data kind {kind!r}")
+    if not rows:
+        raise DataError(f"no rows to validate for {kind} data")
+    rows = _map_rows(rows, lambda row: _check_row(row, kind), f"{kind} data")
+    if kind == "preference" and (same := [r.get("_loc") for r in rows if r["chosen"] == r["rejected"]]):
+        warnings.warn(f"{len(same)} of {len(rows)} preference rows have chosen == rejected ({_first(same)}). They are "
+                      "kept, but their pairwise loss term is constant (ln 2 for sigmoid DPO) with zero gradient, so "
+                      "they only dilute each batch: remove them unless that is intended.")
+    if kind == "binary" and len(labels := {r["label"] for r in rows}) == 1:
+        side = "desirable" if (label := labels.pop()) else "undesirable"
+        warnings.warn(f"all {len(rows)} binary rows are labelled {label}: KTO needs desirable (true) and undesirable "
+                      f"(false) examples. Training still runs, but only the {side} half of the loss has signal.")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ tokenization
+def _chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
+    # A rendered chat already holds its special tokens (BOS included); plain text gets the tokenizer's own (BOS).
+    return tokenizer(text, add_special_tokens=special)["input_ids"]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _through_last(ids: list[int], token_id: int) -> list[int]:
+    # Up to and including the last end-of-turn token: what a template writes after it (ChatML's "\n") is dropped, as
+    # generation stops at the end-of-turn, so trained completions end there too.
+    return ids[: max((i + 1 for i, t in enumerate(ids) if t == token_id), default=len(ids))]
+
+
+def _check_prefix(prefix: str, text: str, loc: str):
+    if not text.startswith(prefix):
+        raise DataError(f"{loc}: the chat template renders this chat's start differently when more turns follow (no "
+                        "prefix property, e.g. it rewrites earlier turns), so the assistant tokens can't be found. Use "
+                        "a built-in template (--template chatml) or one that renders each turn the same way.")
+
+
+def _encode(tokenizer, prompt, completion, loc: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids); the completion ends with its end-of-turn (conversational) or EOS (standard)."""
+    eos = tokenizer.eos_token_id
+    if isinstance(prompt, list):
+        prompt_text, text = _chat(tokenizer, prompt, True), _chat(tokenizer, prompt + completion)
+        _check_prefix(prompt_text, text, loc)
+        prompt_ids, full = _ids(tokenizer, prompt_text), _ids(tokenizer, text)
+    else:
+        # TRL appends the eos string to standard completions; we append its id (one token even if eos isn't special).
+        prompt_ids, full = _ids(tokenizer, prompt, special=True), _ids(tokenizer, prompt + completion, special=True)
+        full = full if full[-1:] == [eos] else full + [eos]
+    # As TRL: the completion starts where the prompt's tokens and prompt+completion's first differ; that is right
+    # after the prompt unless BPE merged tokens across the boundary (standard rows, e.g. "The sky is" + " blue").
+    n = _common_prefix(prompt_ids, full)
+    return prompt_ids[:n], _through_last(full[n:], eos)
+
+
+def _fit(prompt_ids: list[int], completions: list[list[int]], max_length: int | None, max_prompt_length: int | None):
+    """Keep the prompt's end (max_prompt_length), then cut completions from the right so each pair fits max_length;
+    None when a completion would be left empty."""
+    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length:]
+    if max_length is not None:
+        completions = [c[: max(max_length - len(prompt_ids), 0)] for c in completions]
+    return (prompt_ids, completions) if all(completions) else None
+
+
+def _messages_ids(tokenizer, messages: list[dict], loc: str) -> tuple[list[int], list[int]]:
+    """The chat's ids and a mask on each assistant turn's content + end-of-turn token. A turn is located by rendering
+    the chat before it (with the generation prompt) and through it; both must be prefixes of the whole render."""
+    text = _chat(tokenizer, messages)
+    ids = _ids(tokenizer, text)
+    mask = [0] * len(ids)
+    for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
+        before, through = _chat(tokenizer, messages[:i], True), _chat(tokenizer, messages[: i + 1])
+        _check_prefix(before, text, loc)
+        _check_prefix(through, text, loc)
+        # Token positions via common prefixes, which stay right if BPE merges across a turn boundary.
+        start = _common_prefix(_ids(tokenizer, before), ids)
+        turn = _through_last(ids[start: _common_prefix(_ids(tokenizer, through), ids)], tokenizer.eos_token_id)
+        mask[start: start + len(turn)] = [1] * len(turn)
+    return ids, mask
+
+
+def tokenize_sft(tokenizer, row: dict, max_length: int | None, completion_only_loss: bool = True) -> dict | None:
+    """{input_ids, completion_mask}: the mask is on the completion (prompt/completion rows) or on every assistant turn
+    (messages rows), end-of-turn/EOS token included; all ones for {text} rows or completion_only_loss=False.
+    Right-truncated to max_length; None when no completion token survives (the caller drops the row)."""
+    eos = tokenizer.eos_token_id
+    if "messages" in row:
+        input_ids, mask = _messages_ids(tokenizer, row["messages"], row.get("_loc", "<row>"))
+    elif "text" in row:  # plain language modelling: every token, closed by EOS as TRL does
+        input_ids = _ids(tokenizer, row["text"], special=True)
+        input_ids = input_ids if input_ids[-1:] == [eos] else input_ids + [eos]
+        mask = [1] * len(input_ids)
+    else:
+        prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], row.get("_loc", "<row>"))
+        input_ids, mask = prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
+    input_ids, mask = input_ids[:max_length], mask[:max_length]  # [:None] keeps everything
+    if not any(mask):
+        return None  # the completion was cut away: this row would add a silent zero to the loss
+    return {"input_ids": input_ids, "completion_mask": mask if completion_only_loss else [1] * len(input_ids)}
+
+
+def tokenize_preference(tokenizer, row: dict, max_length: int | None,
+                        max_prompt_length: int | None = None) -> dict | None:
+    """{prompt_ids, chosen_ids, rejected_ids}; completions end with the end-of-turn/EOS token. Truncation: _fit."""
+    prompt_ids, chosen = _encode(tokenizer, row["prompt"], row["chosen"], row.get("_loc", "<row>"))
+    other_prompt_ids, rejected = _encode(tokenizer, row["prompt"], row["rejected"], row.get("_loc", "<row>"))
+    # The two prompts differ only if BPE merged differently into each answer: share the common part, as TRL does.
+    n = _common_prefix(prompt_ids, other_prompt_ids)
+    fitted = _fit(prompt_ids[:n], [prompt_ids[n:] + chosen, other_prompt_ids[n:] + rejected], max_length,
+                  max_prompt_length)
+    return fitted and {"prompt_ids": fitted[0], "chosen_ids": fitted[1][0], "rejected_ids": fitted[1][1]}
+
+
+def tokenize_binary(tokenizer, row: dict, max_length: int | None,
+                    max_prompt_length: int | None = None) -> dict | None:
+    """{prompt_ids, completion_ids, label}; truncated like tokenize_preference."""
+    prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], row.get("_loc", "<row>"))
+    fitted = _fit(prompt_ids, [completion_ids], max_length, max_prompt_length)
+    return fitted and {"prompt_ids": fitted[0], "completion_ids": fitted[1][0], "label": row["label"]}
+
+
+def tokenize_prompt(tokenizer, row: dict, max_prompt_length: int | None) -> dict | None:
+    """{prompt_ids}, conversational prompts rendered with the generation prompt; None (drop) when too long."""
+    prompt = row["prompt"]
+    ids = _ids(tokenizer, _chat(tokenizer, prompt, True)) if isinstance(prompt, list) else _ids(tokenizer, prompt, True)
+    return None if max_prompt_length is not None and len(ids) > max_prompt_length else {"prompt_ids": ids}
+
+
+TOKENIZE = dict(sft=tokenize_sft, preference=tokenize_preference, binary=tokenize_binary, prompt=tokenize_prompt)
+
+
+def tokenize_dataset(tokenizer, rows: list[dict], kind: str, max_length: int | None, **kw) -> list[dict]:
+    """Tokenize validated rows with TOKENIZE[kind] (for "prompt", max_length is the prompt limit), dropping those that
+    do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs)."""
+    examples, dropped = [], []
+    for row in rows:
+        if (example := TOKENIZE[kind](tokenizer, row, max_length, **kw)) is None:
+            dropped.append(row.get("_loc"))
+        else:
+            examples.append((row if kind == "prompt" else {"_loc": row.get("_loc")}) | example)
+    if dropped:
+        what = "the prompt is too long" if kind == "prompt" else "no completion token would be left"
+        warnings.warn(f"dropped {len(dropped)} of {len(rows)} {kind} rows because {what} at a limit of {max_length} "
+                      f"tokens: {_first(dropped)}. Raise the limit to keep them.")
+    if not examples:
+        raise DataError(f"no {kind} rows left after tokenization with a limit of {max_length} tokens")
+    return examples
+
+
+# ---------------------------------------------------------------------------------------------------- batching
+def pad_batch(seqs: list[list[int]], pad_value: int, side: str = "right") -> torch.LongTensor:
+    """(B, T) with T the longest sequence; padding on the right or the left ("left" for generation)."""
+    if side not in ("right", "left"):
+        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), pad_value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            out[i, slice(0, len(s)) if side == "right" else slice(width - len(s), width)] = torch.as_tensor(s)
+    return out
+
+
+def collate_sft(examples: list[dict], pad_id: int) -> dict:
+    """Right-padded input_ids, attention_mask, completion_mask (B, T); masks come from lengths, never from pad ids
+    (with pad == eos, a pad-derived mask would drop the EOS the model must learn to emit)."""
+    ids = [e["input_ids"] for e in examples]
+    return {"input_ids": pad_batch(ids, pad_id), "attention_mask": pad_batch([[1] * len(x) for x in ids], 0),
+            "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0)}
+
+
+def concat_prompt_completion(prompt_ids_list: list[list[int]], completion_ids_list: list[list[int]], pad_id: int,
+                             side: str = "right") -> dict:
+    """Prompt + completion per row, padded: input_ids, attention_mask, completion_mask (1 on completion tokens)."""
+    pairs = list(zip(prompt_ids_list, completion_ids_list, strict=True))
+    seqs = [list(p) + list(c) for p, c in pairs]
+    return {"input_ids": pad_batch(seqs, pad_id, side),
+            "attention_mask": pad_batch([[1] * len(s) for s in seqs], 0, side),
+            "completion_mask": pad_batch([[0] * len(p) + [1] * len(c) for p, c in pairs], 0, side)}
+
+
+# ----------------------------------------------------------------------------------------------------- packing
+def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
+    """Greedily concatenate tokenized SFT examples, in order, into rows of at most max_length tokens, with
+    position_ids restarting at 0 for each document (which is what keeps documents from attending to each other)."""
+    packs: list[dict] = []
+    for ex in examples:
+        n = len(ex["input_ids"])
+        if n > max_length:
+            raise ValueError(f"{ex.get('_loc')}: {n} tokens > max_length={max_length}; tokenize with the same limit")
+        if not packs or len(packs[-1]["input_ids"]) + n > max_length:
+            packs.append({"input_ids": [], "completion_mask": [], "position_ids": [], "_loc": []})
+        packs[-1]["input_ids"] += ex["input_ids"]
+        # A document's first token is never a label unpacked (the shift drops it); packed, it would be "predicted"
+        # from the previous document's last token, so it leaves the loss (only {text} rows have it in the mask).
+        packs[-1]["completion_mask"] += [0] + ex["completion_mask"][1:]
+        packs[-1]["position_ids"] += list(range(n))
+        packs[-1]["_loc"].append(ex.get("_loc"))
+    return packs
+
+
+def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False) -> dict:
+    """input_ids, position_ids, completion_mask (B, T) for packed rows, and deliberately NO attention_mask (pad_id is
+    cosmetic: padding is its own loss-masked block).
+
+    transformers 5.24 (masking_utils.find_packed_sequence_indices) turns restarting position_ids into a block-diagonal
+    causal mask for sdpa/eager, but only when attention_mask is None AND there is no KV cache: call
+    `model(input_ids=..., position_ids=..., use_cache=False)`; with the config default use_cache=True the model builds
+    a cache and the documents silently attend to each other. Flash-attention reads the same position_ids as varlen
+    boundaries, but only at batch size 1: pass one_row=True there (the batch's documents end to end in one row).
+    sdpa/eager keep one_row=False, whose mask costs B*T^2 instead of (B*T)^2.
+    """
+    if one_row:
+        examples = [{k: sum((e[k] for e in examples), []) for k in ("input_ids", "position_ids", "completion_mask")}]
+    width = max(len(e["input_ids"]) for e in examples)
+    # Padding positions restart at 0 too, so the padding is one more (loss-masked) document, never part of a real one.
+    positions = [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples]
+    return {"input_ids": pad_batch([e["input_ids"] for e in examples], pad_id), "position_ids": pad_batch(positions, 0),
+            "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0)}

@@ -1,0 +1,455 @@
+"""Reward functions, a plain dict registry of them, and the batch scorer that grpo.py calls.
+
+A reward function is `fn(prompts, completions, **row_fields) -> list[float | None]` (TRL's contract; None means
+"not applicable to this sample"). row_fields are the dataset's extra columns as lists plus `completion_ids` (token-id
+lists) and `max_completion_length` (int); every function takes unknown kwargs. Prompts and completions are strings
+or, for conversational data, lists of {role, content} messages (a completion's text is its last assistant message).
+REWARD_FUNCS: math, code (sandboxed tests, see run_python), format, json, regex, length, target_length, api.
+"""
+
+import concurrent.futures
+import contextlib
+import functools
+import importlib
+import json
+import math
+import os
+import pathlib
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+import warnings
+from collections.abc import Callable
+
+import torch
+
+
+def _text(x, last_assistant: bool = True) -> str:
+    """A string as is; a message list as its last assistant message (or, for prompts, all contents joined)."""
+    if isinstance(x, str):
+        return x
+    msgs = ([m for m in x if m.get("role") == "assistant"][-1:] if last_assistant else []) or x
+    parts = [m.get("content") or "" for m in msgs]  # multimodal content is a list of {"type", "text"} parts
+    return "\n".join(p if isinstance(p, str) else " ".join(c.get("text", "") for c in p) for p in parts)
+
+
+# ---------------------------------------------------------------------------------------------------- math
+# Never hangs: only the last 2,000 characters are read and every pattern runs in linear time (no nested
+# quantifiers). No signal.alarm timeout: alarms are process-wide and not thread safe (the verl bug that silently
+# zeroed MATH rewards).
+_TAIL = 2000
+_NUM = r"-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?"
+_FRAC = r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}"
+_PHRASE = re.compile(r"answer(?:\s+is)?[\s:=]*(?:\\?\$)?(" + _NUM + ")", re.IGNORECASE)
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced by counting (a regex cannot); None if absent or cut off."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    start, depth = start + len("\\boxed"), 0  # start: the opening brace
+    for j in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start + 1 : j]
+    return None
+
+
+def extract_answer(text) -> str | None:
+    """The final answer of a solution: GSM8K `#### 42`, else the last \\boxed{...}, else the last "the answer is 42"
+    / "answer: 42", else (fallback) the last number in the text; None when there is none."""
+    text = _text(text)[-_TAIL:].replace("\u2212", "-")  # U+2212 is the typographic minus
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip().split("\n")[0]
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers = _PHRASE.findall(text) or [m.group() for m in re.finditer(_FRAC + "|" + _NUM, text)]
+    return numbers[-1] if numbers else None
+
+
+def normalize_number(s: str | None) -> float | None:
+    """'1,234' '$18.00.' '25%' '-3' '3/4' '\\frac{3}{4}' 'x = 5' '12 \\text{cm}' -> float; None without a number.
+    Units-free: whatever follows the leading number is dropped (so '12 cm' is 12)."""
+    if s is None:
+        return None
+    s = re.sub(_FRAC, r"\1/\2", s.rsplit("=", 1)[-1])  # \frac{a}{b} -> a/b
+    s = re.sub(r"\\text\{[^{}]*\}|\\boxed|\\[,!%$ ]|[${}()\s,%]", "", s)  # units in \text{}, LaTeX spaces, $ , %
+    m = re.match(r"(-?\d*\.?\d+)(?:/(-?\d*\.?\d+))?", s)
+    if m is None or float(m.group(2) or 1) == 0:  # no number, or x/0
+        return None
+    return float(m.group(1)) / float(m.group(2) or 1)
+
+
+def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
+    """1.0 if the completion's final answer equals the row's `answer` numerically (rel tol 1e-6), else 0.0; None
+    for rows without one. The reference may be a whole GSM8K solution ending `#### 72`: same extraction."""
+    rewards = []
+    for completion, ref in zip(completions, answer or [None] * len(completions), strict=True):
+        truth = None if ref is None else normalize_number(extract_answer(str(ref)))
+        guess = normalize_number(extract_answer(completion))
+        rewards.append(None if truth is None else float(guess is not None and math.isclose(guess, truth, rel_tol=1e-6)))
+    return rewards
+
+
+# ---------------------------------------------------------------------------------------------------- code
+# The sandboxed interpreter runs this before the solution. It joins the pids cgroup, enters new network and PID
+# namespaces and forks: the solution runs as PID 1 of the namespace, so its getppid() is 0 and it cannot signal us,
+# and when PID 1 dies the kernel kills everything left in the namespace. The parent only waits for it.
+_BOOT = r"""
+import ctypes, json, os, resource, runpy, signal, sys
+cfg = json.loads(sys.argv.pop())
+libc = ctypes.CDLL(None, use_errno=True)
+if cfg["cgroup"]:
+    with open(cfg["cgroup"] + "/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+NET_PID = 0x40000000 | 0x20000000  # CLONE_NEWNET | CLONE_NEWPID; non-root also needs CLONE_NEWUSER (0x10000000)
+if libc.unshare(NET_PID) and libc.unshare(NET_PID | 0x10000000):
+    os.write(2, cfg["marker"].encode())
+pid = os.fork()
+if pid:  # on SIGTERM (our timeout) kill PID 1 from here, so that it is reaped here and not by a slow or absent init
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, 9))
+    os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 255)
+libc.prctl(1, 9)  # PR_SET_PDEATHSIG = SIGKILL: if this waiting parent is killed, PID 1 and its namespace die too
+for res, soft, hard in cfg["limits"]:
+    resource.setrlimit(res, (soft, hard))
+sys.argv = ["solution.py"]
+runpy.run_path("solution.py", run_name="__main__")
+"""
+_NO_NS = "onlyone-sandbox: no namespaces\n"
+
+
+def _pids_cgroup(max_procs: int) -> str | None:
+    """A new pids cgroup (v1, else v2) capped at max_procs, or None where we may not make one. RLIMIT_NPROC does
+    not apply to root, so as root this cap is what stops a fork bomb; it also lists members that left the group."""
+    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        path = os.path.join(root, f"onlyone_{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(path)
+            pathlib.Path(path, "pids.max").write_text(str(max_procs))  # fails on v2 without the pids controller
+            return path
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+    return None
+
+
+def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
+    """Stop PID 1 through its waiting parent, then SIGKILL the process group (even after a clean exit: children may
+    linger) and every cgroup member (some may have left the group) until both are empty; warn after 5 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):  # a killed process exists until reaped (by its parent, else by init, which may be slow)
+        for pid in pathlib.Path(cgroup, "cgroup.procs").read_text().split() if cgroup else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, 0)  # raises once every member of the group has been reaped
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):  # rmdir fails (EBUSY) until the cgroup's last member is reaped too
+                if cgroup:
+                    os.rmdir(cgroup)
+                return
+        time.sleep(0.05)
+    warnings.warn(f"sandbox process group {proc.pid} or cgroup {cgroup} not empty 5 s after SIGKILL")
+
+
+def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: int = 1024, max_procs: int = 32,
+               max_output: int = 1 << 22) -> str:
+    """Run `source` in the sandbox; return its stdout (the first max_output bytes).
+
+    Applied: `python -I -S` (no PYTHON* variables, no site-packages: stdlib only); a minimal env (PATH, LANG;
+    no inherited keys or tokens); a fresh temp dir as cwd, HOME and TMPDIR, deleted afterwards; its own session and
+    process group; stdin from a file; rlimits CPU (timeout + 1 s), AS (memory_mb), FSIZE (max_output: stdout and
+    stderr are files, so this caps output too), NOFILE 64 and NPROC max_procs (per real uid; ignored for root);
+    a pids cgroup capped at max_procs where one can be made (root); new network (no interfaces up, not even
+    loopback) and PID namespaces where the kernel allows (root, or unprivileged user namespaces), else a warning
+    and the network is open; a wall-clock timeout, then SIGKILL to everything it started, also on success.
+    NOT prevented: reading any file the user may read; writing, outside the temp dir, any file the user may write
+    (as root: all; FSIZE caps each file's size, not their number); and code written to undo the above (root may
+    raise rlimits or leave the cgroup). This stops accidents and reward hacks, not an attacker."""
+    with tempfile.TemporaryDirectory(prefix="onlyone_sandbox_", ignore_cleanup_errors=True) as tmp:
+        for name, text in (("solution.py", source), ("stdin", stdin)):
+            pathlib.Path(tmp, name).write_text(text, encoding="utf-8")
+        cgroup, cpu, mem = _pids_cgroup(max_procs), math.ceil(timeout), memory_mb << 20
+        limits = [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_NOFILE, 64, 64),
+                  (resource.RLIMIT_FSIZE, max_output, max_output), (resource.RLIMIT_NPROC, max_procs, max_procs)]
+        cfg = json.dumps({"cgroup": cgroup or "", "marker": _NO_NS, "limits": limits})
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
+        # Output is read back through our own descriptors: the code may replace the files by name (e.g. by a FIFO).
+        with open(f"{tmp}/stdin", "rb") as i, open(f"{tmp}/out", "w+b") as o, open(f"{tmp}/err", "w+b") as e:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, cfg], cwd=tmp, env=env, stdin=i,
+                                    stdout=o, stderr=e, start_new_session=True)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                _kill_all(proc, cgroup)
+            if os.pread(e.fileno(), len(_NO_NS), 0) == _NO_NS.encode():
+                warnings.warn("code sandbox: unshare refused, so no network/PID namespace: the network is reachable")
+            return os.pread(o.fileno(), max_output, 0).decode("utf-8", errors="replace")
+
+
+# Appended to the solution for assert tests: each runs in its own try, and only one that completes writes its token.
+_HARNESS = """
+for _i, _t in enumerate({tests!r}):
+    try:
+        exec(_t, globals())
+    except BaseException:
+        continue
+    __import__("os").write(1, b"{nonce}:%d\\n" % _i)
+"""
+
+
+def _lines(s: str) -> list[str]:
+    """Output lines compared as judges do: trailing spaces and trailing blank lines ignored."""
+    return [line.rstrip() for line in s.rstrip().splitlines()]
+
+
+def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
+    """Fraction of `tests` that `code` passes, run by run_python (the sandbox kwargs go there). `tests` is a list
+    (or its JSON string, or APPS' {"inputs": [...], "outputs": [...]}) of
+      {"input": str, "output": str}: one run each; passes if the stdout lines equal ALL expected lines after rstrip
+        (extra or missing lines fail: open-r1's zip() let half an answer pass);
+      "assert f(1) == 2" strings: run after the code in one process; each completed one prints a token with a
+        random nonce and only tokens seen count, so exiting early (os._exit(0)) or printing cannot pass."""
+    if isinstance(tests, str):
+        tests = json.loads(tests) if tests.lstrip().startswith(("[", "{")) else [tests]
+    if isinstance(tests, dict):
+        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
+    asserts = [t for t in tests if isinstance(t, str)]
+    passed = sum(_lines(run_python(code, t["input"], timeout, **sandbox)) == _lines(t["output"])
+                 for t in tests if isinstance(t, dict))
+    if asserts:
+        nonce = uuid.uuid4().hex
+        out = run_python(code + _HARNESS.format(tests=asserts, nonce=nonce), "", timeout, **sandbox)
+        passed += len(set(re.findall(nonce + r":(\d+)", out)))
+    return passed / max(len(tests), 1)
+
+
+def extract_code(text) -> str:
+    """The last ```python (or ```py) fenced block of a completion, else its whole text."""
+    blocks = re.findall(r"```(?:python3?|py)[ \t]*\n(.*?)```", _text(text), re.DOTALL)
+    return blocks[-1] if blocks else _text(text)
+
+
+def code_reward(prompts, completions, test_cases=None, **kw) -> list[float | None]:
+    """Fraction of the row's `test_cases` that the completion's code passes (run_code_tests); None if it has none.
+    Samples run on a few threads: each run is a separate process, so the threads only wait."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        jobs = [None if not t else pool.submit(run_code_tests, extract_code(c), t)
+                for c, t in zip(completions, test_cases or [None] * len(completions), strict=True)]
+        return [None if j is None else j.result() for j in jobs]
+
+
+# ---------------------------------------------------------------------------------------------------- format
+def format_reward(prompts, completions, **kw) -> list[float]:
+    """1.0 if the completion is `<think>...</think>` then `<answer>...</answer>` and nothing else (whitespace aside),
+    each tag exactly once; else 0.0. Counting tags instead of a lazy regex keeps it linear on long completions."""
+    tags = ("<think>", "</think>", "<answer>", "</answer>")
+    texts = [_text(c).strip() for c in completions]
+    return [float(all(t.count(tag) == 1 for tag in tags) and t.startswith(tags[0]) and t.endswith(tags[3])
+                  and re.search(r"</think>\s*<answer>", t) is not None) for t in texts]
+
+
+_JSON_TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int,
+               "boolean": bool, "null": type(None)}
+
+
+def _schema_ok(value, schema: dict) -> bool:
+    """A JSON Schema subset: type, enum, required, properties, items. Built in (jsonschema is no dependency), so a
+    reward never depends on which optional packages are installed."""
+    kind = schema.get("type")
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    if kind in _JSON_TYPES and not isinstance(value, _JSON_TYPES[kind]):
+        return False
+    if isinstance(value, bool) and kind in ("number", "integer"):  # JSON true is no number; Python's True is an int
+        return False
+    if isinstance(value, dict):
+        return all(k in value for k in schema.get("required", [])) and all(
+            _schema_ok(value[k], s) for k, s in schema.get("properties", {}).items() if k in value)
+    return not isinstance(value, list) or all(_schema_ok(v, schema.get("items", {})) for v in value)
+
+
+def json_reward(prompts, completions, json_schema=None, **kw) -> list[float]:
+    """1.0 if the completion (a ```json fence allowed) parses as JSON and, when the row has `json_schema` (a dict
+    or its JSON string), passes _schema_ok; else 0.0."""
+    rewards = []
+    for completion, schema in zip(completions, json_schema or [None] * len(completions), strict=True):
+        try:
+            value = json.loads(re.sub(r"^```(?:json)?\s*|\s*```$", "", _text(completion).strip()))
+        except ValueError:
+            rewards.append(0.0)
+            continue
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        rewards.append(float(schema is None or _schema_ok(value, schema)))
+    return rewards
+
+
+def regex_reward(prompts, completions, pattern=None, **kw) -> list[float | None]:
+    """1.0 if the stripped completion fullmatches the row's `pattern` (re.DOTALL), else 0.0; None without one.
+    Patterns come from your data: one with nested quantifiers can backtrack exponentially."""
+    return [None if p is None else float(re.fullmatch(p, _text(c).strip(), re.DOTALL) is not None)
+            for c, p in zip(completions, pattern or [None] * len(completions), strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------------- length
+def _lengths(completions, completion_ids) -> list[int]:
+    """|y|: tokens from completion_ids (grpo.py passes them), else whitespace-separated words."""
+    if completion_ids is not None:
+        return [len(ids) for ids in completion_ids]
+    return [len(_text(c).split()) for c in completions]
+
+
+def soft_overlong_reward(prompts, completions, max_completion_length=None, completion_ids=None, overlong_buffer=None,
+                         **kw) -> list[float]:
+    """DAPO eq. 13 (arXiv:2503.14476; TRL's get_soft_overlong_punishment), L_max = max_completion_length,
+    L_cache = overlong_buffer (default L_max // 5: DAPO's 4,096 of 20,480):
+    0 if |y| <= L_max - L_cache; (L_max - L_cache - |y|) / L_cache up to L_max; -1 beyond. A completion cut at
+    L_max gets -1 from the middle case."""
+    if max_completion_length is None:
+        raise ValueError("the length reward needs max_completion_length (grpo.py passes it)")
+    l_cache = max_completion_length // 5 if overlong_buffer is None else overlong_buffer
+    free = max_completion_length - l_cache
+    return [0.0 if n <= free else (free - n) / l_cache if n <= max_completion_length else -1.0
+            for n in _lengths(completions, completion_ids)]
+
+
+def target_length_reward(prompts, completions, target_length=None, completion_ids=None, **kw) -> list[float | None]:
+    """-|len - target| / target, target from the row field (a list) or a kwarg (one int) `target_length`; None
+    without one. len counted as in soft_overlong_reward."""
+    targets = target_length if isinstance(target_length, list) else [target_length] * len(completions)
+    return [None if t is None else -abs(n - t) / t
+            for n, t in zip(_lengths(completions, completion_ids), targets, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------------- api judge
+JUDGE_TEMPLATE = ("Rate the response to the question from 0 to 10. Reply with 'Score: N'.\n\nQuestion:\n{prompt}\n\n"
+                  "Reference answer (may be empty):\n{answer}\n\nResponse:\n{completion}")
+
+
+class ApiJudge:
+    """An LLM judge behind an OpenAI-compatible /chat/completions endpoint (vLLM, SGLang, OpenAI), stdlib only.
+
+    Each completion goes out as one user message (the template's {prompt} {completion} {answer} filled in); the
+    first number of the reply ("Score: 7/10" -> 7) / max_score, clipped to [0, 1], is its reward (None without a
+    number). 429, 5xx, timeouts and connection errors are retried with exponential backoff, then a RuntimeError
+    names the URL: an unreachable judge stops training rather than silently rewarding 0."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None, template: str = JUDGE_TEMPLATE,
+                 max_score: float = 10.0, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
+                 max_workers: int = 8):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.template, self.max_score = model, template, max_score
+        self.api_key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
+        self.timeout, self.retries, self.backoff, self.max_workers = timeout, retries, backoff, max_workers
+
+    def _post(self, content: str) -> str:
+        """The reply text of one chat completion, retrying what may pass (429, 5xx, network)."""
+        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": content}], "temperature": 0})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        for attempt in range(self.retries + 1):
+            try:
+                request = urllib.request.Request(self.url, data=body.encode(), headers=headers)
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())["choices"][0]["message"]["content"]
+            except urllib.error.HTTPError as e:  # before URLError, its base class
+                if e.code != 429 and e.code < 500:  # a bad request or key will not fix itself
+                    raise RuntimeError(f"judge {self.url} answered HTTP {e.code}: {e.read()[:500]!r}") from e
+                error = e
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                error = e
+            if attempt < self.retries:
+                time.sleep(self.backoff * 2**attempt)
+        raise RuntimeError(f"judge {self.url} unreachable after {self.retries + 1} attempts: {error}")
+
+    def score(self, prompt, completion, answer=None) -> float | None:
+        """One reward in [0, 1], None if the reply has no number."""
+        content = self.template.replace("{prompt}", _text(prompt, last_assistant=False))
+        content = content.replace("{answer}", "" if answer is None else str(answer))
+        reply = self._post(content.replace("{completion}", _text(completion)))  # last: its text is not re-scanned
+        m = re.search(r"-?\d+(?:\.\d+)?", reply)
+        return None if m is None else min(max(float(m.group()) / self.max_score, 0.0), 1.0)
+
+    def __call__(self, prompts, completions, answer=None, **kw) -> list[float | None]:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.max_workers) as pool:
+            return list(pool.map(self.score, prompts, completions, answer or [None] * len(completions)))
+
+
+@functools.cache  # built on first use, not at import: the env vars only matter when "api" is asked for
+def _env_judge() -> ApiJudge:
+    url, model = os.environ.get("ONLYONE_JUDGE_URL"), os.environ.get("ONLYONE_JUDGE_MODEL")
+    if not url or not model:
+        raise RuntimeError("reward 'api' needs ONLYONE_JUDGE_URL (e.g. http://localhost:8000/v1) and "
+                           "ONLYONE_JUDGE_MODEL (OPENAI_API_KEY if the endpoint wants one)")
+    return ApiJudge(url, model)
+
+
+def api_reward(prompts, completions, **kw) -> list[float | None]:
+    """An ApiJudge with default settings at ONLYONE_JUDGE_URL / ONLYONE_JUDGE_MODEL (key: OPENAI_API_KEY)."""
+    return _env_judge()(prompts, completions, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+REWARD_FUNCS = {"math": math_reward, "code": code_reward, "format": format_reward, "json": json_reward,
+                "regex": regex_reward, "length": soft_overlong_reward, "target_length": target_length_reward,
+                "api": api_reward}
+
+
+def load_reward_funcs(specs: list[str]) -> list[tuple[str, Callable, float]]:
+    """`name`, `name:weight`, `pkg.module:fn` or `pkg.module:fn:weight` -> (name, fn, weight). The weight is the
+    last `:` part if it parses as a float (default 1.0); a name still holding `:` is imported, else a registry key."""
+    funcs = []
+    for spec in specs:
+        name, _, last = spec.rpartition(":")
+        try:
+            weight = float(last)
+        except ValueError:
+            name, weight = spec, 1.0
+        if ":" in name:
+            module, fn_name = name.split(":", 1)
+            funcs.append((fn_name, getattr(importlib.import_module(module), fn_name), weight))
+        elif name in REWARD_FUNCS:
+            funcs.append((name, REWARD_FUNCS[name], weight))
+        else:
+            raise ValueError(f"unknown reward {name!r}: use one of {sorted(REWARD_FUNCS)} or module:function")
+    return funcs
+
+
+_warned_all_none: set[str] = set()
+
+
+def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call every (name, fn, weight) on the batch -> (rewards (B,), rewards_per_func (B, F)).
+
+    None becomes NaN in rewards_per_func, and rewards = nansum_f weight_f * reward_f leaves it out, as TRL does. A
+    row that no function applies to gets 0 (nansum; group_advantages needs finite rewards): TRL 1.16 makes it NaN
+    and zeroes its advantage, which gives the same loss but keeps it out of its group's mean and std."""
+    per_func = torch.zeros(len(completions), len(funcs))
+    for i, (name, fn, _) in enumerate(funcs):
+        out = fn(prompts=prompts, completions=completions, **row_fields)
+        if len(out) != len(completions):
+            raise ValueError(f"reward '{name}' returned {len(out)} rewards for {len(completions)} completions")
+        if all(r is None for r in out) and name not in _warned_all_none:
+            _warned_all_none.add(name)  # once per function: a missing dataset column would repeat it every step
+            warnings.warn(f"reward '{name}' returned None for a whole batch: is its dataset column missing?")
+        per_func[:, i] = torch.tensor([math.nan if r is None else float(r) for r in out])
+    weights = torch.tensor([w for _, _, w in funcs])
+    return (per_func * weights).nansum(dim=1), per_func

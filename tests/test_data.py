@@ -1,0 +1,356 @@
+"""common/data.py and common/templates.py: loading, converters, validation errors, masks per template, packing."""
+
+import json
+import re
+import sys
+import types
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from common.data import (
+    DataError, collate_packed, collate_sft, concat_prompt_completion, load_rows, pack_examples, pad_batch,
+    tokenize_binary, tokenize_dataset, tokenize_preference, tokenize_prompt, tokenize_sft, validate_rows,
+)
+from common.templates import end_of_turn_token, setup_chat_template
+from tests.tiny import CORPUS
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 12 plus 7?"},
+    {"role": "assistant", "content": "The answer is 19."},
+    {"role": "user", "content": "And 3 plus 4?"},
+    {"role": "assistant", "content": "It is 7."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def llama3_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with Llama 3's special tokens and no chat template (a "base model")."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=LLAMA3_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(CORPUS * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
+                                   pad_token="<|end_of_text|>")
+
+
+def template_tokenizer(tiny_model_dir, name):
+    tokenizer = llama3_tokenizer() if name == "llama3" else AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert setup_chat_template(tokenizer, name) == name
+    return tokenizer
+
+
+def masked_spans(tokenizer, example) -> list[str]:
+    """Decode each run of consecutive masked tokens separately (so a mask leaking onto a "\\n" shows)."""
+    spans, run = [], []
+    for token, m in zip(example["input_ids"] + [None], example["completion_mask"] + [0]):
+        if m:
+            run.append(token)
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    return spans
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------- templates & masks
+@pytest.mark.parametrize("name", ["tokenizer", "chatml", "qwen", "llama3"])
+def test_mask_is_assistant_content_plus_end_of_turn(tiny_model_dir, name):
+    tokenizer = template_tokenizer(tiny_model_dir, name)
+    eot = {"tokenizer": "<|im_end|>", "chatml": "<|im_end|>", "qwen": "<|im_end|>", "llama3": "<|eot_id|>"}[name]
+    assert tokenizer.eos_token == eot == end_of_turn_token(tokenizer, name)
+    multi = tokenize_sft(tokenizer, {"messages": CHAT}, max_length=None)
+    assert masked_spans(tokenizer, multi) == ["The answer is 19." + eot, "It is 7." + eot]
+    pc = tokenize_sft(tokenizer, {"prompt": CHAT[:4], "completion": CHAT[4:]}, max_length=None)
+    assert masked_spans(tokenizer, pc) == ["It is 7." + eot]
+    # The prompt/completion row is exactly the multi-turn chat with its last turn as the completion.
+    assert pc["input_ids"] == multi["input_ids"][: len(pc["input_ids"])]
+    if name == "qwen":  # the default system prompt appears only when the chat has none
+        assert "You are Qwen" in tokenizer.decode(tokenize_sft(tokenizer, {"messages": CHAT[1:3]}, None)["input_ids"])
+        assert "You are Qwen" not in tokenizer.decode(multi["input_ids"])
+
+
+def test_mask_keeps_eos_when_pad_is_eos(tiny_model_dir_pad_eos):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir_pad_eos)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    rows = [{"prompt": CHAT[1:2], "completion": CHAT[2:3]}, {"prompt": "The sky is", "completion": " blue"}]
+    examples = [tokenize_sft(tokenizer, r, max_length=None) for r in rows]
+    batch = collate_sft(examples, tokenizer.pad_token_id)
+    for i, ex in enumerate(examples):
+        last = len(ex["input_ids"]) - 1
+        assert ex["input_ids"][last] == tokenizer.eos_token_id and batch["completion_mask"][i, last] == 1
+    assert masked_spans(tokenizer, examples[1]) == [" blue<|im_end|>"]  # standard rows get EOS appended, as TRL
+
+
+def test_setup_chat_template(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert setup_chat_template(tokenizer) == "tokenizer" and end_of_turn_token(tokenizer, "tokenizer") == "<|im_end|>"
+    # A base tokenizer: no template and eos=<|endoftext|>; ChatML must make <|im_end|> the eos (what ends turns).
+    tokenizer.chat_template, tokenizer.eos_token = None, "<|endoftext|>"
+    assert setup_chat_template(tokenizer, "auto") == "chatml" and tokenizer.eos_token == "<|im_end|>"
+    with pytest.raises(ValueError, match=re.escape("needs the special tokens ['<|eot_id|>'")):
+        setup_chat_template(tokenizer, "llama3")  # the ChatML tokenizer lacks Llama 3's specials
+    with pytest.raises(ValueError, match="unknown chat template"):
+        setup_chat_template(tokenizer, "vicuna")
+    llama = llama3_tokenizer()
+    with pytest.raises(ValueError, match="chatml"):
+        setup_chat_template(llama, "chatml")
+
+
+def test_template_without_prefix_property_is_an_error(tok):
+    tokenizer = AutoTokenizer.from_pretrained(tok.name_or_path)
+    # Like templates that strip reasoning from earlier turns: an assistant turn renders differently once others follow.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\n"
+        "(earlier)<|im_end|>\n' }}{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    with pytest.raises(DataError, match="chat.jsonl:4: .*prefix property"):
+        tokenize_sft(tokenizer, {"messages": CHAT, "_loc": "chat.jsonl:4"}, max_length=None)
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+def test_bad_json_line(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "completion": "b"}, '{"prompt": "a", "completion": '])
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: invalid JSON"):
+        load_rows(path)
+    (tmp_path / "bad.json").write_text('[\n {"prompt": "a"},\n {"prompt": }\n]')
+    with pytest.raises(DataError, match=r"bad\.json:3: invalid JSON"):
+        load_rows(str(tmp_path / "bad.json"))
+
+
+def test_missing_field(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "a"}]))
+    with pytest.raises(DataError, match=r"d\.jsonl:2: field 'completion': missing"):
+        validate_rows(rows, "sft")
+    with pytest.raises(DataError, match=r"d\.jsonl:1: field 'chosen': missing"):
+        validate_rows(rows, "preference")
+
+
+def test_wrong_type(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "a", "completion": 5},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+        {"prompt": [{"role": "user", "content": "hi"}], "completion": "plain"},
+    ]))
+    with pytest.raises(DataError) as err:
+        validate_rows(rows, "sft")
+    msg = str(err.value)
+    assert "3 bad row(s)" in msg
+    assert "d.jsonl:1: field 'completion': must be a string or a list of {role, content} messages, got int" in msg
+    assert "d.jsonl:2: field 'messages': message 1 must be an object with string 'role' and 'content'" in msg
+    assert "d.jsonl:3: field 'completion': is a str but 'prompt' is a list" in msg
+    bad = [{"prompt": [], "completion": [{"role": "assistant", "content": "x"}], "_loc": "e.jsonl:1"},
+           {"messages": [{"role": "assistant", "content": "x"}], "_loc": "e.jsonl:2"}]
+    with pytest.raises(DataError) as err:
+        validate_rows(bad, "sft")
+    assert "e.jsonl:1: field 'prompt': is an empty message list" in str(err.value)
+    assert "e.jsonl:2: field 'messages': starts with an assistant turn" in str(err.value)
+
+
+def test_empty_completion(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "a", "completion": "  \n"},
+        {"prompt": "a", "chosen": "x", "rejected": ""},
+    ]))
+    with pytest.raises(DataError, match=r"d\.jsonl:1: field 'completion': is empty"):
+        validate_rows(rows[:1], "sft")
+    with pytest.raises(DataError, match=r"d\.jsonl:2: field 'rejected': is empty"):
+        validate_rows(rows[1:], "preference")
+
+
+def test_non_boolean_label(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "a", "completion": "b", "label": "true"},
+        {"prompt": "a", "completion": "b", "label": 1},
+        {"prompt": "a", "completion": "b", "label": False},
+    ]))
+    with pytest.raises(DataError) as err:
+        validate_rows(rows, "binary")
+    assert "d.jsonl:1: field 'label': must be a JSON boolean (true/false), got str 'true'" in str(err.value)
+    assert "d.jsonl:2: field 'label': must be a JSON boolean (true/false), got int 1" in str(err.value)
+
+
+def test_errors_are_collected_and_capped(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}] * 7))
+    with pytest.raises(DataError) as err:
+        validate_rows(rows, "sft")
+    assert "7 bad row(s)" in str(err.value) and "d.jsonl:5:" in str(err.value) and "d.jsonl:6:" not in str(err.value)
+
+
+def test_truncated_away_rows_are_dropped_with_one_warning(tok):
+    long = "The quick brown fox jumps over the lazy dog. " * 20
+    rows = [{"prompt": "Hi", "completion": " ok", "_loc": "d.jsonl:1"},
+            {"prompt": long, "completion": " ok", "_loc": "d.jsonl:2"},
+            {"prompt": long, "chosen": " a", "rejected": " b", "_loc": "d.jsonl:3"}]
+    with pytest.warns(UserWarning, match=r"dropped 1 of 2 sft rows .*d\.jsonl:2"):
+        kept = tokenize_dataset(tok, rows[:2], "sft", max_length=32)
+    assert [e["_loc"] for e in kept] == ["d.jsonl:1"]
+    with pytest.warns(UserWarning, match=r"dropped 1 of 1 prompt rows .*d\.jsonl:2"), pytest.raises(DataError):
+        tokenize_dataset(tok, rows[1:2], "prompt", max_length=32)
+    with pytest.warns(UserWarning, match=r"dropped 1 of 1 preference rows"), pytest.raises(DataError, match="no pref"):
+        tokenize_dataset(tok, rows[2:], "preference", max_length=32)
+    # The same row fits once the prompt keeps only its end (max_prompt_length).
+    assert len(tokenize_dataset(tok, rows[2:], "preference", max_length=32, max_prompt_length=16)) == 1
+
+
+def test_chosen_equals_rejected_warns(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "same", "rejected": "same"},
+    ]))
+    with pytest.warns(UserWarning, match=r"1 of 2 preference rows have chosen == rejected \(.*d\.jsonl:2\)\. They"):
+        assert len(validate_rows(rows, "preference")) == 2
+
+
+def test_single_class_binary_warns(tmp_path):
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "completion": "a", "label": True}] * 3))
+    with pytest.warns(UserWarning, match="all 3 binary rows are labelled True: KTO needs desirable"):
+        validate_rows(rows, "binary")
+
+
+# ---------------------------------------------------------------------------------- converters & loading
+def test_alpaca_demo(shared_data, tok):
+    rows = validate_rows(load_rows(str(shared_data / "llamafactory-demo/alpaca_en_demo.json"), convert="alpaca"), "sft")
+    assert len(rows) == 999 and rows[0]["_loc"].endswith("alpaca_en_demo.json:[0]")
+    with_input = next(r for r in rows if "\n\n" in r["prompt"][0]["content"])
+    assert with_input["prompt"][0]["role"] == "user" and with_input["completion"][0]["role"] == "assistant"
+    assert len(tokenize_dataset(tok, rows, "sft", max_length=None)) == 999
+
+
+def test_sharegpt_dpo_demo(shared_data, tok):
+    rows = load_rows(str(shared_data / "llamafactory-demo/dpo_en_demo.json"), convert="sharegpt")
+    rows = validate_rows(rows, "preference")
+    assert len(rows) == 300
+    assert {m["role"] for r in rows for m in r["prompt"]} == {"system", "user", "assistant"}
+    assert all(r["chosen"][0]["role"] == r["rejected"][0]["role"] == "assistant" for r in rows)
+    examples = tokenize_dataset(tok, rows, "preference", max_length=None)
+    assert len(examples) == 300 and all(e["chosen_ids"][-1] == tok.eos_token_id for e in examples)
+
+
+def test_kto_demo_messages_label(shared_data, tok):
+    rows = validate_rows(load_rows(str(shared_data / "llamafactory-demo/kto_en_demo.json")), "binary")
+    assert len(rows) == 300 and sum(r["label"] for r in rows) == 150
+    assert all(r["completion"][0]["role"] == "assistant" and "messages" not in r for r in rows)
+    examples = tokenize_dataset(tok, rows, "binary", max_length=None)
+    assert len(examples) == 300 and sum(e["label"] for e in examples) == 150
+
+
+def test_sharegpt_bad_role(tmp_path):
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "robot", "value": "hi"}]}])
+    with pytest.raises(DataError, match=r"s\.jsonl:1: field 'conversations': expected \{from"):
+        load_rows(path, convert="sharegpt")
+
+
+def test_load_json_jsonl_parquet_and_field_map(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
+    (tmp_path / "d.json").write_text(json.dumps(data))
+    (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in data))  # JSON Lines named .json
+    pq.write_table(pa.Table.from_pylist(data), tmp_path / "d.parquet")
+    write_jsonl(tmp_path / "d.jsonl", data)
+    for name, loc in [("d.json", "d.json:[1]"), ("lines.json", "lines.json:2"), ("d.jsonl", "d.jsonl:2"),
+                      ("d.parquet", "d.parquet:[1]")]:
+        rows = load_rows(str(tmp_path / name), field_map={"question": "prompt"})
+        assert [r["prompt"] for r in rows] == ["1+1?", "2+2?"] and rows[1]["answer"] == "4"
+        assert rows[1]["_loc"] == str(tmp_path / loc)
+    assert validate_rows(rows, "prompt")[0]["answer"] == "2"
+    with pytest.raises(DataError, match=r"field_map names \['query'\]"):
+        load_rows(str(tmp_path / "d.json"), field_map={"query": "prompt"})
+    with pytest.raises(DataError, match="file not found"):
+        load_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_builtin_and_hub_branches(monkeypatch):
+    import datasets
+
+    fake = types.ModuleType("common.embedded")
+    fake.builtin_rows = lambda name, split: [{"prompt": f"{name}/{split}"}]
+    monkeypatch.setitem(sys.modules, "common.embedded", fake)
+    assert load_rows("builtin:toy", "test") == [{"prompt": "toy/test", "_loc": "builtin:toy:[0]"}]
+    calls = []
+
+    def load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_list([{"question": "q", "answer": "a"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    rows = load_rows("openai/gsm8k:main", "test", field_map={"question": "prompt"})
+    assert calls == [("openai/gsm8k", "main", "test")] and rows[0]["_loc"] == "openai/gsm8k:main:[0]"
+
+
+def test_implicit_prompt_is_extracted():
+    chosen = [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue."}]
+    rejected = [{"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Green."}]
+    row = validate_rows([{"chosen": chosen, "rejected": rejected, "_loc": "p:[0]"}], "preference")[0]
+    assert row["prompt"] == chosen[:1] and row["chosen"] == chosen[1:] and row["rejected"] == rejected[1:]
+    row = validate_rows([{"chosen": "The sky is blue.", "rejected": "The sky is green."}], "preference")[0]
+    assert (row["prompt"], row["chosen"], row["rejected"]) == ("The sky is", " blue.", " green.")
+
+
+# ----------------------------------------------------------------------------------- tokenization details
+def test_preference_truncation_keeps_prompt_end(tok):
+    row = {"prompt": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 3}],
+           "chosen": [{"role": "assistant", "content": "yes good " * 10}],
+           "rejected": [{"role": "assistant", "content": "no"}]}
+    full = tokenize_preference(tok, row, max_length=None)
+    cut = tokenize_preference(tok, row, max_length=30, max_prompt_length=12)
+    assert cut["prompt_ids"] == full["prompt_ids"][-12:]  # keep_end: the generation prompt survives
+    assert cut["chosen_ids"] == full["chosen_ids"][:18] and cut["rejected_ids"] == full["rejected_ids"]
+    assert tokenize_preference(tok, row, max_length=12, max_prompt_length=12) is None
+    binary = tokenize_binary(tok, dict(row, completion=row["chosen"], label=False), max_length=30, max_prompt_length=12)
+    assert binary == {"prompt_ids": cut["prompt_ids"], "completion_ids": cut["chosen_ids"], "label": False}
+
+
+def test_prompt_only_and_batching(tok):
+    ids = tokenize_prompt(tok, {"prompt": [{"role": "user", "content": "Hi"}]}, max_prompt_length=None)["prompt_ids"]
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+    assert tokenize_prompt(tok, {"prompt": "Hi there"}, max_prompt_length=1) is None
+    assert pad_batch([[1, 2], [3]], 0, side="left").tolist() == [[1, 2], [0, 3]]
+    batch = concat_prompt_completion([[1, 2], [3]], [[4], [5, 6]], pad_id=0)
+    assert batch["input_ids"].tolist() == [[1, 2, 4], [3, 5, 6]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 1], [0, 1, 1]]
+    batch = concat_prompt_completion([[1, 2], [3]], [[4], [5]], pad_id=0, side="left")
+    assert batch["input_ids"].tolist() == [[1, 2, 4], [0, 3, 5]] and batch["attention_mask"].tolist()[1] == [0, 1, 1]
+
+
+# -------------------------------------------------------------------------------------------------- packing
+def sum_ce(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of next-token CE over completion tokens, and their count (fp32, from the logits)."""
+    kwargs = {k: batch[k] for k in ("attention_mask", "position_ids") if k in batch}
+    logits = model(input_ids=batch["input_ids"], use_cache=False, **kwargs).logits.float()[:, :-1]
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
+    mask = batch["completion_mask"][:, 1:].float()
+    return (ce * mask).sum(), mask.sum()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_loss_equals_unpacked(tiny_model_dir, tok, attn):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn).eval()
+    rows = [{"messages": CHAT}, {"prompt": CHAT[1:2], "completion": CHAT[2:3]}, {"prompt": "1 2 3", "completion": " 4"},
+            {"text": "The quick brown fox jumps over the lazy dog."}, {"messages": CHAT[1:3]},
+            {"prompt": "Hi", "completion": " yes"}]
+    examples = [tokenize_sft(tok, r, max_length=None) for r in rows]
+    packs = pack_examples(examples, max_length=max(len(e["input_ids"]) for e in examples) + 20)
+    assert len(packs) == 2 and max(p["position_ids"].count(0) for p in packs) > 1  # real packing, and padding
+    with torch.no_grad():
+        loss, n = sum_ce(model, collate_sft(examples, tok.pad_token_id))
+        for one_row in (False, True):
+            packed_loss, packed_n = sum_ce(model, collate_packed(packs, tok.pad_token_id, one_row=one_row))
+            assert packed_n == n
+            assert torch.allclose(packed_loss / packed_n, loss / n, atol=1e-5, rtol=0)

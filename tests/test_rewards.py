@@ -1,0 +1,447 @@
+"""common/rewards.py: answer extraction, the code sandbox's containment, the API judge, the registry and the scorer.
+
+Elapsed-time bounds below are hang guards for the sandbox's timeouts (generous multiples), not speed measurements.
+"""
+
+import http.server
+import json
+import math
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+
+import pytest
+import torch
+
+from common.rewards import (
+    ApiJudge,
+    REWARD_FUNCS,
+    _env_judge,
+    _pids_cgroup,
+    code_reward,
+    compute_rewards,
+    extract_answer,
+    format_reward,
+    json_reward,
+    load_reward_funcs,
+    math_reward,
+    normalize_number,
+    regex_reward,
+    run_code_tests,
+    run_python,
+    soft_overlong_reward,
+    target_length_reward,
+)
+
+GSM8K_SOLUTION = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+)
+
+
+def my_reward(prompts, completions, **kw):
+    """A user reward loaded by load_reward_funcs as tests.test_rewards:my_reward."""
+    return [float(len(c)) for c in completions]
+
+
+# ---------------------------------------------------------------------------------------------------- math
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        (GSM8K_SOLUTION, 72.0),
+        ("Total: 1000 + 234 = <<1000+234=1234>>1234 dollars.\n#### 1,234", 1234.0),
+        ("So the probability is \\boxed{\\frac{1}{2}}.", 0.5),
+        ("\\boxed{\\dfrac{3}{4}} and then 5 more words 6", 0.75),  # the box wins over later numbers
+        ("Nested: \\boxed{\\frac{\\sqrt{4}}{1}} ... \\boxed{12 \\text{ cm}}", 12.0),  # the last box, units dropped
+        ("The answer is $18.00.", 18.0),
+        ("The answer is 42. Check: 42 * 2 = 84", 42.0),  # the phrase wins over the last number
+        ("Final answer: -7", -7.0),
+        ("Final answer: \u22127", -7.0),  # typographic minus
+        ("The temperature dropped to -3 degrees", -3.0),  # fallback: the last number
+        ("The discount is 25%.", 25.0),
+        ("answer: 3/4", 0.75),
+        ("\\boxed{x = 5}", 5.0),
+        ("\\boxed{\\$1,000}", 1000.0),
+        ("I have no idea.", None),
+        ("", None),
+    ],
+)
+def test_extract_and_normalize(text, value):
+    assert normalize_number(extract_answer(text)) == value
+
+
+@pytest.mark.parametrize("s, value", [("1,234", 1234.0), ("$18.00.", 18.0), ("-0.5", -0.5), (".5", 0.5),
+                                      ("3/4", 0.75), ("\\frac{-1}{4}", -0.25), ("1/0", None), ("abc", None),
+                                      (None, None)])
+def test_normalize_number(s, value):
+    assert normalize_number(s) == value
+
+
+def test_extract_answer_is_bounded_on_adversarial_text():
+    # Inputs that make backtracking regexes explode; the tail cut and linear patterns keep these instant.
+    for text in ("answer" + " " * 100_000 + "x", "\\boxed{" * 50_000, "1," * 100_000 + "x", "answer:" * 50_000):
+        start = time.time()
+        extract_answer(text)
+        assert time.time() - start < 2.0  # hang guard
+
+
+def test_math_reward():
+    completions = [
+        "48 + 24 = 72, so \\boxed{72}",
+        "It is 72.0",
+        "The answer is 71.",
+        "no number here",
+        [{"role": "assistant", "content": "#### 72"}],  # conversational
+        "\\boxed{72}",
+    ]
+    answers = [GSM8K_SOLUTION, "72", "72", "72", "72", None]
+    assert math_reward(None, completions, answer=answers) == [1.0, 1.0, 0.0, 0.0, 1.0, None]
+    assert math_reward(None, ["0.3333333"], answer=["\\frac{1}{3}"]) == [1.0]  # rel tol 1e-6
+    assert math_reward(None, ["0.33"], answer=["1/3"]) == [0.0]
+    assert math_reward(None, ["7"]) == [None]  # no answer column
+
+
+# ---------------------------------------------------------------------------------------------------- code sandbox
+def _sandbox_leftovers() -> list[str]:
+    """Processes whose cwd is a sandbox temp dir, and sandbox cgroups still present."""
+    prefix = os.path.join(tempfile.gettempdir(), "onlyone_sandbox_")
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with_cwd = None
+        try:
+            with_cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            pass
+        if with_cwd and with_cwd.startswith(prefix):
+            found.append(f"pid {pid} in {with_cwd}")
+    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        if os.path.isdir(root):
+            found += [f"cgroup {root}/{d}" for d in os.listdir(root) if d.startswith("onlyone_")]
+    return found
+
+
+@pytest.fixture
+def no_leftovers():
+    """Every sandbox test must leave no process and no cgroup behind."""
+    yield
+    assert _sandbox_leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def namespaced() -> bool:
+    """Whether this machine gives the sandbox its own PID (and network) namespace: PID 1 inside."""
+    return run_python("import os; print(os.getpid())").strip() == "1"
+
+
+def _has_cgroup() -> bool:
+    """Whether the sandbox can make a pids cgroup here (as root on cgroup v1, or v2 with the pids controller)."""
+    cgroup = _pids_cgroup(4)
+    if cgroup:
+        os.rmdir(cgroup)
+    return cgroup is not None
+
+
+def _count_capped() -> bool:
+    """Whether something caps the sandbox's process count: a pids cgroup, else RLIMIT_NPROC (not binding root)."""
+    return _has_cgroup() or os.geteuid() != 0
+
+
+ADD_IO = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 7\n", "output": "12"}]
+
+
+def test_correct_solution_scores_one(no_leftovers):
+    assert run_code_tests("a, b = map(int, input().split())\nprint(a + b)", ADD_IO) == 1.0
+    assert run_code_tests("def f(x):\n    return x + 1", ["assert f(1) == 2", "assert f(2) == 3"]) == 1.0
+
+
+def test_partial_and_extra_output_fail(no_leftovers):
+    two_lines = [{"input": "", "output": "1\n2\n"}]
+    assert run_code_tests("print(1)", two_lines) == 0.0  # a missing line fails (open-r1's zip() passed it)
+    assert run_code_tests("print(1); print(2); print(3)", two_lines) == 0.0  # an extra line fails
+    assert run_code_tests("print(1)   \nprint(2)\n\n", two_lines) == 1.0  # trailing spaces / blank lines ignored
+    assert run_code_tests("a, b = map(int, input().split())\nprint(a + b if a == 1 else 0)", ADD_IO) == 0.5
+
+
+def test_asserts_count_once_and_early_exit_scores_zero(no_leftovers):
+    tests = ["assert f(1) == 2", "assert f(2) == 4", "assert f(3) == 4"]
+    assert run_code_tests("def f(x):\n    return x + 1", tests) == pytest.approx(2 / 3)
+    assert run_code_tests("import os\ndef f(x):\n    return x + 1\nos._exit(0)", tests) == 0.0
+    assert run_code_tests("import sys\ndef f(x):\n    return x + 1\nsys.exit(0)", tests) == 0.0
+    assert run_code_tests("raise SystemExit", tests) == 0.0
+    # printing tokens that look like test results cannot pass without the nonce
+    assert run_code_tests("for i in range(3):\n    print(f'ok:{i}')\nimport os\nos._exit(0)", tests) == 0.0
+
+
+@pytest.mark.parametrize("program", ["while True:\n    pass", "import time\ntime.sleep(1e9)",
+                                     "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                     "time.sleep(1e9)"])
+def test_hangs_are_cut_at_the_timeout(program, no_leftovers):
+    start = time.time()
+    assert run_code_tests(program + "\nprint(3)", [{"input": "", "output": "3"}], timeout=1) == 0.0
+    assert time.time() - start < 10  # hang guard: 1 s timeout + kill
+
+
+def test_fork_bomb_is_contained(no_leftovers):
+    if not _count_capped():
+        pytest.skip("root without a pids cgroup: nothing caps the process count, a fork bomb would hit the machine")
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    start = time.time()
+    assert run_python(bomb, timeout=2, max_procs=16) == ""
+    assert time.time() - start < 15  # hang guard
+
+
+def test_detached_grandchild_is_killed(namespaced, no_leftovers):
+    if not (namespaced or _has_cgroup()):
+        pytest.skip("without a PID namespace or a pids cgroup a process that left the group is not found")
+    # setsid + double fork leaves the process group: the PID namespace (or the cgroup) must still catch it
+    program = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
+               "    os._exit(0)\nprint('parent done')")
+    assert run_python(program) == "parent done\n"
+
+
+def test_process_count_is_capped(no_leftovers):
+    if not _count_capped():
+        pytest.skip("root without a pids cgroup: RLIMIT_NPROC does not bind root, nothing caps the count")
+    program = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
+               "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+               "    n += 1\nprint(n)")
+    assert int(run_python(program, timeout=5, max_procs=16)) < 16
+
+
+def test_memory_bomb_fails(no_leftovers):
+    out = run_python("x = bytearray(10 * 2**30)\nprint('allocated')", timeout=5, memory_mb=512)
+    assert "allocated" not in out
+
+
+def test_writes_outside_the_sandbox_dir(no_leftovers):
+    """Guaranteed: cwd, HOME and TMPDIR are a temp dir removed afterwards. Not prevented (documented in run_python):
+    an absolute path the process may write, here /tmp, which is world-writable; this test pins that behaviour."""
+    escape = os.path.join(tempfile.gettempdir(), f"onlyone_escape_{uuid.uuid4().hex}")
+    program = (f"import os, tempfile\nopen('inside.txt', 'w').write('x')\nopen(os.path.expanduser('~/home.txt'), 'w')"
+               f".write('x')\nopen(os.path.join(tempfile.gettempdir(), 'tmp.txt'), 'w').write('x')\n"
+               f"open({escape!r}, 'w').write('x')\nprint(os.getcwd())")
+    sandbox_dir = run_python(program).strip()
+    try:
+        assert os.path.basename(sandbox_dir).startswith("onlyone_sandbox_")
+        assert not os.path.exists(sandbox_dir)  # inside.txt, ~/home.txt and $TMPDIR/tmp.txt went with it
+        assert os.path.exists(escape)  # the documented gap: no filesystem isolation
+    finally:
+        if os.path.exists(escape):
+            os.remove(escape)
+
+
+def test_output_files_swapped_for_a_fifo_do_not_hang_us(no_leftovers):
+    program = "import os\nfor name in ('out', 'err'):\n    os.remove(name)\n    os.mkfifo(name)\nprint('still read')"
+    assert run_python(program) == "still read\n"  # read through our descriptors, not by name
+
+
+def test_file_size_and_output_are_capped(no_leftovers):
+    out = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 4096)", timeout=5, max_output=1 << 16)
+    assert len(out) <= 1 << 16
+
+
+def test_network_is_blocked(namespaced, no_leftovers):
+    if not namespaced:
+        pytest.skip("unshare is refused here: the sandbox warns and the network stays open")
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    program = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+               f"    print('connected')\nexcept OSError as e:\n    print('blocked', e)")
+    try:
+        assert run_python(program).startswith("blocked")
+    finally:
+        server.close()
+
+
+def test_killing_the_parent_spares_us(namespaced, no_leftovers):
+    me = os.getpid()
+    run_python("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)")
+    if namespaced:  # outside a PID namespace this pid would be ours: only try it where it cannot be
+        run_python(f"import os\nos.kill({me}, 9)")
+    assert os.getpid() == me  # still here
+
+
+def test_env_is_minimal(monkeypatch, no_leftovers):
+    monkeypatch.setenv("MY_SECRET_API_KEY", "hunter2")
+    env = json.loads(run_python("import json, os\nprint(json.dumps(dict(os.environ)))"))
+    assert "MY_SECRET_API_KEY" not in env and set(env) <= {"PATH", "LANG", "HOME", "TMPDIR", "LC_CTYPE"}
+
+
+def test_code_reward(no_leftovers):
+    completions = [
+        "Here you go:\n```python\nprint(sum(map(int, input().split())))\n```\nDone.",
+        [{"role": "assistant", "content": "```py\nprint(0)\n```"}],
+        "print('no tests for me')",
+        "print('nor for me')",
+    ]
+    tests = [ADD_IO, json.dumps(ADD_IO), None, []]  # a column may hold JSON strings
+    assert code_reward(None, completions, test_cases=tests) == [1.0, 0.0, None, None]
+    apps = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
+    assert run_code_tests("print(sum(map(int, input().split())))", apps) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------- format
+def test_format_reward():
+    completions = [
+        "<think>\nstep\n</think>\n<answer>42</answer>",
+        "  <think>a</think><answer>b</answer>\n",
+        "<think>a</think> text <answer>b</answer>",
+        "<think>a</think><answer>b</answer> trailing",
+        "<think>a</think><think>b</think><answer>c</answer>",
+        "<answer>b</answer>",
+    ]
+    assert format_reward(None, completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_json_reward():
+    schema = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                             "tags": {"type": "array", "items": {"type": "string"}}}}
+    completions = ['{"name": "a", "age": 3}', '```json\n{"name": "a", "age": 3, "tags": ["x"]}\n```',
+                   '{"name": "a"}', '{"name": "a", "age": true}', '{"name": "a", "age": 3, "tags": [1]}', "{oops",
+                   "[1, 2]"]
+    assert json_reward(None, completions, json_schema=[schema] * 6 + [None]) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert json_reward(None, ['"b"'], json_schema=['{"enum": ["a"]}']) == [0.0]  # schema as a JSON string
+
+
+def test_regex_reward():
+    assert regex_reward(None, [" 12-34 ", "12-345", "x"], pattern=[r"\d+-\d\d", r"\d+-\d\d", None]) == [1.0, 0.0, None]
+
+
+# ---------------------------------------------------------------------------------------------------- length
+def test_soft_overlong_reward():
+    ids = [[0] * n for n in (10, 80, 90, 100, 120)]
+    assert soft_overlong_reward(None, [""] * 5, max_completion_length=100, completion_ids=ids, overlong_buffer=20) == [
+        0.0, 0.0, -0.5, -1.0, -1.0]
+    assert soft_overlong_reward(None, ["a b c d e"], max_completion_length=5) == [-1.0]  # default buffer 5 // 5 = 1
+    assert soft_overlong_reward(None, ["a b c d"], max_completion_length=5) == [0.0]  # words when no ids
+    with pytest.raises(ValueError, match="max_completion_length"):
+        soft_overlong_reward(None, ["a"])
+
+
+def test_target_length_reward():
+    ids = [[0] * 50, [0] * 150]
+    assert target_length_reward(None, ["", ""], completion_ids=ids, target_length=100) == [-0.5, -0.5]
+    assert target_length_reward(None, ["a b", "a"], target_length=[2, None]) == [0.0, None]
+
+
+# ---------------------------------------------------------------------------------------------------- api judge
+class _Judge(http.server.BaseHTTPRequestHandler):
+    replies: list = []  # (status, content) per request, the last one repeated
+    requests: list = []
+
+    def do_POST(self):
+        self.requests.append((dict(self.headers), json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+        status, content = self.replies[min(len(self.requests), len(self.replies)) - 1]
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def judge_server():
+    _Judge.replies, _Judge.requests = [(200, "Score: 7/10")], []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1", _Judge
+    server.shutdown()
+    server.server_close()
+
+
+def test_judge_scores_and_fills_the_template(judge_server):
+    url, handler = judge_server
+    judge = ApiJudge(url, "judge-model", api_key="sk-test", template="Q={prompt} A={completion} R={answer}")
+    prompts = [[{"role": "user", "content": "2+2?"}], "3+3?"]
+    assert judge(prompts, ["4", [{"role": "assistant", "content": "6"}]], answer=["4", "6"]) == [0.7, 0.7]
+    contents = sorted(body["messages"][0]["content"] for _, body in handler.requests)
+    assert contents == ["Q=2+2? A=4 R=4", "Q=3+3? A=6 R=6"]
+    assert handler.requests[0][0]["Authorization"] == "Bearer sk-test"
+    assert handler.requests[0][1]["model"] == "judge-model"
+
+
+def test_judge_retries_after_a_500(judge_server):
+    url, handler = judge_server
+    handler.replies = [(500, "oops"), (200, "9")]
+    assert ApiJudge(url, "m", backoff=0.01, max_workers=1)(["p"], ["c"]) == [0.9]
+    assert len(handler.requests) == 2
+    handler.replies, handler.requests = [(200, "no digits at all")], []
+    assert ApiJudge(url, "m")(["p"], ["c"]) == [None]
+
+
+def test_judge_client_error_is_not_retried(judge_server):
+    url, handler = judge_server
+    handler.replies = [(401, "bad key")]
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        ApiJudge(url, "m", backoff=0.01)(["p"], ["c"])
+    assert len(handler.requests) == 1
+
+
+def test_judge_unreachable_names_the_url():
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    with pytest.raises(RuntimeError, match=f"{url}/chat/completions unreachable after 3 attempts"):
+        ApiJudge(url, "m", retries=2, backoff=0.01, timeout=2)(["p"], ["c"])
+
+
+def test_api_registry_entry_reads_the_environment(monkeypatch, judge_server):
+    _env_judge.cache_clear()
+    monkeypatch.delenv("ONLYONE_JUDGE_URL", raising=False)
+    with pytest.raises(RuntimeError, match="ONLYONE_JUDGE_URL"):
+        REWARD_FUNCS["api"](["p"], ["c"])
+    monkeypatch.setenv("ONLYONE_JUDGE_URL", judge_server[0])
+    monkeypatch.setenv("ONLYONE_JUDGE_MODEL", "m")
+    try:
+        assert REWARD_FUNCS["api"](["p"], ["c"], completion_ids=[[1]]) == [0.7]
+    finally:
+        _env_judge.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------------- registry
+def test_load_reward_funcs(tmp_path, monkeypatch):
+    funcs = load_reward_funcs(["math", "format:0.5", "tests.test_rewards:my_reward", "tests.test_rewards:my_reward:2"])
+    assert [(n, f, w) for n, f, w in funcs] == [("math", math_reward, 1.0), ("format", format_reward, 0.5),
+                                                ("my_reward", my_reward, 1.0), ("my_reward", my_reward, 2.0)]
+    (tmp_path / "user_rewards_mod.py").write_text("def short(prompts, completions, **kw):\n    return [1.0] * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ((name, fn, weight),) = load_reward_funcs(["user_rewards_mod:short:-1.5"])
+    assert (name, weight, fn(None, ["a", "b"])) == ("short", -1.5, [1.0, 1.0])
+    with pytest.raises(ValueError, match="unknown reward 'maths'.*'math'"):
+        load_reward_funcs(["maths"])
+    with pytest.raises(ModuleNotFoundError):
+        load_reward_funcs(["no_such_module_xyz:fn"])
+
+
+def test_compute_rewards_nan_weights_and_warning():
+    def half(prompts, completions, **kw):
+        return [1.0, None, 0.5, None]
+
+    def never(prompts, completions, **kw):
+        return [None] * len(completions)
+
+    funcs = [("half", half, 2.0), ("mine", my_reward, 0.5), ("never", never, 1.0)]
+    with pytest.warns(UserWarning, match="'never' returned None for a whole batch"):
+        rewards, per_func = compute_rewards(funcs, ["p"] * 4, ["a", "bb", "", "dddd"], {"answer": [1, 2, 3, 4]})
+    assert per_func.shape == (4, 3) and torch.isnan(per_func[:, 2]).all() and math.isnan(per_func[1, 0])
+    assert torch.allclose(rewards, torch.tensor([2.5, 1.0, 1.0, 2.0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once already: silent now
+        rewards, _ = compute_rewards([("never", never, 1.0)], ["p"], ["a"], {})
+    assert rewards.tolist() == [0.0]  # a row no function applies to sums to 0 (nansum), see the docstring
+
+    def short(prompts, completions, **kw):
+        return [1.0]
+
+    with pytest.raises(ValueError, match="'short' returned 1 rewards for 2"):
+        compute_rewards([("short", short, 1.0)], ["p", "q"], ["a", "b"], {})
