@@ -24,9 +24,9 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_prompt_completion, load_rows, tokenize_dataset, validate_rows
+from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, validate_rows
 from common.logps import masked_mean, masked_sum, sequence_logps
-from common.model import as_reference, attach_lora, load_model, snapshot_ref, trainable_parameters
+from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
 from common.templates import setup_chat_template
 
@@ -171,12 +171,6 @@ def reward_metrics(stats: torch.Tensor, prefix: str = "") -> dict:
     return {prefix + k: v.mean().item() for k, v in values.items()}
 
 
-def micro_batch(examples: list[dict], index: int, batch_size: int, seed: int) -> list[dict]:
-    """The index-th micro-batch of an endless, epoch-wise shuffled stream: a pure function of (index, seed)."""
-    per_epoch = math.ceil(len(examples) / batch_size)
-    epoch, pos = divmod(index, per_epoch)
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
 
 
 def main(args: Args) -> dict:
@@ -196,8 +190,7 @@ def main(args: Args) -> dict:
     setup_chat_template(tokenizer, args.template)
     model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
-        for module in filter(lambda m: isinstance(m, torch.nn.Dropout), model.modules()):
-            module.p = 0.0
+        disable_dropout(model)
     if use_ref:
         snapshot_ref(model)  # before any update: the reference is the starting policy (fresh = base, or --adapter)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id

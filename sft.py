@@ -22,7 +22,9 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import collate_packed, collate_sft, load_rows, pack_examples, tokenize_dataset, validate_rows
+from common.data import (
+    collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset, validate_rows,
+)
 from common.logps import sequence_logps
 from common.model import attach_lora, load_model, trainable_parameters
 from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
@@ -115,13 +117,6 @@ def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> to
     return -per_token_logps.sum() / num_items
 
 
-def micro_batch(examples: list[dict], index: int, batch_size: int, seed: int) -> list[dict]:
-    """The index-th micro-batch of an endless, epoch-wise shuffled stream: a pure function of (index, seed),
-    so resuming from a step needs no saved iterator state."""
-    per_epoch = math.ceil(len(examples) / batch_size)
-    epoch, pos = divmod(index, per_epoch)
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
 
 
 def main(args: Args) -> dict:
@@ -173,12 +168,13 @@ def main(args: Args) -> dict:
 
     # ---- 4 loop
     model.train()
+    ga = args.gradient_accumulation_steps
     metrics = {}
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         micro = [
-            collate(micro_batch(examples, step * args.gradient_accumulation_steps + i, args.per_device_train_batch_size, args.seed))
-            for i in range(args.gradient_accumulation_steps)
+            collate(micro_batch(examples, step * ga + i, args.per_device_train_batch_size, args.seed))
+            for i in range(ga)
         ]
         # TRL's num_items_in_batch: normalise by the completion tokens of the WHOLE step, so accumulation is exact.
         num_items = sum(int(b["completion_mask"].sum()) for b in micro)

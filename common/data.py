@@ -14,6 +14,7 @@ does not truncate prompts; older TRL cut them from the left). Drops get one warn
 """
 
 import json
+import math
 import pathlib
 import warnings
 
@@ -447,3 +448,12 @@ def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False)
     positions = [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples]
     return {"input_ids": pad_batch([e["input_ids"] for e in examples], pad_id), "position_ids": pad_batch(positions, 0),
             "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0)}
+
+
+def micro_batch(examples: list, index: int, batch_size: int, seed: int) -> list:
+    """The index-th micro-batch of an endless, epoch-wise reshuffled stream: a pure function of (index, seed), so
+    resuming at a step needs no saved iterator, and accumulation 1 x 4 sees the same rows as 4 x 1."""
+    per_epoch = math.ceil(len(examples) / batch_size)
+    epoch, pos = divmod(index, per_epoch)
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]

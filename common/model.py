@@ -168,6 +168,14 @@ def as_reference(model):
         model.train(was_training)
 
 
+def disable_dropout(model) -> None:
+    """p = 0 on every nn.Dropout, a loaded adapter's LoRA dropout included (TRL's disable_dropout=True): otherwise
+    the policy (train mode) and the reference (eval mode) differ at step 0 and DPO's first loss is not ln 2."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """What the optimizer holds: never a "ref" tensor (checked, since PEFT's adapter switching can flip flags)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
