@@ -1,0 +1,89 @@
+"""What the eval scripts share: load the model to evaluate (base, base + adapter, or a run's checkpoint), batched
+greedy generation (through common.rollout), and writing per-example JSONL plus a summary JSON.
+
+A checkpoint is `runs/<run>/checkpoints/step-N` (its weights/ holds the PEFT adapter, or the full weights after
+--no-use-lora), a run's `final/` dir, or a run dir (its final/ if present, else its newest complete checkpoint).
+"""
+
+import json
+import os
+import re
+import sys
+
+from tqdm.auto import tqdm
+
+from common.model import attach_lora, load_model, load_weights
+from common.rollout import hf_generate
+from common.run import resolve_checkpoint
+from common.templates import setup_chat_template
+
+
+def checkpoint_weights(path: str) -> str:
+    """The folder that holds the weights of `path`: a checkpoint's weights/, a run's final/, or `path` itself."""
+    if os.path.isdir(os.path.join(path, "weights")):
+        return os.path.join(path, "weights")  # runs/<run>/checkpoints/step-N
+    if os.path.isdir(os.path.join(path, "final")):
+        return os.path.join(path, "final")  # a run dir that finished
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return os.path.join(resolve_checkpoint(path), "weights")  # a run dir cut short: its newest checkpoint
+    return path  # final/ itself, or any adapter / weights folder
+
+
+def load_eval_model(model: str, adapter: str | None = None, checkpoint: str | None = None, dtype: str = "auto",
+                    template: str = "auto", attn_implementation: str = "auto"):
+    """(model, tokenizer) in eval mode: `model` plus, optionally, a LoRA adapter or a run's checkpoint on top.
+
+    The tokenizer always comes from `model` (checkpoints do not store one), with the same chat template setup the
+    training scripts run, so the prompt tokens match what the policy was trained on."""
+    if adapter and checkpoint:
+        raise ValueError("give --adapter or --checkpoint, not both")
+    policy, tokenizer = load_model(model, dtype, attn_implementation)
+    setup_chat_template(tokenizer, template)
+    weights = checkpoint_weights(checkpoint) if checkpoint else adapter
+    if weights and os.path.isfile(os.path.join(weights, "adapter_config.json")):
+        policy = attach_lora(policy, weights)  # PEFT loads the "default" adapter; a saved "ref" slot is ignored
+    elif weights:
+        load_weights(policy, weights)  # full fine-tuning: the whole state dict replaces the base weights
+    return policy.eval(), tokenizer
+
+
+def model_label(model: str, adapter: str | None = None, checkpoint: str | None = None) -> str:
+    """A short file-safe name for the evaluated policy: 'smollm2-135m', '<run>__step-200', '<run>__final'."""
+    path = checkpoint or adapter
+    if path:
+        parts = [p for p in os.path.normpath(path).split(os.sep) if p not in ("checkpoints", "weights", ".")]
+        name = "__".join(parts[-2:])
+    else:
+        name = model.rstrip("/").split("/")[-1]
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", name)
+
+
+def generate_greedy(model, tokenizer, prompt_ids: list[list[int]], batch_size: int = 16,
+                    max_new_tokens: int = 512) -> list[str]:
+    """Greedy completions (decoded, special tokens dropped) for tokenized prompts, in the prompts' order.
+
+    Each batch is one `common.rollout.hf_generate` call at temperature 0 (the engine the RL scripts sample with,
+    so the same EOS ids stop a completion and the model's generation_config cannot add sampling or penalties).
+    Prompts go longest first: an out-of-memory batch size fails at once, and similar lengths pad little."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
+    texts: list[str] = [""] * len(prompt_ids)
+    starts = range(0, len(order), batch_size)
+    for start in tqdm(starts, desc="generate", unit="batch", disable=len(starts) < 2 or not sys.stderr.isatty()):
+        idx = order[start : start + batch_size]
+        out = hf_generate(model, tokenizer, [prompt_ids[i] for i in idx], group_size=1, temperature=0.0,
+                          max_new_tokens=max_new_tokens)
+        for i, text in zip(idx, out["completions"], strict=True):
+            texts[i] = text
+    return texts
+
+
+def write_results(output_dir: str, stem: str, records: list[dict], summary: dict) -> dict:
+    """Write <output_dir>/<stem>.jsonl (one record per example) and <stem>.json (the summary); returns both paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    paths = {"outputs": os.path.join(output_dir, f"{stem}.jsonl"), "summary": os.path.join(output_dir, f"{stem}.json")}
+    with open(paths["outputs"], "w") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    with open(paths["summary"], "w") as f:
+        json.dump({**summary, "outputs": paths["outputs"]}, f, indent=2)
+    return paths

@@ -1,0 +1,132 @@
+"""GSM8K accuracy: greedy chat completions, scored by the same answer extraction as the math reward.
+
+A completion is correct when `common.rewards.math_reward` gives it 1.0: its final answer (GSM8K `#### N`, else the
+last \\boxed{}, else "the answer is N", else the last number) equals the reference numerically. Zero-shot; the prompt
+is the question plus builtin:math's instruction, so policies trained on builtin:math see their own format.
+Run: `python -m evals.gsm8k --dataset ../shared/data/gsm8k/test.jsonl --limit 100`
+     `python -m evals.gsm8k --checkpoint runs/grpo__smollm2-135m__42__<time>/checkpoints/step-200`
+Writes <output-dir>/<label>__gsm8k.jsonl (question, reference, completion, extracted, correct per example) and
+<label>__gsm8k.json (accuracy, n, model, adapter, checkpoint, limit, time_s, ...).
+In a training script: `eval_rows = gsm8k_rows(args.eval_dataset, limit=args.eval_limit)`, then every --eval-steps
+`metrics["eval/gsm8k/accuracy"] = evaluate_gsm8k(model, tokenizer, eval_rows, 16, 256)["accuracy"]`.
+
+Differences from lm-eval's gsm8k_cot_zeroshot / TRL: zero-shot chat prompt with our instruction (lm-eval: 8-shot
+plain text by default); lenient extraction (the last number counts when no marked answer is found).
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import tyro
+
+from common.data import load_rows, tokenize_prompt
+from common.embedded import MATH_INSTRUCTION
+from common.rewards import extract_answer, math_reward
+from evals.common_eval import generate_greedy, load_eval_model, model_label, write_results
+
+
+@dataclass
+class Args:
+    # model
+    model: str = "smollm2-135m"
+    """hub id, local path, or embedded alias; the base under --adapter / --checkpoint"""
+    adapter: str | None = None
+    """a LoRA adapter dir to evaluate on top of --model"""
+    checkpoint: str | None = None
+    """a run's checkpoint (runs/<run>/checkpoints/step-N), its final/ dir, or the run dir itself"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
+    template: str = "auto"
+    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3; use the one you trained with"""
+    # data
+    dataset: str = "openai/gsm8k:main"
+    """hub id[:config], a .jsonl/.json/.parquet file with {question, answer}, or builtin:math"""
+    split: str = "test"
+    """split to evaluate (hub and builtin sets; ignored for files)"""
+    limit: int | None = None
+    """evaluate only the first N examples"""
+    instruction: str = MATH_INSTRUCTION
+    """appended to each {question} row on a new line ('' for the bare question); builtin:math rows carry their own"""
+    # generation
+    batch_size: int = 16
+    """prompts per generate() call"""
+    max_new_tokens: int = 512
+    """completion budget; a cut-off solution usually has no final answer and scores 0"""
+    # output
+    output_dir: str = "eval_results"
+    """where the JSONL and JSON files go"""
+    label: str | None = None
+    """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
+
+
+def gsm8k_rows(dataset: str = "openai/gsm8k:main", split: str = "test", limit: int | None = None,
+               instruction: str = MATH_INSTRUCTION) -> list[dict]:
+    """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} or builtin:math's
+    {prompt, answer}. The reference stays as given (a whole solution ending '#### N', or a bare number):
+    math_reward extracts from it with the same function it applies to the completion."""
+    rows = load_rows(dataset, split)[:limit]  # [:None] keeps all
+    out = []
+    for row in rows:
+        if "question" in row:
+            content = f"{row['question']}\n{instruction}" if instruction else row["question"]
+            prompt = [{"role": "user", "content": content}]
+        else:  # already a prompt-only row (builtin:math); a plain-string prompt becomes one user turn
+            prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        question = row.get("question", prompt[-1]["content"])  # builtin:math: the user turn, instruction included
+        out.append({"question": question, "prompt": prompt, "reference": str(row["answer"])})
+    return out
+
+
+def score(completions: list[str], references: list[str]) -> list[dict]:
+    """Per completion: the extracted answer and whether math_reward counts it correct (exactly the RL reward)."""
+    rewards = math_reward([None] * len(completions), completions, answer=references)
+    return [{"extracted": extract_answer(c), "correct": r == 1.0} for c, r in zip(completions, rewards, strict=True)]
+
+
+def evaluate_gsm8k(model, tokenizer, rows: list[dict], batch_size: int = 16, max_new_tokens: int = 512) -> dict:
+    """Greedy-decode every row of gsm8k_rows() and score it: {accuracy, n, records}. Restores the model's mode."""
+    # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
+    prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
+    completions = generate_greedy(model, tokenizer, prompt_ids, batch_size, max_new_tokens)
+    scored = score(completions, [row["reference"] for row in rows])
+    records = [
+        {"question": row["question"], "reference": extract_answer(row["reference"]), "completion": c, **s}
+        for row, c, s in zip(rows, completions, scored, strict=True)
+    ]
+    correct = sum(r["correct"] for r in records)
+    return {"accuracy": correct / len(records) if records else float("nan"), "n": len(records), "records": records}
+
+
+def main(args: Args) -> dict:
+    # ---- 1 data (first: a bad path fails before the model loads)
+    rows = gsm8k_rows(args.dataset, args.split, args.limit, args.instruction)
+
+    # ---- 2 model: base, base + adapter, or a run's checkpoint
+    t0 = time.perf_counter()
+    model, tokenizer = load_eval_model(args.model, args.adapter, args.checkpoint, args.dtype, args.template)
+    load_s = time.perf_counter() - t0
+
+    # ---- 3 generate and score
+    t0 = time.perf_counter()
+    result = evaluate_gsm8k(model, tokenizer, rows, args.batch_size, args.max_new_tokens)
+    eval_s = time.perf_counter() - t0
+
+    # ---- 4 write per-example outputs and the summary
+    label = args.label or model_label(args.model, args.adapter, args.checkpoint)
+    summary = {
+        "task": "gsm8k", "label": label, "accuracy": result["accuracy"], "n": result["n"],
+        "correct": sum(r["correct"] for r in result["records"]), "model": args.model, "adapter": args.adapter,
+        "checkpoint": args.checkpoint, "dataset": args.dataset, "split": args.split, "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "time_s": round(eval_s, 2),
+        "load_s": round(load_s, 2), "device": str(next(model.parameters()).device),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    paths = write_results(args.output_dir, f"{label}__gsm8k", result["records"], summary)
+    print(f"gsm8k: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s; "
+          f"wrote {paths['summary']}")
+    return {**summary, **paths, "records": result["records"]}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

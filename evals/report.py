@@ -1,0 +1,183 @@
+"""Side-by-side report: eval scores of several policies (base, SFT, DPO, GRPO, RAFT rounds, ...) with deltas against
+the first one, and the training curves of their runs, as Markdown + PNGs and one self-contained HTML page.
+
+Inputs are what the other tools already write: the summary JSONs of evals.gsm8k / evals.ifeval (one per policy and
+task; rows are grouped by their "label", in order of first appearance) and run dirs with metrics.jsonl (one JSON
+object per logged step: "step" plus metric keys). Nothing is recomputed.
+Run: `python -m evals.report --runs runs/sft__a runs/grpo__b --evals out/base__gsm8k.json out/grpo__gsm8k.json`
+Writes report/report.md, report/<metric>.png for each curve, report/report.html (PNGs inlined as base64 data URIs).
+"""
+
+import base64
+import html
+import json
+import math
+import os
+import re
+import time
+import warnings
+from dataclasses import dataclass
+
+import tyro
+
+# The scores shown per task, in column order; a task not listed here shows its *accuracy / *_acc keys.
+HEADLINE = {
+    "gsm8k": ("accuracy",),
+    "ifeval": ("prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc"),
+}
+
+
+@dataclass
+class Args:
+    runs: tuple[str, ...] = ()
+    """run dirs (each holding metrics.jsonl) whose training curves to draw"""
+    evals: tuple[str, ...] = ()
+    """summary JSON files from evals.gsm8k / evals.ifeval; the first policy is the baseline for deltas"""
+    out: str = "report"
+    """output folder for report.md, report.html and the PNGs"""
+    metrics: tuple[str, ...] = ("loss", "reward", "kl", "completions/mean_length", "memory/peak_gb")
+    """training metrics to plot, when a run logged them (every eval/* key a run logged is added)"""
+    title: str = "OnlyOne report"
+    """page title"""
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The steps logged in run_dir/metrics.jsonl; an unreadable line (a crash mid-write) is skipped with a warning."""
+    rows = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                warnings.warn(f"{run_dir}/metrics.jsonl:{n}: not JSON, skipped")
+    return rows
+
+
+def eval_table(summaries: list[dict]) -> tuple[list[str], list[tuple[str, dict]]]:
+    """(columns "task/metric", rows (label, {column: value})) from eval summaries, rows in first-seen label order."""
+    columns, rows = [], {}
+    for s in summaries:
+        task = s.get("task", "eval")
+        keys = HEADLINE.get(task) or [k for k in s if re.search(r"(accuracy|_acc)$", k)]
+        for k in keys:
+            col = f"{task}/{k}"
+            columns += [col] if col not in columns else []
+            rows.setdefault(s.get("label") or s.get("model", "?"), {})[col] = s.get(k)
+    return columns, list(rows.items())
+
+
+def _cell(value, base) -> str:
+    """'0.420 (+0.050)': the score and, unless this is the baseline row or a side is missing, its delta."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if base is None or (isinstance(base, float) and math.isnan(base)):
+        return f"{value:.3f}"
+    return f"{value:.3f} ({value - base:+.3f})"
+
+
+def table_cells(columns: list[str], rows: list[tuple[str, dict]]) -> list[list[str]]:
+    """Header + one row of strings per policy; deltas are against the first policy's scores."""
+    base = rows[0][1] if rows else {}
+    out = [["policy", *columns]]
+    for i, (label, scores) in enumerate(rows):
+        out.append([label, *(_cell(scores.get(c), None if i == 0 else base.get(c)) for c in columns)])
+    return out
+
+
+def plot_curves(histories: dict[str, list[dict]], metric: str, path: str) -> bool:
+    """One PNG: `metric` against step, one line per run; False (nothing written) when no run logged it."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    series = {name: [(r["step"], r[metric]) for r in rows if metric in r] for name, rows in histories.items()}
+    series = {name: pts for name, pts in series.items() if pts}
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for name, pts in series.items():
+        ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=name)
+    ax.set(xlabel="step", ylabel=metric, title=metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def to_markdown(title: str, cells: list[list[str]], finals: list[list[str]], plots: dict[str, str]) -> str:
+    def table(rows):
+        if len(rows) < 2:
+            return "(none)\n"
+        lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]]) + "\n"
+
+    parts = [f"# {title}\n", f"Generated {time.strftime('%Y-%m-%d %H:%M')}.\n", "## Eval scores\n",
+             "Deltas in parentheses are against the first row.\n", table(cells), "## Training runs\n", table(finals)]
+    parts += [f"### {metric}\n\n![{metric}]({os.path.basename(png)})\n" for metric, png in plots.items()]
+    return "\n".join(parts)
+
+
+def to_html(title: str, cells: list[list[str]], finals: list[list[str]], plots: dict[str, str]) -> str:
+    """One page with no external assets: styles inline, every PNG as a base64 data URI."""
+    def table(rows):
+        if len(rows) < 2:
+            return "<p>(none)</p>"
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+    images = []
+    for metric, png in plots.items():
+        with open(png, "rb") as f:
+            data = base64.b64encode(f.read()).decode()
+        images.append(f'<h3>{html.escape(metric)}</h3><img alt="{html.escape(metric)}" src="data:image/png;base64,{data}">')
+    style = ("body{font-family:sans-serif;max-width:960px;margin:2em auto}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child{text-align:left}")
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><h2>Eval scores</h2>"
+            f"<p>Deltas in parentheses are against the first row.</p>{table(cells)}<h2>Training runs</h2>"
+            f"{table(finals)}{''.join(images)}</body></html>")
+
+
+def main(args: Args) -> dict:
+    # ---- 1 inputs: eval summaries and run logs
+    summaries = []
+    for path in args.evals:
+        with open(path) as f:
+            summaries.append(json.load(f))
+    histories = {os.path.basename(os.path.normpath(r)): read_metrics(r) for r in args.runs}
+
+    # ---- 2 tables: eval scores with deltas; each run's length and last logged value of each plotted metric
+    cells = table_cells(*eval_table(summaries))
+    logged = {k for rows in histories.values() for r in rows for k in r}
+    wanted = [*args.metrics, *sorted(k for k in logged if k.startswith("eval/"))]
+    metrics = [m for m in dict.fromkeys(wanted) if m in logged]
+    finals = [["run", "steps", *metrics]]
+    for name, rows in histories.items():
+        last = {m: next((r[m] for r in reversed(rows) if m in r), None) for m in metrics}
+        values = ["–" if last[m] is None else f"{last[m]:.4g}" for m in metrics]
+        finals.append([name, str(rows[-1]["step"] if rows else 0), *values])
+
+    # ---- 3 curves, then the two documents
+    os.makedirs(args.out, exist_ok=True)
+    plots = {}
+    for metric in metrics:
+        png = os.path.join(args.out, re.sub(r"[^A-Za-z0-9._-]+", "_", metric) + ".png")
+        if plot_curves(histories, metric, png):
+            plots[metric] = png
+    paths = {"markdown": os.path.join(args.out, "report.md"), "html": os.path.join(args.out, "report.html")}
+    with open(paths["markdown"], "w") as f:
+        f.write(to_markdown(args.title, cells, finals, plots))
+    with open(paths["html"], "w") as f:
+        f.write(to_html(args.title, cells, finals, plots))
+    print(f"report: {len(cells) - 1} policies, {len(histories)} runs, {len(plots)} plots -> {paths['html']}")
+    return {**paths, "plots": plots, "table": cells, "runs": finals}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
