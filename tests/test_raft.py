@@ -1,0 +1,197 @@
+"""raft.py: selection and pairing on hand-made scored groups, SPIN pairs, one round end to end on the tiny model (round
+files valid for sft.py / dpo.py, metrics, adapters), exact resume at a round boundary, SPIN's reference refresh, CLI."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import raft
+from common.data import load_rows, validate_rows
+from common.model import adapter_hash
+from raft import Args, main, make_pairs, select_best, spin_pairs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAN = math.nan
+
+
+def frac_low_ids(prompts, completions, completion_ids=None, **kw):
+    """Rule reward with varied scores on random text: the share of completion tokens whose id is below 200."""
+    return [sum(t < 200 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+# ---------------------------------------------------------------------------------------------------- selection
+def test_select_best_threshold_ties_and_keep_per_prompt():
+    scores = [[0.2, 0.9, 0.9, 0.5],  # tie for best: sample order decides
+              [0.1, 0.3, 0.2, 0.0],  # nothing reaches the threshold
+              [1.0, NAN, 0.7, 0.6]]  # NaN = unusable (truncated / empty), never kept
+    assert select_best(scores, 0.5, 1) == [(0, 1), (2, 0)]
+    assert select_best(scores, 0.5, 2) == [(0, 1), (0, 2), (2, 0), (2, 2)]
+    assert select_best(scores, 0.5, 10) == [(0, 1), (0, 2), (0, 3), (2, 0), (2, 2), (2, 3)]
+    assert select_best(scores, None, 1) == [(0, 1), (1, 1), (2, 0)]  # best of K, whatever its score
+    assert select_best(torch.tensor([[0.0, 1.0, 1.0, 0.0]]), 1.0, 1) == [(0, 1)]  # >=, tensors too
+    assert select_best([[NAN, NAN]], None, 1) == []
+
+
+def test_make_pairs_margin_ties_equal_groups_and_k1():
+    scores = [[0.0, 1.0, 0.0, 1.0],  # ties at both ends: the first best (1), the last worst (2)
+              [0.5, 0.5, 0.5, 0.5],  # all equal: no pair, even with min_margin 0
+              [0.2, 0.4, 0.3, 0.25],  # margin 0.2
+              [1.0, NAN, NAN, 0.0],  # NaN samples are never paired
+              [1.0, NAN, NAN, NAN]]  # one usable sample: no pair
+    assert make_pairs(scores, 0.0) == [(0, 1, 2), (2, 1, 0), (3, 0, 3)]
+    assert make_pairs(scores, 0.2) == [(0, 1, 2), (2, 1, 0), (3, 0, 3)]  # margin >= min_margin
+    assert make_pairs(scores, 0.5) == [(0, 1, 2), (3, 0, 3)]
+    assert make_pairs(scores, 1.5) == []
+    assert make_pairs([[1.0], [0.0]], 0.0) == []  # K = 1: no pair is possible
+
+
+def test_spin_pairs():
+    chat = [{"prompt": [{"role": "user", "content": f"q{i}"}], "completion": [{"role": "assistant", "content": f"a{i}"}]}
+            for i in range(4)]
+    pairs = spin_pairs(chat, ["wrong", None, " a2 ", ""])  # None: unusable; same as the truth or empty: no pair
+    assert pairs == [{"prompt": chat[0]["prompt"], "chosen": chat[0]["completion"],
+                      "rejected": [{"role": "assistant", "content": "wrong"}]}]
+    assert spin_pairs([{"prompt": "2+2=", "completion": " 4"}], [" 5"]) == [
+        {"prompt": "2+2=", "chosen": " 4", "rejected": " 5"}]  # standard (string) rows stay strings
+    validate_rows(pairs, "preference")
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def prompts_jsonl(tmp_path_factory):
+    """Conversational rows with both an answer (raft's rewards) and a completion (SPIN's ground truth)."""
+    path = tmp_path_factory.mktemp("raft_data") / "rows.jsonl"
+    with open(path, "w") as f:
+        for i, q in enumerate(["What is 12 plus 7?", "Say hello", "Tom has 3 apples.", "Name a colour"]):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "answer": str(i),
+                                "completion": [{"role": "assistant", "content": f"The answer is {i}."}]}) + "\n")
+    return str(path)
+
+
+def run(model_dir, dataset, out_dir, **kw):
+    defaults = dict(
+        model=model_dir, dataset=dataset, output_dir=str(out_dir), rewards=["tests.test_raft:frac_low_ids"],
+        num_rounds=1, prompts_per_round=2, group_size=4, max_completion_length=6, reward_threshold=None,
+        min_margin=0.0, mask_truncated_completions=False, learning_rate=1e-2, dpo_learning_rate=1e-2,
+        per_device_train_batch_size=2, num_train_epochs=1.0, eval_dataset="builtin:math", eval_limit=2, seed=1,
+    )
+    return main(Args(**{**defaults, **kw}))
+
+
+@pytest.fixture
+def spy_model(monkeypatch):
+    """The policy main() builds, and a copy of every parameter right after the LoRA is attached."""
+    seen = {}
+
+    def attach(*args, **kwargs):
+        model = attach_lora(*args, **kwargs)
+        seen["model"], seen["before"] = model, {n: p.detach().clone() for n, p in model.named_parameters()}
+        return model
+
+    attach_lora = raft.attach_lora
+    monkeypatch.setattr(raft, "attach_lora", attach)
+    return seen
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl, tmp_path, spy_model):
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path / "a", dpo=True)
+    run_dir = out["run_dir"]
+    assert sorted(d for d in os.listdir(run_dir) if "round" in d) == ["round-0", "round-1"]  # no temp dir left
+    r1 = os.path.join(run_dir, "round-1")
+    assert sorted(os.listdir(r1)) == ["adapter", "eval.jsonl", "metrics.json", "pairs.jsonl", "samples.jsonl",
+                                      "sft.jsonl"]
+    samples = read_jsonl(os.path.join(r1, "samples.jsonl"))
+    assert len(samples) == 8 and all({"prompt", "completion", "reward", "truncated", "usable"} <= s.keys()
+                                     for s in samples)
+    # The round's data is what sft.py / dpo.py read: same loader, same validation
+    sft_rows = validate_rows(load_rows(os.path.join(r1, "sft.jsonl")), "sft")
+    pairs = validate_rows(load_rows(os.path.join(r1, "pairs.jsonl")), "preference")
+    assert len(sft_rows) == 2 and 1 <= len(pairs) <= 2  # best of K per prompt; a pair per non-tied group
+    for row in sft_rows:  # the kept sample is its group's best
+        assert row["reward"] == max(s["reward"] for s in samples if s["prompt"] == row["prompt"])
+    assert all(p["score_chosen"] > p["score_rejected"] for p in pairs)
+
+    # Metrics: one step per round (round 0 = the starting policy's eval), also in metrics.json
+    logged = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [row["step"] for row in logged] == [0, 1] and "eval/test/accuracy" in logged[0]
+    expected = {"reward", "reward_std", "rewards/frac_low_ids/mean", "kept_fraction", "num_kept", "num_pairs",
+                "completions/mean_length", "completions/clipped_ratio", "sft/loss", "sft/grad_norm", "dpo/loss",
+                "dpo/rewards/accuracies", "dpo/rewards/margins", "eval/test/accuracy", "time/rollout", "time/round"}
+    assert expected <= logged[1].keys(), expected - logged[1].keys()
+    assert all(math.isfinite(logged[1][k]) for k in expected)
+    with open(os.path.join(r1, "metrics.json")) as f:
+        assert json.load(f)["sft/loss"] == pytest.approx(logged[1]["sft/loss"])
+    assert out["kept_fraction"] == 2 / 8 and out["num_pairs"] == len(pairs)
+
+    # "ref" = the round-start policy (the fresh adapter), base bit-identical, "default" moved
+    model, before = spy_model["model"], spy_model["before"]
+    for name, p in model.named_parameters():
+        if ".ref." in name:
+            assert torch.equal(p, before[name.replace(".ref.", ".default.")]), name
+        elif "lora_" not in name:
+            assert torch.equal(p, before[name]), f"base weight {name} changed"
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if ".default." in n)
+
+    # Resume with 2 rounds: only round-2 is new, and it equals round 2 of an uninterrupted 2-round run
+    stamps = {f: os.path.getmtime(os.path.join(r1, f)) for f in os.listdir(r1)}
+    resumed = run(tiny_model_dir, prompts_jsonl, tmp_path / "unused", dpo=True, num_rounds=2, resume_from=run_dir)
+    assert resumed["run_dir"] == run_dir and not os.path.exists(tmp_path / "unused")
+    assert sorted(d for d in os.listdir(run_dir) if "round" in d) == ["round-0", "round-1", "round-2"]
+    assert stamps == {f: os.path.getmtime(os.path.join(r1, f)) for f in os.listdir(r1)}
+    assert [row["step"] for row in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))] == [0, 1, 2]
+    assert [h["step"] for h in resumed["history"]] == [2] and len(resumed["accuracy_by_round"]) == 3
+    straight = run(tiny_model_dir, prompts_jsonl, tmp_path / "b", dpo=True, num_rounds=2)
+    for name in ("round-1/samples.jsonl", "round-2/samples.jsonl", "round-2/sft.jsonl", "round-2/pairs.jsonl"):
+        assert read_jsonl(os.path.join(run_dir, name)) == read_jsonl(os.path.join(straight["run_dir"], name)), name
+
+
+def test_raft_without_dpo_has_no_reference(tiny_model_dir, prompts_jsonl, tmp_path, spy_model):
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, eval_limit=0, keep_per_prompt=2)
+    assert "ref" not in spy_model["model"].peft_config and "dpo/loss" not in out
+    assert out["num_kept"] == 4 and out["num_pairs"] >= 1  # pairs are written even when not trained on
+    assert "eval/test/accuracy" not in out
+
+
+def test_spin_pairs_ground_truth_and_refreshes_the_reference(tiny_model_dir, prompts_jsonl, tmp_path, spy_model):
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, mode="spin", prompts_per_round=4)
+    model, r1 = spy_model["model"], os.path.join(out["run_dir"], "round-1")
+    assert "sft.jsonl" not in os.listdir(r1) and len(read_jsonl(os.path.join(r1, "samples.jsonl"))) == 4  # K = 1
+    pairs = validate_rows(load_rows(os.path.join(r1, "pairs.jsonl")), "preference")
+    truth = {json.dumps(r["prompt"]): r["completion"] for r in load_rows(prompts_jsonl)}
+    assert pairs and all(p["chosen"] == truth[json.dumps(p["prompt"])] != p["rejected"] for p in pairs)
+    assert out["dpo/steps"] == math.ceil(len(pairs) / 2) and math.isfinite(out["dpo/loss"])
+    # After the iteration "ref" is the trained policy: the next iteration's opponent
+    assert adapter_hash(model, "ref") == adapter_hash(model, "default")
+    start = {n.replace(".default.", ".#."): p for n, p in spy_model["before"].items() if ".default." in n}
+    now = {n.replace(".default.", ".#."): p for n, p in model.named_parameters() if ".default." in n}
+    assert any(not torch.equal(now[k], start[k]) for k in start)
+
+
+def test_spin_needs_completions(tmp_path):
+    with pytest.raises(ValueError, match="completion"):
+        main(Args(mode="spin", dataset="builtin:math", output_dir=str(tmp_path)))
+
+
+def test_cli_help_and_one_round(tiny_model_dir, prompts_jsonl, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    help_out = subprocess.run([sys.executable, "raft.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert help_out.returncode == 0 and "--reward-threshold" in help_out.stdout and "--mode" in help_out.stdout
+    done = subprocess.run(
+        [sys.executable, "raft.py", "--model", tiny_model_dir, "--dataset", prompts_jsonl, "--rewards", "length",
+         "--num-rounds", "1", "--group-size", "2", "--prompts-per-round", "2", "--max-completion-length", "4",
+         "--reward-threshold", "None", "--no-mask-truncated-completions", "--eval-limit", "1",
+         "--output-dir", str(tmp_path / "cli")],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raft (raft): eval/test/accuracy by round" in done.stdout
