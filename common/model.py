@@ -135,7 +135,7 @@ def snapshot_ref(model) -> None:
     if REF not in model.peft_config:
         cfg = copy.deepcopy(model.peft_config[DEFAULT])
         cfg.inference_mode = True
-        with torch.random.fork_rng(devices=[]):  # PEFT draws a random init we overwrite: leave the RNG stream alone
+        with torch.random.fork_rng():  # PEFT draws a random init we overwrite: leave the RNG stream alone
             model.add_adapter(REF, cfg)  # PEFT keeps "default" active and creates the new slot frozen
     src, dst = _slot_params(model, DEFAULT), _slot_params(model, REF)
     if src.keys() != dst.keys():
