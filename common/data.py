@@ -5,13 +5,12 @@ masks, pad and pack. Row formats are TRL's, "standard" (strings) or "conversatio
   binary {prompt, completion, label: bool}; validate_rows also splits {messages, label} (LLaMA-Factory's and many hub
     KTO sets' layout): the last, assistant, message becomes the completion
 Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages.
-Truncation: sft keeps the start (TRL's truncation_mode="keep_start"). preference/binary keep the END of the prompt
-(max_prompt_length, as TRL < 1.0 with "keep_end"), then cut completions from the right to fit max_length; with
-max_prompt_length=None that is TRL 1.16's DPO/KTO default. A row whose completion would be cut away is dropped, never
-trained as a silent zero loss. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated: that would cut
-the question and the chat header, and rewards would score answers to a question the model never saw (TRL 1.16's GRPO
-does not truncate prompts; older TRL cut them from the left). Drops get one warning: count + first locations.
-"""
+Truncation: sft keeps the start (TRL's "keep_start"). preference/binary keep the END of the prompt (max_prompt_length,
+TRL < 1.0's "keep_end"), then cut completions from the right to fit max_length (max_prompt_length=None: TRL 1.16's
+DPO/KTO default). A row whose completion would be cut away is dropped, never trained as a silent zero loss. Prompt-only
+rows over max_prompt_length are DROPPED, not left-truncated: that would cut the question and the chat header, and
+rewards would score answers to a question the model never saw (TRL 1.16's GRPO does not truncate prompts; older TRL
+cut them from the left). Drops get one warning: count + first locations."""
 
 import json
 import math
@@ -177,9 +176,7 @@ def _text_problem(value: object, may_be_empty: bool) -> str | None:
 
 def _extract_prompt(chosen, rejected):
     """TRL's implicit prompt: the longest shared start (messages, or characters) of chosen and rejected."""
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
+    n = _common_prefix(chosen, rejected)
     if isinstance(chosen, str) and n > 0 and chosen[n - 1] == " ":
         n -= 1  # as TRL: the space before the answers stays with the answers
     return chosen[:n], chosen[n:], rejected[n:]
@@ -250,7 +247,7 @@ def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
     return tokenizer(text, add_special_tokens=special)["input_ids"]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: list | str, b: list | str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -335,16 +332,14 @@ def tokenize_preference(tokenizer, row: dict, max_length: int | None,
                         max_prompt_length: int | None = None) -> dict | None:
     """{prompt_ids, chosen_ids, rejected_ids}; completions end with the end-of-turn/EOS token. Truncation: _fit."""
     prompt_ids, chosen = _encode(tokenizer, row["prompt"], row["chosen"], row.get("_loc", "<row>"))
-    other_prompt_ids, rejected = _encode(tokenizer, row["prompt"], row["rejected"], row.get("_loc", "<row>"))
+    other_ids, rejected = _encode(tokenizer, row["prompt"], row["rejected"], row.get("_loc", "<row>"))
     # The two prompts differ only if BPE merged differently into each answer: share the common part, as TRL does.
-    n = _common_prefix(prompt_ids, other_prompt_ids)
-    fitted = _fit(prompt_ids[:n], [prompt_ids[n:] + chosen, other_prompt_ids[n:] + rejected], max_length,
-                  max_prompt_length)
+    n = _common_prefix(prompt_ids, other_ids)
+    fitted = _fit(prompt_ids[:n], [prompt_ids[n:] + chosen, other_ids[n:] + rejected], max_length, max_prompt_length)
     return fitted and {"prompt_ids": fitted[0], "chosen_ids": fitted[1][0], "rejected_ids": fitted[1][1]}
 
 
-def tokenize_binary(tokenizer, row: dict, max_length: int | None,
-                    max_prompt_length: int | None = None) -> dict | None:
+def tokenize_binary(tokenizer, row: dict, max_length: int | None, max_prompt_length: int | None = None) -> dict | None:
     """{prompt_ids, completion_ids, label}; truncated like tokenize_preference."""
     prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], row.get("_loc", "<row>"))
     fitted = _fit(prompt_ids, [completion_ids], max_length, max_prompt_length)
@@ -433,14 +428,12 @@ def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
 def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False) -> dict:
     """input_ids, position_ids, completion_mask (B, T) for packed rows, and deliberately NO attention_mask (pad_id is
     cosmetic: padding is its own loss-masked block).
-
     transformers 5.24 (masking_utils.find_packed_sequence_indices) turns restarting position_ids into a block-diagonal
     causal mask for sdpa/eager, but only when attention_mask is None AND there is no KV cache: call
     `model(input_ids=..., position_ids=..., use_cache=False)`; with the config default use_cache=True the model builds
     a cache and the documents silently attend to each other. Flash-attention reads the same position_ids as varlen
     boundaries, but only at batch size 1: pass one_row=True there (the batch's documents end to end in one row).
-    sdpa/eager keep one_row=False, whose mask costs B*T^2 instead of (B*T)^2.
-    """
+    sdpa/eager keep one_row=False, whose mask costs B*T^2 instead of (B*T)^2."""
     if one_row:
         examples = [{k: sum((e[k] for e in examples), []) for k in ("input_ids", "position_ids", "completion_mask")}]
     width = max(len(e["input_ids"]) for e in examples)

@@ -5,8 +5,7 @@ returns its path; any other name (hub id, local path) passes through untouched. 
 the `builtin:<name>` dataset specs from `make_math_problems`, a seeded generator of GSM8K-style word problems.
 Cache layout: cache_dir()/models/<alias>/ (config, generation config, fp32 model.safetensors, tokenizer files and
 onlyone_complete.json) beside models/.<alias>.lock; cache_dir() is $ONLYONE_CACHE, $XDG_CACHE_HOME/onlyone or
-~/.cache/onlyone.
-"""
+~/.cache/onlyone."""
 
 import hashlib
 import importlib.metadata
@@ -70,7 +69,6 @@ def _is_complete(folder: pathlib.Path, source: dict) -> bool:
 
 def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
     """Dequantise the GGUF to a float32 safetensors folder (model + tokenizer) and check the reload is exact.
-
     float32, not bfloat16: the Q4_1/Q8_0 dequantised values are not bf16-representable, and a bf16 copy moved
     the logits by up to 1.6 and changed the greedy token; fp32 reloads bit-identical (538 MB on disk).
     Scripts still pick their own compute dtype when they load it."""
@@ -96,7 +94,6 @@ def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
     model.hf_quantizer = None
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 plus 7?"}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir)
@@ -199,11 +196,9 @@ def _problem(rng: random.Random):
         a, c = k * b, rng.randint(1, k - 1)
         q = f"{N} puts {a} {it} equally into {b} jars. Then {p} takes {c} out of one jar. How many {it} are left in it?"
         s = [("Each jar gets ", a, "/", b, it), (f"After taking {c} out, that jar has ", k, "-", c, it)]
-    steps = []
-    for text, x, op, y, unit in s:
-        result = {"+": x + y, "-": x - y, "*": x * y, "/": x // y}[op]
-        steps.append(f"{text}{x} {op} {y} = {result} {unit}.")
-    return kind, q, steps, result
+    results = [{"+": x + y, "-": x - y, "*": x * y, "/": x // y}[op] for _, x, op, y, _ in s]
+    steps = [f"{text}{x} {op} {y} = {r} {unit}." for (text, x, op, y, unit), r in zip(s, results)]
+    return kind, q, steps, results[-1]
 
 
 def make_math_problems(n: int, seed: int) -> list[dict]:

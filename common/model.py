@@ -6,11 +6,13 @@ copy is ever made, so DPO / KTO / GRPO cost one backbone of memory.
 """
 
 import contextlib
+import copy
 import hashlib
 import importlib.util
 import os
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REF = "ref"
@@ -31,8 +33,7 @@ def require(package: str, hint: str):
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """'auto' = bf16 on a CUDA card that supports it, else fp32 (CPU bf16 matmuls are slow and lossy here)."""
     if dtype == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if cuda_bf16 else torch.float32
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
 
@@ -45,22 +46,13 @@ def resolve_attn(attn_implementation: str, device: torch.device) -> str:
     return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
-def load_model(
-    name: str,
-    dtype: str = "auto",
-    attn_implementation: str = "auto",
-    quantization: str | None = None,
-    gradient_checkpointing: bool = False,
-    trust_remote_code: bool = False,
-):
+def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto", quantization: str | None = None,
+               gradient_checkpointing: bool = False, trust_remote_code: bool = False):
     """Load (model, tokenizer) from a hub id, a local path or an embedded alias such as 'smollm2-135m'.
-
-    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", both through bitsandbytes on CUDA only.
-    """
+    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", both through bitsandbytes on CUDA only."""
     from common.embedded import resolve_model  # alias -> cached local folder; other names pass through
 
-    path = resolve_model(name)
-    device = pick_device()
+    path, device = resolve_model(name), pick_device()
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
     if quantization is not None:
@@ -70,50 +62,38 @@ def load_model(
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=quantization == "4bit",
-            load_in_8bit=quantization == "8bit",
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch_dtype,
-        )
+            load_in_4bit=quantization == "4bit", load_in_8bit=quantization == "8bit", bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch_dtype)
         kwargs["device_map"] = {"": device.index or 0}
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
-    if quantization is None:
-        model.to(device)
     if tokenizer.pad_token is None:
         # Padding is always masked out, so any id works; EOS is the usual choice (our masks never rely on pad ids).
         tokenizer.pad_token = tokenizer.eos_token
-    if quantization is not None:
+    if quantization is None:
+        model.to(device)  # a quantized model was placed by device_map
+    else:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    elif gradient_checkpointing:
+    if quantization is None and gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA), so no enable_input_require_grads hack.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = not gradient_checkpointing
     return model, tokenizer
 
 
-def attach_lora(
-    model,
-    adapter: str | None = None,
-    r: int = 16,
-    alpha: int = 32,
-    dropout: float = 0.05,
-    target_modules: str | list[str] = "all-linear",
-):
-    """Wrap the model in PEFT with a trainable "default" adapter: loaded from `adapter` (e.g. sft.py's output) or new."""
+def attach_lora(model, adapter: str | None = None, r: int = 16, alpha: int = 32, dropout: float = 0.05,
+                target_modules: str | list[str] = "all-linear"):
+    """Wrap the model in PEFT with a trainable "default" adapter, loaded from `adapter` (sft.py's output) or new."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter is not None:
         if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
             raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
         return PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
-    config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
-    )
-    return get_peft_model(model, config)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                                            task_type="CAUSAL_LM"))
 
 
 def is_peft(model) -> bool:
@@ -128,8 +108,6 @@ def _slot_params(model, slot: str) -> dict[str, torch.nn.Parameter]:
 
 def snapshot_ref(model) -> None:
     """Copy "default" into a frozen "ref" slot: the reference policy is the starting policy (e.g. the SFT adapter)."""
-    import copy
-
     if not is_peft(model):
         raise ValueError("snapshot_ref needs a LoRA policy (attach_lora); full fine-tuning has no 'ref' slot")
     if REF not in model.peft_config:
@@ -149,14 +127,11 @@ def snapshot_ref(model) -> None:
 @contextlib.contextmanager
 def as_reference(model):
     """Run the block as the reference policy: "ref" active, eval mode, no_grad; everything restored on exit.
-
     PEFT's set_adapter() also flips requires_grad (the active slot becomes trainable, the other frozen; seen on
-    peft 0.21), so the exact requires_grad of every parameter is saved first and put back, even if the block raises.
-    """
+    peft 0.21), so the exact requires_grad of every parameter is saved first and put back, even if the block raises."""
     if not is_peft(model) or REF not in model.peft_config:
         raise RuntimeError("no 'ref' adapter: call snapshot_ref(model) before computing reference log-probs")
-    flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    was_training = model.training
+    flags, was_training = {n: p.requires_grad for n, p in model.named_parameters()}, model.training
     try:
         model.set_adapter(REF)
         model.eval()  # LoRA dropout off: the reference must be deterministic
@@ -180,8 +155,7 @@ def disable_dropout(model) -> None:
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """What the optimizer holds: never a "ref" tensor (checked, since PEFT's adapter switching can flip flags)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    leaked = [n for n, _ in params if f".{REF}." in n]
-    if leaked:
+    if leaked := [n for n, _ in params if f".{REF}." in n]:
         raise RuntimeError(f"'ref' adapter tensors are trainable: {leaked[:3]}")
     if not params:
         raise RuntimeError("the model has no trainable parameters")
@@ -204,8 +178,6 @@ def save_weights(model, out_dir: str) -> None:
 
 def load_weights(model, src_dir: str) -> None:
     """Inverse of save_weights into an already-built model (both LoRA slots, or the full state dict)."""
-    from safetensors.torch import load_file
-
     if not is_peft(model):
         state = {}
         for name in sorted(os.listdir(src_dir)):
@@ -215,8 +187,7 @@ def load_weights(model, src_dir: str) -> None:
         # save_pretrained drops tied copies (lm_head = embed_tokens); anything else missing is a broken checkpoint.
         own = model.state_dict()
         loaded = {own[n].data_ptr() for n in state if n in own}
-        broken = [n for n in missing if own[n].data_ptr() not in loaded] + list(unexpected)
-        if broken:
+        if broken := [n for n in missing if own[n].data_ptr() not in loaded] + list(unexpected):
             raise RuntimeError(f"checkpoint {src_dir} does not match the model: {broken[:3]}")
         return
     from peft import set_peft_model_state_dict

@@ -69,8 +69,7 @@ def extract_answer(text) -> str | None:
     text = _text(text)[-_TAIL:].replace("\u2212", "-")  # U+2212 is the typographic minus
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().split("\n")[0]
-    boxed = _boxed(text)
-    if boxed is not None:
+    if (boxed := _boxed(text)) is not None:
         return boxed
     numbers = _PHRASE.findall(text) or [m.group() for m in re.finditer(_FRAC + "|" + _NUM, text)]
     return numbers[-1] if numbers else None
@@ -194,10 +193,9 @@ def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: in
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, cfg], cwd=tmp, env=env, stdin=i,
                                     stdout=o, stderr=e, start_new_session=True)
             try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout)
+            finally:  # also after a clean exit: the solution's children may still run
                 _kill_all(proc, cgroup)
             if os.pread(e.fileno(), len(_NO_NS), 0) == _NO_NS.encode():
                 warnings.warn("code sandbox: unshare refused, so no network/PID namespace: the network is reachable")
@@ -274,9 +272,7 @@ def _schema_ok(value, schema: dict) -> bool:
     """A JSON Schema subset: type, enum, required, properties, items. Built in (jsonschema is no dependency), so a
     reward never depends on which optional packages are installed."""
     kind = schema.get("type")
-    if "enum" in schema and value not in schema["enum"]:
-        return False
-    if kind in _JSON_TYPES and not isinstance(value, _JSON_TYPES[kind]):
+    if not isinstance(value, _JSON_TYPES.get(kind, object)) or ("enum" in schema and value not in schema["enum"]):
         return False
     if isinstance(value, bool) and kind in ("number", "integer"):  # JSON true is no number; Python's True is an int
         return False
@@ -311,9 +307,8 @@ def regex_reward(prompts, completions, pattern=None, **kw) -> list[float | None]
 # ---------------------------------------------------------------------------------------------------- length
 def _lengths(completions, completion_ids) -> list[int]:
     """|y|: tokens from completion_ids (grpo.py passes them), else whitespace-separated words."""
-    if completion_ids is not None:
-        return [len(ids) for ids in completion_ids]
-    return [len(_text(c).split()) for c in completions]
+    tokens_or_words = completion_ids if completion_ids is not None else [_text(c).split() for c in completions]
+    return [len(x) for x in tokens_or_words]
 
 
 def soft_overlong_reward(prompts, completions, max_completion_length=None, completion_ids=None, overlong_buffer=None,
@@ -362,9 +357,8 @@ class ApiJudge:
     def _post(self, content: str) -> str:
         """The reply text of one chat completion, retrying what may pass (429, 5xx, network)."""
         body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": content}], "temperature": 0})
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {"Content-Type": "application/json", **auth}
         for attempt in range(self.retries + 1):
             try:
                 request = urllib.request.Request(self.url, data=body.encode(), headers=headers)

@@ -4,9 +4,11 @@ Checkpoints are written atomically (a temp dir renamed into place, a marker file
 pickle: weights as safetensors, optimizer/scheduler/RNG through torch.load(weights_only=True), the rest as JSON.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
+import pathlib
 import random
 import re
 import resource
@@ -16,7 +18,7 @@ import time
 
 import torch
 
-from common.model import adapter_hash, is_peft, load_weights, save_weights, REF
+from common.model import adapter_hash, is_peft, load_weights, save_weights, snapshot_ref, REF
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 
@@ -24,12 +26,10 @@ COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it w
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
-    try:
+    with contextlib.suppress(ImportError):
         import numpy as np
 
         np.random.seed(seed)
-    except ImportError:
-        pass
 
 
 def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs") -> str:
@@ -66,9 +66,9 @@ class Logger:
         metrics = {k: float(v) for k, v in metrics.items()}
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.jsonl.flush()  # a crash loses at most the line being written
         self.history.append({"step": step, **metrics})
+        self.jsonl.write(json.dumps(self.history[-1]) + "\n")
+        self.jsonl.flush()  # a crash loses at most the line being written
         self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self.show if k in metrics}, refresh=False)
         self.bar.update(step - self.bar.n)
 
@@ -79,40 +79,20 @@ class Logger:
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def save_checkpoint(run_dir, step, model, optimizer=None, scheduler=None, trainer_state=None, keep_last=2) -> str:
     """Write run_dir/checkpoints/step-N atomically and keep the newest `keep_last` complete ones.
-
     Order matters: the new checkpoint is complete and renamed into place before any old one is deleted, so a
-    crash at any moment leaves at least the last good checkpoint.
-    """
+    crash at any moment leaves at least the last good checkpoint."""
     root = os.path.join(run_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f".tmp-step-{step}")
     shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash during an earlier save of this step
     save_weights(model, os.path.join(tmp, "weights"))
-    torch.save(
-        {
-            "optimizer": optimizer.state_dict() if optimizer else None,
-            "scheduler": scheduler.state_dict() if scheduler else None,
-            "rng": _rng_state(),
-        },
-        os.path.join(tmp, "state.pt"),
-    )
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save({"optimizer": optimizer.state_dict() if optimizer else None, "rng": rng,
+                "scheduler": scheduler.state_dict() if scheduler else None}, os.path.join(tmp, "state.pt"))
     meta = {"step": step, "trainer_state": trainer_state or {}}
     if is_peft(model) and REF in model.peft_config:
         meta["ref_sha256"] = adapter_hash(model, REF)
@@ -131,22 +111,16 @@ def save_checkpoint(run_dir, step, model, optimizer=None, scheduler=None, traine
 def list_checkpoints(run_dir: str) -> list[str]:
     """Complete checkpoints, oldest first; temp dirs and ones without the completion marker are skipped."""
     root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = re.fullmatch(r"step-(\d+)", name)
-        if m and os.path.isfile(os.path.join(root, name, COMPLETE)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return [path for _, path in sorted(found)]
+    names = [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+", n)]
+    done = [n for n in names if os.path.isfile(os.path.join(root, n, COMPLETE))]
+    return [os.path.join(root, n) for n in sorted(done, key=lambda n: int(n[5:]))]
 
 
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint dir itself, or a run dir whose newest complete checkpoint is used."""
     if os.path.isfile(os.path.join(path, COMPLETE)):
         return path
-    found = list_checkpoints(path)
-    if not found:
+    if not (found := list_checkpoints(path)):
         raise FileNotFoundError(f"--resume-from-checkpoint {path}: no complete checkpoint there")
     return found[-1]
 
@@ -154,11 +128,8 @@ def resolve_checkpoint(path: str) -> str:
 def load_checkpoint(path, model, optimizer=None, scheduler=None) -> dict:
     """Restore weights, optimizer, scheduler and RNG; verify the 'ref' hash; return (step, trainer_state) as a dict."""
     ckpt = resolve_checkpoint(path)
-    with open(os.path.join(ckpt, COMPLETE)) as f:
-        meta = json.load(f)
+    meta = json.loads(pathlib.Path(ckpt, COMPLETE).read_text())
     if "ref_sha256" in meta and is_peft(model) and REF not in model.peft_config:
-        from common.model import snapshot_ref
-
         snapshot_ref(model)  # create the slot; its content is overwritten by the saved 'ref' below
     load_weights(model, os.path.join(ckpt, "weights"))
     if "ref_sha256" in meta and adapter_hash(model, REF) != meta["ref_sha256"]:
@@ -168,5 +139,9 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None) -> dict:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
+    version, internal, gauss = state["rng"]["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return {"step": meta["step"], "trainer_state": meta["trainer_state"], "path": ckpt}

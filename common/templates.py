@@ -6,32 +6,23 @@ generation, closes standard (string) completions, and is part of every completio
 """
 
 # ChatML (OpenAI / Qwen): <|im_start|>role\ncontent<|im_end|>\n
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 # Qwen2.5's template without tools: ChatML, plus Qwen's default system prompt when the conversation has none.
-QWEN = (
-    "{% if messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
-    "{% endif %}" + CHATML
-)
+QWEN = ("{% if messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+        "{% endif %}" + CHATML)
 
 # Llama 3 / 3.1 instruct (without tools); Meta's template trims each message's content, so we do too.
-LLAMA3 = (
-    "{{ '<|begin_of_text|>' }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
+LLAMA3 = ("{{ '<|begin_of_text|>' }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+          "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
 TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3}
 # Every special token a template writes, end-of-turn first: each must be ONE token in the tokenizer's vocab.
-SPECIALS = {
-    "chatml": ["<|im_end|>", "<|im_start|>"],
-    "qwen": ["<|im_end|>", "<|im_start|>"],
-    "llama3": ["<|eot_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"],
-}
+SPECIALS = {"chatml": ["<|im_end|>", "<|im_start|>"], "qwen": ["<|im_end|>", "<|im_start|>"],
+            "llama3": ["<|eot_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]}
 
 
 def _is_single_token(tokenizer, text: str) -> bool:
@@ -48,9 +39,8 @@ def end_of_turn_token(tokenizer, template_name: str) -> str:
     # e.g. <|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, </s>.
     probe = "Probe-7c1e"
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}], tokenize=False
-        )
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
     except Exception:  # templates may reject the probe (e.g. demand a system turn): fall back to eos
         return tokenizer.eos_token
     if probe not in text:
@@ -64,11 +54,9 @@ def end_of_turn_token(tokenizer, template_name: str) -> str:
 
 def setup_chat_template(tokenizer, template: str = "auto") -> str:
     """Install a chat template and make its end-of-turn token the tokenizer's eos; returns the template name used.
-
     "auto" keeps the tokenizer's own template ("tokenizer") when it has one, else installs ChatML; a name from
     TEMPLATES overrides the tokenizer's. Callers should copy `tokenizer.eos_token_id` to the model's generation config
-    so generation stops at the end of a turn.
-    """
+    so generation stops at the end of a turn."""
     if template == "auto":
         template = "tokenizer" if tokenizer.chat_template else "chatml"
     if template == "tokenizer" and not tokenizer.chat_template:
@@ -79,16 +67,12 @@ def setup_chat_template(tokenizer, template: str = "auto") -> str:
     if template in TEMPLATES:
         # We do not add missing specials ourselves: that would need an embedding resize and leave the new rows
         # untrained, which silently hurts quality. Make the user pick a template the tokenizer already speaks.
-        missing = [t for t in SPECIALS[template] if not _is_single_token(tokenizer, t)]
-        if missing:
-            raise ValueError(
-                f"chat template {template!r} needs the special tokens {missing}, which this tokenizer does not have as "
-                f"single tokens. Pick a template whose tokens it has; its added tokens are "
-                f"{sorted(tokenizer.added_tokens_encoder)[:20]}."
-            )
+        if missing := [t for t in SPECIALS[template] if not _is_single_token(tokenizer, t)]:
+            raise ValueError(f"chat template {template!r} needs the special tokens {missing}, which this tokenizer "
+                             "does not have as single tokens. Pick a template whose tokens it has; its added tokens "
+                             f"are {sorted(tokenizer.added_tokens_encoder)[:20]}.")
         tokenizer.chat_template = TEMPLATES[template]
-    eot = end_of_turn_token(tokenizer, template)
     # The completion's closing token must be the one generation stops on, or the model learns to stop with a token
     # that `generate` ignores (a base Qwen tokenizer's eos is <|endoftext|> while ChatML closes turns with <|im_end|>).
-    tokenizer.eos_token = eot
+    tokenizer.eos_token = end_of_turn_token(tokenizer, template)
     return template
