@@ -1,0 +1,785 @@
+"""TRL parity harness: TRL 1.16's trainer and our script on the same model, data, data order, starting adapter and
+hyperparameters; writes both per-step series, the largest per-step difference and a PNG overlay of the curves.
+
+    python scripts/compare_with_trl.py --method dpo [--loss-type ipo] [--model PATH|smollm2-135m] [--steps N]
+    python scripts/compare_with_trl.py --method grpo --fixed-rollout   # same completions fed to both, per loss_type
+    python scripts/compare_with_trl.py --method all                    # every method and loss type, one summary.md
+    python scripts/compare_with_trl.py --mapping                       # the hyperparameter mapping table (Markdown)
+
+Methods: sft, dpo (--loss-type sigmoid|ipo|robust), simpo (TRL: trl.experimental.cpo.CPOTrainer, loss_type="simpo"),
+orpo (trl.experimental.orpo.ORPOTrainer), kto, grpo (--loss-type grpo|bnpo|dr_grpo|dapo). Output in --out/<run>/:
+series.json (both series, per-key max |ours - TRL|), overlay.png, and summary.md for the whole invocation.
+
+How the two runs are made identical (each point is checked by the harness, not assumed):
+- Model: --model, else a tiny random Qwen2 written by tests/tiny.py (offline). fp32 on both (TRL: bf16=False).
+- Start: one LoRA adapter (r=16, alpha=32, all-linear, dropout 0; lora_B drawn from N(0, 0.02) so the start is not the
+  base model and both LoRA factors get gradients) is saved once; ours loads it with --adapter, TRL with
+  PeftModel.from_pretrained. Both copy it into a frozen "ref" adapter (TRL does so for a PeftModel it is given).
+- Data: the built-in math rows rendered through the chat template into standard strings. TRL 1.16 tokenizes a
+  conversational completion through the template's text, so the '\\n' after <|im_end|> is a trained token there, while
+  ours stops at the end-of-turn token (what generation emits). As strings, both append EOS and nothing else, and the
+  harness asserts TRL's tokenized dataset equals ours (--chat keeps the conversations and reports the difference).
+- Order: ours draws micro-batch i with common.data.micro_batch (GRPO: grpo.prompt_batch). The harness writes TRL's
+  dataset in that order and turns TRL's shuffling off (train_sampling_strategy="sequential"; GRPO:
+  shuffle_dataset=False), so TRL's batch i is ours row for row. KTO's mismatched KL pairs then agree too: TRL
+  rotates completions inside consecutive chunks of the batch size, which are now our micro-batches.
+- Hyperparameters: each one that reaches the math is passed to both explicitly; MAPPING lists them with both defaults.
+- GRPO sampling: the two samplers draw different completions, so sampled runs are compared as curves only.
+  --fixed-rollout replaces sampling in both (ours: grpo.hf_generate; TRL: GRPOTrainer._generate_single_turn) by the same
+  deterministic completions (seeded tokens and lengths, some without EOS), and also calls TRL's
+  GRPOTrainer._compute_loss and our grpo_per_token_loss + aggregate_loss on one batch split into two micro-batches,
+  on the same model and tensors, comparing the loss and every LoRA gradient for each loss_type.
+"""
+
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the scripts (sft.py, dpo.py, ...) and common/ import from the repo root
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # ORPO and CPO live in trl.experimental in 1.16
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from common.data import concat_prompt_completion, micro_batch, pad_batch, tokenize_dataset  # noqa: E402
+from common.embedded import builtin_rows, resolve_model  # noqa: E402
+
+METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "grpo")
+LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "robust"), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
+KIND = {"sft": "sft", "dpo": "preference", "simpo": "preference", "orpo": "preference", "kto": "binary",
+        "grpo": "prompt"}
+SCRIPT = {"sft": "sft", "dpo": "dpo", "simpo": "dpo", "orpo": "orpo", "kto": "kto", "grpo": "grpo"}
+PREF_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected")
+KEYS = {  # compared per step; TRL's names, which ours logs too
+    "sft": ("loss", "grad_norm"),
+    "dpo": ("loss", "grad_norm", *PREF_KEYS),
+    "simpo": ("loss", "grad_norm", *PREF_KEYS[:4]),  # logps/*: TRL's CPO logs length-averaged ones, ours sums
+    "orpo": ("loss", "grad_norm", "nll_loss", "log_odds_ratio", "log_odds_chosen", *PREF_KEYS),
+    "kto": ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
+    "grpo": ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "completions/mean_length"),
+}
+
+
+# GRPO rewards (ours' spec syntax; TRL gets the same functions and weights): both vary on a random tiny model
+DEFAULT_REWARDS = ("scripts.compare_with_trl:even_ids_reward", "target_length:0.5")
+
+
+def even_ids_reward(prompts, completions, completion_ids=None, **kw) -> list[float]:
+    """Share of completion tokens with an even id: a reward a random tiny model has variance on, at any length."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+@dataclass
+class Setup:
+    """One comparison: which method, and every hyperparameter both sides get."""
+
+    method: str
+    model: str  # a local path (resolved alias)
+    adapter: str  # the shared starting LoRA adapter
+    out: str
+    loss_type: str | None = None
+    steps: int = 3
+    batch_size: int = 4  # sequences (SFT), pairs (DPO/ORPO/SimPO), rows (KTO) per micro-batch
+    grad_accum: int = 1
+    learning_rate: float = 1e-3
+    seed: int = 42
+    max_length: int = 1024
+    beta: float | None = None  # None: the method's default (0.1; GRPO 0.04)
+    label_smoothing: float = 0.1  # robust DPO only
+    cpo_alpha: float = 0.0  # SimPO's NLL weight: TRL cpo_alpha == our rpo_alpha
+    chat: bool = False  # keep conversational rows (shows the tokenization difference instead of asserting equality)
+    # GRPO
+    group_size: int = 4
+    prompts_per_step: int = 2
+    max_completion_length: int = 16
+    rewards: list[str] = field(default_factory=lambda: list(DEFAULT_REWARDS))
+    fixed_rollout: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
+        return "-".join(parts)
+
+    @property
+    def run_loss_type(self) -> str:
+        default = {"dpo": "sigmoid", "simpo": "simpo", "grpo": "dapo"}
+        return self.loss_type or default.get(self.method, "")
+
+    @property
+    def run_beta(self) -> float:
+        return self.beta if self.beta is not None else 0.04 if self.method == "grpo" else 0.1
+
+    @property
+    def n_rows(self) -> int:
+        """Exactly one pass: every micro-batch is full, so TRL's sequential batches line up with ours."""
+        per_step = self.prompts_per_step if self.method == "grpo" else self.batch_size * self.grad_accum
+        return per_step * self.steps
+
+
+# --------------------------------------------------------------------------------------------- shared inputs
+def write_tiny_model(out: str, **model_kwargs) -> str:
+    from tests.tiny import write_tiny
+
+    path = os.path.join(out, "tiny_model")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else write_tiny(path, **model_kwargs)
+
+
+def load_tokenizer(model_path: str):
+    """The tokenizer as our scripts set it up (chat template, pad token), for building data and for TRL."""
+    from transformers import AutoTokenizer
+
+    from common.templates import setup_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    setup_chat_template(tokenizer, "auto")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # as common.model.load_model
+    return tokenizer
+
+
+def make_start_adapter(model_path: str, out_dir: str, seed: int = 0, r: int = 16, alpha: int = 32) -> str:
+    """Save the LoRA adapter both sides start from: dropout 0, lora_B ~ N(0, 0.02) (a fresh B = 0 would make the
+    start the base model and give lora_A no gradient at step 1, testing less)."""
+    from transformers import AutoModelForCausalLM
+
+    from common.model import attach_lora
+
+    if os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
+        return out_dir
+    torch.manual_seed(seed)
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), r=r, alpha=alpha,
+                        dropout=0.0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_rows(kind: str, n: int, tokenizer, chat: bool = False, target_length: int | None = None) -> list[dict]:
+    """n built-in math rows; unless chat, rendered to standard strings (prompt through the template's generation
+    prompt, completions = the assistant text), so neither side tokenizes through the template's end."""
+    name = {"sft": "math_sft", "preference": "math_preference", "binary": "math_binary", "prompt": "math"}[kind]
+    rows = builtin_rows(name, "train")[:n]
+    if len(rows) < n:
+        raise ValueError(f"builtin:{name} has {len(rows)} rows, {n} needed")
+    if kind == "prompt":  # GRPO prompts stay conversational: both sides apply the chat template the same way
+        return [dict(r, target_length=target_length) for r in rows]
+    if chat:
+        return rows
+
+    def render(prompt):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+    def as_text(key, value):  # prompt -> rendered template; chosen/rejected/completion -> the assistant's text
+        return render(value) if key == "prompt" else value[0]["content"] if key != "label" else value
+
+    return [{k: as_text(k, v) for k, v in r.items()} for r in rows]
+
+
+def trl_order(s: Setup) -> list[int]:
+    """Row indices in the order our script consumes them, micro-batch after micro-batch."""
+    if s.method == "grpo":
+        from grpo import prompt_batch
+
+        return [i for step in range(s.steps) for i in prompt_batch(list(range(s.n_rows)), step, s.prompts_per_step,
+                                                                    s.seed)]
+    return [i for k in range(s.steps * s.grad_accum) for i in micro_batch(list(range(s.n_rows)), k, s.batch_size,
+                                                                           s.seed)]
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------- fixed rollouts
+class FixedRollouts:
+    """Deterministic completions keyed by (prompt ids, index in its group): seeded non-special tokens, length drawn
+    in [1, L + 2] and capped at L = max_completion_length, EOS-terminated when shorter than L (so some are truncated,
+    lengths vary and a length reward has a spread)."""
+
+    def __init__(self, tokenizer, max_completion_length: int, seed: int = 0):
+        special = set(tokenizer.all_special_ids) | {tokenizer.eos_token_id, tokenizer.pad_token_id}
+        self.allowed = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+        self.eos, self.max_len, self.seed = tokenizer.eos_token_id, max_completion_length, seed
+
+    def completion(self, prompt_ids: list[int], j: int) -> list[int]:
+        key = zlib.crc32(torch.tensor(prompt_ids, dtype=torch.int64).numpy().tobytes())
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + key * 101 + j)
+        length = min(int(torch.randint(1, self.max_len + 3, (1,), generator=g)), self.max_len)
+        ids = self.allowed[torch.randint(len(self.allowed), (length,), generator=g)].tolist()
+        if length < self.max_len:
+            ids[-1] = self.eos
+        return ids
+
+    def for_rows(self, prompt_rows: list[list[int]]) -> list[list[int]]:
+        """One completion per row; the j-th occurrence of a prompt gets completion j (groups are contiguous)."""
+        seen, out = Counter(), []
+        for p in prompt_rows:
+            out.append(self.completion(p, seen[tuple(p)]))
+            seen[tuple(p)] += 1
+        return out
+
+
+@contextlib.contextmanager
+def our_fixed_generation(bank: FixedRollouts):
+    """grpo.py's rollout replaced by the bank (same return layout as common.rollout.hf_generate)."""
+    import grpo
+    from common.rollout import cut_at_eos, eos_ids
+
+    def fixed_generate(model, tokenizer, prompts, group_size, max_new_tokens=None, **_):
+        rows = [list(p) for p in prompts for _ in range(group_size)]
+        cut = [cut_at_eos(c, eos_ids(model, tokenizer)) for c in bank.for_rows(rows)]
+        ids = [c for c, _ in cut]
+        return {"prompt_ids": rows, "completion_ids": ids, "truncated": [t for _, t in cut], "logprobs": None,
+                "completions": tokenizer.batch_decode(ids, skip_special_tokens=True)}
+
+    saved, grpo.hf_generate = grpo.hf_generate, fixed_generate
+    try:
+        yield
+    finally:
+        grpo.hf_generate = saved
+
+
+def fixed_rollout_trainer(bank: FixedRollouts):
+    """GRPOTrainer whose sampler is the bank; all after sampling (rewards, advantages, reference, loss) is TRL's."""
+    from trl import GRPOTrainer
+
+    class FixedRolloutGRPOTrainer(GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+            return bank.for_rows([list(p) for p in prompt_ids]), None
+
+    return FixedRolloutGRPOTrainer
+
+
+# ------------------------------------------------------------------------------------------------- our side
+def our_args(s: Setup, data_path: str) -> dict:
+    """Keyword arguments of <script>.Args, every value the math depends on set explicitly."""
+    common = dict(model=s.model, adapter=s.adapter, dataset=data_path, output_dir=os.path.join(s.out, "runs"),
+                  seed=s.seed, dtype="fp32", attn_implementation="sdpa", gradient_checkpointing=False,
+                  learning_rate=s.learning_rate, max_steps=s.steps, warmup_steps=0, weight_decay=0.0,
+                  max_grad_norm=1.0, logging_steps=1, save_steps=0)
+    if s.method == "grpo":
+        n = s.prompts_per_step * s.group_size
+        return {**common, "group_size": s.group_size, "prompts_per_step": s.prompts_per_step,
+                "per_device_train_batch_size": n, "max_completion_length": s.max_completion_length,
+                "max_prompt_length": 100_000, "beta": s.run_beta, "loss_type": s.run_loss_type,
+                "scale_rewards": "group", "epsilon": 0.2, "epsilon_high": None, "temperature": 1.0, "top_p": 1.0,
+                "top_k": 0, "num_iterations": 1, "mask_truncated_completions": False, "rewards": list(s.rewards),
+                "lr_scheduler_type": "constant", "lora_dropout": 0.0, "breaker_action": "warn"}
+    common |= {"per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": s.grad_accum,
+               "max_length": s.max_length, "lr_scheduler_type": "linear"}
+    if s.method == "sft":
+        return {**common, "completion_only_loss": True, "packing": False, "lora_dropout": 0.0}
+    common |= {"beta": s.run_beta, "disable_dropout": True, "max_prompt_length": None}
+    if s.method in ("dpo", "simpo"):
+        return {**common, "loss_type": s.run_loss_type, "label_smoothing": s.label_smoothing if
+                s.run_loss_type == "robust" else 0.0, "simpo_gamma": 0.5, "rpo_alpha": s.cpo_alpha if
+                s.method == "simpo" else 0.0, "precompute_ref_log_probs": False}
+    if s.method == "orpo":
+        return {**common, "completion_only_loss": False}  # TRL's NLL covers prompt + response
+    return {**common, "desirable_weight": 1.0, "undesirable_weight": 1.0}  # kto
+
+
+def run_ours(s: Setup, data_path: str, bank: FixedRollouts | None = None) -> list[dict]:
+    module = importlib.import_module(SCRIPT[s.method])
+    with our_fixed_generation(bank) if bank else contextlib.nullcontext():
+        out = module.main(module.Args(**our_args(s, data_path)))
+    return out["history"]
+
+
+# ------------------------------------------------------------------------------------------------- TRL side
+def trl_model(s: Setup):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32, attn_implementation="sdpa")
+    return PeftModel.from_pretrained(model, s.adapter, is_trainable=True)
+
+
+def trl_common(s: Setup, **over) -> dict:
+    """TrainingArguments both sides agree on. TRL's own defaults differ on purpose: bf16=True (even on CPU),
+    gradient_checkpointing=True, logging_steps=10, the fused AdamW kernel, shuffled batches."""
+    return dict(output_dir=os.path.join(s.out, "trl"), per_device_train_batch_size=s.batch_size,
+                gradient_accumulation_steps=s.grad_accum, max_steps=s.steps, learning_rate=s.learning_rate,
+                lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9,
+                adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", seed=s.seed, bf16=False, fp16=False,
+                activation_checkpointing=False, logging_steps=1, save_strategy="no", report_to="none",
+                disable_tqdm=True, train_sampling_strategy="sequential", dataloader_num_workers=0,
+                dataloader_pin_memory=False) | over
+
+
+def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | None = None, model=None, **over):
+    """TRL's trainer for s.method on `rows` (already in our order), with the mapped hyperparameters; `over` replaces
+    TrainingArguments fields (bench/ uses it to give TRL back its fused AdamW)."""
+    from datasets import Dataset
+
+    dataset, model = Dataset.from_list(rows), model if model is not None else trl_model(s)
+    kw = dict(model=model, train_dataset=dataset, processing_class=tokenizer)
+    if s.method == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        args = SFTConfig(**trl_common(s, **over), max_length=s.max_length, completion_only_loss=True, packing=False)
+        return SFTTrainer(args=args, **kw)
+    if s.method == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        args = DPOConfig(**trl_common(s, **over), beta=s.run_beta, loss_type=[s.run_loss_type],
+                         label_smoothing=s.label_smoothing if s.run_loss_type == "robust" else 0.0,
+                         max_length=s.max_length, precompute_ref_log_probs=False, disable_dropout=True)
+        return DPOTrainer(args=args, **kw)
+    if s.method == "simpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        args = CPOConfig(**trl_common(s, **over), loss_type="simpo", beta=s.run_beta, simpo_gamma=0.5,
+                         cpo_alpha=s.cpo_alpha, label_smoothing=0.0, max_length=s.max_length, disable_dropout=True)
+        return CPOTrainer(args=args, **kw)
+    if s.method == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        args = ORPOConfig(**trl_common(s, **over), beta=s.run_beta, max_length=s.max_length, disable_dropout=True)
+        return ORPOTrainer(args=args, **kw)
+    if s.method == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        args = KTOConfig(**trl_common(s, **over), beta=s.run_beta, loss_type="kto", desirable_weight=1.0,
+                         undesirable_weight=1.0, max_length=s.max_length, precompute_ref_log_probs=False,
+                         disable_dropout=True)
+        return KTOTrainer(args=args, **kw)
+    from trl import GRPOConfig, GRPOTrainer
+
+    from common.rewards import load_reward_funcs
+
+    funcs = load_reward_funcs(s.rewards)  # the same functions ours calls, with their weights
+    n = s.prompts_per_step * s.group_size  # TRL's per_device_train_batch_size counts completions, not prompts
+    args = GRPOConfig(**trl_common(s, per_device_train_batch_size=n, gradient_accumulation_steps=1,
+                                   lr_scheduler_type="constant", **over),
+                      num_generations=s.group_size, max_completion_length=s.max_completion_length, beta=s.run_beta,
+                      loss_type=s.run_loss_type, scale_rewards="group", epsilon=0.2, epsilon_high=None,
+                      temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, num_iterations=1,
+                      mask_truncated_completions=False, shuffle_dataset=False, disable_dropout=True,
+                      use_bias_correction_kl=False, reward_weights=[w for _, _, w in funcs], log_completions=False)
+    cls = fixed_rollout_trainer(bank) if bank else GRPOTrainer
+    return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
+
+
+def quiet(trainer):
+    """No per-step dict printed to stdout (TRL's PrinterCallback when tqdm is off); the series are read from state."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def trl_history(trainer) -> list[dict]:
+    """Per-step logs (unrounded floats) from trainer.state.log_history, the final summary line dropped."""
+    return [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+
+
+# ------------------------------------------------------------------------------------- tokenization check
+def tokenization_report(s: Setup, trainer, examples: list[dict], order: list[int]) -> dict:
+    """Compare TRL's tokenized training rows with ours (row j of TRL's dataset is our example order[j])."""
+    ds, mismatched, first = trainer.train_dataset, 0, None
+    for j, i in enumerate(order):
+        ours, trl = examples[i], ds[j]
+        if s.method == "sft":
+            pairs = [(ours["input_ids"], trl["input_ids"]),
+                     ([t if m else -100 for t, m in zip(ours["input_ids"], ours["completion_mask"])], trl["labels"])]
+        elif s.method in ("dpo", "kto"):
+            completions = ("completion_ids",) if s.method == "kto" else ("chosen_ids", "rejected_ids")
+            pairs = [(ours[f], trl[f]) for f in ("prompt_ids", *completions)]
+        elif s.method in ("orpo", "simpo"):  # old-style TRL rows: full sequences with -100 on the prompt
+            prompt, pairs = ours["prompt_ids"], []
+            for side in ("chosen", "rejected"):
+                pairs += [(prompt + ours[f"{side}_ids"], trl[f"{side}_input_ids"]),
+                          ([-100] * len(prompt) + ours[f"{side}_ids"], trl[f"{side}_labels"])]
+        else:
+            return {"rows": len(order), "identical": None}
+        bad = [(a, b) for a, b in pairs if list(a) != list(b)]
+        mismatched += bool(bad)
+        if bad and first is None:
+            a, b = bad[0]
+            k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            tok = trainer.processing_class
+            first = {"row": j, "ours_tail": tok.decode(a[k:][:12]), "trl_tail": tok.decode(b[k:][:12]),
+                     "len_ours": len(a), "len_trl": len(b)}
+    return {"rows": len(order), "identical": mismatched == 0, "mismatched_rows": mismatched, "first": first}
+
+
+# ------------------------------------------------------------------------------------------------ compare
+def compare(ours: list[dict], trl: list[dict], keys) -> dict:
+    """Per key: both series and the max over steps of |ours - TRL| (a key absent at a step on either side is skipped,
+    e.g. KTO's rewards/rejected in a micro-batch without undesirable rows)."""
+    out = {}
+    for key in keys:
+        a, b = [h.get(key, math.nan) for h in ours], [h.get(key, math.nan) for h in trl]
+        pairs = [(x, y) for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))]
+        out[key] = {"ours": a, "trl": b, "max_abs_diff": max((abs(x - y) for x, y in pairs), default=math.nan),
+                    "max_rel_diff": max((abs(x - y) / max(abs(y), 1e-12) for x, y in pairs), default=math.nan)}
+    return out
+
+
+def plot(name: str, series: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(series)
+    cols = min(3, len(keys))
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        steps = range(1, len(series[key]["ours"]) + 1)
+        ax.plot(steps, series[key]["trl"], "o-", label="TRL", lw=3, alpha=0.45)
+        ax.plot(steps, series[key]["ours"], "x--", label="ours", lw=1.2)
+        ax.set_title(f"{key}  (max |diff| {series[key]['max_abs_diff']:.2e})", fontsize=9)
+        ax.set_xlabel("step")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"{name}: ours vs TRL", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------- GRPO fixed-batch losses
+def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, trainer=None) -> list[dict]:
+    """One fixed batch (prompts_per_step x group_size completions from the bank) split into `micro` micro-batches:
+    TRL's GRPOTrainer._compute_loss vs our grpo_per_token_loss + aggregate_loss, on the same model (TRL's PeftModel
+    with its "default" and "ref" adapters), advantages and reference log-probs. Per loss_type: summed loss and every
+    LoRA gradient, each side's gradient norm. bnpo also gets the normaliser that reproduces TRL (num_items = the
+    micro-batch's tokens x micro, see common.logps.aggregate_loss): grpo.py divides by the whole step's tokens."""
+    from grpo import grpo_per_token_loss
+    from common.logps import aggregate_loss, group_advantages, sequence_logps
+    from common.model import as_reference
+    from common.rewards import compute_rewards, load_reward_funcs
+
+    tokenizer = load_tokenizer(s.model)
+    bank = FixedRollouts(tokenizer, s.max_completion_length, s.seed)
+    rows = make_rows("prompt", s.prompts_per_step, tokenizer, target_length=s.max_completion_length // 2)
+    if trainer is None:
+        trainer = trl_trainer(replace(s, steps=1), rows, tokenizer, bank)
+    model = trainer.model
+    model.train()
+    prompts = [e["prompt_ids"] for e in tokenize_dataset(tokenizer, rows, "prompt", None)]
+    prompt_rows = [p for p in prompts for _ in range(s.group_size)]
+    completions = bank.for_rows(prompt_rows)
+    n, G, pad = len(prompt_rows), s.group_size, tokenizer.pad_token_id
+    funcs = load_reward_funcs(s.rewards)
+    fields = {"target_length": [r["target_length"] for r in rows for _ in range(G)], "completion_ids": completions,
+              "max_completion_length": s.max_completion_length}
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    rewards, _ = compute_rewards(funcs, [r["prompt"] for r in rows for _ in range(G)], texts, fields)
+    advantages, _ = group_advantages(rewards, G, "group")
+
+    # Ours: right-padded prompt + completion rows; TRL: left-padded prompts, right-padded completions (its layout).
+    seqs = concat_prompt_completion(prompt_rows, completions, pad)
+    mask = seqs["completion_mask"]
+    ref = torch.zeros(mask.shape)  # unused at beta = 0 (TRL then makes no "ref" adapter either)
+    if s.run_beta != 0.0:
+        with as_reference(model):
+            ref = sequence_logps(model, seqs["input_ids"], seqs["attention_mask"], mask)  # (n, P + C)
+    p_len = [len(p) for p in prompt_rows]
+    c_ids = pad_batch(completions, pad)
+    c_mask = pad_batch([[1] * len(c) for c in completions], 0)
+    ref_trl = torch.zeros(c_ids.shape)  # the same reference values, at TRL's completion positions
+    for b, (p, c) in enumerate(zip(p_len, completions)):
+        ref_trl[b, : len(c)] = ref[b, p : p + len(c)]
+    trl_inputs = {"prompt_ids": pad_batch(prompt_rows, pad, "left"),
+                  "prompt_mask": pad_batch([[1] * k for k in p_len], 0, "left"), "completion_ids": c_ids,
+                  "completion_mask": c_mask, "advantages": advantages, "ref_per_token_logps": ref_trl,
+                  "num_items_in_batch": c_mask.sum()}
+    mb = n // micro
+    chunks = [slice(i, i + mb) for i in range(0, n, mb)]
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad and ".default." in name]
+
+    def grads():
+        g = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for name, p in params}
+        model.zero_grad(set_to_none=True)
+        return g
+
+    def trl_side(loss_type, bias_correction):
+        trainer.loss_type, trainer.current_gradient_accumulation_steps = loss_type, micro
+        trainer.args.steps_per_generation = micro  # dapo's normaliser: num_items * GA / steps_per_generation
+        trainer.args.use_bias_correction_kl = bias_correction
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for c in chunks:
+            chunk = {k: v if k == "num_items_in_batch" else v[c] for k, v in trl_inputs.items()}  # whole-batch count
+            loss = trainer._compute_loss(model, chunk)
+            loss.backward()
+            total += loss.item()
+        return total, grads()
+
+    def our_side(loss_type, num_items_of, kl_times_ratio=False):
+        total = 0.0
+        for c in chunks:
+            logps = sequence_logps(model, seqs["input_ids"][c], seqs["attention_mask"][c], mask[c])
+            per_token_loss, per_token_kl, *_ = grpo_per_token_loss(logps, logps.detach(), ref[c], advantages[c], 0.2,
+                                                                   0.2, s.run_beta)
+            if kl_times_ratio and per_token_kl is not None:
+                # TRL's use_bias_correction_kl: beta * k3 * rho; rho == 1 in value, so only the gradient gains k3
+                per_token_loss = per_token_loss + s.run_beta * per_token_kl * (torch.exp(logps - logps.detach()) - 1)
+            loss = aggregate_loss(per_token_loss, mask[c], loss_type, s.max_completion_length, num_items_of(c), n)
+            loss.backward()
+            total += loss.item()
+        return total, grads()
+
+    def norm(g):
+        return torch.linalg.vector_norm(torch.stack([v.norm() for v in g.values()])).item()
+
+    whole_step, trl_bnpo = (lambda c: mask.sum()), (lambda c: mask[c].sum() * micro)
+    cases = [  # (TRL use_bias_correction_kl, our variant): the first is the parity, the others pin differences
+        (False, "grpo.py", whole_step, False), (True, "grpo.py", whole_step, False),
+        (True, "grpo.py, KL x ratio", whole_step, True),
+    ]
+    results = []
+    for loss_type in loss_types:
+        bnpo = [cases[0], (False, "grpo.py, num_items = micro-batch tokens x GA", trl_bnpo, False)]
+        for bias_correction, variant, num_items_of, kl_times_ratio in bnpo if loss_type == "bnpo" else cases:
+            trl_loss, trl_grads = trl_side(loss_type, bias_correction)
+            our_loss, our_grads = our_side(loss_type, num_items_of, kl_times_ratio)
+            diff = {k: our_grads[k] - trl_grads[k] for k in our_grads}
+            results.append({
+                "loss_type": loss_type, "trl": f"use_bias_correction_kl={bias_correction}", "ours": variant,
+                "ours_loss": our_loss, "trl_loss": trl_loss, "loss_abs_diff": abs(our_loss - trl_loss),
+                "grad_max_abs_diff": max(d.abs().max().item() for d in diff.values()),
+                "grad_rel_diff": norm(diff) / max(norm(trl_grads), 1e-30), "ours_grad_norm": norm(our_grads),
+                "trl_grad_norm": norm(trl_grads), "micro_batch_tokens": [int(mask[c].sum()) for c in chunks]})
+    return results
+
+
+# -------------------------------------------------------------------------------------------------- drive
+def prepare(args) -> tuple[str, str, object]:
+    """(model path, shared adapter dir, tokenizer) under args.out."""
+    os.makedirs(args.out, exist_ok=True)
+    model = write_tiny_model(args.out) if args.model is None else resolve_model(args.model)
+    adapter = make_start_adapter(model, os.path.join(args.out, "start_adapter"))
+    return model, adapter, load_tokenizer(model)
+
+
+def run_pair(s: Setup, tokenizer) -> dict:
+    """Both runs for one Setup; returns the comparison (also written to s.out/<name>/)."""
+    run_dir = os.path.join(s.out, s.name)
+    os.makedirs(run_dir, exist_ok=True)
+    s = replace(s, out=run_dir)
+    kind = KIND[s.method]
+    rows = make_rows(kind, s.n_rows, tokenizer, s.chat, target_length=s.max_completion_length // 2)
+    order = trl_order(s)
+    data_path = write_jsonl(os.path.join(run_dir, "data.jsonl"), rows)
+    bank = FixedRollouts(tokenizer, s.max_completion_length, s.seed) if s.fixed_rollout else None
+    report = {"name": s.name, "setup": {k: v for k, v in vars(s).items() if k not in ("out",)}}
+    if kind != "prompt":  # nothing may be cut or dropped, or the two sides would train on different tokens
+        kw = {} if kind == "sft" else {"max_prompt_length": None}
+        examples = tokenize_dataset(tokenizer, rows, kind, s.max_length, **kw)
+        if len(examples) != len(rows):
+            raise ValueError(f"{len(rows) - len(examples)} rows dropped at max_length={s.max_length}; raise it")
+    t0 = time.perf_counter()
+    ours = run_ours(s, data_path, bank)
+    t1 = time.perf_counter()
+    trainer = quiet(trl_trainer(s, [rows[i] for i in order], tokenizer, bank))
+    if kind != "prompt":
+        report["tokenization"] = tokenization_report(s, trainer, examples, order)
+        if not s.chat and not report["tokenization"]["identical"]:
+            raise AssertionError(f"TRL tokenized the rows differently: {report['tokenization']}")
+    trainer.train()
+    t2 = time.perf_counter()
+    report["seconds"] = {"ours": t1 - t0, "trl": t2 - t1}
+    report["history"] = {"ours": ours, "trl": trl_history(trainer)}
+    report["series"] = compare(ours, report["history"]["trl"], KEYS[s.method])
+    report["max_abs_diff"] = {k: v["max_abs_diff"] for k, v in report["series"].items()}
+    if s.method == "grpo" and s.fixed_rollout:
+        report["loss_parity"] = grpo_loss_parity(s, trainer=trainer)
+    with open(os.path.join(run_dir, "series.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    report["png"] = plot(s.name, report["series"], os.path.join(run_dir, "overlay.png"))
+    return report
+
+
+def summary_markdown(reports: list[dict], command: str) -> str:
+    lines = [f"# ours vs TRL {_trl_version()}", "", f"`{command}` ({time.strftime('%Y-%m-%d')})", "",
+             "| run | steps | key | max abs diff | max rel diff | ours (last) | TRL (last) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in reports:
+        for key, v in r["series"].items():
+            lines.append(f"| {r['name']} | {len(v['ours'])} | {key} | {v['max_abs_diff']:.2e} | "
+                         f"{v['max_rel_diff']:.2e} | {v['ours'][-1]:.6g} | {v['trl'][-1]:.6g} |")
+        if r.get("tokenization") and not r["tokenization"]["identical"]:
+            lines.append(f"| {r['name']} | | tokenization | {r['tokenization']} | | | |")
+    parity = [(r["name"], row) for r in reports for row in r.get("loss_parity", [])]
+    if parity:
+        lines += ["", "GRPO, one fixed batch in 2 micro-batches, same model and tensors: TRL `_compute_loss` vs "
+                  "`grpo_per_token_loss` + `aggregate_loss`", "",
+                  "| run | loss_type | TRL | ours | loss ours / TRL | max abs grad diff | rel grad diff | grad norm "
+                  "ours / TRL |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {x['loss_type']} | {x['trl']} | {x['ours']} | {x['ours_loss']:.7g} / "
+                  f"{x['trl_loss']:.7g} | {x['grad_max_abs_diff']:.1e} | {x['grad_rel_diff']:.1e} | "
+                  f"{x['ours_grad_norm']:.6g} / {x['trl_grad_norm']:.6g} |" for name, x in parity]
+    return "\n".join(lines) + "\n"
+
+
+def _trl_version() -> str:
+    import trl
+
+    return trl.__version__
+
+
+def setups(args, model: str, adapter: str) -> list[Setup]:
+    """--method all: every method, DPO's three loss types, GRPO sampled and with fixed rollouts."""
+    every = args.method == "all"
+    out = []
+    for method in METHODS if every else (args.method,):
+        if args.loss_type and args.loss_type in LOSS_TYPES.get(method, ()):
+            loss_types = (args.loss_type,)
+        elif args.loss_type and not every:
+            raise SystemExit(f"--loss-type {args.loss_type} is not one of {method}'s: {LOSS_TYPES.get(method, ())}")
+        else:
+            loss_types = LOSS_TYPES["dpo"] if every and method == "dpo" else (None,)
+        fixed_modes = (False, True) if every and method == "grpo" else (args.fixed_rollout and method == "grpo",)
+        out += [Setup(method=method, model=model, adapter=adapter, out=args.out, loss_type=loss_type, steps=args.steps,
+                      batch_size=args.batch_size, grad_accum=args.grad_accum, learning_rate=args.learning_rate,
+                      seed=args.seed, chat=args.chat, beta=args.beta, fixed_rollout=fixed,
+                      max_completion_length=args.max_completion_length, rewards=list(args.rewards))
+                for loss_type in loss_types for fixed in fixed_modes]
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", choices=[*METHODS, "all"], default="dpo")
+    parser.add_argument("--loss-type", default=None, help="dpo: sigmoid|ipo|robust; grpo: grpo|bnpo|dr_grpo|dapo")
+    parser.add_argument("--model", default=None, help="path or alias (smollm2-135m); default: a tiny model built here")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--beta", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--max-completion-length", type=int, default=16, help="GRPO")
+    parser.add_argument("--rewards", nargs="+", default=list(DEFAULT_REWARDS), help="GRPO, ours' syntax")
+    parser.add_argument("--fixed-rollout", action="store_true", help="GRPO: feed the same completions to both")
+    parser.add_argument("--chat", action="store_true", help="keep conversational rows (shows the tokenization gap)")
+    parser.add_argument("--out", default="outputs/compare_with_trl")
+    parser.add_argument("--mapping", action="store_true", help="print the hyperparameter mapping table and exit")
+    args = parser.parse_args(argv)
+    if args.mapping:
+        print(mapping_markdown())
+        return None
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import datasets
+
+    datasets.disable_progress_bars()
+    model, adapter, tokenizer = prepare(args)
+    reports = []
+    for s in setups(args, model, adapter):
+        r = run_pair(s, tokenizer)
+        reports.append(r)
+        worst = ", ".join(f"{k} {v:.1e}" for k, v in r["max_abs_diff"].items())
+        print(f"{s.name}: max |ours - TRL| per key: {worst}  -> {r['png']}")
+        for x in r.get("loss_parity", []):
+            print(f"  one batch {x['loss_type']}, TRL {x['trl']} vs ours {x['ours']}: loss {x['ours_loss']:.6g} / "
+                  f"{x['trl_loss']:.6g}, grad max |diff| {x['grad_max_abs_diff']:.1e} (rel {x['grad_rel_diff']:.1e})")
+    md = summary_markdown(reports, "python scripts/compare_with_trl.py " + " ".join(argv or sys.argv[1:]))
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return reports
+
+
+# --------------------------------------------------------------------------------------- the mapping table
+ALL = "all"
+MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the harness sets on both, why)
+    (ALL, "bf16 = True (autocast, even on CPU)", "dtype = auto (bf16 weights on CUDA, fp32 on CPU)", "fp32",
+     "CPU bf16 matmuls are slow and lossy; we keep fp32 there"),
+    (ALL, "gradient_checkpointing = True", "gradient_checkpointing = False", "False",
+     "off: small models and short rows; turn it on for long sequences"),
+    (ALL, "lr_scheduler_type = linear (decay to 0)", "linear (GRPO: constant)", "ours' value", "GRPO's RL steps are "
+     "few and non-stationary; a decay to 0 would stop learning at the end"),
+    (ALL, "warmup_steps = 0, weight_decay = 0.0, max_grad_norm = 1.0, adam betas 0.9/0.999, eps 1e-8",
+     "the same", "the same", ""),
+    (ALL, "optim = adamw_torch_fused (torch >= 2.8)", "torch.optim.AdamW (for-loop on CPU)", "adamw_torch",
+     "same update; the fused kernel rounds differently (~1e-7)"),
+    (ALL, "logging_steps = 10; learning_rate logged before the scheduler step", "logging_steps = 1; logged after it",
+     "1", "per-step curves"),
+    (ALL, "seed = 42; RandomSampler(seed)", "seed = 42; micro_batch: randperm(seed + epoch)",
+     "TRL dataset pre-ordered as ours + train_sampling_strategy=sequential", "stateless order: exact resume"),
+    (ALL, "no LoRA unless peft_config", "LoRA r=16, alpha=32, all-linear, dropout 0.05", "one saved adapter, dropout 0",
+     "single-GPU default"),
+    (ALL, "max_length = 1024, truncation keep_start", "max_length = 1024 (preference/KTO: prompt keep-end, then "
+     "completions cut)", "1024, nothing truncated (checked)", "a truncated prompt would lose the question"),
+    (ALL, "standard rows: eos_token string appended; chat rows: template text to the end ('\\n' after <|im_end|> "
+     "trained)", "EOS id appended; chat rows end at the end-of-turn token", "standard strings (tokens checked equal)",
+     "generation stops at <|im_end|>: the '\\n' after it is never emitted"),
+    ("sft", "learning_rate = 2e-5", "2e-5", "--learning-rate", ""),
+    ("sft", "completion_only_loss = None (True for prompt/completion)", "completion_only_loss = True", "True", ""),
+    ("sft", "loss / num_items_in_batch (whole-step tokens)", "the same", "", ""),
+    ("dpo", "learning_rate = 1e-6", "5e-6", "--learning-rate", "LoRA needs a larger step than full fine-tuning"),
+    ("dpo", "loss_type = ['sigmoid'] (weighted list)", "loss_type = sigmoid (one value)", "sigmoid | ipo | robust", ""),
+    ("dpo", "beta = 0.1, label_smoothing = 0.0", "the same", "beta 0.1; robust: label_smoothing 0.1", ""),
+    ("dpo", "reference with PEFT: 'ref' copy of a loaded adapter, else adapter disabled", "always the 'ref' slot",
+     "the shared adapter -> 'ref' on both", "a fresh adapter's 'ref' is the base model, as TRL"),
+    ("dpo", "precompute_ref_log_probs = False; disable_dropout = True", "the same", "the same", ""),
+    ("simpo", "CPOTrainer: loss_type = sigmoid, cpo_alpha = 1.0, simpo_gamma = 0.5, beta = 0.1, lr 1e-6",
+     "dpo.py --loss-type simpo: rpo_alpha = 0.0, simpo_gamma = 0.5, beta = 0.1, lr 5e-6",
+     "loss_type simpo, cpo_alpha = rpo_alpha (0.0; tests 0.5)", "SimPO has no NLL term; rpo_alpha adds CPO's"),
+    ("simpo", "logps/* logged length-averaged", "logps/* summed (rewards/* = beta x averaged)", "not compared",
+     "metric definition only"),
+    ("orpo", "ORPOTrainer: beta = 0.1, NLL over prompt + response, lr 1e-6", "beta = 0.1, NLL over the response "
+     "(completion_only_loss = True), lr 5e-6", "completion_only_loss = False", "the paper's NLL is on the response"),
+    ("kto", "beta = 0.1, desirable/undesirable_weight = 1.0, lr 1e-6", "the same, lr 5e-6", "the same", ""),
+    ("kto", "rewards/*, logps/* logged as the mean of micro-batch class means", "class means over the whole step",
+     "GA = 1 (metrics only; loss and gradients equal at any GA)", ""),
+    ("kto", "train_sampling_strategy must be sequential (KL pairs precomputed per chunk)", "KL pairs rotated inside "
+     "each shuffled micro-batch", "dataset in our micro-batch order", "same estimator, shuffling kept"),
+    ("grpo", "beta = 0.0", "beta = 0.04", "ours' value (0.04)", "k3 KL to the start keeps LoRA RL stable"),
+    ("grpo", "learning_rate = 1e-6", "1e-4", "--learning-rate", "LoRA"),
+    ("grpo", "loss_type = dapo, scale_rewards = group, epsilon = 0.2, epsilon_high = None, num_iterations = 1",
+     "the same", "the same (--loss-type)", ""),
+    ("grpo", "num_generations = 8", "group_size = 8", "group_size", ""),
+    ("grpo", "per_device_train_batch_size = 8 COMPLETIONS; generation batch = it x steps_per_generation (= GA)",
+     "prompts_per_step = 4 prompts x group_size; per_device_train_batch_size = completions per micro-batch",
+     "TRL per_device = ours' micro-batch, GA = prompts x G / micro-batch", "a step is one rollout"),
+    ("grpo", "max_completion_length = 512", "64", "--max-completion-length", "CPU-sized default"),
+    ("grpo", "temperature 1.0, top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0", "the same (no min_p, no "
+     "repetition penalty)", "the same", ""),
+    ("grpo", "shuffle_dataset = True", "prompt_batch: randperm(seed + epoch)", "pre-ordered, shuffle_dataset=False",
+     ""),
+    ("grpo", "prompts never truncated", "max_prompt_length = 512: longer prompts dropped", "no prompt dropped", ""),
+    ("grpo", "disable_dropout = False", "lora_dropout = 0.05", "dropout 0 (adapter) + disable_dropout", ""),
+    ("grpo", "use_bias_correction_kl = True: KL term x rho (value 1 on-policy, but its gradient adds beta k3)",
+     "no correction: the gradient of beta k3 alone (DeepSeekMath GRPO)", "False",
+     "gradient only: 1e-3 (tiny) to 1e-2 (SmolLM2) relative; --fixed-rollout pins it"),
+    ("grpo", "bnpo with GA > 1: mean of micro-batch token means", "bnpo = dapo: token mean over the whole step",
+     "GA = 1 in runs; the one-batch check pins it", "exact accumulation"),
+    ("grpo", "mask_truncated_completions = False; vLLM IS correction on with vLLM", "False; no IS correction (a "
+     "canary stops the run instead)", "False; no vLLM", ""),
+]
+
+
+def mapping_markdown() -> str:
+    lines = ["| method | TRL 1.16 (default) | ours (default) | harness sets both to | why ours differs |",
+             "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in MAPPING]  # "<|im_end|>"
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
