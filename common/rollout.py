@@ -1,0 +1,200 @@
+"""Rollout engines: G sampled completions for each prompt, with TRL's sampling semantics and nothing else.
+
+Both engines take tokenized prompts and return the same dict, prompt-major (the G completions of prompt i are rows
+i*G .. i*G+G-1, the layout common.logps.group_advantages expects):
+  prompt_ids      B*G lists (each prompt repeated G times)
+  completion_ids  B*G lists, each ending at (and including) its first EOS; anything sampled after it is dropped
+  completions     B*G decoded texts (special tokens skipped)
+  truncated       B*G bools: no EOS within max_new_tokens
+  logprobs        B*G lists of the sampled tokens' log-probs under the sampling distribution, or None
+`hf_generate` samples from the live policy (the adapter is attached: no weight sync). `VLLMEngine` is a colocated
+vLLM that sleeps between rollouts and serves the trainer's LoRA; vllm is imported only when it is constructed.
+Sampling: temperature (0 = greedy), top_p (1 = off), top_k (0 = off, TRL's default); no repetition penalty, min_p or
+any other processor, whatever the model's generation_config.json says.
+"""
+
+import os
+import shutil
+import tempfile
+
+import torch
+
+from common.data import pad_batch
+from common.logps import sequence_logps
+from common.model import DEFAULT, require
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS plus the model's generation_config EOS ids (as TRL)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ids = getattr(getattr(lm, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *ids]))
+
+
+def cut_at_eos(ids: list[int], eos: list[int]) -> tuple[list[int], bool]:
+    """(ids through the first EOS, truncated=False), or (ids, True) when no EOS was sampled."""
+    for i, token in enumerate(ids):
+        if token in eos:
+            return ids[: i + 1], False
+    return ids, True
+
+
+def _result(prompt_ids, completion_ids, eos, tokenizer, logprobs=None) -> dict:
+    cut = [cut_at_eos(list(c), eos) for c in completion_ids]
+    ids = [c for c, _ in cut]
+    return {
+        "prompt_ids": [list(p) for p in prompt_ids], "completion_ids": ids,
+        "completions": tokenizer.batch_decode(ids, skip_special_tokens=True), "truncated": [t for _, t in cut],
+        "logprobs": None if logprobs is None else [lp[: len(c)] for lp, c in zip(logprobs, ids)],
+    }
+
+
+@torch.no_grad()
+def hf_generate(
+    model, tokenizer, prompts: list[list[int]], group_size: int, temperature: float = 1.0, top_p: float = 1.0,
+    top_k: int = 0, max_new_tokens: int = 256, return_logprobs: bool = False,
+) -> dict:
+    """Sample group_size completions per prompt with `model.generate` (left padding, KV cache, eval, no_grad).
+
+    return_logprobs adds log_softmax of the processed scores (logits / T, top-k/top-p masked) at each sampled token;
+    it holds (B*G, V) fp32 per generated token, so it is off by default (grpo.py recomputes log-probs anyway).
+    """
+    from transformers import GenerationConfig
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    eos = eos_ids(model, tokenizer)
+    rows = [p for p in prompts for _ in range(group_size)]  # repeat, not num_return_sequences: greedy allows it too
+    device = next(model.parameters()).device
+    # Left padding: every row's last prompt token sits in the last column, so new tokens are appended in lockstep;
+    # generate derives position_ids from the attention mask, so padded rows see the positions of unpadded ones.
+    input_ids = pad_batch(rows, tokenizer.pad_token_id, side="left").to(device)
+    attention_mask = pad_batch([[1] * len(r) for r in rows], 0, side="left").to(device)
+    # top_k is passed even when 0: an unset field falls back to transformers' global default top_k=50.
+    greedy = dict(do_sample=False)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else greedy
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, use_cache=True,  # the KV cache, even with gradient checkpointing on
+        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        return_dict_in_generate=True, output_scores=return_logprobs, **sampling,
+    )
+    # generate() fills every field we leave unset from model.generation_config (a checkpoint's repetition_penalty,
+    # min_p, suppress_tokens, ...), so for this call the model's own config is replaced by ours.
+    saved, was_training = lm.generation_config, model.training
+    try:
+        lm.generation_config = config
+        model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    finally:
+        lm.generation_config = saved
+        model.train(was_training)
+    new = out.sequences[:, input_ids.shape[1] :]  # (B*G, T_new); rows that stopped early are padded
+    logprobs = None
+    if return_logprobs:
+        scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # (B*G, T_new, V): the distribution sampled from
+        logprobs = scores.gather(-1, new[..., None]).squeeze(-1).tolist()
+    return _result(rows, new.tolist(), eos, tokenizer, logprobs)
+
+
+class VLLMEngine:
+    """A colocated `vllm.LLM` (one process, same GPU) that serves base weights + the trainer's "default" LoRA.
+
+    Per step: generate() wakes it, samples and puts it to sleep (level 1: weights to CPU RAM, KV cache freed) so the
+    backward pass gets the memory back; sync(model) after every optimizer step writes the adapter to a temp dir and
+    serves it under a NEW LoRA id (a reused id serves stale prefix-cache blocks), then runs the canary. The base is
+    never merged into (a 4-bit base cannot be). Written against vLLM's documented API; not run in CI (no GPU).
+    """
+
+    def __init__(
+        self, model_path: str, model, tokenizer, gpu_memory_utilization: float = 0.3, max_model_len: int = 2048,
+        dtype: str = "auto", quantization: str | None = None, seed: int = 0, canary_threshold: float = 0.1,
+        canary_prompt: str = "The capital of France is",
+    ):
+        """model_path: the base the trainer loaded (hub id, path or alias); model: the trainer's PeftModel, whose
+        "default" adapter is synced (and canary-checked) once here, so the first rollout already uses it."""
+        self.vllm = require("vllm", "--engine vllm")
+        from common.embedded import resolve_model
+
+        if quantization == "8bit":
+            raise ValueError("vLLM cannot load an in-flight 8-bit base: use --quantization 4bit or none")
+        self.llm = self.vllm.LLM(
+            model=resolve_model(model_path), dtype=str(dtype).removeprefix("torch."),
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
+            enable_sleep_mode=True, enable_lora=True, max_loras=1,
+            max_lora_rank=max(8, 1 << (model.peft_config[DEFAULT].r - 1).bit_length()),  # 8, 16, 32...: round up
+            quantization="bitsandbytes" if quantization == "4bit" else None,
+            # Log-probs after temperature / top-k / top-p, i.e. of the distribution actually sampled from (vLLM
+            # >= 0.10.2; the default "raw_logprobs" ignores the temperature).
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # ignore generation_config.json defaults, as hf_generate does
+        )
+        self.tokenizer, self.eos, self.awake = tokenizer, eos_ids(model, tokenizer), True
+        self.canary_threshold, self.canary_ids = canary_threshold, tokenizer(canary_prompt)["input_ids"]
+        self.lora, self.version, self.dir = None, 0, tempfile.mkdtemp(prefix="onlyone-vllm-lora-")
+        self.sync(model)
+
+    def _set_awake(self, awake: bool) -> None:
+        if awake != self.awake:
+            self.llm.wake_up() if awake else self.llm.sleep(level=1)
+            self.awake = awake
+
+    def _sample(self, prompts, n, temperature, top_p, top_k, max_new_tokens, seed=None):
+        params = self.vllm.SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,  # -1 = off in every version
+            max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos, seed=seed,  # logprobs=0: sampled token only
+        )
+        self._set_awake(True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.lora)
+        rows, completions, logprobs = [], [], []
+        for prompt, out in zip(prompts, outs):
+            for sample in out.outputs:  # the n samples of one prompt, in order: groups stay contiguous
+                ids = list(sample.token_ids)
+                rows.append(prompt)
+                completions.append(ids)
+                logprobs.append([sample.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
+        return _result(rows, completions, self.eos, self.tokenizer, logprobs)
+
+    def generate(self, prompts, group_size, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256) -> dict:
+        try:
+            return self._sample(prompts, group_size, temperature, top_p, top_k, max_new_tokens)
+        finally:
+            self._set_awake(False)  # always give the memory back to training, even if sampling raised
+
+    def sync(self, model) -> float:
+        """Serve the trainer's current "default" adapter under a new id; return the canary's log-prob gap."""
+        self.version += 1
+        path = os.path.join(self.dir, f"v{self.version}")
+        model.save_pretrained(path, selected_adapters=[DEFAULT])  # adapter only, never a merged (4-bit) base
+        from vllm.lora.request import LoRARequest
+
+        self.lora = LoRARequest(f"policy-v{self.version}", self.version, path)
+        shutil.rmtree(os.path.join(self.dir, f"v{self.version - 2}"), ignore_errors=True)  # keep the last two
+        return self.canary(model)
+
+    @torch.no_grad()
+    def canary(self, model) -> float:
+        """mean |log p_vLLM - log p_trainer| over 16 tokens sampled (T=1, fixed seed) from a fixed prompt; raises when
+        above canary_threshold, or when (above a tenth of it) vLLM is much closer to the base weights than to the
+        trainer's policy: the signature of rollouts silently served from base weights (TRL #5312)."""
+        out = self._sample([self.canary_ids], 1, 1.0, 1.0, 0, 16, seed=0)
+        ids = torch.tensor([out["prompt_ids"][0] + out["completion_ids"][0]], device=next(model.parameters()).device)
+        mask = torch.zeros_like(ids)
+        mask[:, len(self.canary_ids) :] = 1
+        engine = torch.tensor(out["logprobs"][0], device=ids.device)
+        was_training = model.training
+        model.eval()  # dropout off: the engine has none
+        try:
+            policy = sequence_logps(model, ids, torch.ones_like(ids), mask)[0, len(self.canary_ids) :]
+            with model.disable_adapter():
+                base = sequence_logps(model, ids, torch.ones_like(ids), mask)[0, len(self.canary_ids) :]
+        finally:
+            model.train(was_training)
+        gap, base_gap = (engine - policy).abs().mean().item(), (engine - base).abs().mean().item()
+        if gap > self.canary_threshold or (gap > self.canary_threshold / 10 and base_gap < 0.5 * gap):
+            raise RuntimeError(
+                f"vLLM canary failed after adapter sync v{self.version}: mean |logp_vllm - logp_trainer| = {gap:.4f} "
+                f"(threshold {self.canary_threshold}), |logp_vllm - logp_base| = {base_gap:.4f}. vLLM is not "
+                "sampling from the policy being trained; stopping instead of training on wrong rollouts."
+            )
+        return gap

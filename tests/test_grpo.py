@@ -1,0 +1,240 @@
+"""grpo.py: its objective against hand-computed values, end to end on the tiny model (learning, adapters, metrics,
+resume), every circuit breaker on a forced condition, and the CLI."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import grpo
+from common.logps import aggregate_loss
+from grpo import Args, grpo_per_token_loss, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOW = 200  # the rule reward: share of completion tokens with id < LOW
+
+
+def frac_low_ids(prompts, completions, completion_ids=None, **kw):
+    """Learnable rule reward: the share of completion tokens whose id is below LOW."""
+    return [sum(t < LOW for t in ids) / len(ids) for ids in completion_ids]
+
+
+def constant(prompts, completions, **kw):
+    return [1.0] * len(completions)
+
+
+# ---------------------------------------------------------------------------------------------------- objective
+def test_ratio_one_gives_the_policy_gradient():
+    """num_iterations = 1: old = logps.detach(), so rho = 1 and d l_t / d logp_t = -A exactly (beta = 0)."""
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.5]], requires_grad=True)
+    advantages = torch.tensor([0.7, -1.3])
+    loss, kl, low, high = grpo_per_token_loss(logps, logps.detach(), None, advantages, 0.2, 0.2, 0.0)
+    loss.sum().backward()
+    expected = -advantages[:, None].expand(2, 3)
+    torch.testing.assert_close(loss.detach(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(logps.grad, expected, rtol=0, atol=0)
+    assert kl is None and not low.any() and not high.any()
+
+
+def test_clipping_by_hand():
+    """rho = 1.5 and 0.5 with A = +1 and -1, epsilon 0.2 / epsilon_high 0.28: the clip removes the gradient exactly
+    where the ratio left the trust region in the direction the advantage pushes it."""
+    old = torch.zeros(2, 2)
+    logps = torch.log(torch.tensor([[1.5, 0.5], [0.5, 1.5]])).requires_grad_()
+    advantages = torch.tensor([1.0, -1.0])
+    loss, _, low, high = grpo_per_token_loss(logps, old, None, advantages, 0.2, 0.28, 0.0)
+    # row 0 (A=+1): -min(1.5, 1.28) = -1.28 (clipped high), -min(0.5, 0.8) = -0.5 (not clipped: A > 0)
+    # row 1 (A=-1): -min(-0.5, -0.8) = 0.8 (clipped low), -min(-1.5, -1.28) = 1.5 (not clipped: A < 0)
+    torch.testing.assert_close(loss.detach(), torch.tensor([[-1.28, -0.5], [0.8, 1.5]]))
+    assert low.tolist() == [[False, False], [True, False]] and high.tolist() == [[True, False], [False, False]]
+    loss.sum().backward()  # d(-rho A)/d logp = -rho A where unclipped, 0 where clipped
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, -0.5], [0.0, 1.5]]))
+    region = (low | high).float().mean().item()
+    assert region == 0.5  # clip_ratio/region_mean over these 4 tokens
+
+
+def test_kl_term_is_added_after_the_clip():
+    """beta k3 with ref - logp = 0.5: k3 = e^0.5 - 1.5; its gradient beta (1 - e^0.5) survives on a clipped token."""
+    logps = torch.log(torch.tensor([[1.5]])).requires_grad_()
+    ref = logps.detach() + 0.5
+    loss, kl, _, high = grpo_per_token_loss(logps, torch.zeros(1, 1), ref, torch.tensor([1.0]), 0.2, 0.2, 0.1)
+    k3 = math.exp(0.5) - 1.5
+    assert kl.item() == pytest.approx(k3) and high.item()
+    assert loss.item() == pytest.approx(-1.2 + 0.1 * k3)
+    loss.sum().backward()
+    assert logps.grad.item() == pytest.approx(0.1 * (1 - math.exp(0.5)))
+
+
+@pytest.mark.parametrize("loss_type, expected", [("grpo", 1.0), ("bnpo", 1 / 3), ("dapo", 1 / 3), ("dr_grpo", 1 / 8)])
+def test_each_loss_type_end_to_end(loss_type, expected):
+    """rho = 1, A = (1, -3), completion lengths 2 and 1: per-token losses [[-1, -1], [3, -]].
+    grpo: mean of sequence means (-1 + 3) / 2; bnpo/dapo: token mean (-2 + 3) / 3; dr_grpo: sum / (B * L=4)."""
+    logps = torch.tensor([[-0.5, -1.0], [-2.0, -7.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    per_token, *_ = grpo_per_token_loss(logps, logps.detach(), None, torch.tensor([1.0, -3.0]), 0.2, 0.2, 0.0)
+    assert aggregate_loss(per_token, mask, loss_type, max_completion_length=4).item() == pytest.approx(expected)
+    # Two micro-batches with the step's normaliser sum to the same loss (what grpo.py's loop relies on).
+    parts = [aggregate_loss(per_token[s], mask[s], loss_type, 4, num_items=mask.sum(), num_sequences=2)
+             for s in (slice(0, 1), slice(1, 2))]
+    assert sum(parts).item() == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def learnable_dir(tmp_path_factory):
+    """The tiny model with a head that scores token v by +-(h . u) (+ for ids < LOW): the rule reward is then one
+    direction of the final hidden state, which LoRA learns in a few steps. With the random head the reachable logit
+    gap between the two halves of the vocabulary is ~0.1 nats, so no reward on it could rise."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import write_tiny
+
+    path = write_tiny(tmp_path_factory.mktemp("grpo_learnable"))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden = model.lm_head.weight.shape
+    sign = torch.where(torch.arange(vocab) < LOW, 1.0, -1.0)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(sign[:, None] * torch.randn(hidden, generator=g) * 0.05
+                                   + 0.02 * torch.randn(vocab, hidden, generator=g))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts_jsonl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("grpo_data") / "prompts.jsonl"
+    with open(path, "w") as f:
+        for i, q in enumerate(["What is 12 plus 7?", "Say hello", "Tom has 3 apples.", "Name a colour", "Count to 3"]):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "answer": str(i)}) + "\n")
+    return str(path)
+
+
+def run(model_dir, dataset, tmp_path, **kw):
+    defaults = dict(
+        model=model_dir, dataset=dataset, output_dir=str(tmp_path / "runs"), rewards=["tests.test_grpo:frac_low_ids"],
+        group_size=8, prompts_per_step=2, max_completion_length=8, per_device_train_batch_size=8, learning_rate=1e-3,
+        max_steps=2, seed=1, breaker_action="warn",
+    )
+    return main(Args(**{**defaults, **kw}))
+
+
+@pytest.fixture
+def spy_model(monkeypatch):
+    """Captures the policy main() builds, and a copy of every parameter right after the LoRA is attached."""
+    seen = {}
+
+    def attach(*args, **kwargs):
+        model = grpo_attach(*args, **kwargs)
+        seen["model"], seen["before"] = model, {n: p.detach().clone() for n, p in model.named_parameters()}
+        return model
+
+    grpo_attach = grpo.attach_lora
+    monkeypatch.setattr(grpo, "attach_lora", attach)
+    return seen
+
+
+def test_reward_rises_and_only_the_default_adapter_moves(learnable_dir, prompts_jsonl, tmp_path, spy_model):
+    out = run(learnable_dir, prompts_jsonl, tmp_path, max_steps=8, lora_dropout=0.0)
+    rewards = [h["reward"] for h in out["history"]]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.15, f"reward did not rise: {rewards}"
+    model, before = spy_model["model"], spy_model["before"]
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if ".ref." in name:  # "ref" = the adapter as it was before training, bit for bit
+            assert torch.equal(p, before[name.replace(".ref.", ".default.")]), name
+        elif "lora_" not in name:
+            assert torch.equal(p, before[name]), f"base weight {name} changed"
+    moved = [n for n, p in params.items() if ".default." in n and "lora_B" in n and not torch.equal(p, before[n])]
+    assert moved, "the 'default' adapter did not change"
+    expected = {
+        "reward", "reward_std", "rewards/frac_low_ids/mean", "frac_reward_zero_std", "kl", "entropy",
+        "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+        "clip_ratio/region_mean", "completions/mean_length", "completions/min_length", "completions/max_length",
+        "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "memory/peak_gb", "perf/tokens_per_s",
+        "time/rollout", "time/reward", "time/reference", "time/train", "nonfinite_updates",
+    }
+    with open(os.path.join(out["run_dir"], "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f]
+    assert len(logged) == 8 and all(expected <= set(row) for row in logged), expected - set(logged[-1])
+    assert all(math.isfinite(row[k]) for row in logged for k in expected)
+    assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
+
+
+def test_several_iterations_without_reference_and_exact_resume(tiny_model_dir, prompts_jsonl, tmp_path, spy_model):
+    """num_iterations = 2 reuses each rollout (clip metrics live); beta = 0 creates no "ref" slot; a run resumed from
+    its step-2 checkpoint ends bit-identical to the straight 4-step run (sampling RNG included)."""
+    kw = dict(num_iterations=2, beta=0.0, learning_rate=5e-2, max_steps=4, lora_dropout=0.1, loss_type="grpo",
+              mask_truncated_completions=True, max_completion_length=4)
+    straight = run(tiny_model_dir, prompts_jsonl, tmp_path / "a", save_steps=2, **kw)
+    assert "ref" not in spy_model["model"].peft_config and "kl" not in straight
+    assert any(h["clip_ratio/region_mean"] > 0 for h in straight["history"])
+    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    resumed = run(tiny_model_dir, prompts_jsonl, tmp_path / "b", resume_from_checkpoint=ckpt, **kw)
+    assert [h["step"] for h in resumed["history"]] == [3, 4]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(os.path.join(o["final_dir"], "adapter_model.safetensors")) for o in (straight, resumed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------------------------------- breakers
+QUIET = dict(breaker_max_kl=math.inf, breaker_max_clipped_ratio=2.0, breaker_max_length_growth=math.inf,
+             breaker_max_frac_zero_std=2.0)  # every breaker off, so each test trips exactly one
+BREAKERS = {
+    "kl": dict(beta=0.04, breaker_max_kl=0.0, learning_rate=5e-2),  # kl = 0 at step 1 (policy == ref), > 0 after
+    "length_pinned": dict(max_completion_length=2, breaker_max_clipped_ratio=0.5),
+    "length_exploding": dict(breaker_max_length_growth=0.5),
+    "reward_std_zero": dict(rewards=["tests.test_grpo:constant"], breaker_max_frac_zero_std=1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(BREAKERS))
+def test_each_breaker_stops_with_a_checkpoint(name, tiny_model_dir, prompts_jsonl, tmp_path, capsys):
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, max_steps=3, breaker_action="stop", breaker_patience=1,
+              **{**QUIET, **BREAKERS[name]})
+    assert out["stopped_by"] == [name]
+    step = out["history"][-1]["step"]
+    assert step == (2 if name == "kl" else 1)
+    assert os.path.isdir(os.path.join(out["run_dir"], "checkpoints", f"step-{step}"))
+    assert f"circuit breaker '{name}' fired at step {step}" in capsys.readouterr().out
+
+
+def test_nonfinite_updates_are_skipped_then_stop(tiny_model_dir, prompts_jsonl, tmp_path, spy_model, monkeypatch):
+    def nan_loss(*args, **kwargs):
+        loss, *rest = original(*args, **kwargs)
+        return (loss * math.nan, *rest)
+
+    original = grpo.grpo_per_token_loss
+    monkeypatch.setattr(grpo, "grpo_per_token_loss", nan_loss)
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, max_steps=5, breaker_action="stop", breaker_max_nonfinite=2,
+              **QUIET)
+    assert out["stopped_by"] == ["nonfinite"] and len(out["history"]) == 2 and out["nonfinite_updates"] == 2
+    model, before = spy_model["model"], spy_model["before"]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if ".default." in n), "a NaN update ran"
+
+
+def test_warn_reports_once_and_keeps_going(tiny_model_dir, prompts_jsonl, tmp_path, capsys):
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, max_steps=3, breaker_patience=1,
+              **{**QUIET, **BREAKERS["reward_std_zero"]})
+    assert len(out["history"]) == 3 and out["stopped_by"] == []
+    assert capsys.readouterr().out.count("circuit breaker 'reward_std_zero' fired") == 1
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def test_cli_help_and_one_step(tiny_model_dir, prompts_jsonl, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    help_out = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert help_out.returncode == 0 and "--group-size" in help_out.stdout and "num_generations" in help_out.stdout
+    done = subprocess.run(
+        [sys.executable, "grpo.py", "--model", tiny_model_dir, "--dataset", prompts_jsonl, "--rewards", "length",
+         "--max-steps", "1", "--group-size", "2", "--prompts-per-step", "2", "--max-completion-length", "4",
+         "--output-dir", str(tmp_path / "cli")],
+        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "grpo: reward" in done.stdout

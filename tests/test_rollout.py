@@ -1,0 +1,202 @@
+"""common/rollout.py: the HF engine on the tiny model (layout, EOS, sampling semantics, padding, log-probs) and the vLLM
+engine (import-safe on CPU; its real behaviour in @pytest.mark.gpu tests that need CUDA and vllm)."""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import LogitsProcessorList
+
+from common.data import concat_prompt_completion
+from common.logps import sequence_logps
+from common.model import attach_lora, load_model
+from common.rollout import VLLMEngine, cut_at_eos, eos_ids, hf_generate
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    model, tokenizer = load_model(tiny_model_dir, gradient_checkpointing=True)
+    model = attach_lora(model, dropout=0.1)
+    model.train()
+    return model, tokenizer
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_cut_at_eos_keeps_the_first_eos_and_drops_the_rest():
+    assert cut_at_eos([5, 2, 7, 2], [2]) == ([5, 2], False)
+    assert cut_at_eos([5, 9, 7], [2, 9]) == ([5, 9], False)
+    assert cut_at_eos([5, 7], [2]) == ([5, 7], True)
+
+
+def test_layout_groups_are_contiguous_and_fields_agree(policy):
+    model, tokenizer = policy
+    prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "The quick brown fox jumps over")]
+    out = hf_generate(model, tokenizer, prompts, group_size=3, max_new_tokens=7)
+    assert out["prompt_ids"] == [prompts[0]] * 3 + [prompts[1]] * 3
+    assert len(out["completion_ids"]) == len(out["completions"]) == len(out["truncated"]) == 6
+    assert out["logprobs"] is None
+    eos = eos_ids(model, tokenizer)
+    for c, truncated in zip(out["completion_ids"], out["truncated"]):
+        assert 1 <= len(c) <= 7
+        assert truncated == (c[-1] not in eos) and not any(t in eos for t in c[:-1])
+        assert tokenizer.pad_token_id not in c or tokenizer.pad_token_id in eos
+    assert out["completions"] == tokenizer.batch_decode(out["completion_ids"], skip_special_tokens=True)
+    assert model.training, "train mode must be restored after the rollout"
+
+
+def test_stops_at_every_declared_eos_and_flags_truncation(policy):
+    model, tokenizer = policy
+    prompt = [ids(tokenizer, "Tom has 3 apples")]
+    greedy = hf_generate(model, tokenizer, prompt, 1, temperature=0.0, max_new_tokens=6)
+    g = greedy["completion_ids"][0]
+    assert len(g) == 6 and greedy["truncated"] == [True]
+    stop = next(i for i, t in enumerate(g) if t not in g[:i])  # first token with no earlier occurrence
+    lm = model.get_base_model()
+    saved = lm.generation_config.eos_token_id
+    lm.generation_config.eos_token_id = [tokenizer.eos_token_id, g[stop]]  # e.g. an end-of-turn id in the config
+    try:
+        out = hf_generate(model, tokenizer, prompt * 2, 2, temperature=0.0, max_new_tokens=6)
+    finally:
+        lm.generation_config.eos_token_id = saved
+    assert out["completion_ids"] == [g[: stop + 1]] * 4 and out["truncated"] == [False] * 4
+
+
+def _processors(model, tokenizer, **sampling):
+    """The logits processors generate() built for one hf_generate call."""
+    lm, seen = model.get_base_model(), []
+    original = lm._get_logits_processor
+
+    def spy(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    lm._get_logits_processor = spy
+    try:
+        hf_generate(model, tokenizer, [ids(tokenizer, "hello")], 2, max_new_tokens=2, **sampling)
+    finally:
+        del lm._get_logits_processor
+    assert isinstance(seen[0], LogitsProcessorList)
+    return {type(p).__name__: p for p in seen[0]}
+
+
+def test_top_k_zero_is_off_and_the_model_generation_config_does_not_leak(policy):
+    model, tokenizer = policy
+    config = model.get_base_model().generation_config
+    config.update(top_k=5, top_p=0.5, temperature=0.3, repetition_penalty=1.5, min_p=0.2, no_repeat_ngram_size=2)
+    try:
+        plain = _processors(model, tokenizer, temperature=1.0, top_p=1.0, top_k=0)
+        asked = _processors(model, tokenizer, temperature=0.7, top_p=0.9, top_k=3)
+    finally:
+        config.update(top_k=None, top_p=None, temperature=None, repetition_penalty=None, min_p=None,
+                      no_repeat_ngram_size=None)
+    leaked = {"TopKLogitsWarper", "TopPLogitsWarper", "TemperatureLogitsWarper", "MinPLogitsWarper",
+              "RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor"} & set(plain)
+    assert not leaked, f"sampling with TRL's defaults must apply no processor, got {leaked}"
+    assert asked["TopKLogitsWarper"].top_k == 3 and asked["TopPLogitsWarper"].top_p == 0.9
+    assert asked["TemperatureLogitsWarper"].temperature == 0.7
+    assert "RepetitionPenaltyLogitsProcessor" not in asked and "MinPLogitsWarper" not in asked
+
+
+def test_eval_mode_and_kv_cache_during_generation_even_with_gradient_checkpointing(policy):
+    model, tokenizer = policy
+    lm, calls = model.get_base_model(), []
+    handle = lm.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((module.training, kwargs["input_ids"].shape[1])), with_kwargs=True
+    )
+    try:
+        hf_generate(model, tokenizer, [ids(tokenizer, "hello world again")], 2, max_new_tokens=4)
+    finally:
+        handle.remove()
+    assert len(calls) == 4 and not any(training for training, _ in calls)
+    assert calls[0][1] > 1 and all(width == 1 for _, width in calls[1:]), "decoding steps must feed one token (cache)"
+    assert model.training
+
+
+def test_left_padding_gives_the_unpadded_greedy_completion(policy):
+    model, tokenizer = policy
+    short, long = ids(tokenizer, "hi"), ids(tokenizer, "The quick brown fox jumps over the lazy dog. What is 12 + 7?")
+    alone = hf_generate(model, tokenizer, [short], 1, temperature=0.0, max_new_tokens=8)
+    batched = hf_generate(model, tokenizer, [long, short], 1, temperature=0.0, max_new_tokens=8)
+    assert batched["completion_ids"][1] == alone["completion_ids"][0]
+
+
+def test_engine_logprobs_match_sequence_logps(policy):
+    model, tokenizer = policy
+    prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "What is 12 plus 7? The answer is")]
+    out = hf_generate(model, tokenizer, prompts, 2, temperature=0.7, max_new_tokens=6, return_logprobs=True)
+    batch = concat_prompt_completion(out["prompt_ids"], out["completion_ids"], tokenizer.pad_token_id)
+    model.eval()  # the engine samples without dropout
+    try:
+        with torch.no_grad():
+            logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
+                                   temperature=0.7)
+    finally:
+        model.train()
+    for i, (p, c) in enumerate(zip(out["prompt_ids"], out["completion_ids"])):
+        expected = logps[i, len(p) : len(p) + len(c)]
+        torch.testing.assert_close(torch.tensor(out["logprobs"][i]), expected, rtol=0, atol=1e-4)
+
+
+def test_vllm_engine_without_vllm_is_a_one_line_install_hint(policy, monkeypatch):
+    model, tokenizer = policy
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ImportError, match="pip install vllm") as err:
+        VLLMEngine("unused", model, tokenizer)
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------- GPU + vLLM
+@pytest.fixture(scope="module")
+def gpu_policy(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from tests.tiny import write_tiny
+
+    path = write_tiny(tmp_path_factory.mktemp("vllm_tiny"), hidden=256)  # head_dim 64: every vLLM attention backend
+    model, tokenizer = load_model(path, dtype="bf16")
+    model = attach_lora(model, r=16, dropout=0.0)
+    engine = VLLMEngine(path, model, tokenizer, gpu_memory_utilization=0.2, max_model_len=256, dtype="bfloat16")
+    return path, model, tokenizer, engine
+
+
+@pytest.mark.gpu
+def test_vllm_rollout_layout_logprobs_and_sleep(gpu_policy):
+    _, model, tokenizer, engine = gpu_policy
+    assert engine.version == 1 and engine.awake  # the constructor synced the starting adapter and ran the canary
+    assert engine.sync(model) < 0.1
+    prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "The quick brown fox")]
+    free_awake = torch.cuda.mem_get_info()[0]
+    out = engine.generate(prompts, 4, temperature=1.0, max_new_tokens=12)
+    assert not engine.awake and torch.cuda.mem_get_info()[0] > free_awake + 2**30, "sleep must free the KV cache"
+    assert out["prompt_ids"] == [prompts[0]] * 4 + [prompts[1]] * 4
+    eos = eos_ids(model, tokenizer)
+    for c, truncated, lp in zip(out["completion_ids"], out["truncated"], out["logprobs"]):
+        assert len(lp) == len(c) <= 12 and truncated == (c[-1] not in eos)
+    batch = concat_prompt_completion(out["prompt_ids"], out["completion_ids"], tokenizer.pad_token_id)
+    batch = {k: v.cuda() for k, v in batch.items()}
+    with torch.no_grad():
+        logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    gaps = [(torch.tensor(lp) - logps[i, len(p) : len(p) + len(lp)].cpu()).abs().mean()
+            for i, (p, lp) in enumerate(zip(out["prompt_ids"], out["logprobs"]))]
+    assert max(gaps) < 0.1, f"vLLM and trainer log-probs differ by up to {max(gaps):.3f} nats/token"
+
+
+@pytest.mark.gpu
+def test_vllm_follows_each_sync_and_the_canary_catches_a_stale_adapter(gpu_policy):
+    _, model, tokenizer, engine = gpu_policy
+    with torch.no_grad():  # move the policy far from the base so that base-weight rollouts are unmistakable
+        for name, p in model.named_parameters():
+            if "lora_B" in name and ".default." in name:
+                p.normal_(0, 0.05)
+    version = engine.version
+    assert engine.sync(model) < 0.1 and engine.version == version + 1 and engine.lora.lora_int_id == version + 1
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name and ".default." in name:
+                p.mul_(-1.0)  # the trainer moved on, vLLM still serves the previous adapter
+    with pytest.raises(RuntimeError, match="canary"):
+        engine.canary(model)
+    engine.sync(model)  # a new id: vLLM picks up the new weights and the canary passes again
