@@ -12,7 +12,9 @@ Differences from TRL's GRPOTrainer defaults:
 - LoRA only (all-linear, r=16, alpha=32), learning_rate=3e-4 (TRL: full fine-tuning at 1e-6).
 - A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
   CPU-sized defaults (2 x 8 completions of <= 64 tokens, 15 steps) so `python grpo.py` ends in minutes (TRL: 1 x 8
-  of <= 256). temperature=0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise (3% vs 9% right answers).
+  of <= 512). temperature=0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise (3% vs 9% right answers).
+- The KL term's gradient is plain beta * grad k3 (DeepSeekMath); TRL 1.16's use_bias_correction_kl=True multiplies
+  k3 by the ratio (same loss value, a slightly different gradient; pinned in tests/test_parity.py).
 - Prompts longer than max_prompt_length are dropped, not truncated (TRL 1.16 does not truncate them).
 - --engine vllm: no importance-sampling correction for the engine/trainer mismatch (TRL: on); instead a canary
   check after every adapter sync stops the run when vLLM's log-probs are not the trainer's.
