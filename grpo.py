@@ -36,7 +36,7 @@ from transformers import get_scheduler
 from common.data import concat_prompt_completion, load_rows, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, kl_k3, masked_mean, masked_sum, sequence_logps
 from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
-from common.rewards import compute_rewards, load_reward_funcs
+from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import VLLMEngine, hf_generate
 from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
 from common.templates import setup_chat_template
@@ -195,18 +195,6 @@ def prompt_batch(examples: list[dict], step: int, n: int, seed: int) -> list[dic
     return [examples[order[(pos * n + i) % len(examples)]] for i in range(n)]
 
 
-def score(batch: list[dict], out: dict, reward_funcs, group_size: int, max_completion_length: int):
-    """(rewards (B*G,), per-function rewards (B*G, F)) for a rollout. Conversational prompts get each completion as
-    one assistant message (TRL's convention); every other dataset column reaches the rewards repeated per sample."""
-    rows = [row for row in batch for _ in range(group_size)]
-    chat = isinstance(rows[0]["prompt"], list)
-    completions = [[{"role": "assistant", "content": c}] if chat else c for c in out["completions"]]
-    keys = {k for row in rows for k in row} - {"prompt", "prompt_ids", "_loc"}
-    fields = {k: [row.get(k) for row in rows] for k in sorted(keys)}
-    fields |= {"completion_ids": out["completion_ids"], "max_completion_length": max_completion_length}
-    return compute_rewards(reward_funcs, [row["prompt"] for row in rows], completions, fields)
-
-
 def tripped_breakers(history: list[dict], args: Args) -> dict[str, str]:
     """{breaker: metric watched} for each breaker_* condition (see Args) that held on each of the last
     breaker_patience steps; 'nonfinite' once breaker_max_nonfinite updates in all were skipped."""
@@ -276,7 +264,8 @@ def main(args: Args) -> dict:
                        top_k=args.top_k, max_new_tokens=args.max_completion_length)
         t1 = time.perf_counter()
         # (2) rewards -> advantages, normalised within each group of G (the "group relative" baseline)
-        rewards, per_func = score(batch, out, reward_funcs, G, args.max_completion_length)
+        sample_rows = [row for row in batch for _ in range(G)]  # each prompt's row once per sample of its group
+        rewards, per_func = score_rollout(sample_rows, out, reward_funcs, args.max_completion_length)
         advantages, std_grouped = group_advantages(rewards, G, args.scale_rewards)
         t2 = time.perf_counter()
         seqs = concat_prompt_completion(out["prompt_ids"], out["completion_ids"], tokenizer.pad_token_id)
@@ -391,7 +380,7 @@ def main(args: Args) -> dict:
 def evaluate(generate, eval_examples: list[dict], reward_funcs, max_completion_length: int) -> dict:
     """One greedy completion per eval prompt: its mean reward and length."""
     out = generate([e["prompt_ids"] for e in eval_examples], 1, temperature=0.0, max_new_tokens=max_completion_length)
-    rewards, _ = score(eval_examples, out, reward_funcs, 1, max_completion_length)
+    rewards, _ = score_rollout(eval_examples, out, reward_funcs, max_completion_length)
     lengths = [len(c) for c in out["completion_ids"]]
     return {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
 

@@ -31,7 +31,7 @@ import tyro
 from common.data import DataError, collate_sft, load_rows, micro_batch, tokenize_dataset, validate_rows
 from common.logps import sequence_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
-from common.rewards import compute_rewards, load_reward_funcs
+from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import hf_generate
 from common.run import Logger, make_run_dir, peak_memory_gb, seed_everything
 from common.templates import setup_chat_template
@@ -175,16 +175,6 @@ def spin_pairs(rows: list[dict], generations: list[str | None]) -> list[dict]:
     return pairs
 
 
-def score(rows: list[dict], out: dict, reward_funcs, max_completion_length: int):
-    """(rewards (N,), per-function rewards (N, F)) of N samples and their N rows; other columns reach the rewards."""
-    chat = isinstance(rows[0]["prompt"], list)
-    keys = sorted({k for row in rows for k in row} - {"prompt", "prompt_ids", "_loc"})
-    fields = {k: [row.get(k) for row in rows] for k in keys}
-    fields |= {"completion_ids": out["completion_ids"], "max_completion_length": max_completion_length}
-    completions = [as_completion(c, chat) for c in out["completions"]]
-    return compute_rewards(reward_funcs, [row["prompt"] for row in rows], completions, fields)
-
-
 def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dict, model=None) -> str:
     """Write run_dir/round-n atomically: the JSONL files, metrics.json and the "default" adapter go into a temp dir
     that is renamed into place last, so a round dir exists only when it is complete."""
@@ -300,7 +290,7 @@ def main(args: Args) -> dict:
             sft_rows, pair_rows = [], spin_pairs(batch, generations)
         else:
             # (2) rewards; unusable samples score NaN in the selection, which select_best and make_pairs skip
-            rewards, per_func = score(rows_k, out, reward_funcs, args.max_completion_length)
+            rewards, per_func = score_rollout(rows_k, out, reward_funcs, args.max_completion_length)
             scores = torch.where(torch.tensor(usable), rewards, math.nan).view(len(batch), G)  # (P, K)
             for sample, reward, ok in zip(samples, rewards.tolist(), usable):
                 sample |= {"reward": reward, "usable": ok}

@@ -447,3 +447,14 @@ def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torc
         per_func[:, i] = torch.tensor([math.nan if r is None else float(r) for r in out])
     weights = torch.tensor([w for _, _, w in funcs])
     return (per_func * weights).nansum(dim=1), per_func
+
+
+def score_rollout(rows: list[dict], out: dict, funcs, max_completion_length: int):
+    """compute_rewards for N rollout samples (out from common.rollout) and their N dataset rows. Conversational
+    prompts get each completion as one assistant message (TRL's convention); every other column reaches the rewards."""
+    chat = isinstance(rows[0]["prompt"], list)
+    completions = [[{"role": "assistant", "content": c}] if chat else c for c in out["completions"]]
+    keys = sorted({k for row in rows for k in row} - {"prompt", "prompt_ids", "_loc"})
+    fields = {k: [row.get(k) for row in rows] for k in keys}
+    fields |= {"completion_ids": out["completion_ids"], "max_completion_length": max_completion_length}
+    return compute_rewards(funcs, [row["prompt"] for row in rows], completions, fields)
