@@ -10,9 +10,12 @@ Differences from TRL's GRPOTrainer defaults:
 - beta=0.04: the k3 KL penalty to the starting policy is on (TRL: 0.0). The reference is a frozen copy of the
   starting adapter (the "ref" LoRA slot), never a second model; with --beta 0 it is not created at all.
 - LoRA only (all-linear, r=16, alpha=32), learning_rate=3e-4 (TRL: full fine-tuning at 1e-6).
+- Each prompt goes through the backbone once per group, not G times: in generation (its KV cache is prefilled once
+  and repeated) and in the log-prob passes (common.logps.grouped_completion_logps); same numbers, less compute.
 - A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
-  CPU-sized defaults (2 x 8 completions of <= 64 tokens, 15 steps) so `python grpo.py` ends in minutes (TRL: 1 x 8
-  of <= 512). temperature=0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise (3% vs 9% right answers).
+  CPU-sized defaults (2 x 8 completions of <= 64 tokens, 20 steps) so `python grpo.py` ends in ~10 minutes on a
+  2-core CPU (TRL: 1 x 8 of <= 512). That budget is too small for SmolLM2-135M's accuracy to move (README).
+- temperature=0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise (3% vs 9% right answers).
 - The KL term's gradient is plain beta * grad k3 (DeepSeekMath); TRL 1.16's use_bias_correction_kl=True multiplies
   k3 by the ratio (same loss value, a slightly different gradient; pinned in tests/test_parity.py).
 - Prompts longer than max_prompt_length are dropped, not truncated (TRL 1.16 does not truncate them).
@@ -30,11 +33,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_prompt_completion, load_rows, tokenize_dataset, validate_rows
-from common.logps import aggregate_loss, group_advantages, kl_k3, masked_mean, masked_sum, sequence_logps
+from common.data import load_rows, pad_batch, tokenize_dataset, validate_rows
+from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
 from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import VLLMEngine, hf_generate
@@ -112,7 +116,7 @@ class Args:
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf = model.generate on the live policy; vllm = colocated vLLM with LoRA sync (CUDA)"""
     max_completion_length: int = 64
-    """max new tokens per completion (TRL: 256)"""
+    """max new tokens per completion (TRL: 512)"""
     temperature: float = 0.7
     """sampling temperature (TRL: 1.0); the log-probs in the loss use the same temperature (as TRL)"""
     top_p: float = 1.0
@@ -127,8 +131,9 @@ class Args:
     learning_rate: float = 3e-4
     """peak AdamW learning rate"""
     per_device_train_batch_size: int = 8
-    """completions per forward/backward micro-batch (the loss is normalised over the whole step)"""
-    max_steps: int = 15
+    """completions per forward/backward micro-batch, rounded down to whole groups (at least one); the loss is
+    normalised over the whole step"""
+    max_steps: int = 20
     """rollout steps"""
     warmup_steps: int = 0
     """linear warmup (in optimizer updates)"""
@@ -268,19 +273,21 @@ def main(args: Args) -> dict:
         rewards, per_func = score_rollout(sample_rows, out, reward_funcs, args.max_completion_length)
         advantages, std_grouped = group_advantages(rewards, G, args.scale_rewards)
         t2 = time.perf_counter()
-        seqs = concat_prompt_completion(out["prompt_ids"], out["completion_ids"], tokenizer.pad_token_id)
-        seqs = {k: v.to(device) for k, v in seqs.items()}  # right-padded; positions come from the attention mask
         truncated = torch.tensor(out["truncated"], device=device)
-        # The completion mask covers the completion through its EOS (the EOS is an action the policy took).
-        completion_mask = seqs["completion_mask"]
+        # The completion mask covers the completion through its EOS (the EOS is an action the policy took). (n, C)
+        completion_mask = pad_batch([[1] * len(c) for c in out["completion_ids"]], 0).to(device)
         if args.mask_truncated_completions:
             completion_mask = completion_mask * ~truncated[:, None]  # TRL: no loss on completions cut off mid-answer
-        n, mb = len(out["completion_ids"]), args.per_device_train_batch_size
+        n, width = len(out["completion_ids"]), completion_mask.shape[1]
+        # Micro-batches hold whole groups: each prompt then goes through the backbone once for its G completions.
+        mb = max(1, args.per_device_train_batch_size // G) * G
         micro = [slice(i, i + mb) for i in range(0, n, mb)]
 
         def logps_of(s, entropy=False):  # logits / T: the distribution the completions were sampled from (as TRL)
-            return sequence_logps(model, seqs["input_ids"][s], seqs["attention_mask"][s], completion_mask[s],
-                                  temperature=args.temperature, return_entropy=entropy)
+            res = grouped_completion_logps(model, out["prompt_ids"][s][::G], out["completion_ids"][s], G,
+                                           tokenizer.pad_token_id, args.temperature, return_entropy=entropy)
+            res = [F.pad(x, (0, width - x.shape[1])) for x in res]  # to the step's width, so completion_mask[s] fits
+            return (res[0], res[2]) if entropy else res[0]
         # (3) pi_old: with one update per rollout pi_old = pi_theta, so old = logps.detach() (ratio exactly 1, as
         # TRL); with several, the sampling policy's log-probs are frozen here once, before the first update.
         with torch.no_grad():
@@ -328,6 +335,7 @@ def main(args: Args) -> dict:
         t5 = time.perf_counter()
 
         lengths = torch.tensor([len(c) for c in out["completion_ids"]], dtype=torch.float)
+        n_tokens = sum(map(len, out["prompt_ids"] + out["completion_ids"]))  # as if unshared, comparable with TRL's
         tokens = max(sums["tokens"], 1.0)  # completion tokens in the loss, summed over the num_iterations updates
         metrics = {
             "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
@@ -340,7 +348,7 @@ def main(args: Args) -> dict:
             "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": truncated.float().mean().item(), "loss": sum(losses) / len(losses),
             "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0], "nonfinite_updates": nonfinite,
-            "memory/peak_gb": peak_memory_gb(), "perf/tokens_per_s": seqs["attention_mask"].sum().item() / (t5 - t0),
+            "memory/peak_gb": peak_memory_gb(), "perf/tokens_per_s": n_tokens / (t5 - t0),
             "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/reference": t4 - t3, "time/train": t5 - t4 + t3 - t2,
             **({"vllm/canary_logp_diff": canary} if canary is not None else {}),
         }
@@ -368,8 +376,10 @@ def main(args: Args) -> dict:
     tokenizer.save_pretrained(final_dir)
     logger.close()
     k = max(1, min(5, len(history) // 4))  # mean of the first / last few steps: single steps are noisy
-    first, last = (sum(h["reward"] for h in hs) / max(1, len(hs)) for hs in (history[:k], history[-k:]))
-    print(f"grpo: reward {first:.3f} -> {last:.3f} (mean of first/last {k} steps), kl {metrics.get('kl', 0.0):.4f}, "
+    names = {"reward": "reward"} | {f"rewards/{n}/mean": n for n, _, _ in reward_funcs if len(reward_funcs) > 1}
+    trend = ", ".join(f"{name} {sum(h[key] for h in history[:k]) / k:.3f} -> {sum(h[key] for h in history[-k:]) / k:.3f}"
+                      for key, name in names.items())  # the total, then each reward function's own mean
+    print(f"grpo: {trend} (mean of first/last {k} steps), kl {metrics.get('kl', 0.0):.4f}, "
           f"{time.perf_counter() - t_start:.0f} s for {len(history)} steps; run dir {run_dir}, TensorBoard: "
           f"tensorboard --logdir {args.output_dir}; adapter {final_dir}")
     stopped_by = sorted(active) if args.breaker_action == "stop" else []

@@ -161,6 +161,60 @@ def sequence_logps(
     return (per_token_logps, F.pad(entropy, (1, 0)).detach()) if return_entropy else per_token_logps
 
 
+def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_id, temperature=1.0, chunk_size=1024,
+                             return_entropy=False):
+    """per_token_logps[r, t] = log p(completion_ids[r][t] | prompt_ids[r // G], completion_ids[r][:t]), (B*G, C) fp32,
+    0 past each completion's end; each of the B prompts runs through the backbone ONCE for its group of G completions.
+
+    The prompt pass (left-padded, B rows) fills a KV cache that is repeated G times (repeat_interleave: gradients
+    flow back into the prompt pass), then the completions (right-padded, B*G rows) attend to it. The same numbers as
+    sequence_logps on the concatenated rows (to fp32 rounding), for (B*P + B*G*C) tokens instead of B*G*(P + C).
+    Returns (logps, completion_mask[, entropy]).
+    """
+    from transformers import DynamicCache
+
+    from common.data import concat_prompt_completion, pad_batch
+
+    lm = _unwrap(model)
+    device, decoder, head = lm.device, lm.get_decoder(), lm.get_output_embeddings()
+    if not _head_is_plain_linear(lm) or (lm.training and getattr(lm, "is_activation_checkpointing", False)):
+        # Score the concatenated rows instead (same numbers, no sharing) when the head is not a plain linear layer,
+        # or under activation checkpointing in train mode, where transformers drops the KV cache (the completions
+        # would silently not see their prompt).
+        rows = [p for p in prompt_ids for _ in range(group_size)]
+        seqs = {k: v.to(device) for k, v in concat_prompt_completion(rows, completion_ids, pad_id).items()}
+        out = sequence_logps(model, seqs["input_ids"], seqs["attention_mask"], seqs["completion_mask"],
+                             temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+        out = out if return_entropy else (out,)
+        width = max(map(len, completion_ids))
+        index = torch.tensor([[min(len(p) + t, len(p) + len(c) - 1) for t in range(width)]
+                              for p, c in zip(rows, completion_ids)], device=device)
+        c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)
+        picked = [torch.where(c_mask.bool(), x.gather(1, index), 0.0) for x in out]
+        return (picked[0], c_mask, picked[1]) if return_entropy else (picked[0], c_mask)
+    p_ids = pad_batch(prompt_ids, pad_id, "left").to(device)  # (B, P): every prompt ends in the last column
+    p_mask = pad_batch([[1] * len(p) for p in prompt_ids], 0, "left").to(device)
+    cache = DynamicCache(config=lm.config)
+    p_out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
+                    cache=cache, use_cache=True)
+    cache.batch_repeat_interleave(group_size)  # (B*G, ...) views of one computation: its gradient sums over the group
+    c_ids = pad_batch(completion_ids, pad_id).to(device)  # (B*G, C)
+    c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)
+    # Completion positions continue each prompt's real length (left padding does not count), as in generation.
+    c_pos = p_mask.sum(-1).repeat_interleave(group_size)[:, None] + torch.arange(c_ids.shape[1], device=device)
+    c_out = decoder(input_ids=c_ids, attention_mask=torch.cat([p_mask.repeat_interleave(group_size, 0), c_mask], 1),
+                    position_ids=c_pos, cache=cache, use_cache=True)
+    # The state before token t predicts it: the prompt's last one for t = 0, then the completion's own.
+    first = p_out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
+    hidden = torch.cat([first, c_out.last_hidden_state[:, :-1]], 1)  # (B*G, C, H)
+    scored = c_mask.bool()
+    out = chunked_logps(hidden[scored], head.weight, c_ids[scored], temperature, chunk_size, head.bias, return_entropy)
+    logps, entropy = out if return_entropy else (out, None)
+    zeros = torch.zeros(scored.shape, dtype=torch.float32, device=device)
+    logps = zeros.masked_scatter(scored, logps)
+    return (logps, c_mask, zeros.masked_scatter(scored, entropy)) if return_entropy else (logps, c_mask)
+
+
 def entropy_from_logits(logits):
     """H = -sum_v p_v log p_v with p = softmax(logits), in fp32, one value per position (logits.shape[:-1])."""
     # entr(p) = -p log p with entr(0) = 0, so -inf logits (masked vocab) give 0 instead of 0 * -inf = NaN

@@ -13,6 +13,7 @@ from common.logps import (
     chunked_logps,
     entropy_from_logits,
     group_advantages,
+    grouped_completion_logps,
     kl_k1,
     kl_k2,
     kl_k3,
@@ -263,6 +264,82 @@ def test_fallback_paths_match_naive(monkeypatch):
         plain.config.final_logit_softcapping = 30.0  # Qwen2 ignores it, so both paths must still agree
         logps = sequence_logps(plain, input_ids, attention_mask, logps_mask)
         torch.testing.assert_close(logps, naive_sequence_logps(plain, input_ids, attention_mask, logps_mask)[0])
+
+
+def grouped_case(G=3, seed=0):
+    """2 prompts (lengths 4 and 7: left padding in the shared pass) x G completions of lengths 1..6."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (4, 7)]
+    completions = [torch.randint(1, VOCAB, (1 + (5 * i) % 6,), generator=g).tolist() for i in range(2 * G)]
+    return prompts, completions
+
+
+def unshared_logps(model, prompts, completions, G, temperature, entropy=False):
+    """Reference: sequence_logps on each prompt+completion row (prompt repeated), cut to the completion columns."""
+    rows = [p for p in prompts for _ in range(G)]
+    out = [sequence_logps(model, torch.tensor([p + c]), torch.ones(1, len(p) + len(c), dtype=torch.long),
+                          torch.tensor([[0] * len(p) + [1] * len(c)]), temperature=temperature,
+                          return_entropy=entropy) for p, c in zip(rows, completions)]
+    out = [o if entropy else (o,) for o in out]
+    width = max(map(len, completions))
+    pad = torch.nn.functional.pad
+    return [torch.cat([pad(o[k][:, len(p):], (0, width - len(c))) for o, p, c in zip(out, rows, completions)])
+            for k in range(len(out[0]))]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gpt2"])
+def test_grouped_completion_logps_match_unshared_rows(arch):
+    """One prompt pass per group (its KV cache repeated G times) gives each row's own log-probs and entropies."""
+    model, G = tiny_model(arch), 3
+    prompts, completions = grouped_case(G)
+    with torch.no_grad():
+        logps, mask, entropy = grouped_completion_logps(model, prompts, completions, G, pad_id=0, temperature=0.8,
+                                                        chunk_size=5, return_entropy=True)
+        ref, ref_entropy = unshared_logps(model, prompts, completions, G, 0.8, entropy=True)
+    assert mask.tolist() == [[1] * len(c) + [0] * (6 - len(c)) for c in completions]
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    assert (logps[mask.bool()] < 0).all() and (logps[~mask.bool()] == 0).all()
+
+
+def test_grouped_completion_logps_lora_grads_match_unshared_rows():
+    """The gradient reaches the adapter through the shared prompt pass too (the completions' keys/values of the
+    prompt): summed over the group, it equals the gradient of the unshared rows."""
+    model, G = lora_model("qwen2"), 2
+    prompts, completions = grouped_case(G, seed=1)
+    logps, mask = grouped_completion_logps(model, prompts, completions, G, pad_id=0, temperature=0.9)
+    ref = unshared_logps(model, prompts, completions, G, 0.9)[0]
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(logps.shape, generator=torch.Generator().manual_seed(3))
+    for a, r in zip(torch.autograd.grad((logps * weights).sum(), lora),
+                    torch.autograd.grad((ref * weights).sum(), lora), strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+
+
+def test_grouped_completion_logps_fallbacks_match(monkeypatch):
+    """Gradient checkpointing in train mode (transformers then drops the KV cache) and a LoRA'd lm_head both score
+    the concatenated rows instead: same numbers, no sharing."""
+    model, G = lora_model("qwen2", target_modules=["q_proj", "v_proj", "lm_head"]), 2
+    prompts, completions = grouped_case(G, seed=2)
+    with torch.no_grad():
+        ref = unshared_logps(model, prompts, completions, G, 1.0)[0]
+        calls = []
+        monkeypatch.setattr(logps_module, "sequence_logps",
+                            lambda *a, **k: calls.append(1) or sequence_logps(*a, **k))
+        logps, _ = grouped_completion_logps(model, prompts, completions, G, pad_id=0)
+        assert calls, "a LoRA'd lm_head must take the concatenated-rows path"
+        torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+        plain = lora_model("qwen2")
+        plain.gradient_checkpointing_enable()
+        plain.train()
+        for module in plain.modules():  # dropout is 0 here already; train mode is what switches checkpointing on
+            assert not isinstance(module, torch.nn.Dropout) or module.p == 0
+        calls.clear()
+        logps, _ = grouped_completion_logps(plain, prompts, completions, G, pad_id=0)
+        assert calls, "gradient checkpointing in train mode must take the concatenated-rows path"
+        plain.eval()
+        torch.testing.assert_close(logps, unshared_logps(plain, prompts, completions, G, 1.0)[0], atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- masked reductions

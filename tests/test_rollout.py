@@ -107,11 +107,14 @@ def test_eval_mode_and_kv_cache_during_generation_even_with_gradient_checkpointi
         lambda module, args, kwargs: calls.append((module.training, kwargs["input_ids"].shape[1])), with_kwargs=True
     )
     try:
+        hf_generate(model, tokenizer, [ids(tokenizer, "hello world again")], 1, max_new_tokens=4)
         hf_generate(model, tokenizer, [ids(tokenizer, "hello world again")], 2, max_new_tokens=4)
     finally:
         handle.remove()
-    assert len(calls) == 4 and not any(training for training, _ in calls)
-    assert calls[0][1] > 1 and all(width == 1 for _, width in calls[1:]), "decoding steps must feed one token (cache)"
+    assert len(calls) == 8 and not any(training for training, _ in calls)
+    assert calls[0][1] > 1 and all(width == 1 for _, width in calls[1:4]), "decoding steps must feed one token (cache)"
+    # group_size 2: the shared prefix was prefilled outside generate(), which feeds only the prompt's last token
+    assert all(width == 1 for _, width in calls[4:])
     assert model.training
 
 
@@ -121,6 +124,24 @@ def test_left_padding_gives_the_unpadded_greedy_completion(policy):
     alone = hf_generate(model, tokenizer, [short], 1, temperature=0.0, max_new_tokens=8)
     batched = hf_generate(model, tokenizer, [long, short], 1, temperature=0.0, max_new_tokens=8)
     assert batched["completion_ids"][1] == alone["completion_ids"][0]
+
+
+def test_shared_prompt_prefill_gives_the_unshared_completions(policy):
+    """Group members share one prefill of their prompt: greedy completions equal those of the prompt repeated as
+    separate rows (group_size 1), for prompts of different lengths (left padding) and a 1-token prompt."""
+    model, tokenizer = policy
+    prompts = [ids(tokenizer, "hi there"), ids(tokenizer, "The quick brown fox jumps over the lazy dog. What is 12?")]
+    shared = hf_generate(model, tokenizer, prompts, 3, temperature=0.0, max_new_tokens=8, return_logprobs=True)
+    rows = [p for p in prompts for _ in range(3)]
+    unshared = hf_generate(model, tokenizer, rows, 1, temperature=0.0, max_new_tokens=8, return_logprobs=True)
+    assert shared["completion_ids"] == unshared["completion_ids"]
+    for a, b in zip(shared["logprobs"], unshared["logprobs"]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    one_token = ids(tokenizer, "hi")
+    assert len(one_token) == 1  # nothing to prefill: the unshared path
+    alone = hf_generate(model, tokenizer, [one_token], 1, temperature=0.0, max_new_tokens=4)
+    one_token = hf_generate(model, tokenizer, [one_token], 2, temperature=0.0, max_new_tokens=4)
+    assert one_token["completion_ids"] == alone["completion_ids"] * 2
 
 
 def test_engine_logprobs_match_sequence_logps(policy):
