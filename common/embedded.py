@@ -140,8 +140,14 @@ NAMES = {"Tom": "he", "Mia": "she", "Sam": "he", "Lily": "she", "Ben": "he", "Av
 ITEMS = ["apples", "marbles", "stickers", "pencils", "cookies", "books", "cards", "shells", "stamps", "balloons"]
 PRICED = ["pen", "notebook", "toy car", "sandwich", "ticket", "comic"]
 # Chosen by measurement: SmolLM2-135M ended 43/50 answers with "#### N" under it (34/50 for "Explain briefly, then
-# give the final answer after ####."); the reward also falls back to the last number when it does not.
+# give the final answer after ####."); the reward also falls back to the last number when it does not. evals/gsm8k.py
+# asks real GSM8K questions with it.
 MATH_INSTRUCTION = "Solve it step by step. On the last line, write the final answer as #### followed by the number."
+# The built-in problems take one or two steps, so their prompts ask for a one-line answer: shorter rollouts make each
+# GRPO step cheaper and fewer are cut off. Measured on SmolLM2-135M (T=0.7, <= 64 new tokens): 12.5% right, 22% cut
+# off, 17% ending with "#### N" (96 samples of 12 train prompts), against 6.5% right and 59% cut off at 53 tokens on
+# average under MATH_INSTRUCTION (352 samples, 32 per problem kind).
+BUILTIN_INSTRUCTION = "Solve it in one line with the calculation, and end with #### followed by the number."
 
 
 def _problem(rng: random.Random):
@@ -248,7 +254,7 @@ def builtin_rows(name: str, split: str = "train") -> list[dict]:
     rng = random.Random(f"slips-{split}")
     rows = []
     for i, pb in enumerate(problems):
-        prompt = [{"role": "user", "content": f"{pb['question']}\n{MATH_INSTRUCTION}"}]
+        prompt = [{"role": "user", "content": f"{pb['question']}\n{BUILTIN_INSTRUCTION}"}]
         right = [{"role": "assistant", "content": pb["answer"]}]
         wrong = [{"role": "assistant", "content": _wrong(pb["answer"], rng)}]  # always drawn: same slips per name
         good = i % 2 == 0  # alternating labels keep math_binary exactly balanced

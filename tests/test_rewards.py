@@ -26,6 +26,7 @@ from common.rewards import (
     compute_rewards,
     extract_answer,
     format_reward,
+    gsm8k_format_reward,
     json_reward,
     load_reward_funcs,
     math_reward,
@@ -295,6 +296,27 @@ def test_format_reward():
         "<answer>b</answer>",
     ]
     assert format_reward(None, completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_gsm8k_format_reward():
+    completions = [
+        "3 + 4 = 7 apples.\n#### 7",
+        "1000 + 234 = 1,234\n#### 1234  \n",  # thousands commas do not matter
+        "It costs 2 * 6.25 = $12.50. #### $12.50",
+        "10 - 13 = -3\n#### -3.",  # a closing full stop is still the answer line
+        "3 + 4 = 7\n#### 7 apples",  # words after the number
+        "3 + 4 = 7\n#### 7\nThe answer is 7.",  # the answer line is not last
+        "3 + 4 = 7. The answer is 7.",  # no answer line
+        "#### 7",  # no calculation before it: the form alone earns nothing
+        "3 + 4 = 8\n#### 7",  # the answer is not the calculation's result
+        "2 + 5 = 7, 7 * 2 = 14\n#### 7",  # only the last calculation counts
+        "6 + 1 = 70\n#### 7",  # 70 is not 7
+        [{"role": "assistant", "content": "5 * 2 = 10\n####10"}],  # conversational; no space needed
+    ]
+    assert gsm8k_format_reward(None, completions) == [1.0, 1.0, 1.0, 1.0] + [0.0] * 7 + [1.0]
+    # The form only: a consistent but wrong calculation still passes (that is the math reward's job).
+    assert gsm8k_format_reward(None, ["3 + 4 = 8\n#### 8"], answer=["7"]) == [1.0]
+    assert REWARD_FUNCS["gsm8k_format"] is gsm8k_format_reward
 
 
 def test_json_reward():
