@@ -185,12 +185,10 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
         seqs = {k: v.to(device) for k, v in concat_prompt_completion(rows, completion_ids, pad_id).items()}
         out = sequence_logps(model, seqs["input_ids"], seqs["attention_mask"], seqs["completion_mask"],
                              temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
-        out = out if return_entropy else (out,)
-        width = max(map(len, completion_ids))
-        index = torch.tensor([[min(len(p) + t, len(p) + len(c) - 1) for t in range(width)]
-                              for p, c in zip(rows, completion_ids)], device=device)
+        out, scored = out if return_entropy else (out,), seqs["completion_mask"].bool()
         c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)
-        picked = [torch.where(c_mask.bool(), x.gather(1, index), 0.0) for x in out]
+        # Row-major, both masks list each row's completion tokens in order: move them to the (B*G, C) layout.
+        picked = [torch.zeros(c_mask.shape, device=device).masked_scatter(c_mask.bool(), x[scored]) for x in out]
         return (picked[0], c_mask, picked[1]) if return_entropy else (picked[0], c_mask)
     p_ids = pad_batch(prompt_ids, pad_id, "left").to(device)  # (B, P): every prompt ends in the last column
     p_mask = pad_batch([[1] * len(p) for p in prompt_ids], 0, "left").to(device)

@@ -421,9 +421,8 @@ def api_reward(prompts, completions, **kw) -> list[float | None]:
 
 # ---------------------------------------------------------------------------------------------------- registry
 REWARD_FUNCS = {"math": math_reward, "code": code_reward, "format": format_reward, "gsm8k_format": gsm8k_format_reward,
-                "json": json_reward,
-                "regex": regex_reward, "length": soft_overlong_reward, "target_length": target_length_reward,
-                "api": api_reward}
+                "json": json_reward, "regex": regex_reward, "length": soft_overlong_reward,
+                "target_length": target_length_reward, "api": api_reward}
 
 
 def load_reward_funcs(specs: list[str]) -> list[tuple[str, Callable, float]]:
