@@ -14,7 +14,7 @@ Differences from TRL's GRPOTrainer defaults:
   and repeated) and in the log-prob passes (common.logps.grouped_completion_logps); same numbers, less compute.
 - A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
   CPU-sized defaults (2 x 8 completions of <= 64 tokens, 20 steps) so `python grpo.py` ends in ~10 minutes on a
-  2-core CPU (TRL: 1 x 8 of <= 512). That budget is too small for SmolLM2-135M's accuracy to move (README).
+  2-core CPU (TRL: 1 x 8 of <= 512). In it the reward rises ~0.15 -> ~0.26 on SmolLM2-135M (README).
 - temperature=0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise (3% vs 9% right answers).
 - The KL term's gradient is plain beta * grad k3 (DeepSeekMath); TRL 1.16's use_bias_correction_kl=True multiplies
   k3 by the ratio (same loss value, a slightly different gradient; pinned in tests/test_parity.py).

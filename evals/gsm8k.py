@@ -1,10 +1,11 @@
-"""GSM8K accuracy: greedy chat completions, scored by the same answer extraction as the math reward.
+"""GSM8K accuracy: greedy (or sampled) chat completions, scored by the same answer extraction as the math reward.
 
 A completion is correct when `common.rewards.math_reward` gives it 1.0: its final answer (GSM8K `#### N`, else the
 last \\boxed{}, else "the answer is N", else the last number) equals the reference numerically. Zero-shot; the prompt
 is the question plus builtin:math's instruction, so policies trained on builtin:math see their own format.
 Run: `python -m evals.gsm8k --dataset ../shared/data/gsm8k/test.jsonl --limit 100`
      `python -m evals.gsm8k --checkpoint runs/grpo__smollm2-135m__42__<time>/checkpoints/step-200`
+     `python -m evals.gsm8k --dataset builtin:math --limit 64 --temperature 0.7 --num-samples 4` (mean over samples)
 Writes <output-dir>/<label>__gsm8k.jsonl (question, reference, completion, extracted, correct per example) and
 <label>__gsm8k.json (accuracy, n, model, adapter, checkpoint, limit, time_s, ...).
 In a training script: `eval_rows = gsm8k_rows(args.eval_dataset, limit=args.eval_limit)`, then every --eval-steps
@@ -18,12 +19,13 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 import tyro
 
 from common.data import load_rows, tokenize_prompt
 from common.embedded import MATH_INSTRUCTION
 from common.rewards import extract_answer, math_reward
-from evals.common_eval import generate_greedy, load_eval_model, model_label, write_results
+from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
 
 
 @dataclass
@@ -53,6 +55,12 @@ class Args:
     """prompts per generate() call"""
     max_new_tokens: int = 512
     """completion budget; a cut-off solution usually has no final answer and scores 0"""
+    temperature: float = 0.0
+    """0 = greedy; > 0 samples (what GRPO's reward sees at its training temperature)"""
+    num_samples: int = 1
+    """samples per question when temperature > 0; accuracy is the mean over all of them (pass@1)"""
+    seed: int = 0
+    """torch seed for sampling"""
     # output
     output_dir: str = "eval_results"
     """where the JSONL and JSON files go"""
@@ -84,11 +92,15 @@ def score(completions: list[str], references: list[str]) -> list[dict]:
     return [{"extracted": extract_answer(c), "correct": r == 1.0} for c, r in zip(completions, rewards, strict=True)]
 
 
-def evaluate_gsm8k(model, tokenizer, rows: list[dict], batch_size: int = 16, max_new_tokens: int = 512) -> dict:
-    """Greedy-decode every row of gsm8k_rows() and score it: {accuracy, n, records}. Restores the model's mode."""
+def evaluate_gsm8k(model, tokenizer, rows: list[dict], batch_size: int = 16, max_new_tokens: int = 512,
+                   temperature: float = 0.0, num_samples: int = 1) -> dict:
+    """Decode every row of gsm8k_rows() (greedy, or num_samples draws at temperature) and score each completion:
+    {accuracy (mean over all completions), n (completions), records}. Restores the model's mode."""
     # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
     prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
-    completions = generate_greedy(model, tokenizer, prompt_ids, batch_size, max_new_tokens)
+    completions = generate_completions(model, tokenizer, prompt_ids, batch_size, max_new_tokens, temperature,
+                                       num_samples)
+    rows = [row for row in rows for _ in range(num_samples)]  # completions come grouped by prompt
     scored = score(completions, [row["reference"] for row in rows])
     records = [
         {"question": row["question"], "reference": extract_answer(row["reference"]), "completion": c, **s}
@@ -99,7 +111,9 @@ def evaluate_gsm8k(model, tokenizer, rows: list[dict], batch_size: int = 16, max
 
 
 def main(args: Args) -> dict:
-    # ---- 1 data (first: a bad path fails before the model loads)
+    # ---- 1 data (first: a bad path or setting fails before the model loads)
+    if args.num_samples < 1 or (args.temperature == 0.0 and args.num_samples != 1):
+        raise ValueError(f"--num-samples {args.num_samples} needs --temperature > 0 (greedy decoding gives 1 sample)")
     rows = gsm8k_rows(args.dataset, args.split, args.limit, args.instruction)
 
     # ---- 2 model: base, base + adapter, or a run's checkpoint
@@ -109,7 +123,9 @@ def main(args: Args) -> dict:
 
     # ---- 3 generate and score
     t0 = time.perf_counter()
-    result = evaluate_gsm8k(model, tokenizer, rows, args.batch_size, args.max_new_tokens)
+    torch.manual_seed(args.seed)
+    result = evaluate_gsm8k(model, tokenizer, rows, args.batch_size, args.max_new_tokens, args.temperature,
+                            args.num_samples)
     eval_s = time.perf_counter() - t0
 
     # ---- 4 write per-example outputs and the summary
@@ -118,7 +134,8 @@ def main(args: Args) -> dict:
         "task": "gsm8k", "label": label, "accuracy": result["accuracy"], "n": result["n"],
         "correct": sum(r["correct"] for r in result["records"]), "model": args.model, "adapter": args.adapter,
         "checkpoint": args.checkpoint, "dataset": args.dataset, "split": args.split, "limit": args.limit,
-        "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "time_s": round(eval_s, 2),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature, "num_samples": args.num_samples, "seed": args.seed, "batch_size": args.batch_size, "time_s": round(eval_s, 2),
         "load_s": round(load_s, 2), "device": str(next(model.parameters()).device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

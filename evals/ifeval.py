@@ -27,7 +27,7 @@ import tyro
 
 from common.data import load_rows, tokenize_prompt
 from common.model import require
-from evals.common_eval import generate_greedy, load_eval_model, model_label, write_results
+from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
 
 # NLTK data a checker loads at check time. Checked up front per instruction, so "missing" is decided from the
 # resource, not inferred from an exception (a LookupError from any other checker is still caught, see below).
@@ -189,7 +189,7 @@ def main(args: Args) -> dict:
     t0 = time.perf_counter()
     chats = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     prompt_ids = [tokenize_prompt(tokenizer, chat, None)["prompt_ids"] for chat in chats]
-    responses = generate_greedy(model, tokenizer, prompt_ids, args.batch_size, args.max_new_tokens)
+    responses = generate_completions(model, tokenizer, prompt_ids, args.batch_size, args.max_new_tokens)
     records, metrics = score(rows, responses)
     eval_s = time.perf_counter() - t0
 

@@ -76,6 +76,32 @@ def test_gsm8k_cli_end_to_end_on_the_tiny_model(tiny_model_dir, shared_data, tmp
     assert records[0]["reference"] == "18"
 
 
+def test_gsm8k_cli_sampling_scores_every_sample(tiny_model_dir, tmp_path):
+    args = dict(model=tiny_model_dir, dataset="builtin:math", limit=3, max_new_tokens=5, batch_size=2,
+                output_dir=str(tmp_path), temperature=1.0, num_samples=4, seed=3)
+    first = gsm8k.main(gsm8k.Args(**args, label="a"))
+    assert first["n"] == 12 and first["num_samples"] == 4 and first["temperature"] == 1.0
+    questions = [r["question"] for r in first["records"]]
+    assert questions == [q for q in dict.fromkeys(questions) for _ in range(4)] and len(set(questions)) == 3
+    assert first["accuracy"] == sum(r["correct"] for r in first["records"]) / 12
+    assert len({r["completion"] for r in first["records"]}) > 3  # sampled, not one greedy answer repeated
+    second = gsm8k.main(gsm8k.Args(**args, label="b"))  # the seed makes it repeatable
+    assert [r["completion"] for r in second["records"]] == [r["completion"] for r in first["records"]]
+    with pytest.raises(ValueError, match="--num-samples 4 needs --temperature"):
+        gsm8k.main(gsm8k.Args(**{**args, "temperature": 0.0}))
+
+
+def test_generate_completions_puts_each_prompts_samples_together(monkeypatch):
+    def fake_hf_generate(model, tokenizer, prompts, group_size, temperature, max_new_tokens):
+        assert group_size == 2 and temperature == 0.7
+        return {"completions": [f"len {len(p)} #{k}" for p in prompts for k in range(group_size)]}
+
+    monkeypatch.setattr(common_eval, "hf_generate", fake_hf_generate)
+    prompts = [[1] * n for n in (3, 7, 1)]
+    texts = common_eval.generate_completions(None, None, prompts, batch_size=2, temperature=0.7, num_samples=2)
+    assert texts == [f"len {n} #{k}" for n in (3, 7, 1) for k in range(2)]
+
+
 def test_evaluate_gsm8k_with_known_completions(tiny_model_dir, monkeypatch):
     rows = gsm8k.gsm8k_rows("builtin:math", "test", limit=4)
     answers = [row["reference"] for row in rows]  # builtin:math references are bare numbers
@@ -83,18 +109,18 @@ def test_evaluate_gsm8k_with_known_completions(tiny_model_dir, monkeypatch):
                                                         f"\\boxed{{{int(answers[2]) + 1}}}", f"#### {answers[3]}"])}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
-    def fake_generate(model, tok, prompt_ids, batch_size, max_new_tokens):
+    def fake_generate(model, tok, prompt_ids, batch_size, max_new_tokens, temperature, num_samples):
         # Answer each prompt by its own question, so a prompt/completion mix-up would change the score.
         texts = [tok.decode(p) for p in prompt_ids]
         return [next(reply for q, reply in replies.items() if q in text) for text in texts]
 
-    monkeypatch.setattr(gsm8k, "generate_greedy", fake_generate)
+    monkeypatch.setattr(gsm8k, "generate_completions", fake_generate)
     result = gsm8k.evaluate_gsm8k(None, tokenizer, rows, batch_size=2, max_new_tokens=8)
     assert result["accuracy"] == 0.75 and result["n"] == 4
     assert [r["correct"] for r in result["records"]] == [True, True, False, True]
 
 
-def test_generate_greedy_returns_prompt_order(monkeypatch):
+def test_generate_completions_returns_prompt_order(monkeypatch):
     calls = []
 
     def fake_hf_generate(model, tokenizer, prompts, group_size, temperature, max_new_tokens):
@@ -104,7 +130,7 @@ def test_generate_greedy_returns_prompt_order(monkeypatch):
 
     monkeypatch.setattr(common_eval, "hf_generate", fake_hf_generate)
     prompts = [[1] * n for n in (3, 7, 1, 5, 2)]
-    assert common_eval.generate_greedy(None, None, prompts, batch_size=2) == [f"len {len(p)}" for p in prompts]
+    assert common_eval.generate_completions(None, None, prompts, batch_size=2) == [f"len {len(p)}" for p in prompts]
     assert calls == [[7, 5], [3, 2], [1]]  # longest first, in batches of 2
 
 
