@@ -210,6 +210,19 @@ def test_train_and_test_are_disjoint():
     assert not skeleton(train) & skeleton(test)
 
 
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_builtin_math_is_mostly_one_step_over_one_digit_numbers(split):
+    # The difficulty GRPO's default run was tuned for (README): 75% one-step, a + b, a * b and their inverses with
+    # a, b in 2..9; a harder mix leaves SmolLM2-135M's sampled groups without right answers.
+    solutions = [row["completion"][0]["content"].split("\n")[:-1] for row in builtin_rows("math_sft", split)]
+    one_step = [steps[0] for steps in solutions if len(steps) == 1]
+    assert 0.7 <= len(one_step) / len(solutions) <= 0.8 and all(1 <= len(s) <= 2 for s in solutions)
+    for line in one_step:
+        x, op, y, z = STEP.search(line).groups()
+        a, b = (int(x), int(y)) if op in "+*" else (int(y), int(z))  # x - y = z undoes z + y; x / y = z undoes y * z
+        assert 2 <= a <= 9 and 2 <= b <= 9, line
+
+
 @pytest.mark.parametrize("name", list(BUILTIN_NAMES))
 def test_builtin_rows_fields(name):
     rows = builtin_rows(name, "test")
