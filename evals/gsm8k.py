@@ -134,8 +134,8 @@ def main(args: Args) -> dict:
         "task": "gsm8k", "label": label, "accuracy": result["accuracy"], "n": result["n"],
         "correct": sum(r["correct"] for r in result["records"]), "model": args.model, "adapter": args.adapter,
         "checkpoint": args.checkpoint, "dataset": args.dataset, "split": args.split, "limit": args.limit,
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature, "num_samples": args.num_samples, "seed": args.seed, "batch_size": args.batch_size, "time_s": round(eval_s, 2),
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "num_samples": args.num_samples,
+        "seed": args.seed, "batch_size": args.batch_size, "time_s": round(eval_s, 2),
         "load_s": round(load_s, 2), "device": str(next(model.parameters()).device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
