@@ -177,6 +177,7 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
 
     lm = _unwrap(model)
     device, decoder, head = lm.device, lm.get_decoder(), lm.get_output_embeddings()
+    c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)  # (B*G, C), the layout returned
     if not _head_is_plain_linear(lm) or (lm.training and getattr(lm, "is_activation_checkpointing", False)):
         # Score the concatenated rows instead (same numbers, no sharing) when the head is not a plain linear layer,
         # or under activation checkpointing in train mode, where transformers drops the KV cache (the completions
@@ -186,7 +187,6 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
         out = sequence_logps(model, seqs["input_ids"], seqs["attention_mask"], seqs["completion_mask"],
                              temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
         out, scored = out if return_entropy else (out,), seqs["completion_mask"].bool()
-        c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)
         # Row-major, both masks list each row's completion tokens in order: move them to the (B*G, C) layout.
         picked = [torch.zeros(c_mask.shape, device=device).masked_scatter(c_mask.bool(), x[scored]) for x in out]
         return (picked[0], c_mask, picked[1]) if return_entropy else (picked[0], c_mask)
@@ -197,7 +197,6 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
                     cache=cache, use_cache=True)
     cache.batch_repeat_interleave(group_size)  # (B*G, ...) views of one computation: its gradient sums over the group
     c_ids = pad_batch(completion_ids, pad_id).to(device)  # (B*G, C)
-    c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)
     # Completion positions continue each prompt's real length (left padding does not count), as in generation.
     c_pos = p_mask.sum(-1).repeat_interleave(group_size)[:, None] + torch.arange(c_ids.shape[1], device=device)
     c_out = decoder(input_ids=c_ids, attention_mask=torch.cat([p_mask.repeat_interleave(group_size, 0), c_mask], 1),
