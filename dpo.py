@@ -24,10 +24,11 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, validate_rows
-from common.logps import masked_mean, masked_sum, sequence_logps
+from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, validate_rows
+from common.logps import completion_logps, masked_mean
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
-from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import save_final, seed_everything
 from common.templates import setup_chat_template
 
 
@@ -121,8 +122,19 @@ class Args:
     """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
 
 
-def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths,
-             loss_type="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5):
+def dpo_loss(
+    *,
+    chosen_logps,
+    rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    chosen_lengths,
+    rejected_lengths,
+    loss_type="sigmoid",
+    beta=0.1,
+    label_smoothing=0.0,
+    simpo_gamma=0.5,
+):
     """Per-pair losses (B,) and implicit rewards (B,), (B,) from summed completion log-probs (B,) of |y| tokens.
 
     With h = log pi - log ref and delta = h_c - h_r:
@@ -134,7 +146,11 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     """
     if loss_type == "simpo":  # TRL CPO's beta ((m_c - m_r) - gamma / beta) is the same number
         chosen, rejected = chosen_logps / chosen_lengths, rejected_logps / rejected_lengths
-        return -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma), beta * chosen.detach(), beta * rejected.detach()
+        return (
+            -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma),
+            beta * chosen.detach(),
+            beta * rejected.detach(),
+        )
     chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
     delta = chosen - rejected
     if loss_type == "sigmoid":
@@ -150,27 +166,73 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
-def concat_pairs(examples: list[dict], pad_id: int, device) -> dict:
-    """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated batch)."""
-    prompts = [e["prompt_ids"] for e in examples]
-    completions = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-    return {k: v.to(device) for k, v in concat_prompt_completion(prompts + prompts, completions, pad_id).items()}
+def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device):
+    """Loss of one micro-batch of pairs, its per-pair stats and token count. One policy forward scores both halves;
+    the reference is one more no-grad forward of the "ref" slot, or the log-probs precomputed into the rows."""
+    batch = concat_pairs(chunk, pad_id, device)
+    logps, per_token_logps = completion_logps(model, batch)  # (2B,), (2B, T): [chosen; rejected]
+    chosen_logps, rejected_logps = logps.chunk(2)
+    ref_chosen_logps = ref_rejected_logps = None  # SimPO is reference-free
+    if args.loss_type != "simpo" and args.precompute_ref_log_probs:
+        ref_chosen_logps = torch.tensor([e["ref_chosen_logps"] for e in chunk], device=device)
+        ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk], device=device)
+    elif args.loss_type != "simpo":
+        with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
+            ref_chosen_logps, ref_rejected_logps = completion_logps(model, batch)[0].chunk(2)
+    chosen_lengths, rejected_lengths = batch["completion_mask"].sum(1).chunk(2)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(
+        chosen_logps=chosen_logps,
+        rejected_logps=rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps,
+        chosen_lengths=chosen_lengths,
+        rejected_lengths=rejected_lengths,
+        loss_type=args.loss_type,
+        beta=args.beta,
+        label_smoothing=args.label_smoothing,
+        simpo_gamma=args.simpo_gamma,
+    )
+    loss = losses.mean()
+    if args.rpo_alpha:
+        # RPO / CPO: token-mean NLL of the chosen completions, against the falling chosen likelihood (TRL #800)
+        half = len(chunk)
+        loss = loss - args.rpo_alpha * masked_mean(per_token_logps[:half], batch["completion_mask"][:half])
+    stats = dict(
+        chosen_rewards=chosen_rewards,
+        rejected_rewards=rejected_rewards,
+        chosen_logps=chosen_logps.detach(),
+        rejected_logps=rejected_logps.detach(),
+    )
+    return loss, stats, int(batch["attention_mask"].sum())
 
 
-def completion_logps(model, batch: dict):
-    """Summed completion log-probs per row (2B,) and the per-token ones (2B, T), zero off the completion."""
-    per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
-    return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
+def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: int, device) -> None:
+    """One no-grad pass of the "ref" slot over the rows, stored into each as ref_chosen_logps / ref_rejected_logps
+    (Python floats: exact for fp32 values)."""
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        with as_reference(model):
+            ref_logps = completion_logps(model, concat_pairs(chunk, pad_id, device))[0]
+        for e, c, r in zip(chunk, *ref_logps.chunk(2), strict=True):
+            e["ref_chosen_logps"], e["ref_rejected_logps"] = c.item(), r.item()
 
 
-def reward_metrics(stats: torch.Tensor, prefix: str = "") -> dict:
-    """TRL's names, means over pairs; stats (B, 4) = chosen reward, rejected reward, chosen logps, rejected logps."""
-    chosen, rejected, chosen_logps, rejected_logps = stats.T
-    values = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/accuracies": (chosen > rejected).float(),
-              "rewards/margins": chosen - rejected, "logps/chosen": chosen_logps, "logps/rejected": rejected_logps}
+def reward_metrics(*, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, prefix: str = "") -> dict:
+    """TRL's names: means over the pairs (B,) of the implicit rewards and the summed completion log-probs."""
+    values = {
+        "rewards/chosen": chosen_rewards,
+        "rewards/rejected": rejected_rewards,
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+        "rewards/margins": chosen_rewards - rejected_rewards,
+        "logps/chosen": chosen_logps,
+        "logps/rejected": rejected_logps,
+    }
     return {prefix + k: v.mean().item() for k, v in values.items()}
 
 
+def cat_stats(stats: list[dict]) -> dict:
+    """The per-pair tensors of several micro-batches, joined key by key."""
+    return {k: torch.cat([s[k] for s in stats]) for k in stats[0]}
 
 
 def main(args: Args) -> dict:
@@ -184,7 +246,11 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     model, tokenizer = load_model(
-        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        args.gradient_checkpointing,
         args.trust_remote_code,
     )
     setup_chat_template(tokenizer, args.template)
@@ -211,79 +277,60 @@ def main(args: Args) -> dict:
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
 
-    if use_ref and args.precompute_ref_log_probs:
-        # One no-grad pass of the "ref" slot over the data, kept as Python floats (exact for fp32 values)
-        for chunk in [group[i : i + bs] for group in (examples, eval_examples) for i in range(0, len(group), bs)]:
-            with as_reference(model):
-                ref = completion_logps(model, concat_pairs(chunk, pad_id, device))[0]
-            for e, c, r in zip(chunk, *ref.chunk(2)):
-                e["ref_chosen_logps"], e["ref_rejected_logps"] = c.item(), r.item()
-
-    def pair_losses(chunk):
-        """Loss of one micro-batch of pairs, its (B, 4) reward stats and token count; one policy forward for both."""
-        batch = concat_pairs(chunk, pad_id, device)
-        mask = batch["completion_mask"]
-        logps, per_token_logps = completion_logps(model, batch)  # (2B,), (2B, T)
-        if not use_ref:
-            ref = (None, None)
-        elif args.precompute_ref_log_probs:
-            ref = torch.tensor([[e[f"ref_{k}_logps"] for e in chunk] for k in ("chosen", "rejected")], device=device)
-        else:
-            with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
-                ref = completion_logps(model, batch)[0].chunk(2)
-        losses, chosen_rewards, rejected_rewards = dpo_loss(
-            *logps.chunk(2), *ref, *mask.sum(1).chunk(2), args.loss_type, args.beta, args.label_smoothing,
-            args.simpo_gamma,
-        )
-        loss = losses.mean()
-        if args.rpo_alpha:
-            # RPO / CPO: token-mean NLL of the chosen completions, against the falling chosen likelihood (TRL #800)
-            loss = loss - args.rpo_alpha * masked_mean(per_token_logps[: len(chunk)], mask[: len(chunk)])
-        stats = torch.stack([chosen_rewards, rejected_rewards, *logps.detach().chunk(2)], 1)
-        return loss, stats, int(batch["attention_mask"].sum())
+    if use_ref and args.precompute_ref_log_probs:  # after a resume: its "ref" is restored (hash-checked) above
+        precompute_ref_logps(model, examples + eval_examples, bs, pad_id, device)
 
     # ---- 4 loop
     model.train()
-    metrics = {}
+    metrics, nonfinite = {}, 0
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         loss_sum, tokens, stats = 0.0, 0, []
         for i in range(ga):
-            loss, micro_stats, micro_tokens = pair_losses(micro_batch(examples, step * ga + i, bs, args.seed))
+            loss, micro_stats, micro_tokens = pair_losses(
+                model, micro_batch(examples, step * ga + i, bs, args.seed), args, pad_id, device
+            )
             (loss / ga).backward()  # each micro loss is a mean over its pairs; / GA: the step's mean over all pairs
             loss_sum, tokens = loss_sum + loss.item() / ga, tokens + micro_tokens
             stats.append(micro_stats)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
+        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
+        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
         metrics = {
-            "loss": loss_sum, **reward_metrics(torch.cat(stats)), "grad_norm": grad_norm.item(),
-            "learning_rate": scheduler.get_last_lr()[0], "num_tokens": tokens,
-            "epoch": (step + 1) * ga / batches_per_epoch, "memory/peak_gb": peak_memory_gb(),
+            "loss": loss_sum,
+            **reward_metrics(**cat_stats(stats)),
+            "grad_norm": grad_norm,
+            "nonfinite_updates": nonfinite,
+            "learning_rate": scheduler.get_last_lr()[0],
+            "num_tokens": tokens,
+            "epoch": (step + 1) * ga / batches_per_epoch,
+            "memory/peak_gb": peak_memory_gb(),
             "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             model.eval()  # the same loss and metrics over the eval pairs, without grad
             with torch.no_grad():
-                out = [pair_losses(eval_examples[i : i + bs]) for i in range(0, len(eval_examples), bs)]
+                out = [
+                    pair_losses(model, eval_examples[i : i + bs], args, pad_id, device)
+                    for i in range(0, len(eval_examples), bs)
+                ]
             model.train()
-            metrics["eval/loss"] = sum(loss.item() * len(s) for loss, s, _ in out) / len(eval_examples)
-            metrics.update(reward_metrics(torch.cat([s for _, s, _ in out]), "eval/"))
+            metrics["eval/loss"] = sum(loss.item() * len(s["chosen_rewards"]) for loss, s, _ in out) / len(
+                eval_examples
+            )
+            metrics.update(reward_metrics(**cat_stats([s for _, s, _ in out]), prefix="eval/"))
         if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
-    final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, safe_serialization=True)
-    tokenizer.save_pretrained(final_dir)
+    final_dir = save_final(run_dir, model, tokenizer)
     logger.close()
     first = logger.history[0]["loss"] if logger.history else float("nan")
-    print(f"dpo: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, rewards/accuracies "
-          f"{metrics.get('rewards/accuracies', float('nan')):.2f} after {total_steps} steps; saved {final_dir}")
+    print(
+        f"dpo: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, rewards/accuracies "
+        f"{metrics.get('rewards/accuracies', float('nan')):.2f} after {total_steps} steps; saved {final_dir}"
+    )
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

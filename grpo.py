@@ -13,8 +13,7 @@ Differences from TRL's GRPOTrainer defaults:
 - Each prompt goes through the backbone once per group, not G times: in generation (its KV cache is prefilled once
   and repeated) and in the log-prob passes (common.logps.grouped_completion_logps); same numbers, less compute.
 - A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
-  CPU-sized defaults (2 x 8 completions of <= 64 tokens, 20 steps) so `python grpo.py` ends in ~10 minutes on a
-  2-core CPU (TRL: 1 x 8 of <= 512). In it the reward rises ~0.15 -> ~0.26 on SmolLM2-135M (README).
+  CPU-sized defaults (2 x 8 completions of <= 64 tokens, 20 steps: README command 1; TRL: 1 x 8 of <= 512).
 - temperature=0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise (3% vs 9% right answers).
 - The KL term's gradient is plain beta * grad k3 (DeepSeekMath); TRL 1.16's use_bias_correction_kl=True multiplies
   k3 by the ratio (same loss value, a slightly different gradient; pinned in tests/test_parity.py).
@@ -37,12 +36,13 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import load_rows, pad_batch, tokenize_dataset, validate_rows
+from common.data import load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
 from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import VLLMEngine, hf_generate
-from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import save_final, seed_everything
 from common.templates import setup_chat_template
 
 
@@ -130,9 +130,9 @@ class Args:
     # optimisation
     learning_rate: float = 3e-4
     """peak AdamW learning rate"""
-    per_device_train_batch_size: int = 8
-    """completions per forward/backward micro-batch, rounded down to whole groups (at least one); the loss is
-    normalised over the whole step"""
+    groups_per_micro_batch: int = 1
+    """groups of G completions per forward/backward micro-batch (memory only: the loss is normalised over the whole
+    step, so the update is the same for any value; TRL's per_device_train_batch_size counts completions instead)"""
     max_steps: int = 20
     """rollout steps"""
     warmup_steps: int = 0
@@ -171,8 +171,9 @@ class Args:
     """checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, step)"""
 
 
-def grpo_per_token_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, epsilon,
-                        epsilon_high, beta):
+def grpo_per_token_loss(
+    *, per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, epsilon, epsilon_high, beta
+):
     """l_t = -min(rho_t A, clip(rho_t, 1 - epsilon, 1 + epsilon_high) A) + beta k3_t with rho_t = exp(logp_t - old_t).
 
     Log-probs (B, T), advantages (B,). k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 is added after the min, so
@@ -192,12 +193,102 @@ def grpo_per_token_loss(per_token_logps, old_per_token_logps, ref_per_token_logp
     return per_token_loss, per_token_kl, is_low_clipped, is_high_clipped
 
 
-def prompt_batch(examples: list[dict], step: int, n: int, seed: int) -> list[dict]:
-    """Batch `step` of an endless, epoch-wise shuffled stream of n prompts: a pure function of (step, seed)."""
-    per_epoch = max(1, len(examples) // n)
-    epoch, pos = divmod(step, per_epoch)
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    return [examples[order[(pos * n + i) % len(examples)]] for i in range(n)]
+def rollout_logps(model, out: dict, rows: slice, group_size, pad_id, temperature, width, return_entropy=False):
+    """Per-token log-probs (n, width) of the rollout's completions `rows` (whole groups) under the active adapter,
+    and their entropies (or None). logits / temperature: the distribution the completions were sampled from (TRL)."""
+    prompts, completions = out["prompt_ids"][rows][::group_size], out["completion_ids"][rows]  # one prompt per group
+    logps, _, *entropy = grouped_completion_logps(
+        model, prompts, completions, group_size, pad_id, temperature, return_entropy=return_entropy
+    )
+    pad = (0, width - logps.shape[1])  # to the step's width, so the step's completion_mask[rows] fits
+    return F.pad(logps, pad), F.pad(entropy[0], pad) if entropy else None
+
+
+def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped) -> None:
+    """Add one micro-batch to the step's sums over completion tokens (divided by stats["tokens"] when logged) and
+    its per-completion clip ratios (TRL's clip_ratio/low_min and high_max are over completions)."""
+    per_token = {
+        "kl": torch.zeros_like(entropy) if per_token_kl is None else per_token_kl,
+        "entropy": entropy,
+        "low": is_low_clipped,
+        "high": is_high_clipped,
+        "region": is_low_clipped | is_high_clipped,
+        "tokens": torch.ones_like(entropy),
+    }
+    for key, value in per_token.items():
+        stats[key] = stats.get(key, 0.0) + masked_sum(value.float(), mask).item()
+    for key, value in (("low_seq", is_low_clipped), ("high_seq", is_high_clipped)):
+        stats.setdefault(key, []).extend(masked_mean(value.float(), mask, dim=-1, empty="zero").tolist())
+
+
+def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.Tensor:
+    """(n, C) 1 on each completion's tokens through its EOS (the EOS is an action the policy took), 0 on padding;
+    with mask_truncated_completions, all 0 for completions cut off mid-answer (TRL: no loss on them)."""
+    completion_mask = pad_batch([[1] * len(c) for c in out["completion_ids"]], 0).to(device)
+    if mask_truncated_completions:
+        completion_mask = completion_mask * ~torch.tensor(out["truncated"], device=device)[:, None]
+    return completion_mask
+
+
+def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> dict:
+    """Reward and completion-length metrics of one rollout (TRL's names)."""
+    lengths = torch.tensor([len(c) for c in out["completion_ids"]], dtype=torch.float)
+    per_func_means = {
+        f"rewards/{name}/mean": per_func[:, i].nanmean().item() for i, (name, _, _) in enumerate(reward_funcs)
+    }
+    return {
+        "reward": rewards.mean().item(),
+        "reward_std": rewards.std().item(),
+        **per_func_means,
+        "frac_reward_zero_std": torch.isclose(std_grouped, torch.zeros_like(std_grouped)).float().mean().item(),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": torch.tensor(out["truncated"]).float().mean().item(),
+    }
+
+
+def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: float, learning_rate: float) -> dict:
+    """The mean loss of the step's updates, the last update's grad norm and LR, and token means over all the updates
+    of the step (the num_iterations passes together); TRL's names."""
+    tokens = max(stats["tokens"], 1.0)
+    return {
+        "loss": sum(losses) / len(losses),
+        "grad_norm": grad_norm,
+        "learning_rate": learning_rate,
+        **({"kl": stats["kl"] / tokens} if beta != 0.0 else {}),
+        "entropy": stats["entropy"] / tokens,
+        "clip_ratio/low_mean": stats["low"] / tokens,
+        "clip_ratio/low_min": min(stats["low_seq"]),
+        "clip_ratio/high_mean": stats["high"] / tokens,
+        "clip_ratio/high_max": max(stats["high_seq"]),
+        "clip_ratio/region_mean": stats["region"] / tokens,
+    }
+
+
+class PhaseTimer:
+    """Wall seconds per named phase of one step; a phase marked twice adds up."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.seconds = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+def run_metrics(timer: PhaseTimer, out: dict, nonfinite: int, canary: float | None) -> dict:
+    """Throughput, peak memory, seconds per phase, skipped updates and (vLLM) the canary's log-prob gap."""
+    n_tokens = sum(map(len, out["prompt_ids"] + out["completion_ids"]))  # as if unshared, comparable with TRL's
+    return {
+        "nonfinite_updates": nonfinite,
+        "memory/peak_gb": peak_memory_gb(),
+        "perf/tokens_per_s": n_tokens / (timer.last - timer.start),
+        **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
+        **({"vllm/canary_logp_diff": canary} if canary is not None else {}),
+    }
 
 
 def tripped_breakers(history: list[dict], args: Args) -> dict[str, str]:
@@ -210,15 +301,72 @@ def tripped_breakers(history: list[dict], args: Args) -> dict[str, str]:
         "length_exploding": ("completions/mean_length", lambda v: v > args.breaker_max_length_growth * start_length),
         "reward_std_zero": ("frac_reward_zero_std", lambda v: v >= args.breaker_max_frac_zero_std),
     }
-    fired = {name: key for name, (key, test) in checks.items()
-             if len(recent) == args.breaker_patience and all(key in m and test(m[key]) for m in recent)}
+    full = len(recent) == args.breaker_patience
+    fired = {
+        name: key for name, (key, test) in checks.items() if full and all(key in m and test(m[key]) for m in recent)
+    }
     if history[-1]["nonfinite_updates"] >= args.breaker_max_nonfinite:
         fired["nonfinite"] = "loss"
     return fired
 
 
+def report_breakers(history: list[dict], args: Args, active: set[str]) -> set[str]:
+    """The breakers holding now; each is printed once, on the step it starts to hold, with its recent values."""
+    fired = tripped_breakers(history, args)
+    for name, key in fired.items():
+        if name not in active:
+            recent = [round(h.get(key, math.nan), 4) for h in history[-args.breaker_patience :]]
+            print(f"grpo: circuit breaker '{name}' fired at step {history[-1]['step']}: recent {key} = {recent}")
+    return set(fired)
+
+
+def summary_line(history: list[dict], reward_funcs, args: Args, seconds: float, run_dir: str, final_dir: str) -> str:
+    """The run's trend: the mean of the first / last few steps (single steps are noisy), total then per function."""
+    k = max(1, min(5, len(history) // 4))
+    names = {"reward": "reward"} | {f"rewards/{n}/mean": n for n, _, _ in reward_funcs if len(reward_funcs) > 1}
+    trend = ", ".join(
+        f"{name} {sum(h[key] for h in history[:k]) / k:.3f} -> {sum(h[key] for h in history[-k:]) / k:.3f}"
+        for key, name in names.items()
+    )
+    return (
+        f"grpo: {trend} (mean of first/last {k} steps), kl {history[-1].get('kl', 0.0):.4f}, {seconds:.0f} s for "
+        f"{len(history)} steps; run dir {run_dir}, TensorBoard: tensorboard --logdir {args.output_dir}; "
+        f"adapter {final_dir}"
+    )
+
+
+def rollout_engine(args: Args, model, tokenizer):
+    """(generate, engine): model.generate on the live policy, or a colocated vLLM engine that serves (and checks)
+    the starting adapter, e.g. --adapter, from the first rollout on and is synced after every update."""
+    if args.engine == "hf":
+        return functools.partial(hf_generate, model, tokenizer), None
+    dtype = resolve_dtype(args.dtype, next(model.parameters()).device)
+    max_model_len = args.max_prompt_length + args.max_completion_length
+    engine = VLLMEngine(
+        args.model,
+        model,
+        tokenizer,
+        args.vllm_gpu_memory_utilization,
+        max_model_len,
+        dtype,
+        args.quantization,
+        args.seed,
+        args.vllm_canary_threshold,
+    )
+    return engine.generate, engine
+
+
+@torch.no_grad()
+def evaluate(generate, eval_examples: list[dict], reward_funcs, max_completion_length: int) -> dict:
+    """One greedy completion per eval prompt: its mean reward and length."""
+    out = generate([e["prompt_ids"] for e in eval_examples], 1, temperature=0.0, max_new_tokens=max_completion_length)
+    rewards, _ = score_rollout(eval_examples, out, reward_funcs, max_completion_length)
+    lengths = [len(c) for c in out["completion_ids"]]
+    return {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
+
+
 def main(args: Args) -> dict:
-    # ---- 1 setup
+    # ---- 1 setup: data and rewards checked before any weights load
     t_start = time.perf_counter()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -231,14 +379,18 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
     model, tokenizer = load_model(
-        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        args.gradient_checkpointing,
         args.trust_remote_code,
     )
     setup_chat_template(tokenizer, args.template)
     model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.beta != 0.0:
         snapshot_ref(model)
-    device = next(model.parameters()).device
+    device, pad_id, G = next(model.parameters()).device, tokenizer.pad_token_id, args.group_size
 
     # ---- 3 data, optimizer, rollout engine
     examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
@@ -252,106 +404,74 @@ def main(args: Args) -> dict:
         start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
-    engine = VLLMEngine(  # serves (and checks) the starting adapter, e.g. --adapter, from the first rollout on
-        args.model, model, tokenizer, args.vllm_gpu_memory_utilization, args.max_prompt_length
-        + args.max_completion_length, resolve_dtype(args.dtype, device), args.quantization, args.seed,
-        args.vllm_canary_threshold) if args.engine == "vllm" else None
-    generate = engine.generate if engine else functools.partial(hf_generate, model, tokenizer)
+    generate, engine = rollout_engine(args, model, tokenizer)
 
     # ---- 4 loop: rollout -> rewards -> advantages -> (old, ref) log-probs -> num_iterations clipped updates
     model.train()
-    G, history, metrics, active = args.group_size, [], {}, set()
+    history, metrics, active = [], {}, set()
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    sampling["max_new_tokens"] = args.max_completion_length
     for step in range(start_step, args.max_steps):
-        t0 = time.perf_counter()
-        batch = prompt_batch(examples, step, args.prompts_per_step, args.seed)
+        timer = PhaseTimer()
+        batch = micro_batch(examples, step, args.prompts_per_step, args.seed, drop_last=True)
         # (1) rollout: G completions per prompt, groups contiguous (eval mode + no_grad inside the engine)
-        out = generate([e["prompt_ids"] for e in batch], G, temperature=args.temperature, top_p=args.top_p,
-                       top_k=args.top_k, max_new_tokens=args.max_completion_length)
-        t1 = time.perf_counter()
+        prompts = [e["prompt_ids"] for e in batch]
+        out = generate(prompts, G, **sampling)
+        timer.mark("rollout")
         # (2) rewards -> advantages, normalised within each group of G (the "group relative" baseline)
         sample_rows = [row for row in batch for _ in range(G)]  # each prompt's row once per sample of its group
         rewards, per_func = score_rollout(sample_rows, out, reward_funcs, args.max_completion_length)
         advantages, std_grouped = group_advantages(rewards, G, args.scale_rewards)
-        t2 = time.perf_counter()
-        truncated = torch.tensor(out["truncated"], device=device)
-        # The completion mask covers the completion through its EOS (the EOS is an action the policy took). (n, C)
-        completion_mask = pad_batch([[1] * len(c) for c in out["completion_ids"]], 0).to(device)
-        if args.mask_truncated_completions:
-            completion_mask = completion_mask * ~truncated[:, None]  # TRL: no loss on completions cut off mid-answer
-        n, width = len(out["completion_ids"]), completion_mask.shape[1]
+        timer.mark("reward")
+        completion_mask = rollout_mask(out, args.mask_truncated_completions, device)  # (n, C)
+        n, width = completion_mask.shape
         # Micro-batches hold whole groups: each prompt then goes through the backbone once for its G completions.
-        mb = max(1, args.per_device_train_batch_size // G) * G
-        micro = [slice(i, i + mb) for i in range(0, n, mb)]
-
-        def logps_of(s, entropy=False):  # logits / T: the distribution the completions were sampled from (as TRL)
-            res = grouped_completion_logps(model, out["prompt_ids"][s][::G], out["completion_ids"][s], G,
-                                           tokenizer.pad_token_id, args.temperature, return_entropy=entropy)
-            res = [F.pad(x, (0, width - x.shape[1])) for x in res]  # to the step's width, so completion_mask[s] fits
-            return (res[0], res[2]) if entropy else res[0]
+        micro = [slice(i, i + args.groups_per_micro_batch * G) for i in range(0, n, args.groups_per_micro_batch * G)]
+        logps_of = functools.partial(
+            rollout_logps, model, out, group_size=G, pad_id=pad_id, temperature=args.temperature, width=width
+        )
         # (3) pi_old: with one update per rollout pi_old = pi_theta, so old = logps.detach() (ratio exactly 1, as
         # TRL); with several, the sampling policy's log-probs are frozen here once, before the first update.
         with torch.no_grad():
-            old = [logps_of(s) for s in micro] if args.num_iterations > 1 else None
-        t3 = time.perf_counter()
-        ref = None  # (4) reference log-probs ("ref" adapter, eval, no grad); none when the KL term is off
+            old = [logps_of(s)[0] for s in micro] if args.num_iterations > 1 else None
+        timer.mark("train")
+        # (4) reference log-probs ("ref" adapter, eval, no grad); none when the KL term is off
+        ref = None
         if args.beta != 0.0:
             with as_reference(model):
-                ref = [logps_of(s) for s in micro]
-        t4 = time.perf_counter()
-        # (5) the token normaliser of the whole step, fixed before micro-batching so accumulation is exact
-        num_items, advantages = completion_mask.sum(), advantages.to(device)
-        sums = dict.fromkeys(("kl", "entropy", "low", "high", "region", "tokens"), 0.0)
-        low_seq, high_seq, losses, grad_norm = [], [], [], math.nan
+                ref = [logps_of(s)[0] for s in micro]
+        timer.mark("reference")
+        # (5) num_iterations updates, each over all micro-batches; the token normaliser is the whole step's, fixed
+        # before micro-batching, so accumulation is exact
+        num_items, advantages, stats, losses = completion_mask.sum(), advantages.to(device), {}, []
         for _ in range(args.num_iterations):
             loss_sum = 0.0
             for j, s in enumerate(micro):
-                per_token_logps, entropy = logps_of(s, entropy=True)
-                old_logps = per_token_logps.detach() if old is None else old[j]
-                per_token_loss, per_token_kl, low, high = grpo_per_token_loss(
-                    per_token_logps, old_logps, None if ref is None else ref[j], advantages[s], args.epsilon,
-                    epsilon_high, args.beta,
+                per_token_logps, entropy = logps_of(s, return_entropy=True)
+                per_token_loss, per_token_kl, is_low_clipped, is_high_clipped = grpo_per_token_loss(
+                    per_token_logps=per_token_logps,
+                    old_per_token_logps=per_token_logps.detach() if old is None else old[j],
+                    ref_per_token_logps=None if ref is None else ref[j],
+                    advantages=advantages[s],
+                    epsilon=args.epsilon,
+                    epsilon_high=epsilon_high,
+                    beta=args.beta,
                 )
-                mask = completion_mask[s]
-                loss = aggregate_loss(per_token_loss, mask, args.loss_type, args.max_completion_length, num_items, n)
+                loss = aggregate_loss(
+                    per_token_loss, completion_mask[s], args.loss_type, args.max_completion_length, num_items, n
+                )
                 loss.backward()
                 loss_sum += loss.item()
-                with torch.no_grad():  # token sums for the metrics, divided by the step's token count below
-                    kl = torch.zeros_like(entropy) if per_token_kl is None else per_token_kl
-                    for key, value in zip(sums, (kl, entropy, low, high, low | high, torch.ones_like(entropy))):
-                        sums[key] += masked_sum(value.float(), mask).item()
-                    low_seq += masked_mean(low.float(), mask, dim=-1, empty="zero").tolist()
-                    high_seq += masked_mean(high.float(), mask, dim=-1, empty="zero").tolist()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm).item()
+                add_token_stats(stats, completion_mask[s], per_token_kl, entropy, is_low_clipped, is_high_clipped)
             losses.append(loss_sum)
-            if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-                # Skip without touching the optimizer (no moment update, no step count) or the LR schedule.
-                optimizer.zero_grad(set_to_none=True)
-                nonfinite += 1
-                continue
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
+            nonfinite += not stepped
         canary = engine.sync(model) if engine else None  # vLLM serves the updated adapter from the next rollout on
-        t5 = time.perf_counter()
-
-        lengths = torch.tensor([len(c) for c in out["completion_ids"]], dtype=torch.float)
-        n_tokens = sum(map(len, out["prompt_ids"] + out["completion_ids"]))  # as if unshared, comparable with TRL's
-        tokens = max(sums["tokens"], 1.0)  # completion tokens in the loss, summed over the num_iterations updates
-        metrics = {
-            "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-            **{f"rewards/{name}/mean": per_func[:, i].nanmean().item() for i, (name, _, _) in enumerate(reward_funcs)},
-            "frac_reward_zero_std": torch.isclose(std_grouped, torch.zeros_like(std_grouped)).float().mean().item(),
-            **({"kl": sums["kl"] / tokens} if args.beta != 0.0 else {}), "entropy": sums["entropy"] / tokens,
-            "clip_ratio/low_mean": sums["low"] / tokens, "clip_ratio/low_min": min(low_seq),
-            "clip_ratio/high_mean": sums["high"] / tokens, "clip_ratio/high_max": max(high_seq),
-            "clip_ratio/region_mean": sums["region"] / tokens, "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(), "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": truncated.float().mean().item(), "loss": sum(losses) / len(losses),
-            "grad_norm": grad_norm, "learning_rate": scheduler.get_last_lr()[0], "nonfinite_updates": nonfinite,
-            "memory/peak_gb": peak_memory_gb(), "perf/tokens_per_s": n_tokens / (t5 - t0),
-            "time/rollout": t1 - t0, "time/reward": t2 - t1, "time/reference": t4 - t3, "time/train": t5 - t4 + t3 - t2,
-            **({"vllm/canary_logp_diff": canary} if canary is not None else {}),
-        }
+        timer.mark("train")
+        # (6) log, eval, save, circuit breakers
+        metrics = rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out)
+        metrics |= update_metrics(stats, args.beta, losses, grad_norm, scheduler.get_last_lr()[0])
+        metrics |= run_metrics(timer, out, nonfinite, canary)
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == args.max_steps):
             metrics |= evaluate(generate, eval_examples, reward_funcs, args.max_completion_length)
         history.append({"step": step + 1, **metrics})
@@ -360,39 +480,18 @@ def main(args: Args) -> dict:
         state = {"nonfinite_updates": nonfinite}
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, keep_last=args.save_total_limit)
-        fired = tripped_breakers(history, args)
-        for name, key in ((n, k) for n, k in fired.items() if n not in active):  # report once, when it starts
-            recent = [round(h.get(key, math.nan), 4) for h in history[-args.breaker_patience :]]
-            print(f"grpo: circuit breaker '{name}' fired at step {step + 1}: recent {key} = {recent}")
-        active = set(fired)
-        if fired and args.breaker_action == "stop":
+        active = report_breakers(history, args, active)
+        if active and args.breaker_action == "stop":
             path = save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit)
-            print(f"grpo: stopped by breaker(s) {sorted(fired)}; checkpoint {path}")
+            print(f"grpo: stopped by breaker(s) {sorted(active)}; checkpoint {path}")
             break
 
     # ---- 5 save: the "default" adapter alone, loadable by plain PEFT, with the tokenizer
-    final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, selected_adapters=["default"], safe_serialization=True)
-    tokenizer.save_pretrained(final_dir)
+    final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])
     logger.close()
-    k = max(1, min(5, len(history) // 4))  # mean of the first / last few steps: single steps are noisy
-    names = {"reward": "reward"} | {f"rewards/{n}/mean": n for n, _, _ in reward_funcs if len(reward_funcs) > 1}
-    trend = ", ".join(f"{name} {sum(h[key] for h in history[:k]) / k:.3f} -> {sum(h[key] for h in history[-k:]) / k:.3f}"
-                      for key, name in names.items())  # the total, then each reward function's own mean
-    print(f"grpo: {trend} (mean of first/last {k} steps), kl {metrics.get('kl', 0.0):.4f}, "
-          f"{time.perf_counter() - t_start:.0f} s for {len(history)} steps; run dir {run_dir}, TensorBoard: "
-          f"tensorboard --logdir {args.output_dir}; adapter {final_dir}")
+    print(summary_line(history, reward_funcs, args, time.perf_counter() - t_start, run_dir, final_dir))
     stopped_by = sorted(active) if args.breaker_action == "stop" else []
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": history, "stopped_by": stopped_by}
-
-
-@torch.no_grad()
-def evaluate(generate, eval_examples: list[dict], reward_funcs, max_completion_length: int) -> dict:
-    """One greedy completion per eval prompt: its mean reward and length."""
-    out = generate([e["prompt_ids"] for e in eval_examples], 1, temperature=0.0, max_new_tokens=max_completion_length)
-    rewards, _ = score_rollout(eval_examples, out, reward_funcs, max_completion_length)
-    lengths = [len(c) for c in out["completion_ids"]]
-    return {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
 
 
 if __name__ == "__main__":

@@ -26,9 +26,10 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, validate_rows
-from common.logps import masked_sum, sequence_logps
+from common.logps import completion_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
-from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import save_final, seed_everything
 from common.templates import setup_chat_template
 
 
@@ -120,7 +121,7 @@ def kto_reference_point(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> t
     return (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
 
 
-def kto_loss(logps, ref_logps, labels, z0, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
+def kto_loss(*, logps, ref_logps, labels, z0, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
     """Per-row losses (B,) and rewards beta*h (B,), with h = log pi - log ref of summed completion log-probs:
     desirable (label true) w_d (1 - s(beta (h - z0))), undesirable w_u (1 - s(beta (z0 - h))).
 
@@ -135,8 +136,11 @@ def kto_loss(logps, ref_logps, labels, z0, beta=0.1, desirable_weight=1.0, undes
 
 def unpair(rows: list[dict]) -> list[dict]:
     """Preference rows -> binary rows as TRL's unpair_preference_dataset: chosen -> true, rejected -> false."""
-    return [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen", "_loc": r["_loc"]}
-            for r in rows for side in ("chosen", "rejected")]
+    return [
+        {"prompt": r["prompt"], "completion": r[side], "label": side == "chosen", "_loc": r["_loc"]}
+        for r in rows
+        for side in ("chosen", "rejected")
+    ]
 
 
 def kto_batches(examples: list[dict], pad_id: int, max_length: int, device):
@@ -145,24 +149,20 @@ def kto_batches(examples: list[dict], pad_id: int, max_length: int, device):
     y' = the batch's own completions rotated by one (TRL's KL pairs), cut to fit max_length after the prompt.
     """
     prompts, completions = [e["prompt_ids"] for e in examples], [e["completion_ids"] for e in examples]
-    mismatched = [c[: max_length - len(p)] for p, c in zip(prompts, completions[-1:] + completions[:-1])]
-    return [{k: v.to(device) for k, v in concat_prompt_completion(prompts, ys, pad_id).items()}
-            for ys in (completions, mismatched)]
-
-
-def summed_logps(model, batch: dict) -> torch.Tensor:
-    """Summed completion log-probs per row (B,)."""
-    per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
-    return masked_sum(per_token_logps, batch["completion_mask"], dim=1)
-
-
+    mismatched = [c[: max_length - len(p)] for p, c in zip(prompts, completions[-1:] + completions[:-1], strict=True)]
+    return [
+        {k: v.to(device) for k, v in concat_prompt_completion(prompts, ys, pad_id).items()}
+        for ys in (completions, mismatched)
+    ]
 
 
 def main(args: Args) -> dict:
     # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
     seed_everything(args.seed)
     if args.per_device_train_batch_size < 2:
-        raise ValueError("KTO needs per_device_train_batch_size >= 2: with 1 row the mismatched pair is the row itself")
+        raise ValueError(
+            "KTO needs per_device_train_batch_size >= 2: with 1 row the mismatched pair is the row itself"
+        )
     rows = load_rows(args.dataset, args.dataset_split)
     if rows and "chosen" in rows[0] and "rejected" in rows[0]:
         rows = unpair(validate_rows(rows, "preference"))
@@ -170,7 +170,11 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     model, tokenizer = load_model(
-        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        args.gradient_checkpointing,
         args.trust_remote_code,
     )
     setup_chat_template(tokenizer, args.template)
@@ -187,12 +191,16 @@ def main(args: Args) -> dict:
     total_steps = args.max_steps if args.max_steps > 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
     # A micro-batch with one class only is trained as TRL does (the loss is the mean over the rows it has, z0 is
     # estimated as usual); that step logs no rewards/margins and only one of rewards/chosen|rejected.
-    one_class = [i for i in range(total_steps * ga)
-                 if len({e["label"] for e in micro_batch(examples, i, bs, args.seed)}) < 2]
+    one_class = [
+        i for i in range(total_steps * ga) if len({e["label"] for e in micro_batch(examples, i, bs, args.seed)}) < 2
+    ]
     if one_class:
-        warnings.warn(f"{len(one_class)} of {total_steps * ga} micro-batches hold only desirable or only undesirable "
-                      f"rows (first: micro-batch {one_class[0]}); each is trained on the class it has, as TRL does. "
-                      "A larger --per-device-train-batch-size makes them rarer.")
+        warnings.warn(
+            f"{len(one_class)} of {total_steps * ga} micro-batches hold only desirable or only undesirable "
+            f"rows (first: micro-batch {one_class[0]}); each is trained on the class it has, as TRL does. "
+            "A larger --per-device-train-batch-size makes them rarer.",
+            stacklevel=2,
+        )
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     start_step = 0
@@ -203,22 +211,29 @@ def main(args: Args) -> dict:
 
     # ---- 4 loop
     model.train()
-    metrics = {}
+    metrics, nonfinite = {}, 0
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         loss_sum, z0_sum, tokens, labels, rewards, logps_all = 0.0, 0.0, 0, [], [], []
         for i in range(ga):
             chunk = micro_batch(examples, step * ga + i, bs, args.seed)
             matched, mismatched = kto_batches(chunk, pad_id, args.max_length, device)
-            logps = summed_logps(model, matched)  # (B,) with grad
+            logps = completion_logps(model, matched)[0]  # (B,) with grad
             with torch.no_grad():  # TRL: the KL estimate takes no gradient, the policy side included
-                kl_logps = summed_logps(model, mismatched)
+                kl_logps = completion_logps(model, mismatched)[0]
             with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
-                ref_logps, ref_kl_logps = summed_logps(model, matched), summed_logps(model, mismatched)
+                ref_logps, ref_kl_logps = completion_logps(model, matched)[0], completion_logps(model, mismatched)[0]
             z0 = kto_reference_point(kl_logps, ref_kl_logps)
             label = torch.tensor([e["label"] for e in chunk], device=device)
-            losses, reward = kto_loss(logps, ref_logps, label, z0, args.beta, args.desirable_weight,
-                                      args.undesirable_weight)
+            losses, reward = kto_loss(
+                logps=logps,
+                ref_logps=ref_logps,
+                labels=label,
+                z0=z0,
+                beta=args.beta,
+                desirable_weight=args.desirable_weight,
+                undesirable_weight=args.undesirable_weight,
+            )
             loss = losses.mean()  # TRL: weighted per-class sums / B
             (loss / ga).backward()  # / GA: the step's loss is the mean of its micro-batch losses, as TRL's Trainer
             loss_sum, z0_sum = loss_sum + loss.item() / ga, z0_sum + z0.item() / ga
@@ -226,12 +241,9 @@ def main(args: Args) -> dict:
             labels.append(label)
             rewards.append(reward)
             logps_all.append(logps.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        metrics = {"loss": loss_sum, "kl": z0_sum}
+        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
+        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
+        metrics = {"loss": loss_sum, "kl": z0_sum, "nonfinite_updates": nonfinite}
         label, reward, logps = torch.cat(labels), torch.cat(rewards), torch.cat(logps_all)
         for name, rows_of_class in (("chosen", label), ("rejected", ~label)):
             if rows_of_class.any():  # TRL's names; a class absent from the step is not logged (as TRL)
@@ -239,24 +251,29 @@ def main(args: Args) -> dict:
                 metrics[f"logps/{name}"] = logps[rows_of_class].mean().item()
         if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-        metrics.update({
-            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0], "num_tokens": tokens,
-            "epoch": (step + 1) * ga / batches_per_epoch, "memory/peak_gb": peak_memory_gb(),
-            "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
-        })
+        metrics.update(
+            {
+                "grad_norm": grad_norm,
+                "learning_rate": scheduler.get_last_lr()[0],
+                "num_tokens": tokens,
+                "epoch": (step + 1) * ga / batches_per_epoch,
+                "memory/peak_gb": peak_memory_gb(),
+                "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+            }
+        )
         if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
-    final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, safe_serialization=True)
-    tokenizer.save_pretrained(final_dir)
+    final_dir = save_final(run_dir, model, tokenizer)
     logger.close()
     first = logger.history[0]["loss"] if logger.history else float("nan")
-    print(f"kto: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, kl "
-          f"{metrics.get('kl', float('nan')):.4f} after {total_steps} steps; saved {final_dir}")
+    print(
+        f"kto: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, kl "
+        f"{metrics.get('kl', float('nan')):.4f} after {total_steps} steps; saved {final_dir}"
+    )
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -24,10 +24,11 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, validate_rows
+from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, validate_rows
 from common.logps import masked_mean, sequence_logps
 from common.model import attach_lora, disable_dropout, load_model, trainable_parameters
-from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import save_final, seed_everything
 from common.templates import setup_chat_template
 
 
@@ -127,26 +128,18 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def orpo_log_odds(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> torch.Tensor:
-    """log odds(y_c) - log odds(y_r) = (l_c - l_r) - (log(1 - e^l_c) - log(1 - e^l_r)), l = mean token log-prob (B,)."""
+    """log odds(y_c) - log odds(y_r) = (l_c - l_r) - (log(1 - e^l_c) - log(1 - e^l_r)), l = mean token log-prob
+    (B,)."""
     return (chosen_logps - rejected_logps) - (log1mexp(chosen_logps) - log1mexp(rejected_logps))
 
 
-def orpo_loss(nll_loss, chosen_logps, rejected_logps, beta=0.1):
+def orpo_loss(*, nll_loss, chosen_logps, rejected_logps, beta=0.1):
     """L = NLL(chosen) - beta * mean_b log sigmoid(log_odds_b)   (ORPO Eq. 6-7; beta is the paper's lambda).
 
     Returns (loss, log_odds (B,)) from the average completion log-probs (B,) and a scalar NLL.
     """
     log_odds = orpo_log_odds(chosen_logps.float(), rejected_logps.float())
     return nll_loss - beta * F.logsigmoid(log_odds).mean(), log_odds
-
-
-def concat_pairs(examples: list[dict], pad_id: int, device) -> dict:
-    """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated batch)."""
-    prompts = [e["prompt_ids"] for e in examples]
-    completions = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-    return {k: v.to(device) for k, v in concat_prompt_completion(prompts + prompts, completions, pad_id).items()}
-
-
 
 
 def main(args: Args) -> dict:
@@ -157,7 +150,11 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: the policy only (ORPO has no reference)
     model, tokenizer = load_model(
-        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        args.gradient_checkpointing,
         args.trust_remote_code,
     )
     setup_chat_template(tokenizer, args.template)
@@ -196,16 +193,22 @@ def main(args: Args) -> dict:
         logps = masked_mean(per_token_logps, mask, dim=1)  # (2B,) average over completion tokens only
         nll_loss = -masked_mean(per_token_logps[:half], nll_mask[:half])  # token mean, as TRL's cross-entropy
         chosen_logps, rejected_logps = logps.chunk(2)
-        loss, log_odds = orpo_loss(nll_loss, chosen_logps, rejected_logps, args.beta)
+        loss, log_odds = orpo_loss(
+            nll_loss=nll_loss, chosen_logps=chosen_logps, rejected_logps=rejected_logps, beta=args.beta
+        )
         chosen, rejected = args.beta * chosen_logps.detach(), args.beta * rejected_logps.detach()  # TRL's rewards
         return loss, {
-            "loss": loss.item(), "nll_loss": nll_loss.item(),
+            "loss": loss.item(),
+            "nll_loss": nll_loss.item(),
             # TRL's names: log_odds_ratio is the mean log sigmoid(log odds), log_odds_chosen the mean log odds
-            "log_odds_ratio": F.logsigmoid(log_odds).mean().item(), "log_odds_chosen": log_odds.mean().item(),
-            "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+            "log_odds_ratio": F.logsigmoid(log_odds).mean().item(),
+            "log_odds_chosen": log_odds.mean().item(),
+            "rewards/chosen": chosen.mean().item(),
+            "rewards/rejected": rejected.mean().item(),
             "rewards/accuracies": (chosen > rejected).float().mean().item(),
             "rewards/margins": (chosen - rejected).mean().item(),
-            "logps/chosen": chosen_logps.mean().item(), "logps/rejected": rejected_logps.mean().item(),
+            "logps/chosen": chosen_logps.mean().item(),
+            "logps/rejected": rejected_logps.mean().item(),
             "num_tokens": int(batch["attention_mask"].sum()),
         }
 
@@ -215,25 +218,28 @@ def main(args: Args) -> dict:
 
     # ---- 4 loop
     model.train()
-    metrics = {}
+    metrics, nonfinite = {}, 0
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
-        stats = []
+        stats, loss_sum = [], 0.0
         for i in range(ga):
             loss, micro_stats = pair_losses(micro_batch(examples, step * ga + i, bs, args.seed))
             (loss / ga).backward()  # each micro loss is a mean over its pairs (TRL: the Trainer divides by GA)
             stats.append(micro_stats)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
+            loss_sum += loss.item() / ga
+        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
+        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
         metrics = mean_of(stats)
-        metrics.update({
-            "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-            "epoch": (step + 1) * ga / batches_per_epoch, "memory/peak_gb": peak_memory_gb(),
-            "perf/tokens_per_s": metrics["num_tokens"] / (time.perf_counter() - t0),
-        })
+        metrics.update(
+            {
+                "grad_norm": grad_norm,
+                "nonfinite_updates": nonfinite,
+                "learning_rate": scheduler.get_last_lr()[0],
+                "epoch": (step + 1) * ga / batches_per_epoch,
+                "memory/peak_gb": peak_memory_gb(),
+                "perf/tokens_per_s": metrics["num_tokens"] / (time.perf_counter() - t0),
+            }
+        )
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             model.eval()  # the same loss and metrics over the eval pairs, without grad (equal-weight batches)
             with torch.no_grad():
@@ -246,13 +252,13 @@ def main(args: Args) -> dict:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
-    final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, safe_serialization=True)
-    tokenizer.save_pretrained(final_dir)
+    final_dir = save_final(run_dir, model, tokenizer)
     logger.close()
     first = logger.history[0]["loss"] if logger.history else float("nan")
-    print(f"orpo: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, rewards/accuracies "
-          f"{metrics.get('rewards/accuracies', float('nan')):.2f} after {total_steps} steps; saved {final_dir}")
+    print(
+        f"orpo: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, rewards/accuracies "
+        f"{metrics.get('rewards/accuracies', float('nan')):.2f} after {total_steps} steps; saved {final_dir}"
+    )
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

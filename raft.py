@@ -2,9 +2,9 @@
 
 Round r: (1) K samples per prompt from the current policy, (2) rule rewards, (3) SFT (sft.py's loss) on the best
 sample(s) of each prompt scoring >= reward_threshold, (4) (best, worst) pairs with margin >= min_margin, written as
-preference data and, with --dpo, trained with dpo.py's loss against the round-start policy ("ref"), (5) greedy held-out
-accuracy. --mode spin (SPIN): chosen = the dataset's completion, rejected = the policy's own generation, DPO loss, "ref"
-= the policy at the start of each iteration. Papers: Dong et al. 2023 (RAFT); Chen et al. 2024 (SPIN).
+preference data and, with --dpo, trained with dpo.py's loss against the round-start policy ("ref"), (5) greedy
+held-out accuracy. --mode spin (SPIN): chosen = the dataset's completion, rejected = the policy's own generation, DPO
+loss, "ref" = the policy at the start of each iteration. Papers: Dong et al. 2023 (RAFT); Chen et al. 2024 (SPIN).
 Run: `python raft.py` (SmolLM2-135M-Instruct, builtin:math), `python raft.py --mode spin --dataset builtin:math_sft`;
 `python raft.py --resume-from runs/raft__<...> --num-rounds 4` continues after the last finished round.
 Each round is written atomically to <run_dir>/round-N/: samples.jsonl (all, with rewards), sft.jsonl (the kept set:
@@ -16,6 +16,7 @@ Differences from the reference implementations (TRL has no RAFT/SPIN trainer; LM
 - SPIN: prompts_per_round prompts an iteration (NeMo-Aligner: all); no mixing in of iteration t-1's data (the paper's).
 """
 
+import functools
 import json
 import math
 import os
@@ -26,18 +27,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 import tyro
 
-from common.data import DataError, collate_sft, load_rows, micro_batch, tokenize_dataset, validate_rows
-from common.logps import sequence_logps
+from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, validate_rows
+from common.logps import completion_logps, sequence_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import hf_generate
-from common.run import Logger, make_run_dir, peak_memory_gb, seed_everything
+from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, save_final, seed_everything
 from common.templates import setup_chat_template
-from dpo import completion_logps, concat_pairs, dpo_loss
 from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
-from sft import sft_loss
 
 
 @dataclass
@@ -137,6 +137,20 @@ class Args:
     """prompts per greedy generate() call in the eval"""
 
 
+def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> torch.Tensor:
+    """L = -sum_t log p(y_t | y_<t, x) / N over the kept completions' tokens (sft.py's loss, written here so editing
+    sft.py never changes raft.py)."""
+    return -per_token_logps.sum() / num_items
+
+
+def dpo_sigmoid_loss(*, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float):
+    """Per-pair -log s(beta [(log pi_c - log ref_c) - (log pi_r - log ref_r)]) of summed completion log-probs (B,)
+    (DPO Eq. 7; dpo.py's sigmoid loss, written here on purpose), and the implicit rewards beta h_c, beta h_r."""
+    chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    losses = -F.logsigmoid(beta * (chosen - rejected))
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
 def select_best(scores, threshold: float | None, keep_per_prompt: int) -> list[tuple[int, int]]:
     """(prompt i, sample k) of the kept samples: per row of scores (P, K), the keep_per_prompt highest with
     s >= threshold (any score when None), ties in sample order. NaN marks an unusable sample, never kept."""
@@ -190,6 +204,104 @@ def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dic
     return final
 
 
+def sft_step(model, chunk: list[dict], pad_id: int, device):
+    """SFT loss of one batch of kept samples: every completion token through its end-of-turn, token mean."""
+    batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
+    mask = batch["completion_mask"]
+    per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], mask)  # (B, T)
+    return sft_loss(per_token_logps, mask.sum()), {}
+
+
+def dpo_step(model, chunk: list[dict], pad_id: int, device, beta: float):
+    """DPO loss of one batch of pairs against the round-start policy ("ref"), with TRL's accuracy and margin."""
+    batch = concat_pairs(chunk, pad_id, device)  # [chosen; rejected] (2B, T): one forward scores both
+    chosen_logps, rejected_logps = completion_logps(model, batch)[0].chunk(2)  # summed completion log-probs
+    with as_reference(model):  # the round-start policy: "ref" active, eval, no grad
+        ref_chosen_logps, ref_rejected_logps = completion_logps(model, batch)[0].chunk(2)
+    losses, chosen, rejected = dpo_sigmoid_loss(
+        chosen_logps=chosen_logps,
+        rejected_logps=rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps,
+        beta=beta,
+    )
+    accuracy, margin = (chosen > rejected).float().mean().item(), (chosen - rejected).mean().item()
+    return losses.mean(), {"rewards/accuracies": accuracy, "rewards/margins": margin}
+
+
+def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, prefix: str, seed: int) -> dict:
+    """num_train_epochs over the examples with a fresh AdamW (constant lr); each value's mean over the steps."""
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=args.weight_decay)
+    bs, totals, skipped = args.per_device_train_batch_size, {}, 0
+    steps = math.ceil(len(examples) * args.num_train_epochs / bs)
+    model.train()
+    for step in range(steps):
+        loss, stats = step_loss(micro_batch(examples, step, bs, seed))
+        loss.backward()
+        stats["grad_norm"], stepped = guarded_step(model, optimizer, None, loss.item(), args.max_grad_norm)
+        skipped += not stepped  # a NaN/Inf loss or gradient: that update is skipped
+        for k, v in {"loss": loss.item(), **stats}.items():
+            totals[prefix + k] = totals.get(prefix + k, 0.0) + v / steps
+    return {**totals, prefix + "steps": steps, prefix + "nonfinite_updates": skipped}
+
+
+def evaluate(model, tokenizer, eval_rows: list[dict], args: Args) -> tuple[dict, list[dict]]:
+    """Greedy held-out accuracy (evals.gsm8k: math_reward on the final answer) and the per-prompt records."""
+    if not eval_rows:
+        return {}, []
+    t0 = time.perf_counter()
+    result = evaluate_gsm8k(model, tokenizer, eval_rows, args.eval_batch_size, args.max_completion_length)
+    metrics = {f"eval/{args.eval_split}/accuracy": result["accuracy"], "time/eval": time.perf_counter() - t0}
+    return metrics, result["records"]
+
+
+def rollout_samples(batch: list[dict], out: dict, group_size: int, mask_truncated: bool):
+    """One sample row per completion (prompt i's K samples are rows i*K .. i*K+K-1) and which are usable: an empty
+    completion cannot be written as data, and a truncated one would be trained with an end-of-turn it never wrote."""
+    rows_k = [row for row in batch for _ in range(group_size)]
+    usable = [
+        bool(text.strip()) and not (mask_truncated and cut)
+        for text, cut in zip(out["completions"], out["truncated"], strict=True)
+    ]
+    samples = [
+        {"prompt": row["prompt"], "completion": as_completion(text, isinstance(row["prompt"], list)), "truncated": cut}
+        for row, text, cut in zip(rows_k, out["completions"], out["truncated"], strict=True)
+    ]
+    return rows_k, usable, samples
+
+
+def kept_and_pairs(batch: list[dict], samples: list[dict], scores, args: Args) -> tuple[list[dict], list[dict]]:
+    """The SFT rows (the best of each group above the threshold) and the best-vs-worst preference rows."""
+    G = scores.shape[1]
+    kept = select_best(scores, args.reward_threshold, args.keep_per_prompt)
+    sft_rows = [{k: samples[i * G + j][k] for k in ("prompt", "completion", "reward")} for i, j in kept]
+    pair_rows = [
+        {
+            "prompt": batch[i]["prompt"],
+            "chosen": samples[i * G + c]["completion"],
+            "rejected": samples[i * G + r]["completion"],
+            "score_chosen": scores[i, c].item(),
+            "score_rejected": scores[i, r].item(),
+        }
+        for i, c, r in make_pairs(scores, args.min_margin)
+    ]
+    return sft_rows, pair_rows
+
+
+def reward_stats(rewards, per_func, reward_funcs, num_kept: int, args: Args) -> dict:
+    """Reward metrics of a round's samples (TRL's names) and the share kept."""
+    stats = {
+        "reward": rewards.mean().item(),
+        "reward_std": rewards.std().nan_to_num().item(),
+        "kept_fraction": num_kept / len(rewards),
+        "num_kept": num_kept,
+    }
+    stats |= {f"rewards/{n}/mean": per_func[:, f].nanmean().item() for f, (n, _, _) in enumerate(reward_funcs)}
+    if args.reward_threshold is not None:  # samples good enough to keep, before the best-per-prompt cut
+        stats["pass_rate"] = (rewards >= args.reward_threshold).float().mean().item()
+    return stats
+
+
 def main(args: Args) -> dict:
     # ---- 1 setup: data, rewards and the run dir, all checked before any weights load
     t_start, spin = time.perf_counter(), args.mode == "spin"
@@ -205,62 +317,24 @@ def main(args: Args) -> dict:
     done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
 
     # ---- 2 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
-    model, tokenizer = load_model(args.model, args.dtype, args.attn_implementation, args.quantization,
-                                  args.gradient_checkpointing)
+    model, tokenizer = load_model(
+        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing
+    )
     setup_chat_template(tokenizer, args.template)
     adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else args.adapter
     model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if use_ref:  # as dpo.py: no dropout, so the policy (train mode) and "ref" (eval mode) agree exactly
         disable_dropout(model)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+    sft_loss_of = functools.partial(sft_step, model, pad_id=pad_id, device=device)
+    dpo_loss_of = functools.partial(dpo_step, model, pad_id=pad_id, device=device, beta=args.beta)
 
-    # ---- 3 data, eval, the two update phases
+    # ---- 3 data, eval of the starting policy
     examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
     acc_key = f"eval/{args.eval_split}/accuracy"
     logger = Logger(run_dir, args, args.num_rounds, show=("reward", "kept_fraction", acc_key), start_step=max(done, 0))
-
-    def evaluate() -> tuple[dict, list[dict]]:
-        """Greedy held-out accuracy (evals.gsm8k: math_reward on the final answer) and the per-prompt records."""
-        if not eval_rows:
-            return {}, []
-        t0 = time.perf_counter()
-        result = evaluate_gsm8k(model, tokenizer, eval_rows, args.eval_batch_size, args.max_completion_length)
-        return {acc_key: result["accuracy"], "time/eval": time.perf_counter() - t0}, result["records"]
-
-    def sft_step(chunk: list[dict]):
-        batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
-        mask = batch["completion_mask"]  # the kept completion's tokens through its end-of-turn
-        per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], mask)  # (B, T)
-        return sft_loss(per_token_logps, mask.sum()), {}
-
-    def dpo_step(chunk: list[dict]):
-        batch = concat_pairs(chunk, pad_id, device)  # [chosen; rejected] (2B, T): one forward scores both
-        logps = completion_logps(model, batch)[0]  # (2B,) summed completion log-probs
-        with as_reference(model):  # the round-start policy: "ref" active, eval, no grad
-            ref_logps = completion_logps(model, batch)[0]
-        losses, chosen, rejected = dpo_loss(*logps.chunk(2), *ref_logps.chunk(2),
-                                            *batch["completion_mask"].sum(1).chunk(2), "sigmoid", args.beta)
-        return losses.mean(), {"rewards/accuracies": (chosen > rejected).float().mean().item(),
-                               "rewards/margins": (chosen - rejected).mean().item()}
-
-    def run_phase(phase_examples: list[dict], lr: float, step_loss, prefix: str, seed: int) -> dict:
-        """num_train_epochs over the examples with a fresh AdamW (constant lr); each value's mean over the steps."""
-        optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=args.weight_decay)
-        bs, totals = args.per_device_train_batch_size, {}
-        steps = math.ceil(len(phase_examples) * args.num_train_epochs / bs)
-        model.train()
-        for step in range(steps):
-            loss, stats = step_loss(micro_batch(phase_examples, step, bs, seed))
-            loss.backward()
-            stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm).item()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            for k, v in {"loss": loss.item(), **stats}.items():
-                totals[prefix + k] = totals.get(prefix + k, 0.0) + v / steps
-        return {**totals, prefix + "steps": steps}
-
     if done < 0:  # round 0: the starting policy's held-out accuracy, the baseline every round is compared to
-        metrics, records = evaluate()
+        metrics, records = evaluate(model, tokenizer, eval_rows, args)
         write_round(run_dir, 0, {"eval.jsonl": records}, metrics)
         logger.log(0, metrics)
 
@@ -274,66 +348,74 @@ def main(args: Args) -> dict:
         seed_everything(args.seed + rnd)
         batch = micro_batch(examples, rnd - 1, args.prompts_per_round, args.seed)  # epoch-wise shuffled prompts
         # (1) rollout: K samples per prompt from the live policy, groups contiguous (eval mode, no grad inside)
-        out = hf_generate(model, tokenizer, [e["prompt_ids"] for e in batch], G, args.temperature, args.top_p,
-                          args.top_k, args.max_completion_length)
+        prompts = [e["prompt_ids"] for e in batch]
+        out = hf_generate(
+            model, tokenizer, prompts, G, args.temperature, args.top_p, args.top_k, args.max_completion_length
+        )
         t1 = time.perf_counter()
-        # An empty completion cannot be written as data, and a truncated one would be trained with an end-of-turn
-        rows_k = [row for row in batch for _ in range(G)]  # prompt i's K samples are rows i*K .. i*K+K-1
-        usable = [bool(text.strip()) and not (args.mask_truncated_completions and cut)
-                  for text, cut in zip(out["completions"], out["truncated"], strict=True)]
-        samples = [{"prompt": row["prompt"], "completion": as_completion(text, isinstance(row["prompt"], list)),
-                    "truncated": cut} for row, text, cut in zip(rows_k, out["completions"], out["truncated"])]
-        stats = {"completions/mean_length": sum(map(len, out["completion_ids"])) / len(samples),
-                 "completions/clipped_ratio": sum(out["truncated"]) / len(samples)}
+        rows_k, usable, samples = rollout_samples(batch, out, G, args.mask_truncated_completions)
+        stats = {
+            "completions/mean_length": sum(map(len, out["completion_ids"])) / len(samples),
+            "completions/clipped_ratio": sum(out["truncated"]) / len(samples),
+        }
         if spin:  # (2)-(4) SPIN: ground truth (chosen) vs the policy's own generation (rejected); no reward
-            generations = [text if ok else None for text, ok in zip(out["completions"], usable)]
+            generations = [text if ok else None for text, ok in zip(out["completions"], usable, strict=True)]
             sft_rows, pair_rows = [], spin_pairs(batch, generations)
         else:
             # (2) rewards; unusable samples score NaN in the selection, which select_best and make_pairs skip
             rewards, per_func = score_rollout(rows_k, out, reward_funcs, args.max_completion_length)
             scores = torch.where(torch.tensor(usable), rewards, math.nan).view(len(batch), G)  # (P, K)
-            for sample, reward, ok in zip(samples, rewards.tolist(), usable):
+            for sample, reward, ok in zip(samples, rewards.tolist(), usable, strict=True):
                 sample |= {"reward": reward, "usable": ok}
             # (3) the kept set: the best of each group above the threshold; (4) best-vs-worst pairs, same groups
-            kept = select_best(scores, args.reward_threshold, args.keep_per_prompt)
-            sft_rows = [{k: samples[i * G + j][k] for k in ("prompt", "completion", "reward")} for i, j in kept]
-            pair_rows = [{"prompt": batch[i]["prompt"], "chosen": samples[i * G + c]["completion"],
-                          "rejected": samples[i * G + r]["completion"], "score_chosen": scores[i, c].item(),
-                          "score_rejected": scores[i, r].item()} for i, c, r in make_pairs(scores, args.min_margin)]
-            stats |= {"reward": rewards.mean().item(), "reward_std": rewards.std().nan_to_num().item(),
-                      "kept_fraction": len(kept) / len(samples), "num_kept": len(kept)}
-            stats |= {f"rewards/{n}/mean": per_func[:, f].nanmean().item() for f, (n, _, _) in enumerate(reward_funcs)}
-            if args.reward_threshold is not None:  # samples good enough to keep, before the best-per-prompt cut
-                stats["pass_rate"] = (rewards >= args.reward_threshold).float().mean().item()
+            sft_rows, pair_rows = kept_and_pairs(batch, samples, scores, args)
+            stats |= reward_stats(rewards, per_func, reward_funcs, len(sft_rows), args)
         t2 = time.perf_counter()
         if sft_rows:  # (3) SFT on the kept samples: sft.py's loss, on the data exactly as written to sft.jsonl
-            stats |= run_phase(tokenize_dataset(tokenizer, sft_rows, "sft", args.max_length), args.learning_rate,
-                               sft_step, "sft/", args.seed + rnd)
+            sft_examples = tokenize_dataset(tokenizer, sft_rows, "sft", args.max_length)
+            stats |= run_phase(model, sft_examples, args, args.learning_rate, sft_loss_of, "sft/", args.seed + rnd)
         if use_ref and pair_rows:  # (4) DPO on the pairs against the round-start policy: dpo.py's sigmoid loss
-            stats |= run_phase(tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length),
-                               args.dpo_learning_rate, dpo_step, "dpo/", args.seed + rnd)
+            pair_examples = tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length)
+            stats |= run_phase(
+                model, pair_examples, args, args.dpo_learning_rate, dpo_loss_of, "dpo/", args.seed + rnd
+            )
         if spin:
             snapshot_ref(model)  # SPIN: the policy just trained is the next iteration's opponent (Chen et al., Alg. 1)
         t3 = time.perf_counter()
         # (5) held-out eval, then the round's data, metrics and adapter in one atomic rename
-        eval_metrics, records = evaluate()
-        metrics = {**stats, "num_pairs": len(pair_rows), **eval_metrics, "time/rollout": t1 - t0,
-                   "time/train": t3 - t2, "time/round": time.perf_counter() - t0, "memory/peak_gb": peak_memory_gb()}
+        eval_metrics, records = evaluate(model, tokenizer, eval_rows, args)
+        metrics = {
+            **stats,
+            "num_pairs": len(pair_rows),
+            **eval_metrics,
+            "time/rollout": t1 - t0,
+            "time/train": t3 - t2,
+            "time/round": time.perf_counter() - t0,
+            "memory/peak_gb": peak_memory_gb(),
+        }
         files = {"samples.jsonl": samples, "pairs.jsonl": pair_rows, "eval.jsonl": records}
         write_round(run_dir, rnd, files if spin else {"sft.jsonl": sft_rows, **files}, metrics, model)
         logger.log(rnd, metrics)
 
     # ---- 5 save: the final policy alone in final/ (plain PEFT adapter + tokenizer), as the other scripts
-    final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, selected_adapters=["default"], safe_serialization=True)
-    tokenizer.save_pretrained(final_dir)
+    final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])
     logger.close()
-    accuracy = [json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text()).get(acc_key, math.nan)
-                for n in range(args.num_rounds + 1)]  # from the files: rounds run before a resume included
-    print(f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, "
-          f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, adapter {final_dir}")
-    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history,
-            "accuracy_by_round": accuracy, "model": model}
+    accuracy = [
+        json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text()).get(acc_key, math.nan)
+        for n in range(args.num_rounds + 1)
+    ]  # from the files: rounds run before a resume included
+    print(
+        f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, "
+        f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, adapter {final_dir}"
+    )
+    return {
+        **metrics,
+        "run_dir": run_dir,
+        "final_dir": final_dir,
+        "history": logger.history,
+        "accuracy_by_round": accuracy,
+        "model": model,
+    }
 
 
 if __name__ == "__main__":

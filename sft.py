@@ -23,11 +23,18 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import (
-    collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset, validate_rows,
+    collate_packed,
+    collate_sft,
+    load_rows,
+    micro_batch,
+    pack_examples,
+    tokenize_dataset,
+    validate_rows,
 )
 from common.logps import sequence_logps
 from common.model import attach_lora, load_model, trainable_parameters
-from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import save_final, seed_everything
 from common.templates import setup_chat_template
 
 
@@ -117,17 +124,21 @@ def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> to
     return -per_token_logps.sum() / num_items
 
 
-
-
 def main(args: Args) -> dict:
     # ---- 1 setup
     seed_everything(args.seed)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
-    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split, convert=args.convert), "sft") if args.eval_split else []
+    eval_rows = (
+        validate_rows(load_rows(args.dataset, args.eval_split, convert=args.convert), "sft") if args.eval_split else []
+    )
 
     # ---- 2 model (policy = base + "default" LoRA, or every weight)
     model, tokenizer = load_model(
-        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing,
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        args.gradient_checkpointing,
         args.trust_remote_code,
     )
     setup_chat_template(tokenizer, args.template)
@@ -147,8 +158,10 @@ def main(args: Args) -> dict:
     pad_id = tokenizer.pad_token_id
     collate = (lambda b: collate_packed(b, pad_id, one_row)) if args.packing else (lambda b: collate_sft(b, pad_id))
     batches_per_epoch = math.ceil(len(examples) / args.per_device_train_batch_size)
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(
-        batches_per_epoch * args.num_train_epochs / args.gradient_accumulation_steps
+    total_steps = (
+        args.max_steps
+        if args.max_steps > 0
+        else math.ceil(batches_per_epoch * args.num_train_epochs / args.gradient_accumulation_steps)
     )
 
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
@@ -169,7 +182,7 @@ def main(args: Args) -> dict:
     # ---- 4 loop
     model.train()
     ga = args.gradient_accumulation_steps
-    metrics = {}
+    metrics, nonfinite = {}, 0
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         micro = [
@@ -184,31 +197,39 @@ def main(args: Args) -> dict:
             loss = sft_loss(per_token_logps, num_items)
             loss.backward()
             loss_sum += loss.item()
-            tokens += int(batch["input_ids"].numel() if "attention_mask" not in batch else batch["attention_mask"].sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), args.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            tokens += int(
+                batch["input_ids"].numel() if "attention_mask" not in batch else batch["attention_mask"].sum()
+            )
+        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
+        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
 
         metrics = {
-            "loss": loss_sum, "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-            "num_tokens": tokens, "epoch": (step + 1) * args.gradient_accumulation_steps / batches_per_epoch,
-            "memory/peak_gb": peak_memory_gb(), "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "nonfinite_updates": nonfinite,
+            "learning_rate": scheduler.get_last_lr()[0],
+            "num_tokens": tokens,
+            "epoch": (step + 1) * args.gradient_accumulation_steps / batches_per_epoch,
+            "memory/peak_gb": peak_memory_gb(),
+            "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
-            metrics["eval/loss"] = evaluate(model, eval_examples, collate, forward_logps, args.per_device_train_batch_size)
+            metrics["eval/loss"] = evaluate(
+                model, eval_examples, collate, forward_logps, args.per_device_train_batch_size
+            )
         if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
-    final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, safe_serialization=True)
-    tokenizer.save_pretrained(final_dir)
+    final_dir = save_final(run_dir, model, tokenizer)
     logger.close()
     first = logger.history[0]["loss"] if logger.history else float("nan")
-    print(f"sft: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f} over {total_steps - start_step} steps; saved {final_dir}")
+    print(
+        f"sft: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f} over {total_steps - start_step} steps; "
+        f"saved {final_dir}"
+    )
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history}
 
 

@@ -406,6 +406,13 @@ def concat_prompt_completion(prompt_ids_list: list[list[int]], completion_ids_li
 
 
 # ----------------------------------------------------------------------------------------------------- packing
+def concat_pairs(examples: list[dict], pad_id: int, device) -> dict:
+    """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated batch)."""
+    prompts = [e["prompt_ids"] for e in examples]
+    completions = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+    return {k: v.to(device) for k, v in concat_prompt_completion(prompts + prompts, completions, pad_id).items()}
+
+
 def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
     """Greedily concatenate tokenized SFT examples, in order, into rows of at most max_length tokens, with
     position_ids restarting at 0 for each document (which is what keeps documents from attending to each other)."""
@@ -443,10 +450,13 @@ def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False)
             "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0)}
 
 
-def micro_batch(examples: list, index: int, batch_size: int, seed: int) -> list:
+def micro_batch(examples: list, index: int, batch_size: int, seed: int, drop_last: bool = False) -> list:
     """The index-th micro-batch of an endless, epoch-wise reshuffled stream: a pure function of (index, seed), so
-    resuming at a step needs no saved iterator, and accumulation 1 x 4 sees the same rows as 4 x 1."""
-    per_epoch = math.ceil(len(examples) / batch_size)
+    resuming at a step needs no saved iterator, and accumulation 1 x 4 sees the same rows as 4 x 1. drop_last: every
+    batch is full (the epoch's remainder is skipped; fewer rows than batch_size repeat rows)."""
+    per_epoch = max(1, len(examples) // batch_size) if drop_last else math.ceil(len(examples) / batch_size)
     epoch, pos = divmod(index, per_epoch)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    if drop_last:
+        return [examples[order[(pos * batch_size + i) % len(examples)]] for i in range(batch_size)]
     return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]

@@ -1,10 +1,13 @@
 """Shared numerics: per-token log-probs (chunked over rows, never the full (N, V) fp32 logits), masked reductions,
-KL estimators, GRPO group advantages and GRPO loss aggregation. Every formula is stated in its docstring and checked
+the k3 KL estimator, GRPO group advantages and GRPO loss aggregation. Every formula is stated in its docstring and checked
 against a naive reference in tests/test_logps.py; the GRPO pieces match TRL 1.16's GRPOTrainer (cited per function).
 """
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
+
+from common.data import concat_prompt_completion, pad_batch
 
 # Config keys of models whose forward transforms the lm_head output (Gemma2/3/4 + nanochat softcapping, Cohere's
 # logit_scale, Granite's logits_scaling, MuSE's output_multiplier): lm_head(hidden) alone would give wrong logps.
@@ -161,6 +164,13 @@ def sequence_logps(
     return (per_token_logps, F.pad(entropy, (1, 0)).detach()) if return_entropy else per_token_logps
 
 
+def completion_logps(model, batch: dict):
+    """Summed completion log-probs per row (B,) and the per-token ones (B, T), 0 off the completion: the sequence
+    score of the preference losses (TRL's concatenated_forward) from a concat_prompt_completion batch."""
+    per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
+
+
 def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_id, temperature=1.0, chunk_size=1024,
                              return_entropy=False):
     """per_token_logps[r, t] = log p(completion_ids[r][t] | prompt_ids[r // G], completion_ids[r][:t]), (B*G, C) fp32,
@@ -171,10 +181,6 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
     sequence_logps on the concatenated rows (to fp32 rounding), for (B*P + B*G*C) tokens instead of B*G*(P + C).
     Returns (logps, completion_mask[, entropy]).
     """
-    from transformers import DynamicCache
-
-    from common.data import concat_prompt_completion, pad_batch
-
     lm = _unwrap(model)
     device, decoder, head = lm.device, lm.get_decoder(), lm.get_output_embeddings()
     c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)  # (B*G, C), the layout returned
@@ -239,16 +245,6 @@ def masked_mean(values, mask, dim=None, empty="raise"):
         raise ValueError(f"masked_mean over an empty mask (dim={dim}): no element to average; check the mask")
     # clamp: only reachable for empty="zero" rows, whose masked sum is 0, so they come out as exactly 0.0
     return masked_sum(values, mask, dim) / count.clamp(min=1)
-
-
-def kl_k1(logps, ref_logps):
-    """k1 = log pi - log ref: unbiased per-token estimate of KL(pi || ref) on tokens sampled from pi (Schulman 2020)."""
-    return logps - ref_logps
-
-
-def kl_k2(logps, ref_logps):
-    """k2 = (log pi - log ref)^2 / 2: low-variance, biased estimate of KL(pi || ref) (Schulman 2020)."""
-    return 0.5 * (logps - ref_logps) ** 2
 
 
 def kl_k3(logps, ref_logps):

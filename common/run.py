@@ -7,6 +7,7 @@ pickle: weights as safetensors, optimizer/scheduler/RNG through torch.load(weigh
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import random
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from common.model import adapter_hash, is_peft, load_weights, save_weights, snapshot_ref, REF
+from common.model import REF, adapter_hash, is_peft, load_weights, save_weights, snapshot_ref, trainable_parameters
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 
@@ -79,11 +80,50 @@ class Logger:
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
+def guarded_step(model, optimizer, scheduler, loss: float, max_grad_norm: float) -> tuple[float, bool]:
+    """Clip the gradients to max_grad_norm, then one optimizer (and scheduler) step, unless the loss or the gradient
+    norm is NaN/Inf: then the gradients are dropped and nothing moves (no Adam moment update, no step count, no LR
+    step), so one bad batch cannot poison the weights. Returns (grad_norm, stepped)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), max_grad_norm).item()
+    stepped = math.isfinite(loss) and math.isfinite(grad_norm)
+    if stepped:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, stepped
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """Raised instead of saving a model with NaN/Inf weights."""
+
+
+def check_finite(model, run_dir: str) -> None:
+    """Refuse to write a model with a NaN/Inf weight: the error names the tensors and the last good checkpoint."""
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        last = (list_checkpoints(run_dir) or ["none"])[-1]
+        raise NonFiniteWeightsError(f"{len(bad)} weight tensors hold NaN/Inf (e.g. {bad[0]}); nothing was saved. "
+                                    f"Last good checkpoint: {last}")
+
+
+def save_final(run_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
+    """run_dir/final: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as
+    plain PEFT / transformers loads them, plus the tokenizer; refused when a weight is not finite."""
+    check_finite(model, run_dir)
+    final_dir = os.path.join(run_dir, "final")
+    kwargs = {"selected_adapters": adapters} if is_peft(model) else {}
+    model.save_pretrained(final_dir, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(final_dir)
+    return final_dir
+
+
 def save_checkpoint(run_dir, step, model, optimizer=None, scheduler=None, trainer_state=None, keep_last=2) -> str:
     """Write run_dir/checkpoints/step-N atomically and keep the newest `keep_last` complete ones.
     Order matters: the new checkpoint is complete and renamed into place before any old one is deleted, so a
     crash at any moment leaves at least the last good checkpoint."""
     root = os.path.join(run_dir, "checkpoints")
+    check_finite(model, run_dir)
     os.makedirs(root, exist_ok=True)
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f".tmp-step-{step}")
     shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash during an earlier save of this step

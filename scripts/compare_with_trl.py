@@ -19,7 +19,7 @@ How the two runs are made identical (each point is checked by the harness, not a
   conversational completion through the template's text, so the '\\n' after <|im_end|> is a trained token there, while
   ours stops at the end-of-turn token (what generation emits). As strings, both append EOS and nothing else, and the
   harness asserts TRL's tokenized dataset equals ours (--chat keeps the conversations and reports the difference).
-- Order: ours draws micro-batch i with common.data.micro_batch (GRPO: grpo.prompt_batch). The harness writes TRL's
+- Order: ours draws micro-batch i with common.data.micro_batch (GRPO: with drop_last=True). The harness writes TRL's
   dataset in that order and turns TRL's shuffling off (train_sampling_strategy="sequential"; GRPO:
   shuffle_dataset=False), so TRL's batch i is ours row for row. KTO's mismatched KL pairs then agree too: TRL
   rotates completions inside consecutive chunks of the batch size, which are now our micro-batches.
@@ -192,10 +192,8 @@ def make_rows(kind: str, n: int, tokenizer, chat: bool = False, target_length: i
 def trl_order(s: Setup) -> list[int]:
     """Row indices in the order our script consumes them, micro-batch after micro-batch."""
     if s.method == "grpo":
-        from grpo import prompt_batch
-
-        return [i for step in range(s.steps) for i in prompt_batch(list(range(s.n_rows)), step, s.prompts_per_step,
-                                                                    s.seed)]
+        rows = list(range(s.n_rows))
+        return [i for k in range(s.steps) for i in micro_batch(rows, k, s.prompts_per_step, s.seed, drop_last=True)]
     return [i for k in range(s.steps * s.grad_accum) for i in micro_batch(list(range(s.n_rows)), k, s.batch_size,
                                                                            s.seed)]
 
@@ -239,7 +237,7 @@ class FixedRollouts:
 @contextlib.contextmanager
 def our_fixed_generation(bank: FixedRollouts):
     """grpo.py's rollout replaced by the bank (same return layout as common.rollout.hf_generate)."""
-    import grpo
+    grpo = importlib.import_module("grpo")  # the script under test: its rollout is replaced
     from common.rollout import cut_at_eos, eos_ids
 
     def fixed_generate(model, tokenizer, prompts, group_size, max_new_tokens=None, **_):
@@ -275,9 +273,8 @@ def our_args(s: Setup, data_path: str) -> dict:
                   learning_rate=s.learning_rate, max_steps=s.steps, warmup_steps=0, weight_decay=0.0,
                   max_grad_norm=1.0, logging_steps=1, save_steps=0)
     if s.method == "grpo":
-        n = s.prompts_per_step * s.group_size
         return {**common, "group_size": s.group_size, "prompts_per_step": s.prompts_per_step,
-                "per_device_train_batch_size": n, "max_completion_length": s.max_completion_length,
+                "groups_per_micro_batch": s.prompts_per_step, "max_completion_length": s.max_completion_length,
                 "max_prompt_length": 100_000, "beta": s.run_beta, "loss_type": s.run_loss_type,
                 "scale_rewards": "group", "epsilon": 0.2, "epsilon_high": None, "temperature": 1.0, "top_p": 1.0,
                 "top_k": 0, "num_iterations": 1, "mask_truncated_completions": False, "rewards": list(s.rewards),
@@ -467,7 +464,7 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     with its "default" and "ref" adapters), advantages and reference log-probs. Per loss_type: summed loss and every
     LoRA gradient, each side's gradient norm. bnpo also gets the normaliser that reproduces TRL (num_items = the
     micro-batch's tokens x micro, see common.logps.aggregate_loss): grpo.py divides by the whole step's tokens."""
-    from grpo import grpo_per_token_loss
+    grpo_per_token_loss = importlib.import_module("grpo").grpo_per_token_loss  # the script under test
     from common.logps import aggregate_loss, group_advantages, sequence_logps
     from common.model import as_reference
     from common.rewards import compute_rewards, load_reward_funcs
@@ -533,8 +530,9 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
         total = 0.0
         for c in chunks:
             logps = sequence_logps(model, seqs["input_ids"][c], seqs["attention_mask"][c], mask[c])
-            per_token_loss, per_token_kl, *_ = grpo_per_token_loss(logps, logps.detach(), ref[c], advantages[c], 0.2,
-                                                                   0.2, s.run_beta)
+            per_token_loss, per_token_kl, *_ = grpo_per_token_loss(
+                per_token_logps=logps, old_per_token_logps=logps.detach(), ref_per_token_logps=ref[c],
+                advantages=advantages[c], epsilon=0.2, epsilon_high=0.2, beta=s.run_beta)
             if kl_times_ratio and per_token_kl is not None:
                 # TRL's use_bias_correction_kl: beta * k3 * rho; rho == 1 in value, so only the gradient gains k3
                 per_token_loss = per_token_loss + s.run_beta * per_token_kl * (torch.exp(logps - logps.detach()) - 1)
@@ -755,12 +753,12 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
      "the same", "the same (--loss-type)", ""),
     ("grpo", "num_generations = 8", "group_size = 8", "group_size", ""),
     ("grpo", "per_device_train_batch_size = 8 COMPLETIONS; generation batch = it x steps_per_generation (= GA)",
-     "prompts_per_step = 4 prompts x group_size; per_device_train_batch_size = completions per micro-batch",
-     "TRL per_device = ours' micro-batch, GA = prompts x G / micro-batch", "a step is one rollout"),
+     "prompts_per_step = 4 prompts x group_size; groups_per_micro_batch = groups of G per micro-batch",
+     "TRL per_device = ours' groups x G, GA = prompts / groups", "a step is one rollout"),
     ("grpo", "max_completion_length = 512", "64", "--max-completion-length", "CPU-sized default"),
     ("grpo", "temperature 1.0, top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0", "the same (no min_p, no "
      "repetition penalty)", "the same", ""),
-    ("grpo", "shuffle_dataset = True", "prompt_batch: randperm(seed + epoch)", "pre-ordered, shuffle_dataset=False",
+    ("grpo", "shuffle_dataset = True", "micro_batch(drop_last): randperm(seed + epoch)", "pre-ordered, shuffle_dataset=False",
      ""),
     ("grpo", "prompts never truncated", "max_prompt_length = 512: longer prompts dropped", "no prompt dropped", ""),
     ("grpo", "disable_dropout = False", "lora_dropout = 0.05", "dropout 0 (adapter) + disable_dropout", ""),

@@ -9,14 +9,48 @@ import pytest
 import torch
 
 from common.data import DataError
-from dpo import Args, concat_pairs, dpo_loss, main, micro_batch
+from common.data import concat_pairs, micro_batch
+from dpo import Args, dpo_loss, main
 from tests.prefs_helpers import (
-    FakeLM, assert_adapters, assert_base_untouched, assert_logged, fake_accelerator, hf_chosen_nll, make_sft_adapter,
-    preference_rows, rows_with_lengths, run_cli, slot_state, write_jsonl,
+    FakeLM,
+    assert_adapters,
+    assert_base_untouched,
+    assert_logged,
+    fake_accelerator,
+    hf_chosen_nll,
+    make_sft_adapter,
+    preference_rows,
+    rows_with_lengths,
+    run_cli,
+    slot_state,
+    write_jsonl,
 )
 
-KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-        "logps/rejected", "memory/peak_gb", "perf/tokens_per_s", "grad_norm", "learning_rate")
+KEYS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "memory/peak_gb",
+    "perf/tokens_per_s",
+    "grad_norm",
+    "learning_rate",
+)
+
+
+def pairs(chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths) -> dict:
+    """dpo_loss's tensor keywords, in the order the tests read them."""
+    return dict(
+        chosen_logps=chosen,
+        rejected_logps=rejected,
+        ref_chosen_logps=ref_chosen,
+        ref_rejected_logps=ref_rejected,
+        chosen_lengths=chosen_lengths,
+        rejected_lengths=rejected_lengths,
+    )
 
 
 def nls(x):
@@ -32,20 +66,27 @@ LEN_C, LEN_R = torch.tensor([5, 2]), torch.tensor([4, 2])
 
 def test_sigmoid_at_zero_margin_is_ln2():
     x = torch.tensor([-3.0, -7.5])
-    losses, chosen, rejected = dpo_loss(x, x - 1, x, x - 1, LEN_C, LEN_R)
+    losses, chosen, rejected = dpo_loss(**pairs(x, x - 1, x, x - 1, LEN_C, LEN_R))
     assert losses.tolist() == pytest.approx([math.log(2)] * 2, abs=1e-7)
     assert chosen.tolist() == rejected.tolist() == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("loss_type, expected", [
-    ("sigmoid", [nls(0.1 * 2), math.log(2)]),
-    ("ipo", [(1 / 5 + 1 / 4 - 5) ** 2, (0.25 - 0.25 - 5) ** 2]),  # 1/(2 beta) = 5
-    ("robust", [(0.9 * nls(0.2) - 0.1 * nls(-0.2)) / 0.8, math.log(2)]),  # e = 0.1: (1-e)/(1-2e) - e/(1-2e) = 1 at 0
-    ("simpo", [nls(0.1 * (-2 - -3) - 0.5), nls(0.1 * (-2.5 - -2) - 0.5)]),  # averages (-2, -3) and (-2.5, -2)
-])
+@pytest.mark.parametrize(
+    "loss_type, expected",
+    [
+        ("sigmoid", [nls(0.1 * 2), math.log(2)]),
+        ("ipo", [(1 / 5 + 1 / 4 - 5) ** 2, (0.25 - 0.25 - 5) ** 2]),  # 1/(2 beta) = 5
+        (
+            "robust",
+            [(0.9 * nls(0.2) - 0.1 * nls(-0.2)) / 0.8, math.log(2)],
+        ),  # e = 0.1: (1-e)/(1-2e) - e/(1-2e) = 1 at 0
+        ("simpo", [nls(0.1 * (-2 - -3) - 0.5), nls(0.1 * (-2.5 - -2) - 0.5)]),  # averages (-2, -3) and (-2.5, -2)
+    ],
+)
 def test_loss_types_by_hand(loss_type, expected):
-    losses, chosen, rejected = dpo_loss(C, R, REF_C, REF_R, LEN_C, LEN_R, loss_type, beta=0.1, label_smoothing=0.1,
-                                        simpo_gamma=0.5)
+    losses, chosen, rejected = dpo_loss(
+        **pairs(C, R, REF_C, REF_R, LEN_C, LEN_R), loss_type=loss_type, beta=0.1, label_smoothing=0.1, simpo_gamma=0.5
+    )
     assert losses.tolist() == pytest.approx(expected, rel=1e-6)
     if loss_type == "simpo":  # reference-free rewards: beta * average log-prob
         assert chosen.tolist() == pytest.approx([-0.2, -0.25]) and rejected.tolist() == pytest.approx([-0.3, -0.2])
@@ -60,14 +101,30 @@ def trl_dpo(loss_type, beta, label_smoothing, chosen, rejected, ref_chosen, ref_
     trainer = object.__new__(DPOTrainer)  # no __init__: only the attributes _compute_loss reads
     b = len(chosen)
     trainer.__dict__.update(
-        model=FakeLM(torch.cat([chosen, rejected])), accelerator=fake_accelerator(), aux_loss_enabled=False,
-        ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type],
-        loss_weights=[1.0], beta=beta, label_smoothing=label_smoothing, use_weighting=False,
-        _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1, args=SimpleNamespace(),
+        model=FakeLM(torch.cat([chosen, rejected])),
+        accelerator=fake_accelerator(),
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=beta,
+        label_smoothing=label_smoothing,
+        use_weighting=False,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+        args=SimpleNamespace(),
     )
     input_ids, attention_mask, completion_mask = rows_with_lengths(range(2 * b), [*len_c, *len_r], 16)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
-                  ref_chosen_logps=ref_chosen, ref_rejected_logps=ref_rejected)
+    inputs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        ref_chosen_logps=ref_chosen,
+        ref_rejected_logps=ref_rejected,
+    )
     loss = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
     return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
@@ -79,8 +136,12 @@ def test_matches_trl_dpo_trainer(loss_type):
     chosen, rejected, ref_chosen, ref_rejected = (-20 * torch.rand(6, generator=g) for _ in range(4))
     len_c, len_r = torch.randint(1, 12, (6,), generator=g), torch.randint(1, 12, (6,), generator=g)
     trl_loss, trl_metrics = trl_dpo(loss_type, 0.3, 0.2, chosen, rejected, ref_chosen, ref_rejected, len_c, len_r)
-    losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, len_c, len_r,
-                                                        loss_type, beta=0.3, label_smoothing=0.2)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(
+        **pairs(chosen, rejected, ref_chosen, ref_rejected, len_c, len_r),
+        loss_type=loss_type,
+        beta=0.3,
+        label_smoothing=0.2,
+    )
     torch.testing.assert_close(losses.mean(), trl_loss, rtol=1e-6, atol=1e-6)
     assert chosen_rewards.mean().item() == pytest.approx(trl_metrics["rewards/chosen"], rel=1e-6)
     assert (chosen_rewards > rejected_rewards).float().mean().item() == trl_metrics["rewards/accuracies"]
@@ -94,11 +155,13 @@ def test_simpo_matches_trl_cpo_trainer():
     avg_c, avg_r = -3 * torch.rand(6, generator=g), -3 * torch.rand(6, generator=g)
     len_c, len_r = torch.randint(1, 12, (6,), generator=g), torch.randint(1, 12, (6,), generator=g)
     cpo = object.__new__(CPOTrainer)  # CPO's simpo takes average log-probs; ours takes sums and lengths
-    cpo.__dict__.update(alpha=0.0, beta=2.0, loss_type="simpo", simpo_gamma=0.7, label_smoothing=0.0,
-                        accelerator=fake_accelerator())
+    cpo.__dict__.update(
+        alpha=0.0, beta=2.0, loss_type="simpo", simpo_gamma=0.7, label_smoothing=0.0, accelerator=fake_accelerator()
+    )
     trl_losses, trl_chosen, trl_rejected = cpo.cpo_loss(avg_c, avg_r)
-    losses, chosen, rejected = dpo_loss(avg_c * len_c, avg_r * len_r, None, None, len_c, len_r, "simpo", beta=2.0,
-                                        simpo_gamma=0.7)
+    losses, chosen, rejected = dpo_loss(
+        **pairs(avg_c * len_c, avg_r * len_r, None, None, len_c, len_r), loss_type="simpo", beta=2.0, simpo_gamma=0.7
+    )
     torch.testing.assert_close(losses, trl_losses, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(chosen, trl_chosen, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rejected, trl_rejected, rtol=1e-5, atol=1e-6)
@@ -106,8 +169,16 @@ def test_simpo_matches_trl_cpo_trainer():
 
 # ------------------------------------------------------------------------------------------------- end to end
 def run(tiny_model_dir, dataset, tmp_path, **kw):
-    defaults = dict(model=tiny_model_dir, dataset=dataset, output_dir=str(tmp_path / "runs"), max_length=64,
-                    per_device_train_batch_size=4, learning_rate=5e-3, max_steps=2, seed=1)
+    defaults = dict(
+        model=tiny_model_dir,
+        dataset=dataset,
+        output_dir=str(tmp_path / "runs"),
+        max_length=64,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        max_steps=2,
+        seed=1,
+    )
     return main(Args(**{**defaults, **kw}))
 
 
@@ -118,8 +189,9 @@ def prefs(tmp_path):
 
 def test_from_sft_adapter_ref_is_that_adapter(tiny_model_dir, prefs, tmp_path):
     start = make_sft_adapter(tiny_model_dir, tmp_path / "sft")
-    out = run(tiny_model_dir, prefs, tmp_path, adapter=str(tmp_path / "sft"), max_steps=3, eval_split="train",
-              eval_steps=3)
+    out = run(
+        tiny_model_dir, prefs, tmp_path, adapter=str(tmp_path / "sft"), max_steps=3, eval_split="train", eval_steps=3
+    )
     # Step 1 scores the pairs before any update with policy == ref (a non-zero SFT adapter): delta = 0 exactly
     assert out["history"][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert_logged(out, KEYS)
@@ -165,11 +237,20 @@ def test_resume_restores_policy_and_reference(tiny_model_dir, prefs, tmp_path):
 
 @pytest.mark.parametrize("loss_type", ["ipo", "robust", "simpo"])
 def test_other_loss_types_train(tiny_model_dir, prefs, tmp_path, loss_type):
-    out = run(tiny_model_dir, prefs, tmp_path, loss_type=loss_type, label_smoothing=0.1, rpo_alpha=0.5)
+    start = make_sft_adapter(tiny_model_dir, tmp_path / "sft")
+    out = run(
+        tiny_model_dir,
+        prefs,
+        tmp_path,
+        loss_type=loss_type,
+        label_smoothing=0.1,
+        rpo_alpha=0.5,
+        adapter=str(tmp_path / "sft"),
+    )
     assert all(math.isfinite(h["loss"]) for h in out["history"])
-    model = out["model"]
-    # SimPO is reference-free: no "ref" slot exists at all; the others keep it frozen
-    assert ("ref" in model.peft_config) == (loss_type != "simpo")
+    # "default" moved from the start; SimPO is reference-free (no "ref" slot at all), the others keep it frozen
+    assert_adapters(out["model"], start, with_ref=loss_type != "simpo")
+    assert_base_untouched(out["model"], tiny_model_dir)
 
 
 # ------------------------------------------------------------------------------------------------- bad input
@@ -204,8 +285,21 @@ def test_cli_help_and_one_step(tiny_model_dir, tmp_path):
     rows = preference_rows(4)
     rows[3]["rejected"] = rows[3]["chosen"]  # the data warning must reach the user's terminal with file:line
     data = write_jsonl(tmp_path / "cli.jsonl", rows)
-    done = run_cli("dpo.py", "--model", tiny_model_dir, "--dataset", data, "--max-steps", 1, "--max-length", 64,
-                   "--per-device-train-batch-size", 2, "--output-dir", tmp_path / "cli")
+    done = run_cli(
+        "dpo.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        data,
+        "--max-steps",
+        1,
+        "--max-length",
+        64,
+        "--per-device-train-batch-size",
+        2,
+        "--output-dir",
+        tmp_path / "cli",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "dpo: loss 0.6931" in done.stdout
     assert "cli.jsonl:4" in done.stderr and "chosen == rejected" in done.stderr

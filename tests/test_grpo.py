@@ -27,12 +27,25 @@ def constant(prompts, completions, **kw):
     return [1.0] * len(completions)
 
 
+def objective(logps, old, ref, advantages, epsilon, epsilon_high, beta) -> dict:
+    """grpo_per_token_loss's keyword arguments, in the order its equation reads."""
+    return dict(
+        per_token_logps=logps,
+        old_per_token_logps=old,
+        ref_per_token_logps=ref,
+        advantages=advantages,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        beta=beta,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- objective
 def test_ratio_one_gives_the_policy_gradient():
     """num_iterations = 1: old = logps.detach(), so rho = 1 and d l_t / d logp_t = -A exactly (beta = 0)."""
     logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.5]], requires_grad=True)
     advantages = torch.tensor([0.7, -1.3])
-    loss, kl, low, high = grpo_per_token_loss(logps, logps.detach(), None, advantages, 0.2, 0.2, 0.0)
+    loss, kl, low, high = grpo_per_token_loss(**objective(logps, logps.detach(), None, advantages, 0.2, 0.2, 0.0))
     loss.sum().backward()
     expected = -advantages[:, None].expand(2, 3)
     torch.testing.assert_close(loss.detach(), expected, rtol=0, atol=0)
@@ -46,7 +59,7 @@ def test_clipping_by_hand():
     old = torch.zeros(2, 2)
     logps = torch.log(torch.tensor([[1.5, 0.5], [0.5, 1.5]])).requires_grad_()
     advantages = torch.tensor([1.0, -1.0])
-    loss, _, low, high = grpo_per_token_loss(logps, old, None, advantages, 0.2, 0.28, 0.0)
+    loss, _, low, high = grpo_per_token_loss(**objective(logps, old, None, advantages, 0.2, 0.28, 0.0))
     # row 0 (A=+1): -min(1.5, 1.28) = -1.28 (clipped high), -min(0.5, 0.8) = -0.5 (not clipped: A > 0)
     # row 1 (A=-1): -min(-0.5, -0.8) = 0.8 (clipped low), -min(-1.5, -1.28) = 1.5 (not clipped: A < 0)
     torch.testing.assert_close(loss.detach(), torch.tensor([[-1.28, -0.5], [0.8, 1.5]]))
@@ -61,7 +74,9 @@ def test_kl_term_is_added_after_the_clip():
     """beta k3 with ref - logp = 0.5: k3 = e^0.5 - 1.5; its gradient beta (1 - e^0.5) survives on a clipped token."""
     logps = torch.log(torch.tensor([[1.5]])).requires_grad_()
     ref = logps.detach() + 0.5
-    loss, kl, _, high = grpo_per_token_loss(logps, torch.zeros(1, 1), ref, torch.tensor([1.0]), 0.2, 0.2, 0.1)
+    loss, kl, _, high = grpo_per_token_loss(
+        **objective(logps, torch.zeros(1, 1), ref, torch.tensor([1.0]), 0.2, 0.2, 0.1)
+    )
     k3 = math.exp(0.5) - 1.5
     assert kl.item() == pytest.approx(k3) and high.item()
     assert loss.item() == pytest.approx(-1.2 + 0.1 * k3)
@@ -75,11 +90,15 @@ def test_each_loss_type_end_to_end(loss_type, expected):
     grpo: mean of sequence means (-1 + 3) / 2; bnpo/dapo: token mean (-2 + 3) / 3; dr_grpo: sum / (B * L=4)."""
     logps = torch.tensor([[-0.5, -1.0], [-2.0, -7.0]], requires_grad=True)
     mask = torch.tensor([[1, 1], [1, 0]])
-    per_token, *_ = grpo_per_token_loss(logps, logps.detach(), None, torch.tensor([1.0, -3.0]), 0.2, 0.2, 0.0)
+    per_token, *_ = grpo_per_token_loss(
+        **objective(logps, logps.detach(), None, torch.tensor([1.0, -3.0]), 0.2, 0.2, 0.0)
+    )
     assert aggregate_loss(per_token, mask, loss_type, max_completion_length=4).item() == pytest.approx(expected)
     # Two micro-batches with the step's normaliser sum to the same loss (what grpo.py's loop relies on).
-    parts = [aggregate_loss(per_token[s], mask[s], loss_type, 4, num_items=mask.sum(), num_sequences=2)
-             for s in (slice(0, 1), slice(1, 2))]
+    parts = [
+        aggregate_loss(per_token[s], mask[s], loss_type, 4, num_items=mask.sum(), num_sequences=2)
+        for s in (slice(0, 1), slice(1, 2))
+    ]
     assert sum(parts).item() == pytest.approx(expected)
 
 
@@ -99,8 +118,9 @@ def learnable_dir(tmp_path_factory):
     vocab, hidden = model.lm_head.weight.shape
     sign = torch.where(torch.arange(vocab) < LOW, 1.0, -1.0)
     with torch.no_grad():
-        model.lm_head.weight.copy_(sign[:, None] * torch.randn(hidden, generator=g) * 0.05
-                                   + 0.02 * torch.randn(vocab, hidden, generator=g))
+        model.lm_head.weight.copy_(
+            sign[:, None] * torch.randn(hidden, generator=g) * 0.05 + 0.02 * torch.randn(vocab, hidden, generator=g)
+        )
     model.save_pretrained(path)
     return path
 
@@ -116,9 +136,18 @@ def prompts_jsonl(tmp_path_factory):
 
 def run(model_dir, dataset, tmp_path, **kw):
     defaults = dict(
-        model=model_dir, dataset=dataset, output_dir=str(tmp_path / "runs"), rewards=["tests.test_grpo:frac_low_ids"],
-        group_size=8, prompts_per_step=2, max_completion_length=8, per_device_train_batch_size=8, learning_rate=1e-3,
-        max_steps=2, seed=1, breaker_action="warn",
+        model=model_dir,
+        dataset=dataset,
+        output_dir=str(tmp_path / "runs"),
+        rewards=["tests.test_grpo:frac_low_ids"],
+        group_size=8,
+        prompts_per_step=2,
+        max_completion_length=8,
+        groups_per_micro_batch=1,
+        learning_rate=1e-3,
+        max_steps=2,
+        seed=1,
+        breaker_action="warn",
     )
     return main(Args(**{**defaults, **kw}))
 
@@ -152,11 +181,31 @@ def test_reward_rises_and_only_the_default_adapter_moves(learnable_dir, prompts_
     moved = [n for n, p in params.items() if ".default." in n and "lora_B" in n and not torch.equal(p, before[n])]
     assert moved, "the 'default' adapter did not change"
     expected = {
-        "reward", "reward_std", "rewards/frac_low_ids/mean", "frac_reward_zero_std", "kl", "entropy",
-        "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
-        "clip_ratio/region_mean", "completions/mean_length", "completions/min_length", "completions/max_length",
-        "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "memory/peak_gb", "perf/tokens_per_s",
-        "time/rollout", "time/reward", "time/reference", "time/train", "nonfinite_updates",
+        "reward",
+        "reward_std",
+        "rewards/frac_low_ids/mean",
+        "frac_reward_zero_std",
+        "kl",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_mean",
+        "clip_ratio/high_max",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "memory/peak_gb",
+        "perf/tokens_per_s",
+        "time/rollout",
+        "time/reward",
+        "time/reference",
+        "time/train",
+        "nonfinite_updates",
     }
     with open(os.path.join(out["run_dir"], "metrics.jsonl")) as f:
         logged = [json.loads(line) for line in f]
@@ -168,8 +217,16 @@ def test_reward_rises_and_only_the_default_adapter_moves(learnable_dir, prompts_
 def test_several_iterations_without_reference_and_exact_resume(tiny_model_dir, prompts_jsonl, tmp_path, spy_model):
     """num_iterations = 2 reuses each rollout (clip metrics live); beta = 0 creates no "ref" slot; a run resumed from
     its step-2 checkpoint ends bit-identical to the straight 4-step run (sampling RNG included)."""
-    kw = dict(num_iterations=2, beta=0.0, learning_rate=5e-2, max_steps=4, lora_dropout=0.1, loss_type="grpo",
-              mask_truncated_completions=True, max_completion_length=4)
+    kw = dict(
+        num_iterations=2,
+        beta=0.0,
+        learning_rate=5e-2,
+        max_steps=4,
+        lora_dropout=0.1,
+        loss_type="grpo",
+        mask_truncated_completions=True,
+        max_completion_length=4,
+    )
     straight = run(tiny_model_dir, prompts_jsonl, tmp_path / "a", save_steps=2, **kw)
     assert "ref" not in spy_model["model"].peft_config and "kl" not in straight
     assert any(h["clip_ratio/region_mean"] > 0 for h in straight["history"])
@@ -183,8 +240,12 @@ def test_several_iterations_without_reference_and_exact_resume(tiny_model_dir, p
 
 
 # ---------------------------------------------------------------------------------------------------- breakers
-QUIET = dict(breaker_max_kl=math.inf, breaker_max_clipped_ratio=2.0, breaker_max_length_growth=math.inf,
-             breaker_max_frac_zero_std=2.0)  # every breaker off, so each test trips exactly one
+QUIET = dict(
+    breaker_max_kl=math.inf,
+    breaker_max_clipped_ratio=2.0,
+    breaker_max_length_growth=math.inf,
+    breaker_max_frac_zero_std=2.0,
+)  # every breaker off, so each test trips exactly one
 BREAKERS = {
     "kl": dict(beta=0.04, breaker_max_kl=0.0, learning_rate=5e-2),  # kl = 0 at step 1 (policy == ref), > 0 after
     "length_pinned": dict(max_completion_length=2, breaker_max_clipped_ratio=0.5),
@@ -195,8 +256,15 @@ BREAKERS = {
 
 @pytest.mark.parametrize("name", list(BREAKERS))
 def test_each_breaker_stops_with_a_checkpoint(name, tiny_model_dir, prompts_jsonl, tmp_path, capsys):
-    out = run(tiny_model_dir, prompts_jsonl, tmp_path, max_steps=3, breaker_action="stop", breaker_patience=1,
-              **{**QUIET, **BREAKERS[name]})
+    out = run(
+        tiny_model_dir,
+        prompts_jsonl,
+        tmp_path,
+        max_steps=3,
+        breaker_action="stop",
+        breaker_patience=1,
+        **{**QUIET, **BREAKERS[name]},
+    )
     assert out["stopped_by"] == [name]
     step = out["history"][-1]["step"]
     assert step == (2 if name == "kl" else 1)
@@ -211,16 +279,23 @@ def test_nonfinite_updates_are_skipped_then_stop(tiny_model_dir, prompts_jsonl, 
 
     original = grpo.grpo_per_token_loss
     monkeypatch.setattr(grpo, "grpo_per_token_loss", nan_loss)
-    out = run(tiny_model_dir, prompts_jsonl, tmp_path, max_steps=5, breaker_action="stop", breaker_max_nonfinite=2,
-              **QUIET)
+    out = run(
+        tiny_model_dir, prompts_jsonl, tmp_path, max_steps=5, breaker_action="stop", breaker_max_nonfinite=2, **QUIET
+    )
     assert out["stopped_by"] == ["nonfinite"] and len(out["history"]) == 2 and out["nonfinite_updates"] == 2
     model, before = spy_model["model"], spy_model["before"]
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if ".default." in n), "a NaN update ran"
 
 
 def test_warn_reports_once_and_keeps_going(tiny_model_dir, prompts_jsonl, tmp_path, capsys):
-    out = run(tiny_model_dir, prompts_jsonl, tmp_path, max_steps=3, breaker_patience=1,
-              **{**QUIET, **BREAKERS["reward_std_zero"]})
+    out = run(
+        tiny_model_dir,
+        prompts_jsonl,
+        tmp_path,
+        max_steps=3,
+        breaker_patience=1,
+        **{**QUIET, **BREAKERS["reward_std_zero"]},
+    )
     assert len(out["history"]) == 3 and out["stopped_by"] == []
     assert capsys.readouterr().out.count("circuit breaker 'reward_std_zero' fired") == 1
 
@@ -231,10 +306,31 @@ def test_cli_help_and_one_step(tiny_model_dir, prompts_jsonl, tmp_path):
     help_out = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--group-size" in help_out.stdout and "num_generations" in help_out.stdout
     done = subprocess.run(
-        [sys.executable, "grpo.py", "--model", tiny_model_dir, "--dataset", prompts_jsonl, "--rewards", "length",
-         "--max-steps", "1", "--group-size", "2", "--prompts-per-step", "2", "--max-completion-length", "4",
-         "--output-dir", str(tmp_path / "cli")],
-        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "grpo.py",
+            "--model",
+            tiny_model_dir,
+            "--dataset",
+            prompts_jsonl,
+            "--rewards",
+            "length",
+            "--max-steps",
+            "1",
+            "--group-size",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--max-completion-length",
+            "4",
+            "--output-dir",
+            str(tmp_path / "cli"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "grpo: reward" in done.stdout

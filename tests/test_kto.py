@@ -9,12 +9,32 @@ import torch
 from common.data import DataError
 from kto import Args, kto_batches, kto_loss, kto_reference_point, main
 from tests.prefs_helpers import (
-    FakeLM, assert_adapters, assert_base_untouched, assert_logged, binary_rows, fake_accelerator, make_sft_adapter,
-    preference_rows, rows_with_lengths, run_cli, write_jsonl,
+    FakeLM,
+    assert_adapters,
+    assert_base_untouched,
+    assert_logged,
+    binary_rows,
+    fake_accelerator,
+    make_sft_adapter,
+    preference_rows,
+    rows_with_lengths,
+    run_cli,
+    write_jsonl,
 )
 
-KEYS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
-        "memory/peak_gb", "perf/tokens_per_s", "grad_norm", "learning_rate")
+KEYS = (
+    "loss",
+    "kl",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "memory/peak_gb",
+    "perf/tokens_per_s",
+    "grad_norm",
+    "learning_rate",
+)
 
 
 def sigmoid(x):
@@ -31,10 +51,20 @@ def test_reference_point_is_a_detached_mean_clamped_at_zero():
 def test_loss_with_a_known_z0_by_hand():
     logps, ref_logps = torch.tensor([-4.0, -6.3, -5.8]), torch.tensor([-5.0, -6.0, -6.0])  # h = (1.0, -0.3, 0.2)
     labels = torch.tensor([True, False, True])
-    losses, rewards = kto_loss(logps, ref_logps, labels, torch.tensor(0.7), beta=0.5, desirable_weight=1.5,
-                               undesirable_weight=0.8)
-    expected = [1.5 * (1 - sigmoid(0.5 * (1.0 - 0.7))), 0.8 * (1 - sigmoid(0.5 * (0.7 + 0.3))),
-                1.5 * (1 - sigmoid(0.5 * (0.2 - 0.7)))]
+    losses, rewards = kto_loss(
+        logps=logps,
+        ref_logps=ref_logps,
+        labels=labels,
+        z0=torch.tensor(0.7),
+        beta=0.5,
+        desirable_weight=1.5,
+        undesirable_weight=0.8,
+    )
+    expected = [
+        1.5 * (1 - sigmoid(0.5 * (1.0 - 0.7))),
+        0.8 * (1 - sigmoid(0.5 * (0.7 + 0.3))),
+        1.5 * (1 - sigmoid(0.5 * (0.2 - 0.7))),
+    ]
     assert losses.tolist() == pytest.approx(expected, rel=1e-6)
     assert losses.mean().item() == pytest.approx(sum(expected) / 3, rel=1e-6)  # weighted class sums / batch size
     assert rewards.tolist() == pytest.approx([0.5, -0.15, 0.1], rel=1e-5)
@@ -42,7 +72,7 @@ def test_loss_with_a_known_z0_by_hand():
 
 def test_at_the_start_every_row_costs_one_half():
     x = torch.tensor([-3.0, -9.0])
-    losses, _ = kto_loss(x, x, torch.tensor([True, False]), kto_reference_point(x, x))
+    losses, _ = kto_loss(logps=x, ref_logps=x, labels=torch.tensor([True, False]), z0=kto_reference_point(x, x))
     assert losses.tolist() == [0.5, 0.5]  # h = 0, z0 = 0: 1 - sigmoid(0)
 
 
@@ -65,20 +95,39 @@ def test_matches_trl_kto_trainer():
     labels = torch.tensor([True, False, False, True, False, True])
     trainer = object.__new__(KTOTrainer)  # no __init__: only the attributes _compute_loss reads
     trainer.__dict__.update(
-        model=FakeLM(torch.cat([logps, kl_logps])), accelerator=fake_accelerator(), aux_loss_enabled=False,
-        calculate_KL=True, precompute_ref_logps=True, loss_type="kto", beta=0.3, desirable_weight=1.3,
-        undesirable_weight=0.7, _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
+        model=FakeLM(torch.cat([logps, kl_logps])),
+        accelerator=fake_accelerator(),
+        aux_loss_enabled=False,
+        calculate_KL=True,
+        precompute_ref_logps=True,
+        loss_type="kto",
+        beta=0.3,
+        desirable_weight=1.3,
+        undesirable_weight=0.7,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
     )
     ids, attention, completion = rows_with_lengths(range(6), [3] * 6, 8)
     kl_ids, kl_attention, kl_completion = rows_with_lengths(range(6, 12), [3] * 6, 8)
-    inputs = dict(input_ids=ids, attention_mask=attention, completion_mask=completion, KL_input_ids=kl_ids,
-                  KL_attention_mask=kl_attention, KL_completion_mask=kl_completion, label=labels,
-                  ref_logps=ref_logps, ref_KL_logps=ref_kl_logps)
+    inputs = dict(
+        input_ids=ids,
+        attention_mask=attention,
+        completion_mask=completion,
+        KL_input_ids=kl_ids,
+        KL_attention_mask=kl_attention,
+        KL_completion_mask=kl_completion,
+        label=labels,
+        ref_logps=ref_logps,
+        ref_KL_logps=ref_kl_logps,
+    )
     trl_loss = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
     trl = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
     z0 = kto_reference_point(kl_logps, ref_kl_logps)
-    losses, rewards = kto_loss(logps, ref_logps, labels, z0, beta=0.3, desirable_weight=1.3, undesirable_weight=0.7)
+    losses, rewards = kto_loss(
+        logps=logps, ref_logps=ref_logps, labels=labels, z0=z0, beta=0.3, desirable_weight=1.3, undesirable_weight=0.7
+    )
     torch.testing.assert_close(losses.mean(), trl_loss, rtol=1e-6, atol=1e-6)
     assert z0.item() == pytest.approx(trl["kl"], rel=1e-6) and z0.item() > 0
     assert rewards[labels].mean().item() == pytest.approx(trl["rewards/chosen"], rel=1e-6)
@@ -88,8 +137,16 @@ def test_matches_trl_kto_trainer():
 
 # ------------------------------------------------------------------------------------------------- end to end
 def run(tiny_model_dir, dataset, tmp_path, **kw):
-    defaults = dict(model=tiny_model_dir, dataset=dataset, output_dir=str(tmp_path / "runs"), max_length=64,
-                    per_device_train_batch_size=8, learning_rate=5e-3, max_steps=2, seed=1)
+    defaults = dict(
+        model=tiny_model_dir,
+        dataset=dataset,
+        output_dir=str(tmp_path / "runs"),
+        max_length=64,
+        per_device_train_batch_size=8,
+        learning_rate=5e-3,
+        max_steps=2,
+        seed=1,
+    )
     return main(Args(**{**defaults, **kw}))
 
 
@@ -151,8 +208,21 @@ def test_cli_help_and_one_step(tiny_model_dir, tmp_path):
     rows = preference_rows(4)
     rows[1]["rejected"] = rows[1]["chosen"]  # the data warning must reach the user's terminal with file:line
     data = write_jsonl(tmp_path / "cli.jsonl", rows)
-    done = run_cli("kto.py", "--model", tiny_model_dir, "--dataset", data, "--max-steps", 1, "--max-length", 64,
-                   "--per-device-train-batch-size", 4, "--output-dir", tmp_path / "cli")
+    done = run_cli(
+        "kto.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        data,
+        "--max-steps",
+        1,
+        "--max-length",
+        64,
+        "--per-device-train-batch-size",
+        4,
+        "--output-dir",
+        tmp_path / "cli",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "kto: loss 0.5000" in done.stdout
     assert "cli.jsonl:2" in done.stderr and "chosen == rejected" in done.stderr

@@ -5,17 +5,38 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 import torch.nn.functional as F
 
 from common.data import DataError
-from orpo import Args, concat_pairs, log1mexp, main, micro_batch, orpo_log_odds, orpo_loss
+from common.data import concat_pairs, micro_batch
+from orpo import Args, log1mexp, main, orpo_log_odds, orpo_loss
 from tests.prefs_helpers import (
-    assert_adapters, assert_base_untouched, assert_logged, fake_accelerator, hf_chosen_nll, make_sft_adapter,
-    preference_rows, run_cli, write_jsonl,
+    assert_adapters,
+    assert_base_untouched,
+    assert_logged,
+    fake_accelerator,
+    hf_chosen_nll,
+    make_sft_adapter,
+    preference_rows,
+    run_cli,
+    write_jsonl,
 )
 
-KEYS = ("loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/rejected",
-        "rewards/accuracies", "rewards/margins", "memory/peak_gb", "perf/tokens_per_s", "grad_norm", "learning_rate")
+KEYS = (
+    "loss",
+    "nll_loss",
+    "log_odds_ratio",
+    "log_odds_chosen",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "memory/peak_gb",
+    "perf/tokens_per_s",
+    "grad_norm",
+    "learning_rate",
+)
 XS = [-1e-9, -1e-7, -1e-4, -0.1, -0.69, -math.log(2), -0.7, -5.0, -30.0, -100.0]
 
 
@@ -33,14 +54,15 @@ def test_log1mexp_is_accurate_where_the_naive_formula_breaks():
     log1mexp(x).sum().backward()  # both torch.where branches stay finite, so no 0 * inf = NaN in backward
     assert torch.isfinite(x.grad).all()
     # d/dx log(1 - e^x) = -e^x / (1 - e^x) = -1 / expm1(-x)
-    torch.testing.assert_close(x.grad.double(), torch.tensor([-1 / math.expm1(-v) for v in XS], dtype=torch.float64),
-                               rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        x.grad.double(), torch.tensor([-1 / math.expm1(-v) for v in XS], dtype=torch.float64), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_orpo_loss_by_hand_including_a_near_certain_chosen():
     chosen, rejected = torch.tensor([-0.5, -1e-7, -3.0]), torch.tensor([-1.0, -2.0, -0.2])
     odds = [log_odds_by_hand(c, r) for c, r in zip(chosen.tolist(), rejected.tolist())]
-    loss, log_odds = orpo_loss(torch.tensor(1.25), chosen, rejected, beta=0.2)
+    loss, log_odds = orpo_loss(nll_loss=torch.tensor(1.25), chosen_logps=chosen, rejected_logps=rejected, beta=0.2)
     assert log_odds.tolist() == pytest.approx(odds, rel=1e-5)
     expected = 1.25 - 0.2 * sum(-math.log1p(math.exp(-o)) for o in odds) / 3  # log sigmoid(o) = -log(1 + e^-o)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
@@ -59,7 +81,7 @@ def test_matches_trl_orpo_trainer():
     trainer.__dict__.update(beta=0.1, accelerator=fake_accelerator())
     losses, trl_chosen, trl_rejected, trl_ratio, trl_log_odds = trainer.odds_ratio_loss(chosen, rejected)
     nll = torch.tensor(2.5)
-    loss, log_odds = orpo_loss(nll, chosen, rejected, beta=0.1)
+    loss, log_odds = orpo_loss(nll_loss=nll, chosen_logps=chosen, rejected_logps=rejected, beta=0.1)
     torch.testing.assert_close(loss, nll - losses.mean(), rtol=1e-6, atol=1e-6)  # TRL: policy_nll_loss - losses.mean()
     torch.testing.assert_close(log_odds.mean(), trl_log_odds, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(F.logsigmoid(log_odds).mean(), trl_ratio, rtol=1e-6, atol=1e-6)
@@ -70,8 +92,16 @@ def test_matches_trl_orpo_trainer():
 
 # ------------------------------------------------------------------------------------------------- end to end
 def run(tiny_model_dir, dataset, tmp_path, **kw):
-    defaults = dict(model=tiny_model_dir, dataset=dataset, output_dir=str(tmp_path / "runs"), max_length=64,
-                    per_device_train_batch_size=4, learning_rate=5e-3, max_steps=2, seed=1)
+    defaults = dict(
+        model=tiny_model_dir,
+        dataset=dataset,
+        output_dir=str(tmp_path / "runs"),
+        max_length=64,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        max_steps=2,
+        seed=1,
+    )
     return main(Args(**{**defaults, **kw}))
 
 
@@ -107,7 +137,12 @@ def test_nll_covers_the_response_or_prompt_plus_response(tiny_model_dir, prefs, 
 
 def test_full_fine_tuning(tiny_model_dir, prefs, tmp_path):
     out = run(tiny_model_dir, prefs, tmp_path, use_lora=False, learning_rate=1e-3)
-    assert math.isfinite(out["loss"]) and os.path.exists(os.path.join(out["final_dir"], "model.safetensors"))
+    assert math.isfinite(out["loss"])
+    start = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    final = load_file(os.path.join(out["final_dir"], "model.safetensors"))  # a full model, no adapter
+    assert set(final) <= set(start) and all(torch.isfinite(v).all() for v in final.values())
+    moved = [k for k in final if not torch.equal(final[k], start[k])]
+    assert len(moved) > len(final) // 2, f"full fine-tuning moved only {moved}"
 
 
 def test_empty_chosen_fails_before_the_model_loads(tmp_path):
@@ -121,7 +156,20 @@ def test_empty_chosen_fails_before_the_model_loads(tmp_path):
 def test_cli_help_and_one_step(tiny_model_dir, prefs, tmp_path):
     help_out = run_cli("orpo.py", "--help")
     assert help_out.returncode == 0 and "--completion-only-loss" in help_out.stdout and "--beta" in help_out.stdout
-    done = run_cli("orpo.py", "--model", tiny_model_dir, "--dataset", prefs, "--max-steps", 1, "--max-length", 64,
-                   "--per-device-train-batch-size", 2, "--output-dir", tmp_path / "cli")
+    done = run_cli(
+        "orpo.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        prefs,
+        "--max-steps",
+        1,
+        "--max-length",
+        64,
+        "--per-device-train-batch-size",
+        2,
+        "--output-dir",
+        tmp_path / "cli",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "orpo: loss" in done.stdout
