@@ -28,7 +28,7 @@ from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, 
 from common.logps import completion_logps, masked_mean
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import save_final, seed_everything
+from common.run import StopOnCtrlC, check_args, save_final, seed_everything, stop_run
 from common.templates import setup_chat_template
 
 
@@ -98,7 +98,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     max_steps: int = -1
-    """optimizer steps; -1 = derive from num_train_epochs"""
+    """optimizer steps (0 = none: only the final save); -1 = derive from num_train_epochs"""
     num_train_epochs: float = 1.0
     """passes over the data when max_steps is -1"""
     warmup_steps: int = 0
@@ -238,6 +238,7 @@ def cat_stats(stats: list[dict]) -> dict:
 def main(args: Args) -> dict:
     # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
     seed_everything(args.seed)
+    check_args(args)
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
     if args.loss_type == "robust" and not 0 <= args.label_smoothing < 0.5:
         raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {args.label_smoothing}")
@@ -268,7 +269,7 @@ def main(args: Args) -> dict:
     examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
     bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     batches_per_epoch = math.ceil(len(examples) / bs)
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    total_steps = args.max_steps if args.max_steps >= 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     start_step = 0
@@ -283,6 +284,7 @@ def main(args: Args) -> dict:
     # ---- 4 loop
     model.train()
     metrics, nonfinite = {}, 0
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         loss_sum, tokens, stats = 0.0, 0, []
@@ -322,6 +324,11 @@ def main(args: Args) -> dict:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+        if interrupt.requested:
+            stop_run(
+                "dpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args.save_total_limit, metrics
+            )
+    interrupt.restore()
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
     final_dir = save_final(run_dir, model, tokenizer)

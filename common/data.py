@@ -450,6 +450,16 @@ def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False)
             "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0)}
 
 
+def dataset_label(spec: str) -> str:
+    """A short name for metric keys and files: openai/gsm8k:main -> gsm8k, builtin:math -> builtin_math,
+    data/gsm8k/test.jsonl -> gsm8k (a split-named file takes its folder's name), prefs.jsonl -> prefs."""
+    if spec.startswith("builtin:"):
+        return spec.replace(":", "_")
+    path = pathlib.Path(spec.split(":")[0])
+    stem = path.stem if path.suffix in (".json", ".jsonl", ".parquet") else path.name
+    return path.parent.name if stem in ("train", "test", "validation", "dev") and path.parent.name else stem
+
+
 def micro_batch(examples: list, index: int, batch_size: int, seed: int, drop_last: bool = False) -> list:
     """The index-th micro-batch of an endless, epoch-wise reshuffled stream: a pure function of (index, seed), so
     resuming at a step needs no saved iterator, and accumulation 1 x 4 sees the same rows as 4 x 1. drop_last: every

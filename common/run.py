@@ -14,7 +14,9 @@ import random
 import re
 import resource
 import shutil
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -79,6 +81,63 @@ class Logger:
         self.jsonl.close()
 
 
+class ArgsError(ValueError):
+    """A flag whose value cannot work; raised before any weights load."""
+
+
+# Flags (when a script has them) that must be >= 1, and >= 0; each message names the flag as the CLI spells it.
+_AT_LEAST_ONE = ("per_device_train_batch_size", "gradient_accumulation_steps", "prompts_per_step", "group_size",
+                 "groups_per_micro_batch", "num_iterations", "max_completion_length", "prompts_per_round", "num_rounds",
+                 "keep_per_prompt", "eval_batch_size", "logging_steps", "lora_r", "max_length", "breaker_patience")
+_AT_LEAST_ZERO = ("save_steps", "eval_steps", "warmup_steps", "save_total_limit", "eval_limit", "beta", "rpo_alpha",
+                  "weight_decay", "num_train_epochs")
+
+
+def check_args(args, min_group_size: int = 1) -> None:
+    """Refuse values that would crash late or train nonsense (a zero batch, a NaN learning rate, GRPO's G = 1 whose
+    advantages are all 0): ArgsError naming the flag, before the model loads. max_steps: -1 = from the epochs."""
+
+    def fail(name, problem):
+        raise ArgsError(f"--{name.replace('_', '-')} {getattr(args, name)}: {problem}")
+
+    fields = {f.name for f in dataclasses.fields(args)}
+    for name in (n for n in ("learning_rate", "dpo_learning_rate", "max_grad_norm", "temperature") if n in fields):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            fail(name, "must be a finite number > 0")
+    for name in (n for n in _AT_LEAST_ONE if n in fields and getattr(args, n) is not None):
+        if getattr(args, name) < 1:
+            fail(name, "must be at least 1")
+    for name in (n for n in _AT_LEAST_ZERO if n in fields):
+        if not getattr(args, name) >= 0:  # also refuses NaN
+            fail(name, "must be >= 0")
+    if "group_size" in fields and args.group_size < min_group_size:
+        fail("group_size", f"must be at least {min_group_size} (advantages compare samples within a group)")
+    if "max_steps" in fields and args.max_steps < -1:
+        fail("max_steps", "must be >= 0 (or -1: from --num-train-epochs)")
+
+
+def resolve_preset(args, presets: dict[str, dict]):
+    """Args with every field left at None taken from a preset: args.preset, or for "auto" "demo" when the model is
+    an embedded alias (the offline CPU demo, e.g. smollm2-135m) and the script's other preset for any other model."""
+    from common.embedded import MODEL_ALIASES
+
+    name = args.preset
+    if name == "auto":
+        name = "demo" if args.model in MODEL_ALIASES else next(k for k in presets if k != "demo")
+    if name not in presets:
+        raise ValueError(f"--preset {name}: choose auto or one of {sorted(presets)}")
+    values = {k: v for k, v in presets[name].items() if getattr(args, k) is None}
+    return dataclasses.replace(args, preset=name, **values)
+
+
+def print_config(script: str, args, lines: dict[str, str]) -> None:
+    """The resolved configuration a run starts with, one aligned line per topic (the full set is in args.json)."""
+    width = max(map(len, lines))
+    body = "".join(f"\n  {k.ljust(width)}  {v}" for k, v in lines.items())
+    print(f"{script}: preset {args.preset}, model {args.model}{body}", flush=True)
+
+
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def guarded_step(model, optimizer, scheduler, loss: float, max_grad_norm: float) -> tuple[float, bool]:
     """Clip the gradients to max_grad_norm, then one optimizer (and scheduler) step, unless the loss or the gradient
@@ -92,6 +151,43 @@ def guarded_step(model, optimizer, scheduler, loss: float, max_grad_norm: float)
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, stepped
+
+
+class RunStopped(RuntimeError):
+    """A run stopped before its last step (a circuit breaker, a non-finite guard, Ctrl-C): its checkpoint was saved,
+    final/ was not written, and the CLI exits non-zero with this one-line message."""
+
+    def __init__(self, message: str, step: int, checkpoint: str | None, result: dict | None = None):
+        super().__init__(message)
+        self.step, self.checkpoint, self.result = step, checkpoint, result or {}
+
+
+def stop_run(script: str, reason: str, run_dir: str, step: int, model, optimizer, scheduler, state, keep: int, result):
+    """Save a checkpoint at this step and raise RunStopped with the command that resumes from it."""
+    path = save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=keep)
+    raise RunStopped(f"{script}: stopped at step {step} ({reason}); final/ not written. Checkpoint {path}; resume "
+                     f"with --resume-from-checkpoint {path}", step, path, result)
+
+
+class StopOnCtrlC:
+    """From creation until restore(): Ctrl-C (SIGINT) sets .requested, so the loop stops at the end of its step with
+    a checkpoint and the resume command; a second Ctrl-C aborts at once (KeyboardInterrupt). Python only lets the main
+    thread install a handler: elsewhere Ctrl-C keeps its default."""
+
+    def __init__(self):
+        self.requested, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 class NonFiniteWeightsError(RuntimeError):

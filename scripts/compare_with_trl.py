@@ -55,11 +55,23 @@ from common.embedded import builtin_rows, resolve_model  # noqa: E402
 
 METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "grpo")
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "robust"), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
-KIND = {"sft": "sft", "dpo": "preference", "simpo": "preference", "orpo": "preference", "kto": "binary",
-        "grpo": "prompt"}
+KIND = {
+    "sft": "sft",
+    "dpo": "preference",
+    "simpo": "preference",
+    "orpo": "preference",
+    "kto": "binary",
+    "grpo": "prompt",
+}
 SCRIPT = {"sft": "sft", "dpo": "dpo", "simpo": "dpo", "orpo": "orpo", "kto": "kto", "grpo": "grpo"}
-PREF_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-             "logps/rejected")
+PREF_KEYS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
 KEYS = {  # compared per step; TRL's names, which ours logs too
     "sft": ("loss", "grad_norm"),
     "dpo": ("loss", "grad_norm", *PREF_KEYS),
@@ -107,7 +119,9 @@ class Setup:
 
     @property
     def name(self) -> str:
-        parts = [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
+        parts = (
+            [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
+        )
         return "-".join(parts)
 
     @property
@@ -157,8 +171,9 @@ def make_start_adapter(model_path: str, out_dir: str, seed: int = 0, r: int = 16
     if os.path.isfile(os.path.join(out_dir, "adapter_config.json")):
         return out_dir
     torch.manual_seed(seed)
-    model = attach_lora(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), r=r, alpha=alpha,
-                        dropout=0.0)
+    model = attach_lora(
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), r=r, alpha=alpha, dropout=0.0
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -194,8 +209,9 @@ def trl_order(s: Setup) -> list[int]:
     if s.method == "grpo":
         rows = list(range(s.n_rows))
         return [i for k in range(s.steps) for i in micro_batch(rows, k, s.prompts_per_step, s.seed, drop_last=True)]
-    return [i for k in range(s.steps * s.grad_accum) for i in micro_batch(list(range(s.n_rows)), k, s.batch_size,
-                                                                           s.seed)]
+    return [
+        i for k in range(s.steps * s.grad_accum) for i in micro_batch(list(range(s.n_rows)), k, s.batch_size, s.seed)
+    ]
 
 
 def write_jsonl(path: str, rows: list[dict]) -> str:
@@ -244,8 +260,13 @@ def our_fixed_generation(bank: FixedRollouts):
         rows = [list(p) for p in prompts for _ in range(group_size)]
         cut = [cut_at_eos(c, eos_ids(model, tokenizer)) for c in bank.for_rows(rows)]
         ids = [c for c, _ in cut]
-        return {"prompt_ids": rows, "completion_ids": ids, "truncated": [t for _, t in cut], "logprobs": None,
-                "completions": tokenizer.batch_decode(ids, skip_special_tokens=True)}
+        return {
+            "prompt_ids": rows,
+            "completion_ids": ids,
+            "truncated": [t for _, t in cut],
+            "logprobs": None,
+            "completions": tokenizer.batch_decode(ids, skip_special_tokens=True),
+        }
 
     saved, grpo.hf_generate = grpo.hf_generate, fixed_generate
     try:
@@ -268,26 +289,66 @@ def fixed_rollout_trainer(bank: FixedRollouts):
 # ------------------------------------------------------------------------------------------------- our side
 def our_args(s: Setup, data_path: str) -> dict:
     """Keyword arguments of <script>.Args, every value the math depends on set explicitly."""
-    common = dict(model=s.model, adapter=s.adapter, dataset=data_path, output_dir=os.path.join(s.out, "runs"),
-                  seed=s.seed, dtype="fp32", attn_implementation="sdpa", gradient_checkpointing=False,
-                  learning_rate=s.learning_rate, max_steps=s.steps, warmup_steps=0, weight_decay=0.0,
-                  max_grad_norm=1.0, logging_steps=1, save_steps=0)
+    common = dict(
+        model=s.model,
+        adapter=s.adapter,
+        dataset=data_path,
+        output_dir=os.path.join(s.out, "runs"),
+        seed=s.seed,
+        dtype="fp32",
+        attn_implementation="sdpa",
+        gradient_checkpointing=False,
+        learning_rate=s.learning_rate,
+        max_steps=s.steps,
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_steps=0,
+    )
     if s.method == "grpo":
-        return {**common, "group_size": s.group_size, "prompts_per_step": s.prompts_per_step,
-                "groups_per_micro_batch": s.prompts_per_step, "max_completion_length": s.max_completion_length,
-                "max_prompt_length": 100_000, "beta": s.run_beta, "loss_type": s.run_loss_type,
-                "scale_rewards": "group", "epsilon": 0.2, "epsilon_high": None, "temperature": 1.0, "top_p": 1.0,
-                "top_k": 0, "num_iterations": 1, "mask_truncated_completions": False, "rewards": list(s.rewards),
-                "lr_scheduler_type": "constant", "lora_dropout": 0.0, "breaker_action": "warn"}
-    common |= {"per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": s.grad_accum,
-               "max_length": s.max_length, "lr_scheduler_type": "linear"}
+        return {
+            **common,
+            "preset": "demo",
+            "eval_steps": 0,
+            "group_size": s.group_size,
+            "prompts_per_step": s.prompts_per_step,
+            "groups_per_micro_batch": s.prompts_per_step,
+            "max_completion_length": s.max_completion_length,
+            "max_prompt_length": 100_000,
+            "beta": s.run_beta,
+            "loss_type": s.run_loss_type,
+            "scale_rewards": "group",
+            "epsilon": 0.2,
+            "epsilon_high": None,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "num_iterations": 1,
+            "mask_truncated_completions": False,
+            "rewards": list(s.rewards),
+            "lr_scheduler_type": "constant",
+            "lora_dropout": 0.0,
+            "breaker_action": "warn",
+        }
+    common |= {
+        "per_device_train_batch_size": s.batch_size,
+        "gradient_accumulation_steps": s.grad_accum,
+        "max_length": s.max_length,
+        "lr_scheduler_type": "linear",
+    }
     if s.method == "sft":
         return {**common, "completion_only_loss": True, "packing": False, "lora_dropout": 0.0}
     common |= {"beta": s.run_beta, "disable_dropout": True, "max_prompt_length": None}
     if s.method in ("dpo", "simpo"):
-        return {**common, "loss_type": s.run_loss_type, "label_smoothing": s.label_smoothing if
-                s.run_loss_type == "robust" else 0.0, "simpo_gamma": 0.5, "rpo_alpha": s.cpo_alpha if
-                s.method == "simpo" else 0.0, "precompute_ref_log_probs": False}
+        return {
+            **common,
+            "loss_type": s.run_loss_type,
+            "label_smoothing": s.label_smoothing if s.run_loss_type == "robust" else 0.0,
+            "simpo_gamma": 0.5,
+            "rpo_alpha": s.cpo_alpha if s.method == "simpo" else 0.0,
+            "precompute_ref_log_probs": False,
+        }
     if s.method == "orpo":
         return {**common, "completion_only_loss": False}  # TRL's NLL covers prompt + response
     return {**common, "desirable_weight": 1.0, "undesirable_weight": 1.0}  # kto
@@ -312,13 +373,35 @@ def trl_model(s: Setup):
 def trl_common(s: Setup, **over) -> dict:
     """TrainingArguments both sides agree on. TRL's own defaults differ on purpose: bf16=True (even on CPU),
     gradient_checkpointing=True, logging_steps=10, the fused AdamW kernel, shuffled batches."""
-    return dict(output_dir=os.path.join(s.out, "trl"), per_device_train_batch_size=s.batch_size,
-                gradient_accumulation_steps=s.grad_accum, max_steps=s.steps, learning_rate=s.learning_rate,
-                lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9,
-                adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", seed=s.seed, bf16=False, fp16=False,
-                activation_checkpointing=False, logging_steps=1, save_strategy="no", report_to="none",
-                disable_tqdm=True, train_sampling_strategy="sequential", dataloader_num_workers=0,
-                dataloader_pin_memory=False) | over
+    return (
+        dict(
+            output_dir=os.path.join(s.out, "trl"),
+            per_device_train_batch_size=s.batch_size,
+            gradient_accumulation_steps=s.grad_accum,
+            max_steps=s.steps,
+            learning_rate=s.learning_rate,
+            lr_scheduler_type="linear",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            optim="adamw_torch",
+            seed=s.seed,
+            bf16=False,
+            fp16=False,
+            activation_checkpointing=False,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            train_sampling_strategy="sequential",
+            dataloader_num_workers=0,
+            dataloader_pin_memory=False,
+        )
+        | over
+    )
 
 
 def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | None = None, model=None, **over):
@@ -336,15 +419,29 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
     if s.method == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        args = DPOConfig(**trl_common(s, **over), beta=s.run_beta, loss_type=[s.run_loss_type],
-                         label_smoothing=s.label_smoothing if s.run_loss_type == "robust" else 0.0,
-                         max_length=s.max_length, precompute_ref_log_probs=False, disable_dropout=True)
+        args = DPOConfig(
+            **trl_common(s, **over),
+            beta=s.run_beta,
+            loss_type=[s.run_loss_type],
+            label_smoothing=s.label_smoothing if s.run_loss_type == "robust" else 0.0,
+            max_length=s.max_length,
+            precompute_ref_log_probs=False,
+            disable_dropout=True,
+        )
         return DPOTrainer(args=args, **kw)
     if s.method == "simpo":
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-        args = CPOConfig(**trl_common(s, **over), loss_type="simpo", beta=s.run_beta, simpo_gamma=0.5,
-                         cpo_alpha=s.cpo_alpha, label_smoothing=0.0, max_length=s.max_length, disable_dropout=True)
+        args = CPOConfig(
+            **trl_common(s, **over),
+            loss_type="simpo",
+            beta=s.run_beta,
+            simpo_gamma=0.5,
+            cpo_alpha=s.cpo_alpha,
+            label_smoothing=0.0,
+            max_length=s.max_length,
+            disable_dropout=True,
+        )
         return CPOTrainer(args=args, **kw)
     if s.method == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
@@ -354,9 +451,16 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
     if s.method == "kto":
         from trl import KTOConfig, KTOTrainer
 
-        args = KTOConfig(**trl_common(s, **over), beta=s.run_beta, loss_type="kto", desirable_weight=1.0,
-                         undesirable_weight=1.0, max_length=s.max_length, precompute_ref_log_probs=False,
-                         disable_dropout=True)
+        args = KTOConfig(
+            **trl_common(s, **over),
+            beta=s.run_beta,
+            loss_type="kto",
+            desirable_weight=1.0,
+            undesirable_weight=1.0,
+            max_length=s.max_length,
+            precompute_ref_log_probs=False,
+            disable_dropout=True,
+        )
         return KTOTrainer(args=args, **kw)
     from trl import GRPOConfig, GRPOTrainer
 
@@ -364,13 +468,30 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
 
     funcs = load_reward_funcs(s.rewards)  # the same functions ours calls, with their weights
     n = s.prompts_per_step * s.group_size  # TRL's per_device_train_batch_size counts completions, not prompts
-    args = GRPOConfig(**trl_common(s, per_device_train_batch_size=n, gradient_accumulation_steps=1,
-                                   lr_scheduler_type="constant", **over),
-                      num_generations=s.group_size, max_completion_length=s.max_completion_length, beta=s.run_beta,
-                      loss_type=s.run_loss_type, scale_rewards="group", epsilon=0.2, epsilon_high=None,
-                      temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, num_iterations=1,
-                      mask_truncated_completions=False, shuffle_dataset=False, disable_dropout=True,
-                      use_bias_correction_kl=False, reward_weights=[w for _, _, w in funcs], log_completions=False)
+    args = GRPOConfig(
+        **trl_common(
+            s, per_device_train_batch_size=n, gradient_accumulation_steps=1, lr_scheduler_type="constant", **over
+        ),
+        num_generations=s.group_size,
+        max_completion_length=s.max_completion_length,
+        beta=s.run_beta,
+        loss_type=s.run_loss_type,
+        scale_rewards="group",
+        epsilon=0.2,
+        epsilon_high=None,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        num_iterations=1,
+        mask_truncated_completions=False,
+        shuffle_dataset=False,
+        disable_dropout=True,
+        use_bias_correction_kl=False,
+        reward_weights=[w for _, _, w in funcs],
+        log_completions=False,
+    )
     cls = fixed_rollout_trainer(bank) if bank else GRPOTrainer
     return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
 
@@ -395,16 +516,20 @@ def tokenization_report(s: Setup, trainer, examples: list[dict], order: list[int
     for j, i in enumerate(order):
         ours, trl = examples[i], ds[j]
         if s.method == "sft":
-            pairs = [(ours["input_ids"], trl["input_ids"]),
-                     ([t if m else -100 for t, m in zip(ours["input_ids"], ours["completion_mask"])], trl["labels"])]
+            pairs = [
+                (ours["input_ids"], trl["input_ids"]),
+                ([t if m else -100 for t, m in zip(ours["input_ids"], ours["completion_mask"])], trl["labels"]),
+            ]
         elif s.method in ("dpo", "kto"):
             completions = ("completion_ids",) if s.method == "kto" else ("chosen_ids", "rejected_ids")
             pairs = [(ours[f], trl[f]) for f in ("prompt_ids", *completions)]
         elif s.method in ("orpo", "simpo"):  # old-style TRL rows: full sequences with -100 on the prompt
             prompt, pairs = ours["prompt_ids"], []
             for side in ("chosen", "rejected"):
-                pairs += [(prompt + ours[f"{side}_ids"], trl[f"{side}_input_ids"]),
-                          ([-100] * len(prompt) + ours[f"{side}_ids"], trl[f"{side}_labels"])]
+                pairs += [
+                    (prompt + ours[f"{side}_ids"], trl[f"{side}_input_ids"]),
+                    ([-100] * len(prompt) + ours[f"{side}_ids"], trl[f"{side}_labels"]),
+                ]
         else:
             return {"rows": len(order), "identical": None}
         bad = [(a, b) for a, b in pairs if list(a) != list(b)]
@@ -413,8 +538,13 @@ def tokenization_report(s: Setup, trainer, examples: list[dict], order: list[int
             a, b = bad[0]
             k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             tok = trainer.processing_class
-            first = {"row": j, "ours_tail": tok.decode(a[k:][:12]), "trl_tail": tok.decode(b[k:][:12]),
-                     "len_ours": len(a), "len_trl": len(b)}
+            first = {
+                "row": j,
+                "ours_tail": tok.decode(a[k:][:12]),
+                "trl_tail": tok.decode(b[k:][:12]),
+                "len_ours": len(a),
+                "len_trl": len(b),
+            }
     return {"rows": len(order), "identical": mismatched == 0, "mismatched_rows": mismatched, "first": first}
 
 
@@ -426,8 +556,12 @@ def compare(ours: list[dict], trl: list[dict], keys) -> dict:
     for key in keys:
         a, b = [h.get(key, math.nan) for h in ours], [h.get(key, math.nan) for h in trl]
         pairs = [(x, y) for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))]
-        out[key] = {"ours": a, "trl": b, "max_abs_diff": max((abs(x - y) for x, y in pairs), default=math.nan),
-                    "max_rel_diff": max((abs(x - y) / max(abs(y), 1e-12) for x, y in pairs), default=math.nan)}
+        out[key] = {
+            "ours": a,
+            "trl": b,
+            "max_abs_diff": max((abs(x - y) for x, y in pairs), default=math.nan),
+            "max_rel_diff": max((abs(x - y) / max(abs(y), 1e-12) for x, y in pairs), default=math.nan),
+        }
     return out
 
 
@@ -447,7 +581,7 @@ def plot(name: str, series: dict, path: str) -> str:
         ax.plot(steps, series[key]["ours"], "x--", label="ours", lw=1.2)
         ax.set_title(f"{key}  (max |diff| {series[key]['max_abs_diff']:.2e})", fontsize=9)
         ax.set_xlabel("step")
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"{name}: ours vs TRL", fontsize=11)
@@ -481,8 +615,11 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     completions = bank.for_rows(prompt_rows)
     n, G, pad = len(prompt_rows), s.group_size, tokenizer.pad_token_id
     funcs = load_reward_funcs(s.rewards)
-    fields = {"target_length": [r["target_length"] for r in rows for _ in range(G)], "completion_ids": completions,
-              "max_completion_length": s.max_completion_length}
+    fields = {
+        "target_length": [r["target_length"] for r in rows for _ in range(G)],
+        "completion_ids": completions,
+        "max_completion_length": s.max_completion_length,
+    }
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards, _ = compute_rewards(funcs, [r["prompt"] for r in rows for _ in range(G)], texts, fields)
     advantages, _ = group_advantages(rewards, G, "group")
@@ -500,10 +637,15 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     ref_trl = torch.zeros(c_ids.shape)  # the same reference values, at TRL's completion positions
     for b, (p, c) in enumerate(zip(p_len, completions)):
         ref_trl[b, : len(c)] = ref[b, p : p + len(c)]
-    trl_inputs = {"prompt_ids": pad_batch(prompt_rows, pad, "left"),
-                  "prompt_mask": pad_batch([[1] * k for k in p_len], 0, "left"), "completion_ids": c_ids,
-                  "completion_mask": c_mask, "advantages": advantages, "ref_per_token_logps": ref_trl,
-                  "num_items_in_batch": c_mask.sum()}
+    trl_inputs = {
+        "prompt_ids": pad_batch(prompt_rows, pad, "left"),
+        "prompt_mask": pad_batch([[1] * k for k in p_len], 0, "left"),
+        "completion_ids": c_ids,
+        "completion_mask": c_mask,
+        "advantages": advantages,
+        "ref_per_token_logps": ref_trl,
+        "num_items_in_batch": c_mask.sum(),
+    }
     mb = n // micro
     chunks = [slice(i, i + mb) for i in range(0, n, mb)]
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad and ".default." in name]
@@ -531,8 +673,14 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
         for c in chunks:
             logps = sequence_logps(model, seqs["input_ids"][c], seqs["attention_mask"][c], mask[c])
             per_token_loss, per_token_kl, *_ = grpo_per_token_loss(
-                per_token_logps=logps, old_per_token_logps=logps.detach(), ref_per_token_logps=ref[c],
-                advantages=advantages[c], epsilon=0.2, epsilon_high=0.2, beta=s.run_beta)
+                per_token_logps=logps,
+                old_per_token_logps=logps.detach(),
+                ref_per_token_logps=ref[c],
+                advantages=advantages[c],
+                epsilon=0.2,
+                epsilon_high=0.2,
+                beta=s.run_beta,
+            )
             if kl_times_ratio and per_token_kl is not None:
                 # TRL's use_bias_correction_kl: beta * k3 * rho; rho == 1 in value, so only the gradient gains k3
                 per_token_loss = per_token_loss + s.run_beta * per_token_kl * (torch.exp(logps - logps.detach()) - 1)
@@ -546,7 +694,8 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
 
     whole_step, trl_bnpo = (lambda c: mask.sum()), (lambda c: mask[c].sum() * micro)
     cases = [  # (TRL use_bias_correction_kl, our variant): the first is the parity, the others pin differences
-        (False, "grpo.py", whole_step, False), (True, "grpo.py", whole_step, False),
+        (False, "grpo.py", whole_step, False),
+        (True, "grpo.py", whole_step, False),
         (True, "grpo.py, KL x ratio", whole_step, True),
     ]
     results = []
@@ -556,12 +705,21 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
             trl_loss, trl_grads = trl_side(loss_type, bias_correction)
             our_loss, our_grads = our_side(loss_type, num_items_of, kl_times_ratio)
             diff = {k: our_grads[k] - trl_grads[k] for k in our_grads}
-            results.append({
-                "loss_type": loss_type, "trl": f"use_bias_correction_kl={bias_correction}", "ours": variant,
-                "ours_loss": our_loss, "trl_loss": trl_loss, "loss_abs_diff": abs(our_loss - trl_loss),
-                "grad_max_abs_diff": max(d.abs().max().item() for d in diff.values()),
-                "grad_rel_diff": norm(diff) / max(norm(trl_grads), 1e-30), "ours_grad_norm": norm(our_grads),
-                "trl_grad_norm": norm(trl_grads), "micro_batch_tokens": [int(mask[c].sum()) for c in chunks]})
+            results.append(
+                {
+                    "loss_type": loss_type,
+                    "trl": f"use_bias_correction_kl={bias_correction}",
+                    "ours": variant,
+                    "ours_loss": our_loss,
+                    "trl_loss": trl_loss,
+                    "loss_abs_diff": abs(our_loss - trl_loss),
+                    "grad_max_abs_diff": max(d.abs().max().item() for d in diff.values()),
+                    "grad_rel_diff": norm(diff) / max(norm(trl_grads), 1e-30),
+                    "ours_grad_norm": norm(our_grads),
+                    "trl_grad_norm": norm(trl_grads),
+                    "micro_batch_tokens": [int(mask[c].sum()) for c in chunks],
+                }
+            )
     return results
 
 
@@ -613,24 +771,39 @@ def run_pair(s: Setup, tokenizer) -> dict:
 
 
 def summary_markdown(reports: list[dict], command: str) -> str:
-    lines = [f"# ours vs TRL {_trl_version()}", "", f"`{command}` ({time.strftime('%Y-%m-%d')})", "",
-             "| run | steps | key | max abs diff | max rel diff | ours (last) | TRL (last) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# ours vs TRL {_trl_version()}",
+        "",
+        f"`{command}` ({time.strftime('%Y-%m-%d')})",
+        "",
+        "| run | steps | key | max abs diff | max rel diff | ours (last) | TRL (last) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in reports:
         for key, v in r["series"].items():
-            lines.append(f"| {r['name']} | {len(v['ours'])} | {key} | {v['max_abs_diff']:.2e} | "
-                         f"{v['max_rel_diff']:.2e} | {v['ours'][-1]:.6g} | {v['trl'][-1]:.6g} |")
+            lines.append(
+                f"| {r['name']} | {len(v['ours'])} | {key} | {v['max_abs_diff']:.2e} | "
+                f"{v['max_rel_diff']:.2e} | {v['ours'][-1]:.6g} | {v['trl'][-1]:.6g} |"
+            )
         if r.get("tokenization") and not r["tokenization"]["identical"]:
             lines.append(f"| {r['name']} | | tokenization | {r['tokenization']} | | | |")
     parity = [(r["name"], row) for r in reports for row in r.get("loss_parity", [])]
     if parity:
-        lines += ["", "GRPO, one fixed batch in 2 micro-batches, same model and tensors: TRL `_compute_loss` vs "
-                  "`grpo_per_token_loss` + `aggregate_loss`", "",
-                  "| run | loss_type | TRL | ours | loss ours / TRL | max abs grad diff | rel grad diff | grad norm "
-                  "ours / TRL |", "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {name} | {x['loss_type']} | {x['trl']} | {x['ours']} | {x['ours_loss']:.7g} / "
-                  f"{x['trl_loss']:.7g} | {x['grad_max_abs_diff']:.1e} | {x['grad_rel_diff']:.1e} | "
-                  f"{x['ours_grad_norm']:.6g} / {x['trl_grad_norm']:.6g} |" for name, x in parity]
+        lines += [
+            "",
+            "GRPO, one fixed batch in 2 micro-batches, same model and tensors: TRL `_compute_loss` vs "
+            "`grpo_per_token_loss` + `aggregate_loss`",
+            "",
+            "| run | loss_type | TRL | ours | loss ours / TRL | max abs grad diff | rel grad diff | grad norm "
+            "ours / TRL |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {name} | {x['loss_type']} | {x['trl']} | {x['ours']} | {x['ours_loss']:.7g} / "
+            f"{x['trl_loss']:.7g} | {x['grad_max_abs_diff']:.1e} | {x['grad_rel_diff']:.1e} | "
+            f"{x['ours_grad_norm']:.6g} / {x['trl_grad_norm']:.6g} |"
+            for name, x in parity
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -652,11 +825,27 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
         else:
             loss_types = LOSS_TYPES["dpo"] if every and method == "dpo" else (None,)
         fixed_modes = (False, True) if every and method == "grpo" else (args.fixed_rollout and method == "grpo",)
-        out += [Setup(method=method, model=model, adapter=adapter, out=args.out, loss_type=loss_type, steps=args.steps,
-                      batch_size=args.batch_size, grad_accum=args.grad_accum, learning_rate=args.learning_rate,
-                      seed=args.seed, chat=args.chat, beta=args.beta, fixed_rollout=fixed,
-                      max_completion_length=args.max_completion_length, rewards=list(args.rewards))
-                for loss_type in loss_types for fixed in fixed_modes]
+        out += [
+            Setup(
+                method=method,
+                model=model,
+                adapter=adapter,
+                out=args.out,
+                loss_type=loss_type,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                grad_accum=args.grad_accum,
+                learning_rate=args.learning_rate,
+                seed=args.seed,
+                chat=args.chat,
+                beta=args.beta,
+                fixed_rollout=fixed,
+                max_completion_length=args.max_completion_length,
+                rewards=list(args.rewards),
+            )
+            for loss_type in loss_types
+            for fixed in fixed_modes
+        ]
     return out
 
 
@@ -693,8 +882,10 @@ def main(argv=None):
         worst = ", ".join(f"{k} {v:.1e}" for k, v in r["max_abs_diff"].items())
         print(f"{s.name}: max |ours - TRL| per key: {worst}  -> {r['png']}")
         for x in r.get("loss_parity", []):
-            print(f"  one batch {x['loss_type']}, TRL {x['trl']} vs ours {x['ours']}: loss {x['ours_loss']:.6g} / "
-                  f"{x['trl_loss']:.6g}, grad max |diff| {x['grad_max_abs_diff']:.1e} (rel {x['grad_rel_diff']:.1e})")
+            print(
+                f"  one batch {x['loss_type']}, TRL {x['trl']} vs ours {x['ours']}: loss {x['ours_loss']:.6g} / "
+                f"{x['trl_loss']:.6g}, grad max |diff| {x['grad_max_abs_diff']:.1e} (rel {x['grad_rel_diff']:.1e})"
+            )
     md = summary_markdown(reports, "python scripts/compare_with_trl.py " + " ".join(argv or sys.argv[1:]))
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(md)
@@ -705,76 +896,196 @@ def main(argv=None):
 # --------------------------------------------------------------------------------------- the mapping table
 ALL = "all"
 MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the harness sets on both, why)
-    (ALL, "bf16 = True (autocast, even on CPU)", "dtype = auto (bf16 weights on CUDA, fp32 on CPU)", "fp32",
-     "CPU bf16 matmuls are slow and lossy; we keep fp32 there"),
-    (ALL, "gradient_checkpointing = True", "gradient_checkpointing = False", "False",
-     "off: small models and short rows; turn it on for long sequences"),
-    (ALL, "lr_scheduler_type = linear (decay to 0)", "linear (GRPO: constant)", "ours' value", "GRPO's RL steps are "
-     "few and non-stationary; a decay to 0 would stop learning at the end"),
-    (ALL, "warmup_steps = 0, weight_decay = 0.0, max_grad_norm = 1.0, adam betas 0.9/0.999, eps 1e-8",
-     "the same", "the same", ""),
-    (ALL, "optim = adamw_torch_fused (torch >= 2.8)", "torch.optim.AdamW (for-loop on CPU)", "adamw_torch",
-     "same update; the fused kernel rounds differently (~1e-7)"),
-    (ALL, "logging_steps = 10; learning_rate logged before the scheduler step", "logging_steps = 1; logged after it",
-     "1", "per-step curves"),
-    (ALL, "seed = 42; RandomSampler(seed)", "seed = 42; micro_batch: randperm(seed + epoch)",
-     "TRL dataset pre-ordered as ours + train_sampling_strategy=sequential", "stateless order: exact resume"),
-    (ALL, "no LoRA unless peft_config", "LoRA r=16, alpha=32, all-linear, dropout 0.05", "one saved adapter, dropout 0",
-     "single-GPU default"),
-    (ALL, "max_length = 1024, truncation keep_start", "max_length = 1024 (preference/KTO: prompt keep-end, then "
-     "completions cut)", "1024, nothing truncated (checked)", "a truncated prompt would lose the question"),
-    (ALL, "standard rows: eos_token string appended; chat rows: template text to the end ('\\n' after <|im_end|> "
-     "trained)", "EOS id appended; chat rows end at the end-of-turn token", "standard strings (tokens checked equal)",
-     "generation stops at <|im_end|>: the '\\n' after it is never emitted"),
+    (
+        ALL,
+        "bf16 = True (autocast, even on CPU)",
+        "dtype = auto (bf16 weights on CUDA, fp32 on CPU)",
+        "fp32",
+        "CPU bf16 matmuls are slow and lossy; we keep fp32 there",
+    ),
+    (
+        ALL,
+        "gradient_checkpointing = True",
+        "gradient_checkpointing = False",
+        "False",
+        "off: small models and short rows; turn it on for long sequences",
+    ),
+    (
+        ALL,
+        "lr_scheduler_type = linear (decay to 0)",
+        "linear (GRPO: constant)",
+        "ours' value",
+        "GRPO's RL steps are few and non-stationary; a decay to 0 would stop learning at the end",
+    ),
+    (
+        ALL,
+        "warmup_steps = 0, weight_decay = 0.0, max_grad_norm = 1.0, adam betas 0.9/0.999, eps 1e-8",
+        "the same",
+        "the same",
+        "",
+    ),
+    (
+        ALL,
+        "optim = adamw_torch_fused (torch >= 2.8)",
+        "torch.optim.AdamW (for-loop on CPU)",
+        "adamw_torch",
+        "same update; the fused kernel rounds differently (~1e-7)",
+    ),
+    (
+        ALL,
+        "logging_steps = 10; learning_rate logged before the scheduler step",
+        "logging_steps = 1; logged after it",
+        "1",
+        "per-step curves",
+    ),
+    (
+        ALL,
+        "seed = 42; RandomSampler(seed)",
+        "seed = 42; micro_batch: randperm(seed + epoch)",
+        "TRL dataset pre-ordered as ours + train_sampling_strategy=sequential",
+        "stateless order: exact resume",
+    ),
+    (
+        ALL,
+        "no LoRA unless peft_config",
+        "LoRA r=16, alpha=32, all-linear, dropout 0.05",
+        "one saved adapter, dropout 0",
+        "single-GPU default",
+    ),
+    (
+        ALL,
+        "max_length = 1024, truncation keep_start",
+        "max_length = 1024 (preference/KTO: prompt keep-end, then completions cut)",
+        "1024, nothing truncated (checked)",
+        "a truncated prompt would lose the question",
+    ),
+    (
+        ALL,
+        "standard rows: eos_token string appended; chat rows: template text to the end ('\\n' after <|im_end|> "
+        "trained)",
+        "EOS id appended; chat rows end at the end-of-turn token",
+        "standard strings (tokens checked equal)",
+        "generation stops at <|im_end|>: the '\\n' after it is never emitted",
+    ),
     ("sft", "learning_rate = 2e-5", "2e-5", "--learning-rate", ""),
     ("sft", "completion_only_loss = None (True for prompt/completion)", "completion_only_loss = True", "True", ""),
     ("sft", "loss / num_items_in_batch (whole-step tokens)", "the same", "", ""),
     ("dpo", "learning_rate = 1e-6", "5e-6", "--learning-rate", "LoRA needs a larger step than full fine-tuning"),
-    ("dpo", "loss_type = ['sigmoid'] (weighted list)", "loss_type = sigmoid (one value)", "sigmoid | ipo | robust", ""),
+    (
+        "dpo",
+        "loss_type = ['sigmoid'] (weighted list)",
+        "loss_type = sigmoid (one value)",
+        "sigmoid | ipo | robust",
+        "",
+    ),
     ("dpo", "beta = 0.1, label_smoothing = 0.0", "the same", "beta 0.1; robust: label_smoothing 0.1", ""),
-    ("dpo", "reference with PEFT: 'ref' copy of a loaded adapter, else adapter disabled", "always the 'ref' slot",
-     "the shared adapter -> 'ref' on both", "a fresh adapter's 'ref' is the base model, as TRL"),
+    (
+        "dpo",
+        "reference with PEFT: 'ref' copy of a loaded adapter, else adapter disabled",
+        "always the 'ref' slot",
+        "the shared adapter -> 'ref' on both",
+        "a fresh adapter's 'ref' is the base model, as TRL",
+    ),
     ("dpo", "precompute_ref_log_probs = False; disable_dropout = True", "the same", "the same", ""),
-    ("simpo", "CPOTrainer: loss_type = sigmoid, cpo_alpha = 1.0, simpo_gamma = 0.5, beta = 0.1, lr 1e-6",
-     "dpo.py --loss-type simpo: rpo_alpha = 0.0, simpo_gamma = 0.5, beta = 0.1, lr 5e-6",
-     "loss_type simpo, cpo_alpha = rpo_alpha (0.0; tests 0.5)", "SimPO has no NLL term; rpo_alpha adds CPO's"),
-    ("simpo", "logps/* logged length-averaged", "logps/* summed (rewards/* = beta x averaged)", "not compared",
-     "metric definition only"),
-    ("orpo", "ORPOTrainer: beta = 0.1, NLL over prompt + response, lr 1e-6", "beta = 0.1, NLL over the response "
-     "(completion_only_loss = True), lr 5e-6", "completion_only_loss = False", "the paper's NLL is on the response"),
+    (
+        "simpo",
+        "CPOTrainer: loss_type = sigmoid, cpo_alpha = 1.0, simpo_gamma = 0.5, beta = 0.1, lr 1e-6",
+        "dpo.py --loss-type simpo: rpo_alpha = 0.0, simpo_gamma = 0.5, beta = 0.1, lr 5e-6",
+        "loss_type simpo, cpo_alpha = rpo_alpha (0.0; tests 0.5)",
+        "SimPO has no NLL term; rpo_alpha adds CPO's",
+    ),
+    (
+        "simpo",
+        "logps/* logged length-averaged",
+        "logps/* summed (rewards/* = beta x averaged)",
+        "not compared",
+        "metric definition only",
+    ),
+    (
+        "orpo",
+        "ORPOTrainer: beta = 0.1, NLL over prompt + response, lr 1e-6",
+        "beta = 0.1, NLL over the response (completion_only_loss = True), lr 5e-6",
+        "completion_only_loss = False",
+        "the paper's NLL is on the response",
+    ),
     ("kto", "beta = 0.1, desirable/undesirable_weight = 1.0, lr 1e-6", "the same, lr 5e-6", "the same", ""),
-    ("kto", "rewards/*, logps/* logged as the mean of micro-batch class means", "class means over the whole step",
-     "GA = 1 (metrics only; loss and gradients equal at any GA)", ""),
-    ("kto", "train_sampling_strategy must be sequential (KL pairs precomputed per chunk)", "KL pairs rotated inside "
-     "each shuffled micro-batch", "dataset in our micro-batch order", "same estimator, shuffling kept"),
+    (
+        "kto",
+        "rewards/*, logps/* logged as the mean of micro-batch class means",
+        "class means over the whole step",
+        "GA = 1 (metrics only; loss and gradients equal at any GA)",
+        "",
+    ),
+    (
+        "kto",
+        "train_sampling_strategy must be sequential (KL pairs precomputed per chunk)",
+        "KL pairs rotated inside each shuffled micro-batch",
+        "dataset in our micro-batch order",
+        "same estimator, shuffling kept",
+    ),
     ("grpo", "beta = 0.0", "beta = 0.04", "ours' value (0.04)", "k3 KL to the start keeps LoRA RL stable"),
     ("grpo", "learning_rate = 1e-6", "1e-4", "--learning-rate", "LoRA"),
-    ("grpo", "loss_type = dapo, scale_rewards = group, epsilon = 0.2, epsilon_high = None, num_iterations = 1",
-     "the same", "the same (--loss-type)", ""),
+    (
+        "grpo",
+        "loss_type = dapo, scale_rewards = group, epsilon = 0.2, epsilon_high = None, num_iterations = 1",
+        "the same",
+        "the same (--loss-type)",
+        "",
+    ),
     ("grpo", "num_generations = 8", "group_size = 8", "group_size", ""),
-    ("grpo", "per_device_train_batch_size = 8 COMPLETIONS; generation batch = it x steps_per_generation (= GA)",
-     "prompts_per_step = 4 prompts x group_size; groups_per_micro_batch = groups of G per micro-batch",
-     "TRL per_device = ours' groups x G, GA = prompts / groups", "a step is one rollout"),
+    (
+        "grpo",
+        "per_device_train_batch_size = 8 COMPLETIONS; generation batch = it x steps_per_generation (= GA)",
+        "prompts_per_step = 4 prompts x group_size; groups_per_micro_batch = groups of G per micro-batch",
+        "TRL per_device = ours' groups x G, GA = prompts / groups",
+        "a step is one rollout",
+    ),
     ("grpo", "max_completion_length = 512", "64", "--max-completion-length", "CPU-sized default"),
-    ("grpo", "temperature 1.0, top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0", "the same (no min_p, no "
-     "repetition penalty)", "the same", ""),
-    ("grpo", "shuffle_dataset = True", "micro_batch(drop_last): randperm(seed + epoch)", "pre-ordered, shuffle_dataset=False",
-     ""),
+    (
+        "grpo",
+        "temperature 1.0, top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0",
+        "the same (no min_p, no repetition penalty)",
+        "the same",
+        "",
+    ),
+    (
+        "grpo",
+        "shuffle_dataset = True",
+        "micro_batch(drop_last): randperm(seed + epoch)",
+        "pre-ordered, shuffle_dataset=False",
+        "",
+    ),
     ("grpo", "prompts never truncated", "max_prompt_length = 512: longer prompts dropped", "no prompt dropped", ""),
     ("grpo", "disable_dropout = False", "lora_dropout = 0.05", "dropout 0 (adapter) + disable_dropout", ""),
-    ("grpo", "use_bias_correction_kl = True: KL term x rho (value 1 on-policy, but its gradient adds beta k3)",
-     "no correction: the gradient of beta k3 alone (DeepSeekMath GRPO)", "False",
-     "gradient only: 1e-3 (tiny) to 1e-2 (SmolLM2) relative; --fixed-rollout pins it"),
-    ("grpo", "bnpo with GA > 1: mean of micro-batch token means", "bnpo = dapo: token mean over the whole step",
-     "GA = 1 in runs; the one-batch check pins it", "exact accumulation"),
-    ("grpo", "mask_truncated_completions = False; vLLM IS correction on with vLLM", "False; no IS correction (a "
-     "canary stops the run instead)", "False; no vLLM", ""),
+    (
+        "grpo",
+        "use_bias_correction_kl = True: KL term x rho (value 1 on-policy, but its gradient adds beta k3)",
+        "no correction: the gradient of beta k3 alone (DeepSeekMath GRPO)",
+        "False",
+        "gradient only: 1e-3 (tiny) to 1e-2 (SmolLM2) relative; --fixed-rollout pins it",
+    ),
+    (
+        "grpo",
+        "bnpo with GA > 1: mean of micro-batch token means",
+        "bnpo = dapo: token mean over the whole step",
+        "GA = 1 in runs; the one-batch check pins it",
+        "exact accumulation",
+    ),
+    (
+        "grpo",
+        "mask_truncated_completions = False; vLLM IS correction on with vLLM",
+        "False; no IS correction (a canary stops the run instead)",
+        "False; no vLLM",
+        "",
+    ),
 ]
 
 
 def mapping_markdown() -> str:
-    lines = ["| method | TRL 1.16 (default) | ours (default) | harness sets both to | why ours differs |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| method | TRL 1.16 (default) | ours (default) | harness sets both to | why ours differs |",
+        "|---|---|---|---|---|",
+    ]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in MAPPING]  # "<|im_end|>"
     return "\n".join(lines)
 

@@ -136,6 +136,7 @@ def prompts_jsonl(tmp_path_factory):
 
 def run(model_dir, dataset, tmp_path, **kw):
     defaults = dict(
+        preset="demo",
         model=model_dir,
         dataset=dataset,
         output_dir=str(tmp_path / "runs"),
@@ -309,6 +310,8 @@ def test_cli_help_and_one_step(tiny_model_dir, prompts_jsonl, tmp_path):
         [
             sys.executable,
             "grpo.py",
+            "--preset",
+            "demo",
             "--model",
             tiny_model_dir,
             "--dataset",

@@ -75,7 +75,7 @@ def prompts_jsonl(tmp_path_factory):
 
 def run(model_dir, dataset, out_dir, **kw):
     defaults = dict(
-        model=model_dir, dataset=dataset, output_dir=str(out_dir), rewards=["tests.test_raft:frac_low_ids"],
+        preset="demo", model=model_dir, dataset=dataset, output_dir=str(out_dir), rewards=["tests.test_raft:frac_low_ids"],
         num_rounds=1, prompts_per_round=2, group_size=4, max_completion_length=6, reward_threshold=None,
         min_margin=0.0, mask_truncated_completions=False, learning_rate=1e-2, dpo_learning_rate=1e-2,
         per_device_train_batch_size=2, num_train_epochs=1.0, eval_dataset="builtin:math", eval_limit=2, seed=1,
@@ -123,10 +123,10 @@ def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl
 
     # Metrics: one step per round (round 0 = the starting policy's eval), also in metrics.json
     logged = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    assert [row["step"] for row in logged] == [0, 1] and "eval/test/accuracy" in logged[0]
+    assert [row["step"] for row in logged] == [0, 1] and "eval/builtin_math/accuracy" in logged[0]
     expected = {"reward", "reward_std", "rewards/frac_low_ids/mean", "kept_fraction", "num_kept", "num_pairs",
                 "completions/mean_length", "completions/clipped_ratio", "sft/loss", "sft/grad_norm", "dpo/loss",
-                "dpo/rewards/accuracies", "dpo/rewards/margins", "eval/test/accuracy", "time/rollout", "time/round"}
+                "dpo/rewards/accuracies", "dpo/rewards/margins", "eval/builtin_math/accuracy", "time/rollout", "time/round"}
     assert expected <= logged[1].keys(), expected - logged[1].keys()
     assert all(math.isfinite(logged[1][k]) for k in expected)
     with open(os.path.join(r1, "metrics.json")) as f:
@@ -159,7 +159,7 @@ def test_raft_without_dpo_has_no_reference(tiny_model_dir, prompts_jsonl, tmp_pa
     out = run(tiny_model_dir, prompts_jsonl, tmp_path, eval_limit=0, keep_per_prompt=2)
     assert "ref" not in spy_model["model"].peft_config and "dpo/loss" not in out
     assert out["num_kept"] == 4 and out["num_pairs"] >= 1  # pairs are written even when not trained on
-    assert "eval/test/accuracy" not in out
+    assert "eval/builtin_math/accuracy" not in out
 
 
 def test_spin_pairs_ground_truth_and_refreshes_the_reference(tiny_model_dir, prompts_jsonl, tmp_path, spy_model):
@@ -187,11 +187,11 @@ def test_cli_help_and_one_round(tiny_model_dir, prompts_jsonl, tmp_path):
     help_out = subprocess.run([sys.executable, "raft.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--reward-threshold" in help_out.stdout and "--mode" in help_out.stdout
     done = subprocess.run(
-        [sys.executable, "raft.py", "--model", tiny_model_dir, "--dataset", prompts_jsonl, "--rewards", "length",
+        [sys.executable, "raft.py", "--preset", "demo", "--model", tiny_model_dir, "--dataset", prompts_jsonl, "--rewards", "length",
          "--num-rounds", "1", "--group-size", "2", "--prompts-per-round", "2", "--max-completion-length", "4",
          "--reward-threshold", "None", "--no-mask-truncated-completions", "--eval-limit", "1",
          "--output-dir", str(tmp_path / "cli")],
         cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "raft (raft): eval/test/accuracy by round" in done.stdout
+    assert "raft (raft): eval/builtin_math/accuracy by round" in done.stdout
