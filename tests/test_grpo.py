@@ -12,6 +12,7 @@ import torch
 
 import grpo
 from common.logps import aggregate_loss
+from common.run import RunStopped
 from grpo import Args, grpo_per_token_loss, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,19 +258,22 @@ BREAKERS = {
 
 @pytest.mark.parametrize("name", list(BREAKERS))
 def test_each_breaker_stops_with_a_checkpoint(name, tiny_model_dir, prompts_jsonl, tmp_path, capsys):
-    out = run(
-        tiny_model_dir,
-        prompts_jsonl,
-        tmp_path,
-        max_steps=3,
-        breaker_action="stop",
-        breaker_patience=1,
-        **{**QUIET, **BREAKERS[name]},
-    )
-    assert out["stopped_by"] == [name]
-    step = out["history"][-1]["step"]
-    assert step == (2 if name == "kl" else 1)
-    assert os.path.isdir(os.path.join(out["run_dir"], "checkpoints", f"step-{step}"))
+    """A breaker stop is a failure: RunStopped (exit status 1 on the CLI) after the checkpoint, and no final/."""
+    with pytest.raises(RunStopped, match=rf"stopped at step \d+ \(circuit breaker {name}\)") as stopped:
+        run(
+            tiny_model_dir,
+            prompts_jsonl,
+            tmp_path,
+            max_steps=3,
+            breaker_action="stop",
+            breaker_patience=1,
+            **{**QUIET, **BREAKERS[name]},
+        )
+    out, step = stopped.value.result, stopped.value.step
+    assert out["stopped_by"] == [name] and out["history"][-1]["step"] == step == (2 if name == "kl" else 1)
+    assert stopped.value.checkpoint == os.path.join(out["run_dir"], "checkpoints", f"step-{step}")
+    assert os.path.isdir(stopped.value.checkpoint) and not os.path.exists(os.path.join(out["run_dir"], "final"))
+    assert f"--resume-from-checkpoint {stopped.value.checkpoint}" in str(stopped.value)
     assert f"circuit breaker '{name}' fired at step {step}" in capsys.readouterr().out
 
 
@@ -280,9 +284,17 @@ def test_nonfinite_updates_are_skipped_then_stop(tiny_model_dir, prompts_jsonl, 
 
     original = grpo.grpo_per_token_loss
     monkeypatch.setattr(grpo, "grpo_per_token_loss", nan_loss)
-    out = run(
-        tiny_model_dir, prompts_jsonl, tmp_path, max_steps=5, breaker_action="stop", breaker_max_nonfinite=2, **QUIET
-    )
+    with pytest.raises(RunStopped, match="circuit breaker nonfinite") as stopped:
+        run(
+            tiny_model_dir,
+            prompts_jsonl,
+            tmp_path,
+            max_steps=5,
+            breaker_action="stop",
+            breaker_max_nonfinite=2,
+            **QUIET,
+        )
+    out = stopped.value.result
     assert out["stopped_by"] == ["nonfinite"] and len(out["history"]) == 2 and out["nonfinite_updates"] == 2
     model, before = spy_model["model"], spy_model["before"]
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if ".default." in n), "a NaN update ran"
@@ -297,7 +309,7 @@ def test_warn_reports_once_and_keeps_going(tiny_model_dir, prompts_jsonl, tmp_pa
         breaker_patience=1,
         **{**QUIET, **BREAKERS["reward_std_zero"]},
     )
-    assert len(out["history"]) == 3 and out["stopped_by"] == []
+    assert len(out["history"]) == 3 and os.path.isdir(out["final_dir"])
     assert capsys.readouterr().out.count("circuit breaker 'reward_std_zero' fired") == 1
 
 

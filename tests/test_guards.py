@@ -1,0 +1,185 @@
+"""Bad numbers and bad stops (issue: fault injection): nonsense flags refused before the model loads, --max-steps 0,
+NaN/Inf updates skipped, non-finite weights never saved, breaker stops and Ctrl-C exit non-zero with a checkpoint."""
+
+import importlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from common.run import ArgsError, NonFiniteWeightsError
+from tests.prefs_helpers import preference_rows, write_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def prefs(tmp_path):
+    return write_jsonl(tmp_path / "prefs.jsonl", preference_rows(8))
+
+
+@pytest.fixture
+def sft_rows(tmp_path):
+    rows = [{"prompt": f"Say {w}", "completion": f"{w} {w}"} for w in ("red", "blue", "green", "yes") * 4]
+    return write_jsonl(tmp_path / "sft.jsonl", rows)
+
+
+# (script, flag, value, what the message says): each crashed deep inside the run, or trained on, before.
+NONSENSE = [
+    ("sft", "learning_rate", math.inf, "finite number > 0"),
+    ("dpo", "learning_rate", -1e-5, "finite number > 0"),
+    ("orpo", "max_grad_norm", math.nan, "finite number > 0"),
+    ("kto", "gradient_accumulation_steps", 0, "at least 1"),
+    ("dpo", "per_device_train_batch_size", 0, "at least 1"),
+    ("grpo", "group_size", 1, "at least 2"),
+    ("grpo", "prompts_per_step", 0, "at least 1"),
+    ("grpo", "temperature", 0.0, "finite number > 0"),
+    ("raft", "prompts_per_round", 0, "at least 1"),
+    ("sft", "max_steps", -2, ">= 0"),
+]
+
+
+@pytest.mark.parametrize("script, flag, value, message", NONSENSE, ids=[f"{s}-{f}" for s, f, *_ in NONSENSE])
+def test_nonsense_flags_are_refused_before_the_model_loads(script, flag, value, message, tmp_path):
+    module = importlib.import_module(script)
+    args = module.Args(model=str(tmp_path / "no-such-model"), output_dir=str(tmp_path), **{flag: value})
+    with pytest.raises(ArgsError, match=rf"^--{flag.replace('_', '-')} {value}: .*{re.escape(message)}"):
+        module.main(args)
+
+
+def test_max_steps_zero_means_zero(tiny_model_dir, sft_rows, tmp_path):
+    """It used to train a whole epoch (0 was read as 'derive from the epochs')."""
+    import sft
+
+    out = sft.main(sft.Args(model=tiny_model_dir, dataset=sft_rows, output_dir=str(tmp_path), max_steps=0))
+    assert out["history"] == [] and os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
+
+
+def test_nan_loss_skips_every_update_in_dpo(tiny_model_dir, prefs, tmp_path, monkeypatch):
+    """dpo.py had no guard: a NaN loss stepped Adam and wrote a NaN model as final/ with exit 0."""
+    import dpo
+
+    original = dpo.dpo_loss
+
+    def nan_loss(**kw):
+        losses, chosen, rejected = original(**kw)
+        return losses * math.nan, chosen, rejected
+
+    monkeypatch.setattr(dpo, "dpo_loss", nan_loss)
+    out = dpo.main(
+        dpo.Args(
+            model=tiny_model_dir,
+            dataset=prefs,
+            output_dir=str(tmp_path),
+            max_steps=3,
+            per_device_train_batch_size=4,
+            learning_rate=1e-2,
+        )
+    )
+    assert [h["nonfinite_updates"] for h in out["history"]] == [1, 2, 3]
+    default = {n: p for n, p in out["model"].named_parameters() if ".default." in n}
+    assert all(torch.isfinite(p).all() for p in default.values())
+    assert all(not p.any() for n, p in default.items() if "lora_B" in n), "a NaN step moved the fresh adapter"
+
+
+def test_non_finite_weights_are_never_saved(tiny_model_dir, sft_rows, tmp_path, monkeypatch):
+    """An update that leaves NaN in the weights (as fp16 overflow does) stops the run at the next save."""
+    import sft
+
+    step = torch.optim.AdamW.step
+
+    def poisoned_step(self, *a, **kw):
+        result = step(self, *a, **kw)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].fill_(math.nan)
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned_step)
+    with pytest.raises(NonFiniteWeightsError, match="hold NaN/Inf .* nothing was saved. Last good checkpoint: none"):
+        sft.main(sft.Args(model=tiny_model_dir, dataset=sft_rows, output_dir=str(tmp_path), max_steps=2, save_steps=1))
+    run_dir = next(p for p in (tmp_path.iterdir()) if p.is_dir())
+    assert not (run_dir / "final").exists() and not (run_dir / "checkpoints" / "step-1").exists()
+
+
+def test_breaker_stop_exits_non_zero_with_one_line(tiny_model_dir, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Count to {i}"} for i in range(8)])
+    done = subprocess.run(
+        [
+            sys.executable,
+            "grpo.py",
+            "--preset",
+            "demo",
+            "--model",
+            tiny_model_dir,
+            "--dataset",
+            prompts,
+            "--rewards",
+            "tests.test_grpo:constant",
+            "--max-steps",
+            "3",
+            "--group-size",
+            "2",
+            "--max-completion-length",
+            "4",
+            "--breaker-patience",
+            "1",
+            "--output-dir",
+            str(tmp_path / "runs"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "circuit breaker reward_std_zero" in last and "resume with --resume-from-checkpoint" in last
+    assert "Traceback" not in done.stderr
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert (run_dir / "checkpoints" / "step-1").is_dir() and not (run_dir / "final").exists()
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_prints_the_resume_command(tiny_model_dir, sft_rows, tmp_path):
+    """It used to die with a KeyboardInterrupt traceback inside Adam, losing up to save_steps steps."""
+    runs = tmp_path / "runs"
+    cmd = [
+        sys.executable,
+        "sft.py",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        sft_rows,
+        "--max-steps",
+        "100000",
+        "--per-device-train-batch-size",
+        "2",
+        "--save-steps",
+        "0",
+        "--output-dir",
+        str(runs),
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # wait until a few steps are logged
+        logged = list(runs.glob("*/metrics.jsonl"))
+        if logged and len(logged[0].read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-2000:]
+    assert "Traceback" not in err and "stopped at step" in err and "(Ctrl-C)" in err
+    run_dir = next(runs.iterdir())
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    checkpoint = run_dir / "checkpoints" / f"step-{steps[-1]}"  # the last finished step, nothing lost
+    assert checkpoint.is_dir() and f"--resume-from-checkpoint {checkpoint}" in err
+    assert not (run_dir / "final").exists()
