@@ -105,8 +105,8 @@ class Args:
     # logging/eval/checkpoint
     logging_steps: int = 1
     """log every N steps"""
-    save_steps: int = 0
-    """checkpoint every N steps; 0 = only the final save"""
+    save_steps: int = 100
+    """checkpoint every N steps (resumable with --resume-from-checkpoint); 0 = only the final save"""
     save_total_limit: int = 2
     """keep the newest N checkpoints"""
     resume_from_checkpoint: str | None = None

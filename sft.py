@@ -111,8 +111,8 @@ class Args:
     """log every N steps"""
     eval_steps: int = 0
     """eval loss every N steps (needs --eval-split); 0 = off"""
-    save_steps: int = 0
-    """checkpoint every N steps; 0 = only the final save"""
+    save_steps: int = 100
+    """checkpoint every N steps (resumable with --resume-from-checkpoint); 0 = only the final save"""
     save_total_limit: int = 2
     """keep the newest N checkpoints"""
     resume_from_checkpoint: str | None = None
