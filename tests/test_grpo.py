@@ -318,6 +318,11 @@ def test_cli_help_and_one_step(tiny_model_dir, prompts_jsonl, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     help_out = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--group-size" in help_out.stdout and "num_generations" in help_out.stdout
+    from common.rewards import REWARD_FUNCS
+
+    flat = " ".join(help_out.stdout.replace("│", " ").split())  # tyro's box wraps lines anywhere
+    assert all(name in flat for name in REWARD_FUNCS), "--help must list every reward function by name"
+    assert "[model & LoRA]" in flat and "demo: 64; gsm8k: 512" in flat  # the groups, and both presets' values
     done = subprocess.run(
         [
             sys.executable,
