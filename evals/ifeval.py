@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import tyro
 
 from common.data import load_rows, tokenize_prompt
 from common.model import require
+from evals.cli import cli
 from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
 
 # NLTK data a checker loads at check time. Checked up front per instruction, so "missing" is decided from the
@@ -212,4 +212,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli(main, Args, "evals.ifeval")
