@@ -26,7 +26,9 @@ from transformers import get_scheduler
 
 from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, validate_rows
 from common.logps import masked_mean, masked_sum, sequence_logps
-from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
+from common.model import (
+    as_reference, attach_lora, disable_dropout, load_model, save_weights, snapshot_ref, trainable_parameters
+)
 from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
 from common.templates import setup_chat_template
 
@@ -278,7 +280,7 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
     final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, safe_serialization=True)
+    save_weights(model, final_dir)
     tokenizer.save_pretrained(final_dir)
     logger.close()
     first = logger.history[0]["loss"] if logger.history else float("nan")

@@ -39,7 +39,9 @@ from transformers import get_scheduler
 
 from common.data import load_rows, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
-from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
+from common.model import (
+    as_reference, attach_lora, load_model, resolve_dtype, save_weights, snapshot_ref, trainable_parameters
+)
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import VLLMEngine, hf_generate
 from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
@@ -372,7 +374,7 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: the "default" adapter alone, loadable by plain PEFT, with the tokenizer
     final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, selected_adapters=["default"], safe_serialization=True)
+    save_weights(model, final_dir, ["default"])
     tokenizer.save_pretrained(final_dir)
     logger.close()
     k = max(1, min(5, len(history) // 4))  # mean of the first / last few steps: single steps are noisy

@@ -26,7 +26,7 @@ from transformers import get_scheduler
 
 from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, validate_rows
 from common.logps import masked_mean, sequence_logps
-from common.model import attach_lora, disable_dropout, load_model, trainable_parameters
+from common.model import attach_lora, disable_dropout, load_model, save_weights, trainable_parameters
 from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
 from common.templates import setup_chat_template
 
@@ -247,7 +247,7 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, safe_serialization=True)
+    save_weights(model, final_dir)
     tokenizer.save_pretrained(final_dir)
     logger.close()
     first = logger.history[0]["loss"] if logger.history else float("nan")

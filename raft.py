@@ -30,7 +30,9 @@ import tyro
 
 from common.data import DataError, collate_sft, load_rows, micro_batch, tokenize_dataset, validate_rows
 from common.logps import sequence_logps
-from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
+from common.model import (
+    as_reference, attach_lora, disable_dropout, load_model, save_weights, snapshot_ref, trainable_parameters
+)
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import hf_generate
 from common.run import Logger, make_run_dir, peak_memory_gb, seed_everything
@@ -185,7 +187,7 @@ def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dic
         pathlib.Path(tmp, name).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
     if model is not None:  # only the policy: a plain PEFT adapter that --adapter of every script loads
-        model.save_pretrained(os.path.join(tmp, "adapter"), selected_adapters=["default"], safe_serialization=True)
+        save_weights(model, os.path.join(tmp, "adapter"), ["default"])
     os.replace(tmp, final)
     return final
 
@@ -325,7 +327,7 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: the final policy alone in final/ (plain PEFT adapter + tokenizer), as the other scripts
     final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, selected_adapters=["default"], safe_serialization=True)
+    save_weights(model, final_dir, ["default"])
     tokenizer.save_pretrained(final_dir)
     logger.close()
     accuracy = [json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text()).get(acc_key, math.nan)

@@ -26,7 +26,7 @@ from common.data import (
     collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset, validate_rows,
 )
 from common.logps import sequence_logps
-from common.model import attach_lora, load_model, trainable_parameters
+from common.model import attach_lora, load_model, save_weights, trainable_parameters
 from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
 from common.templates import setup_chat_template
 
@@ -204,7 +204,7 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = os.path.join(run_dir, "final")
-    model.save_pretrained(final_dir, safe_serialization=True)
+    save_weights(model, final_dir)
     tokenizer.save_pretrained(final_dir)
     logger.close()
     first = logger.history[0]["loss"] if logger.history else float("nan")

@@ -68,6 +68,8 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
         kwargs["device_map"] = {"": device.index or 0}
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    # An alias (smollm2-135m) stays the model's name: saved adapters record it, not this disk's cache path.
+    model.name_or_path = model.config._name_or_path = name
     if tokenizer.pad_token is None:
         # Padding is always masked out, so any id works; EOS is the usual choice (our masks never rely on pad ids).
         tokenizer.pad_token = tokenizer.eos_token
@@ -177,9 +179,12 @@ def adapter_hash(model, slot: str = REF) -> str:
     return h.hexdigest()
 
 
-def save_weights(model, out_dir: str) -> None:
-    """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model."""
-    model.save_pretrained(out_dir, safe_serialization=True)
+def save_weights(model, out_dir: str, adapters: list[str] | None = None) -> None:
+    """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model.
+    save_embedding_layers=False: our LoRA never resizes the vocabulary, and PEFT's "auto" looks a base name that is
+    no local folder (an alias such as smollm2-135m) up on the hub at every save, with warnings when offline."""
+    kwargs = {"selected_adapters": adapters, "save_embedding_layers": False} if is_peft(model) else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
 
 
 def load_weights(model, src_dir: str) -> None:
