@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,3 +106,101 @@ def test_report_plots_one_panel_per_run_kind_with_ema_and_integer_steps(tmp_path
     md = open(out["markdown"]).read()
     assert "value at its last logged step" in md and "| run | last step | loss | reward |" in md
     assert os.path.getsize(out["plots"]["reward"]) > 1000
+
+
+# ---- sharing: adapters name their base as the user did; merged export
+@pytest.fixture
+def embedded_tiny(monkeypatch, tmp_path):
+    """The smollm2-135m alias backed by the tiny model (no GGUF conversion), cached under tmp_path."""
+    from common import embedded
+    from tests.tiny import write_tiny
+
+    monkeypatch.setenv("ONLYONE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "fake.gguf"
+    source.write_bytes(b"GGUF fake weights")
+    monkeypatch.setattr(embedded, "_gguf_source", lambda alias: source)
+    monkeypatch.setattr(embedded, "_convert", lambda gguf_path, out_dir: write_tiny(out_dir))
+    return str(tmp_path / "cache")
+
+
+def test_adapters_record_the_alias_not_the_cache_path_and_load_back_through_it(embedded_tiny, tmp_path):
+    import warnings
+
+    import sft
+    from scripts import merge_adapter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sft.main(sft.Args(dataset="builtin:math_sft", max_steps=1, max_length=256, save_steps=1,
+                                output_dir=str(tmp_path / "runs")))
+    # PEFT's save_embedding_layers="auto" would look the name up on the hub at every save and warn offline.
+    assert not [w for w in caught if "config file" in str(w.message) or "fetch" in str(w.message)]
+    checkpoint = os.path.join(out["run_dir"], "checkpoints", "step-1", "weights")
+    for folder in (out["final_dir"], checkpoint):
+        with open(os.path.join(folder, "adapter_config.json")) as f:
+            assert json.load(f)["base_model_name_or_path"] == "smollm2-135m"
+    for name in os.listdir(out["final_dir"]):
+        if name.endswith((".json", ".md")):  # nothing written points into this disk's model cache
+            assert embedded_tiny not in open(os.path.join(out["final_dir"], name)).read(), name
+    # Loading resolves the recorded alias: merge_adapter takes the base from the adapter (no --model).
+    merged = merge_adapter.main(merge_adapter.Args(adapter=out["final_dir"], out=str(tmp_path / "merged")))
+    assert merged["max_logit_diff"] < 1e-5 and os.path.isfile(tmp_path / "merged" / "model.safetensors")
+
+
+def _random_adapter(tiny_model_dir, out_dir):
+    """A LoRA adapter on every linear layer with B != 0 (a fresh one is a no-op), saved as the scripts save final/."""
+    from transformers import AutoTokenizer
+
+    from common.model import attach_lora, load_model, save_weights
+
+    torch.manual_seed(0)
+    model = attach_lora(load_model(tiny_model_dir, "fp32")[0], r=4, alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    save_weights(model, out_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def test_merge_adapter_writes_a_plain_transformers_model_with_the_adapter_models_logits(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scripts import merge_adapter
+
+    adapter = _random_adapter(tiny_model_dir, str(tmp_path / "final"))
+    res = merge_adapter.main(merge_adapter.Args(adapter=adapter, model=tiny_model_dir, out=str(tmp_path / "merged")))
+    out = res["out"]
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    assert not [k for k in load_file(os.path.join(out, "model.safetensors")) if "lora" in k or "base_layer" in k]
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers, no PEFT involved
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(adapter).chat_template
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.randint(0, base.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter).eval()
+        adapter_logits = adapted(ids).logits
+        merged_logits = merged(ids).logits
+    # fp32 throughout: x (W + s B A)^T and x W^T + s (x A^T) B^T are the same sums in another order, so they differ
+    # only by rounding (measured 1.3e-6 on these logits, |logit| < 1); 1e-5 leaves margin for other BLAS builds. The
+    # adapter itself moves the logits by ~1, so a merge that dropped or doubled any layer's update fails by 1e5x.
+    assert (adapter_logits - base_logits).abs().max() > 0.5
+    torch.testing.assert_close(merged_logits, adapter_logits, rtol=0, atol=1e-5)
+    assert res["max_logit_diff"] < 1e-5
+
+
+def test_merge_adapter_push_without_a_token_fails_fast_in_one_line(tiny_model_dir, tmp_path):
+    adapter = _random_adapter(tiny_model_dir, str(tmp_path / "final"))
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")  # no saved token either
+    done = subprocess.run([sys.executable, "scripts/merge_adapter.py", "--adapter", adapter, "--push-to-hub", "me/x",
+                           "--out", str(tmp_path / "merged")], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("Failed to load CPU gemm_4bit")]
+    assert done.returncode == 1 and lines == [
+        "merge_adapter: error: --push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"], lines
+    assert not (tmp_path / "merged").exists()  # failed before loading or writing anything
