@@ -41,11 +41,12 @@ from common.data import (
     validate_rows,
 )
 from common.logps import completion_logps, sequence_logps
-from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
+from common.model import as_reference, attach_lora, disable_dropout, load_model, save_weights, snapshot_ref
+from common.model import trainable_parameters
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import hf_generate
 from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, print_config, resolve_preset, save_final
-from common.run import RunStopped, StopOnCtrlC, check_args, seed_everything
+from common.run import RunStopped, StopOnCtrlC, check_args, check_finite, seed_everything
 from common.templates import setup_chat_template
 from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
 
@@ -240,7 +241,8 @@ def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dic
         pathlib.Path(tmp, name).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
     if model is not None:  # only the policy: a plain PEFT adapter that --adapter of every script loads
-        model.save_pretrained(os.path.join(tmp, "adapter"), selected_adapters=["default"], safe_serialization=True)
+        check_finite(model, run_dir)  # a NaN policy is never written as a round
+        save_weights(model, os.path.join(tmp, "adapter"), ["default"])
     os.replace(tmp, final)
     return final
 

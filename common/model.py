@@ -10,6 +10,7 @@ import copy
 import hashlib
 import importlib.util
 import os
+import warnings
 
 import torch
 from safetensors.torch import load_file
@@ -67,6 +68,8 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
         kwargs["device_map"] = {"": device.index or 0}
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    # An alias (smollm2-135m) stays the model's name: saved adapters record it, not this disk's cache path.
+    model.name_or_path = model.config._name_or_path = name
     if tokenizer.pad_token is None:
         # Padding is always masked out, so any id works; EOS is the usual choice (our masks never rely on pad ids).
         tokenizer.pad_token = tokenizer.eos_token
@@ -75,10 +78,11 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     else:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-    if quantization is None and gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA), so no enable_input_require_grads hack.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Checkpointing is switched on below, as without quantization (PEFT's would use the deprecated alias).
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if gradient_checkpointing:
+        # Non-reentrant works with frozen inputs (LoRA). transformers 5 renamed gradient_ to activation_checkpointing.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = not gradient_checkpointing
     return model, tokenizer
 
@@ -88,12 +92,16 @@ def attach_lora(model, adapter: str | None = None, r: int = 16, alpha: int = 32,
     """Wrap the model in PEFT with a trainable "default" adapter, loaded from `adapter` (sft.py's output) or new."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if adapter is not None:
-        if not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
-            raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
-        return PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                                            task_type="CAUSAL_LM"))
+    if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+        raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
+    with warnings.catch_warnings():
+        # PEFT 0.21's PeftModel.__init__ reads transformers' deprecated model.is_gradient_checkpointing on every
+        # wrap (checkpointing on or off); nothing we call can avoid it, so only that one warning is hidden, here.
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        if adapter is not None:
+            return PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                                target_modules=target_modules, task_type="CAUSAL_LM"))
 
 
 def is_peft(model) -> bool:
@@ -171,9 +179,12 @@ def adapter_hash(model, slot: str = REF) -> str:
     return h.hexdigest()
 
 
-def save_weights(model, out_dir: str) -> None:
-    """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model."""
-    model.save_pretrained(out_dir, safe_serialization=True)
+def save_weights(model, out_dir: str, adapters: list[str] | None = None) -> None:
+    """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model.
+    save_embedding_layers=False: our LoRA never resizes the vocabulary, and PEFT's "auto" looks a base name that is
+    no local folder (an alias such as smollm2-135m) up on the hub at every save, with warnings when offline."""
+    kwargs = {"selected_adapters": adapters, "save_embedding_layers": False} if is_peft(model) else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
 
 
 def load_weights(model, src_dir: str) -> None:

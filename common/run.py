@@ -1,4 +1,6 @@
 """Run plumbing: seeding, the run directory, metric logging (TensorBoard + JSONL + progress bar), memory, checkpoints.
+Off a terminal (a log file, CI) importing this turns the hub / transformers / datasets loading bars off (their
+carriage-return frames fill a log) and the Logger prints one plain line per logged step instead of its bar.
 
 Checkpoints are written atomically (a temp dir renamed into place, a marker file last) and read back without
 pickle: weights as safetensors, optimizer/scheduler/RNG through torch.load(weights_only=True), the rest as JSON.
@@ -22,6 +24,12 @@ import time
 import torch
 
 from common.model import REF, adapter_hash, is_peft, load_weights, save_weights, snapshot_ref, trainable_parameters
+
+if not sys.stderr.isatty():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's bars
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # datasets reads it when first imported
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 
@@ -51,7 +59,8 @@ def peak_memory_gb() -> float:
 
 
 class Logger:
-    """Every logged step goes to TensorBoard, to metrics.jsonl (one JSON object per step) and to a tqdm bar."""
+    """Every logged step goes to TensorBoard, to metrics.jsonl (one JSON object per step) and to a tqdm bar, or off a
+    terminal to one stderr line: step/total, the `show` metrics, s/step and ETA (averaged since the Logger started)."""
 
     def __init__(self, run_dir: str, args, total_steps: int, show: tuple[str, ...] = ("loss",), start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
@@ -63,6 +72,7 @@ class Logger:
         self.writer = SummaryWriter(run_dir)
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty())
+        self.total, self.start, self.t0 = total_steps, start_step, time.perf_counter()
         self.history: list[dict] = []
 
     def log(self, step: int, metrics: dict) -> None:
@@ -74,6 +84,12 @@ class Logger:
         self.jsonl.flush()  # a crash loses at most the line being written
         self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self.show if k in metrics}, refresh=False)
         self.bar.update(step - self.bar.n)
+        if self.bar.disable:
+            per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
+            shown = "  ".join(f"{k} {metrics[k]:.4g}" for k in self.show if k in metrics)
+            eta = per_step * (self.total - step)
+            print(f"step {step}/{self.total}  {shown}  {per_step:.2f} s/step  ETA {eta // 60:.0f}m{eta % 60:02.0f}s",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -208,8 +224,7 @@ def save_final(run_dir: str, model, tokenizer, adapters: list[str] | None = None
     plain PEFT / transformers loads them, plus the tokenizer; refused when a weight is not finite."""
     check_finite(model, run_dir)
     final_dir = os.path.join(run_dir, "final")
-    kwargs = {"selected_adapters": adapters} if is_peft(model) else {}
-    model.save_pretrained(final_dir, safe_serialization=True, **kwargs)
+    save_weights(model, final_dir, adapters)
     tokenizer.save_pretrained(final_dir)
     return final_dir
 

@@ -7,6 +7,7 @@ A checkpoint is `runs/<run>/checkpoints/step-N` (its weights/ holds the PEFT ada
 
 import json
 import os
+import pathlib
 import re
 import sys
 
@@ -56,6 +57,20 @@ def model_label(model: str, adapter: str | None = None, checkpoint: str | None =
     else:
         name = model.rstrip("/").split("/")[-1]
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", name)
+
+
+def dataset_tag(dataset: str) -> str:
+    """The name results go by, from the dataset actually used: builtin:math -> builtin-math, openai/gsm8k:main ->
+    gsm8k, a file -> its stem, or its folder's name when the stem is only a split (data/gsm8k/test.jsonl -> gsm8k)."""
+    if dataset.startswith("builtin:"):
+        tag = "builtin-" + dataset.split(":", 1)[1]
+    elif pathlib.Path(dataset).suffix in (".json", ".jsonl", ".parquet"):
+        path = pathlib.Path(dataset)
+        generic = path.stem in ("test", "train", "validation", "valid", "dev", "eval", "data", "input_data")
+        tag = path.parent.name if generic and path.parent.name not in ("", ".") else path.stem
+    else:
+        tag = dataset.split(":")[0].rstrip("/").split("/")[-1]  # hub id[:config]
+    return re.sub(r"[^A-Za-z0-9._+-]+", "-", tag)
 
 
 def generate_completions(model, tokenizer, prompt_ids: list[list[int]], batch_size: int = 16,

@@ -3,11 +3,12 @@
 A completion is correct when `common.rewards.math_reward` gives it 1.0: its final answer (GSM8K `#### N`, else the
 last \\boxed{}, else "the answer is N", else the last number) equals the reference numerically. Zero-shot; the prompt
 is the question plus builtin:math's instruction, so policies trained on builtin:math see their own format.
-Run: `python -m evals.gsm8k --dataset ../shared/data/gsm8k/test.jsonl --limit 100`
+Run: `python -m evals.gsm8k --dataset openai/gsm8k:main --limit 100` (offline: a local test.jsonl of the same rows)
      `python -m evals.gsm8k --checkpoint runs/grpo__smollm2-135m__42__<time>/checkpoints/step-200`
      `python -m evals.gsm8k --dataset builtin:math --limit 64 --temperature 0.7 --num-samples 4` (mean over samples)
-Writes <output-dir>/<label>__gsm8k.jsonl (question, reference, completion, extracted, correct per example) and
-<label>__gsm8k.json (accuracy, n, model, adapter, checkpoint, limit, time_s, ...).
+Results are named by the dataset used (evals.common_eval.dataset_tag: gsm8k, builtin-math, a file's name): writes
+<output-dir>/<label>__<dataset>.jsonl (question, reference, completion, extracted, correct per example) and
+<label>__<dataset>.json (task = <dataset>, accuracy, n, model, adapter, checkpoint, limit, time_s, ...).
 In a training script: `eval_rows = gsm8k_rows(args.eval_dataset, limit=args.eval_limit)`, then every --eval-steps
 `metrics["eval/gsm8k/accuracy"] = evaluate_gsm8k(model, tokenizer, eval_rows, 16, 256)["accuracy"]`.
 
@@ -20,12 +21,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 
 from common.data import load_rows, tokenize_prompt
 from common.embedded import MATH_INSTRUCTION
 from common.rewards import extract_answer, math_reward
-from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
+from evals.cli import cli
+from evals.common_eval import dataset_tag, generate_completions, load_eval_model, model_label, write_results
 
 
 @dataclass
@@ -129,9 +130,9 @@ def main(args: Args) -> dict:
     eval_s = time.perf_counter() - t0
 
     # ---- 4 write per-example outputs and the summary
-    label = args.label or model_label(args.model, args.adapter, args.checkpoint)
+    label, task = args.label or model_label(args.model, args.adapter, args.checkpoint), dataset_tag(args.dataset)
     summary = {
-        "task": "gsm8k", "label": label, "accuracy": result["accuracy"], "n": result["n"],
+        "task": task, "label": label, "accuracy": result["accuracy"], "n": result["n"],
         "correct": sum(r["correct"] for r in result["records"]), "model": args.model, "adapter": args.adapter,
         "checkpoint": args.checkpoint, "dataset": args.dataset, "split": args.split, "limit": args.limit,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "num_samples": args.num_samples,
@@ -139,11 +140,11 @@ def main(args: Args) -> dict:
         "load_s": round(load_s, 2), "device": str(next(model.parameters()).device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    paths = write_results(args.output_dir, f"{label}__gsm8k", result["records"], summary)
-    print(f"gsm8k: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s; "
+    paths = write_results(args.output_dir, f"{label}__{task}", result["records"], summary)
+    print(f"{task}: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s; "
           f"wrote {paths['summary']}")
     return {**summary, **paths, "records": result["records"]}
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli(main, Args, "evals.gsm8k")

@@ -8,7 +8,7 @@ if-verifiable); this file only generates, applies them, and aggregates:
 Two checkers need NLTK's punkt_tab data (number_sentences, capital_word_frequency): without it (`python -m
 nltk.downloader punkt_tab` installs it) those instructions are NOT EVALUATED: out of both numerator and denominator,
 the prompts holding one out of the prompt-level scores, and their counts in the summary. Never counted as passed.
-Run: `python -m evals.ifeval --dataset ../shared/data/ifeval/input_data.jsonl --limit 50`
+Run: `python -m evals.ifeval --dataset google/IFEval --limit 50` (offline: a local copy of IFEval's input_data.jsonl)
 
 Differences from lm-eval's ifeval task: chat template on (lm-eval: off unless --apply_chat_template); langdetect is
 seeded (0) and so is the `random` that fills unusable kwargs, so every verdict is the same on every run (lm-eval:
@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import tyro
 
 from common.data import load_rows, tokenize_prompt
 from common.model import require
+from evals.cli import cli
 from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
 
 # NLTK data a checker loads at check time. Checked up front per instruction, so "missing" is decided from the
@@ -212,4 +212,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli(main, Args, "evals.ifeval")

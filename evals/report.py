@@ -6,6 +6,8 @@ task; rows are grouped by their "label", in order of first appearance) and run d
 object per logged step: "step" plus metric keys). Nothing is recomputed.
 Run: `python -m evals.report --runs runs/sft__a runs/grpo__b --evals out/base__gsm8k.json out/grpo__gsm8k.json`
 Writes report/report.md, report/<metric>.png for each curve, report/report.html (PNGs inlined as base64 data URIs).
+Each curve's PNG has one panel per run kind (the exp_name before the first "__": sft, dpo, grpo, ...), since their
+losses mean different things; a faint raw line and a bold EMA line per run (TensorBoard's debiased smoothing).
 """
 
 import base64
@@ -18,7 +20,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import tyro
+from evals.cli import cli
 
 # The scores shown per task, in column order; a task not listed here shows its *accuracy / *_acc keys.
 HEADLINE = {
@@ -39,6 +41,8 @@ class Args:
     """training metrics to plot, when a run logged them (every eval/* key a run logged is added)"""
     title: str = "OnlyOne report"
     """page title"""
+    smoothing: float = 0.6
+    """EMA weight of the bold smoothed line beside each raw curve (TensorBoard's slider); 0 draws the raw line only"""
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -86,27 +90,73 @@ def table_cells(columns: list[str], rows: list[tuple[str, dict]]) -> list[list[s
     return out
 
 
-def plot_curves(histories: dict[str, list[dict]], metric: str, path: str) -> bool:
-    """One PNG: `metric` against step, one line per run; False (nothing written) when no run logged it."""
+def ema(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: s_t = w s_(t-1) + (1 - w) x_t from s_0 = 0, divided by 1 - w^t so that the start
+    is not pulled toward 0 (an unbiased running mean of the first points)."""
+    out, s = [], 0.0
+    for t, x in enumerate(values, 1):
+        s = weight * s + (1 - weight) * x
+        out.append(s / (1 - weight**t))
+    return out
+
+
+def run_kind(name: str) -> str:
+    """The algorithm a run dir belongs to: its exp_name, the part of runs/<exp_name>__<model>__<seed>__<time> before
+    the first "__" (a dir named otherwise is its own kind)."""
+    return name.split("__")[0]
+
+
+def curve_figure(histories: dict[str, list[dict]], metric: str, smoothing: float = 0.6):
+    """A matplotlib figure of `metric` against step: one panel per run kind, one raw line (faint) and its EMA
+    (bold) per run; None when no run logged the metric."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     series = {name: [(r["step"], r[metric]) for r in rows if metric in r] for name, rows in histories.items()}
-    series = {name: pts for name, pts in series.items() if pts}
-    if not series:
-        return False
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    kinds: dict[str, dict] = {}
     for name, pts in series.items():
-        ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=name)
-    ax.set(xlabel="step", ylabel=metric, title=metric)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+        if pts:
+            kinds.setdefault(run_kind(name), {})[name] = pts
+    if not kinds:
+        return None
+    cols = min(len(kinds), 3)
+    rows = math.ceil(len(kinds) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.4 * rows), dpi=100, squeeze=False)
+    for ax, (kind, runs) in zip(axes.flat, kinds.items()):
+        for i, (name, pts) in enumerate(runs.items()):
+            steps, values = zip(*pts)
+            color = f"C{i}"
+            smooth = smoothing > 0 and len(pts) > 2  # an EMA of one or two points says nothing new
+            ax.plot(steps, values, color=color, alpha=0.35 if smooth else 1.0, marker="." if len(pts) < 30 else None,
+                    label=None if smooth else name)
+            if smooth:
+                ax.plot(steps, ema(list(values), smoothing), color=color, linewidth=2,
+                        label=f"{name} (EMA {smoothing})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers: no 2.5 ticks
+        ax.set(xlabel="step", ylabel=metric, title=f"{kind}: {metric}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    for ax in list(axes.flat)[len(kinds):]:
+        ax.set_visible(False)  # the empty cells of the last row
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(histories: dict[str, list[dict]], metric: str, path: str, smoothing: float = 0.6) -> bool:
+    """Write curve_figure() as a PNG; False (nothing written) when no run logged `metric`."""
+    if (fig := curve_figure(histories, metric, smoothing)) is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+RUNS_NOTE = "Each metric column is the run's value at its last logged step (the curves below show every step)."
 
 
 def to_markdown(title: str, cells: list[list[str]], finals: list[list[str]], plots: dict[str, str]) -> str:
@@ -117,7 +167,8 @@ def to_markdown(title: str, cells: list[list[str]], finals: list[list[str]], plo
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]]) + "\n"
 
     parts = [f"# {title}\n", f"Generated {time.strftime('%Y-%m-%d %H:%M')}.\n", "## Eval scores\n",
-             "Deltas in parentheses are against the first row.\n", table(cells), "## Training runs\n", table(finals)]
+             "Deltas in parentheses are against the first row.\n", table(cells), "## Training runs\n",
+             RUNS_NOTE + "\n", table(finals)]
     parts += [f"### {metric}\n\n![{metric}]({os.path.basename(png)})\n" for metric, png in plots.items()]
     return "\n".join(parts)
 
@@ -141,11 +192,20 @@ def to_html(title: str, cells: list[list[str]], finals: list[list[str]], plots: 
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><h2>Eval scores</h2>"
             f"<p>Deltas in parentheses are against the first row.</p>{table(cells)}<h2>Training runs</h2>"
-            f"{table(finals)}{''.join(images)}</body></html>")
+            f"<p>{html.escape(RUNS_NOTE)}</p>{table(finals)}{''.join(images)}</body></html>")
 
 
 def main(args: Args) -> dict:
-    # ---- 1 inputs: eval summaries and run logs
+    # ---- 1 inputs: eval summaries and run logs, all checked before anything is read or written
+    if not 0 <= args.smoothing < 1:
+        raise ValueError(f"--smoothing {args.smoothing}: the EMA weight must be in [0, 1)")
+    if not args.runs and not args.evals:
+        raise ValueError("nothing to report: give --runs RUN_DIR ... and/or --evals SUMMARY.json ...")
+    missing = [p for p in args.evals if not os.path.isfile(p)]
+    missing += [log for log in (os.path.join(r, "metrics.jsonl") for r in args.runs) if not os.path.isfile(log)]
+    if missing:
+        raise FileNotFoundError(f"not found: {', '.join(missing)} (--evals takes the summary JSONs evals.gsm8k / "
+                                "evals.ifeval write, --runs run dirs holding metrics.jsonl)")
     summaries = []
     for path in args.evals:
         with open(path) as f:
@@ -157,7 +217,7 @@ def main(args: Args) -> dict:
     logged = {k for rows in histories.values() for r in rows for k in r}
     wanted = [*args.metrics, *sorted(k for k in logged if k.startswith("eval/"))]
     metrics = [m for m in dict.fromkeys(wanted) if m in logged]
-    finals = [["run", "steps", *metrics]]
+    finals = [["run", "last step", *metrics]]
     for name, rows in histories.items():
         last = {m: next((r[m] for r in reversed(rows) if m in r), None) for m in metrics}
         values = ["–" if last[m] is None else f"{last[m]:.4g}" for m in metrics]
@@ -168,7 +228,7 @@ def main(args: Args) -> dict:
     plots = {}
     for metric in metrics:
         png = os.path.join(args.out, re.sub(r"[^A-Za-z0-9._-]+", "_", metric) + ".png")
-        if plot_curves(histories, metric, png):
+        if plot_curves(histories, metric, png, args.smoothing):
             plots[metric] = png
     paths = {"markdown": os.path.join(args.out, "report.md"), "html": os.path.join(args.out, "report.html")}
     with open(paths["markdown"], "w") as f:
@@ -180,4 +240,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli(main, Args, "evals.report")

@@ -1,0 +1,104 @@
+"""Merge a LoRA adapter into its base model: a plain transformers folder for serving (vLLM, llama.cpp's converter, TGI)
+or the hub. Writes model.safetensors, config.json, generation_config.json and the tokenizer (with the chat template
+the adapter was trained with), and checks that the merged model's logits match the adapter model's before saving.
+
+Run: `python scripts/merge_adapter.py --adapter runs/grpo__smollm2-135m__42__<time>/final`
+     `python scripts/merge_adapter.py --adapter runs/<run>/final --push-to-hub <user>/<name>` (needs a token:
+     `hf auth login` or HF_TOKEN)
+The base is --model, else the adapter's own base_model_name_or_path (a hub id, a local folder, or an alias such as
+smollm2-135m, resolved through common.embedded like every script's --model). Then
+`AutoModelForCausalLM.from_pretrained("merged/<run>")` loads it with no PEFT installed.
+"""
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common/ is at the repo root
+from common.model import attach_lora, load_model  # noqa: E402
+from evals.cli import cli  # noqa: E402
+
+PROMPT = [{"role": "user", "content": "What is 12 plus 7? Answer in one line."}]
+
+
+@dataclass
+class Args:
+    adapter: str
+    """a PEFT adapter folder (a run's final/, or checkpoints/step-N/weights)"""
+    model: str | None = None
+    """the base model: hub id, local path or alias; default: the adapter's recorded base_model_name_or_path"""
+    out: str | None = None
+    """output folder; default merged/<run name>"""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """dtype to load, merge and save in (fp32: the merge adds no rounding of its own)"""
+    tolerance: float = 1e-4
+    """largest |logit difference| allowed between the adapter model and the merged one on a test prompt"""
+    push_to_hub: str | None = None
+    """also upload the folder to this hub repo (user/name), created if missing"""
+    private: bool = False
+    """with --push-to-hub: create the repo private"""
+
+
+def hub_token() -> str:
+    """The saved or HF_TOKEN token, or a one-line error before any model is loaded (import-safe offline)."""
+    from huggingface_hub import get_token
+
+    if not (token := get_token()):
+        raise PermissionError("--push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN")
+    return token
+
+
+def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
+    """(merged transformers model, tokenizer, max |logit diff| against the unmerged adapter model on PROMPT)."""
+    config_path = os.path.join(adapter, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
+    with open(config_path) as f:
+        base = model or json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config_path} names no base model: give --model")
+    policy, tokenizer = load_model(base, dtype)
+    if os.path.isfile(os.path.join(adapter, "tokenizer_config.json")):  # the tokenizer (and template) it trained with
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(adapter)
+    policy = attach_lora(policy, adapter).eval()  # PEFT loads the "default" adapter; a saved "ref" is ignored
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"].to(policy.device)
+    with torch.no_grad():
+        before = policy(ids).logits.float()
+        merged = policy.merge_and_unload()  # W <- W + scale * B @ A in each targeted layer; the LoRA modules go
+        diff = (merged(ids).logits.float() - before).abs().max().item()
+    return merged, tokenizer, diff
+
+
+def main(args: Args) -> dict:
+    # ---- 1 inputs: a push without a token fails here, before minutes of loading
+    token = hub_token() if args.push_to_hub else None
+    out = args.out or os.path.join("merged", os.path.basename(os.path.dirname(os.path.abspath(args.adapter))))
+
+    # ---- 2 merge and check against the adapter model
+    model, tokenizer, diff = merge(args.adapter, args.model, args.dtype)
+    if not diff <= args.tolerance:
+        raise RuntimeError(f"merged logits differ from the adapter model's by {diff:.3g} > --tolerance {args.tolerance}")
+
+    # ---- 3 save a plain transformers folder (and upload it)
+    model.save_pretrained(out, safe_serialization=True)  # config.json, generation_config.json, model.safetensors
+    tokenizer.save_pretrained(out)
+    print(f"merge_adapter: {args.adapter} -> {out} (max |logit diff| vs the adapter model {diff:.2g})")
+    if args.push_to_hub:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(args.push_to_hub, private=args.private, exist_ok=True)
+        api.upload_folder(folder_path=out, repo_id=args.push_to_hub, commit_message=f"merged {args.adapter}")
+        print(f"merge_adapter: uploaded to https://huggingface.co/{args.push_to_hub}")
+    return {"out": out, "max_logit_diff": diff}
+
+
+if __name__ == "__main__":
+    cli(main, Args, "merge_adapter")

