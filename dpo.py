@@ -27,7 +27,9 @@ from transformers import get_scheduler
 from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, validate_rows
 from common.logps import masked_mean, masked_sum, sequence_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
-from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.run import (
+    Logger, load_checkpoint, make_run_dir, one_line_errors, peak_memory_gb, save_checkpoint, seed_everything,
+)
 from common.templates import setup_chat_template
 
 
@@ -288,4 +290,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

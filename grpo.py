@@ -42,7 +42,9 @@ from common.logps import aggregate_loss, group_advantages, grouped_completion_lo
 from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import VLLMEngine, hf_generate
-from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.run import (
+    Logger, load_checkpoint, make_run_dir, one_line_errors, peak_memory_gb, save_checkpoint, seed_everything,
+)
 from common.templates import setup_chat_template
 
 
@@ -396,4 +398,5 @@ def evaluate(generate, eval_examples: list[dict], reward_funcs, max_completion_l
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

@@ -33,7 +33,7 @@ from common.logps import sequence_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import hf_generate
-from common.run import Logger, make_run_dir, peak_memory_gb, seed_everything
+from common.run import Logger, make_run_dir, one_line_errors, peak_memory_gb, seed_everything
 from common.templates import setup_chat_template
 from dpo import completion_logps, concat_pairs, dpo_loss
 from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
@@ -337,4 +337,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

@@ -27,7 +27,9 @@ from common.data import (
 )
 from common.logps import sequence_logps
 from common.model import attach_lora, load_model, trainable_parameters
-from common.run import Logger, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint, seed_everything
+from common.run import (
+    Logger, load_checkpoint, make_run_dir, one_line_errors, peak_memory_gb, save_checkpoint, seed_everything,
+)
 from common.templates import setup_chat_template
 
 
@@ -227,4 +229,5 @@ def evaluate(model, examples, collate, forward_logps, batch_size) -> float:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

@@ -82,9 +82,11 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     if not os.path.isdir(path):  # a hub id: fail in seconds when it can be neither fetched nor found in the cache
         from common.hub import check_hub
 
-        kwargs["local_files_only"] = check_hub(path, "model")
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                              local_files_only=kwargs.get("local_files_only", False))
+        if check_hub(path, "model"):  # cached, hub unreachable: load the cached folder, no requests (no retries)
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     if tokenizer.pad_token is None:
         # Padding is always masked out, so any id works; EOS is the usual choice (our masks never rely on pad ids).

@@ -23,6 +23,21 @@ from common.model import adapter_hash, is_peft, load_weights, save_weights, snap
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 
 
+@contextlib.contextmanager
+def one_line_errors():
+    """Wraps a script's `main(tyro.cli(Args))`: a problem on the user's side (bad data, a missing file, the hub out of
+    reach with nothing cached) ends the run with one line on stderr and exit status 1, not a traceback; any other
+    exception keeps its traceback (it is ours to fix)."""
+    from common.data import DataError
+    from common.hub import HubUnavailable
+
+    try:
+        yield
+    except (DataError, HubUnavailable, FileNotFoundError) as e:
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
