@@ -19,6 +19,7 @@ both ends; train = the optimizer step's wall time minus _generate_and_score_comp
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -29,13 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-QWEN25_15B = dict(  # Qwen/Qwen2.5-1.5B config.json (architecture only; weights are random)
-    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-    tie_word_embeddings=True, hidden_act="silu",
-)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
+from bench.qwen_shapes import QWEN25_15B, TINY  # noqa: E402 (after the sys.path line)
 
 
 def build(args):
@@ -130,13 +125,16 @@ def run_trl(args, out):
 
     model, tokenizer, rows = build(args)
     n = args.group_size * args.prompts_per_step  # TRL's per_device_train_batch_size counts completions
+    # transformers 5.24 renamed TrainingArguments.gradient_checkpointing to activation_checkpointing (5.17: old name)
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     config = GRPOConfig(
         output_dir=os.path.join(out, "trl"), per_device_train_batch_size=n, gradient_accumulation_steps=1,
         num_generations=args.group_size, max_completion_length=args.completion_len, max_steps=args.steps,
         beta=0.04, loss_type="dapo", learning_rate=1e-5, lr_scheduler_type="constant", temperature=1.0, top_k=0,
-        bf16=torch.cuda.is_available(), activation_checkpointing=False, logging_steps=1, save_strategy="no",
-        report_to="none", disable_tqdm=True, shuffle_dataset=False, seed=0, disable_dropout=True,
-        use_bias_correction_kl=False, dataloader_pin_memory=False)
+        bf16=torch.cuda.is_available(), logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        shuffle_dataset=False, seed=0, disable_dropout=True, use_bias_correction_kl=False, dataloader_pin_memory=False,
+        **{checkpointing: False})
     peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, peft_config=peft_config)
@@ -227,6 +225,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results_gpu.md"), "w") as f:
         f.write(md)
+    with open(os.path.join(args.out, "results_gpu.json"), "w") as f:  # for bench/gpu_check.sh's table
+        json.dump(results, f, indent=1)
     print(md)
 
 
