@@ -28,7 +28,7 @@ from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, 
 from common.logps import completion_logps, masked_mean
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import StopOnCtrlC, check_args, save_final, seed_everything, stop_run
+from common.run import StopOnCtrlC, check_args, one_line_errors, save_final, seed_everything, stop_run
 from common.templates import setup_chat_template
 
 
@@ -344,4 +344,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

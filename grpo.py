@@ -46,7 +46,8 @@ from common.model import as_reference, attach_lora, load_model, resolve_dtype, s
 from common.rewards import load_reward_funcs, math_reward, score_rollout
 from common.rollout import VLLMEngine, hf_generate
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import StopOnCtrlC, check_args, print_config, resolve_preset, save_final, seed_everything, stop_run
+from common.run import StopOnCtrlC, check_args, one_line_errors, print_config, resolve_preset, save_final
+from common.run import seed_everything, stop_run
 from common.templates import setup_chat_template
 
 
@@ -580,4 +581,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

@@ -46,7 +46,7 @@ from common.model import trainable_parameters
 from common.rewards import load_reward_funcs, score_rollout
 from common.rollout import hf_generate
 from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, print_config, resolve_preset, save_final
-from common.run import RunStopped, StopOnCtrlC, check_args, check_finite, seed_everything
+from common.run import RunStopped, StopOnCtrlC, check_args, one_line_errors, check_finite, seed_everything
 from common.templates import setup_chat_template
 from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
 
@@ -487,4 +487,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

@@ -1,6 +1,8 @@
 """Data for every script: load rows, convert common layouts, validate before any model loads, tokenize with loss
 masks, pad and pack. Row formats are TRL's, "standard" (strings) or "conversational" (lists of {role, content}):
   sft {prompt, completion} | {messages} | {text};  prompt {prompt, ...extra fields such as answer}
+  prompt rows may also be {question, answer} (GSM8K's layout, hub openai/gsm8k:main or its JSONL files alike):
+    validate_rows turns them into {prompt, answer: the number after '####', solution} (question_row)
   preference {prompt, chosen, rejected}; with no prompt, chosen and rejected's shared start becomes it (as TRL)
   binary {prompt, completion, label: bool}; validate_rows also splits {messages, label} (LLaMA-Factory's and many hub
     KTO sets' layout): the last, assistant, message becomes the completion
@@ -99,7 +101,10 @@ def load_rows(spec: str, split: str = "train", convert: str | None = None,
     else:
         import datasets
 
+        from common.hub import check_hub
+
         name, _, config = spec.partition(":")  # hub sets with several configs, e.g. "openai/gsm8k:main"
+        check_hub(name, "dataset")  # not cached and the hub unreachable: one line now, not a traceback after retries
         rows = datasets.load_dataset(name, config or None, split=split).to_list()
     for i, row in enumerate(rows):
         row.setdefault("_loc", f"{spec}:[{i}]")
@@ -160,6 +165,25 @@ def _sharegpt(row: dict) -> dict:
 CONVERTERS = {"alpaca": _alpaca, "sharegpt": _sharegpt}
 
 
+# ----------------------------------------------------------------------------------------------- GSM8K layout
+def question_row(row: dict, instruction: str | None = None) -> dict:
+    """A {question, answer} math row (GSM8K: hub openai/gsm8k:main and its JSONL files alike) as a prompt-only row:
+    prompt = one user turn, the question then `instruction` (default: common.embedded.MATH_INSTRUCTION, which asks
+    for '#### N'; '' for the bare question) on a new line; answer = the number after the last '####' with thousands
+    commas dropped ('#### 1,080' -> '1080'), the whole worked solution kept as `solution`. An answer without '####'
+    (a bare number) stays as given; `question` stays too (eval records show it)."""
+    if instruction is None:
+        from common.embedded import MATH_INSTRUCTION
+
+        instruction = MATH_INSTRUCTION
+    question = _need(row, "question", str)
+    out = _rest(row, "answer") | {"prompt": [{"role": "user", "content": f"{question}\n{instruction}" if instruction
+                                              else question}]}
+    if isinstance(answer := row.get("answer"), str) and "####" in answer:
+        return out | {"answer": answer.rsplit("####", 1)[1].strip().replace(",", ""), "solution": answer}
+    return out | ({"answer": str(answer)} if answer is not None else {})
+
+
 # -------------------------------------------------------------------------------------------------- validation
 def _text_problem(value: object, may_be_empty: bool) -> str | None:
     """What is wrong with a string-or-messages field, or None."""
@@ -192,6 +216,8 @@ def _check_row(row: dict, kind: str) -> dict:
         if not (isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant"):
             _bad(row, "messages", "the last message must be an assistant turn (it becomes the completion)")
         row = _rest(row, "messages") | {"prompt": msgs[:-1], "completion": msgs[-1:]}
+    if kind == "prompt" and "prompt" not in row and "question" in row:
+        row = question_row(row)
     # (field, may be empty); an SFT row uses whichever of its three layouts it has
     fields = {"preference": [("prompt", True), ("chosen", False), ("rejected", False)],
               "binary": [("prompt", True), ("completion", False)], "prompt": [("prompt", False)],
@@ -220,7 +246,8 @@ def _check_row(row: dict, kind: str) -> dict:
 
 def validate_rows(rows: list[dict], kind: str) -> list[dict]:
     """Check rows of kind "sft" | "preference" | "binary" | "prompt" before any model loads; returns them normalised
-    (implicit prompts extracted, {messages, label} split). Raises one DataError listing the first bad rows."""
+    (implicit prompts extracted, {messages, label} split, {question, answer} prompt rows through question_row).
+    Raises one DataError listing the first bad rows."""
     if kind not in ("sft", "preference", "binary", "prompt"):
         raise ValueError(f"unknown data kind {kind!r}")
     if not rows:

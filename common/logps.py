@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from common.data import concat_prompt_completion, pad_batch
+from common.model import cache_kwarg, is_checkpointing
 
 # Config keys of models whose forward transforms the lm_head output (Gemma2/3/4 + nanochat softcapping, Cohere's
 # logit_scale, Granite's logits_scaling, MuSE's output_multiplier): lm_head(hidden) alone would give wrong logps.
@@ -184,7 +185,7 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
     lm = _unwrap(model)
     device, decoder, head = lm.device, lm.get_decoder(), lm.get_output_embeddings()
     c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)  # (B*G, C), the layout returned
-    if not _head_is_plain_linear(lm) or (lm.training and getattr(lm, "is_activation_checkpointing", False)):
+    if not _head_is_plain_linear(lm) or (lm.training and is_checkpointing(lm)):
         # Score the concatenated rows instead (same numbers, no sharing) when the head is not a plain linear layer,
         # or under activation checkpointing in train mode, where transformers drops the KV cache (the completions
         # would silently not see their prompt).
@@ -199,14 +200,15 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
     p_ids = pad_batch(prompt_ids, pad_id, "left").to(device)  # (B, P): every prompt ends in the last column
     p_mask = pad_batch([[1] * len(p) for p in prompt_ids], 0, "left").to(device)
     cache = DynamicCache(config=lm.config)
+    cache_kw = {cache_kwarg(decoder): cache}  # "cache" (transformers >= 5.24) or "past_key_values"
     p_out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
-                    cache=cache, use_cache=True)
+                    use_cache=True, **cache_kw)
     cache.batch_repeat_interleave(group_size)  # (B*G, ...) views of one computation: its gradient sums over the group
     c_ids = pad_batch(completion_ids, pad_id).to(device)  # (B*G, C)
     # Completion positions continue each prompt's real length (left padding does not count), as in generation.
     c_pos = p_mask.sum(-1).repeat_interleave(group_size)[:, None] + torch.arange(c_ids.shape[1], device=device)
     c_out = decoder(input_ids=c_ids, attention_mask=torch.cat([p_mask.repeat_interleave(group_size, 0), c_mask], 1),
-                    position_ids=c_pos, cache=cache, use_cache=True)
+                    position_ids=c_pos, use_cache=True, **cache_kw)
     # The state before token t predicts it: the prompt's last one for t = 0, then the completion's own.
     first = p_out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([first, c_out.last_hidden_state[:, :-1]], 1)  # (B*G, C, H)

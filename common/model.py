@@ -9,6 +9,7 @@ import contextlib
 import copy
 import hashlib
 import importlib.util
+import inspect
 import os
 import warnings
 
@@ -29,6 +30,19 @@ def require(package: str, hint: str):
     if importlib.util.find_spec(package) is None:
         raise ImportError(f"{hint} needs the optional package '{package}': pip install {package}")
     return importlib.import_module(package)
+
+
+def cache_kwarg(lm) -> str:
+    """The name under which lm's forward (and generate) takes a KV cache: transformers 5.24 renamed past_key_values
+    to cache (the old name warns until 5.40); 5.17 knows only past_key_values."""
+    return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+
+
+def is_checkpointing(lm) -> bool:
+    """Activation checkpointing on? transformers 5.24's is_activation_checkpointing; 5.17 only has the older
+    is_gradient_checkpointing (deprecated in 5.24, so it is read only where the new name is missing)."""
+    name = "is_activation_checkpointing" if hasattr(lm, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(lm, name, False))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -66,6 +80,13 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
             load_in_4bit=quantization == "4bit", load_in_8bit=quantization == "8bit", bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch_dtype)
         kwargs["device_map"] = {"": device.index or 0}
+    if not os.path.isdir(path):  # a hub id: fail in seconds when it can be neither fetched nor found in the cache
+        from common.hub import check_hub
+
+        if check_hub(path, "model"):  # cached, hub unreachable: load the cached folder, no requests (no retries)
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     # An alias (smollm2-135m) stays the model's name: saved adapters record it, not this disk's cache path.

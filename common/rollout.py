@@ -21,7 +21,7 @@ import torch
 
 from common.data import pad_batch
 from common.logps import sequence_logps
-from common.model import DEFAULT, require
+from common.model import DEFAULT, cache_kwarg, require
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -93,11 +93,11 @@ def hf_generate(
 
             cache = DynamicCache(config=lm.config)
             prefix, prefix_mask = input_ids[::group_size, :-1], attention_mask[::group_size, :-1]
-            lm.get_decoder()(input_ids=prefix, attention_mask=prefix_mask, cache=cache, use_cache=True,
-                             position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0))
+            lm.get_decoder()(input_ids=prefix, attention_mask=prefix_mask, use_cache=True,
+                             position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0), **{cache_kwarg(lm): cache})
             cache.batch_repeat_interleave(group_size)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             **({"cache": cache} if cache is not None else {}))
+                             **({cache_kwarg(lm): cache} if cache is not None else {}))
     finally:
         lm.generation_config = saved
         model.train(was_training)

@@ -34,6 +34,31 @@ if not sys.stderr.isatty():
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 
 
+@contextlib.contextmanager
+def one_line_errors():
+    """Wraps a CLI's `main(tyro.cli(Args))`: an error ends the process with one line on stderr and exit status 1
+    (a second Ctrl-C: 130), not a traceback. Errors on the user's side (bad data or flags, a missing file or package,
+    a file system or the hub out of reach, a stopped run) print their message; any other also names its type and that ONLYONE_DEBUG=1
+    shows the traceback (the exception is then re-raised as it is)."""
+    from common.data import DataError
+    from common.hub import HubUnavailable
+
+    spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m evals.gsm8k` -> evals.gsm8k
+    prog = spec.name if spec else os.path.basename(sys.argv[0])
+    users = (DataError, HubUnavailable, ArgsError, RunStopped, NonFiniteWeightsError, OSError, ImportError)
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as e:
+        if os.environ.get("ONLYONE_DEBUG"):
+            raise
+        hint = "" if isinstance(e, users) else f" ({type(e).__name__}; ONLYONE_DEBUG=1 shows the traceback)"
+        print(f"{prog}: error: {e}{hint}".replace("\n", " "), file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device

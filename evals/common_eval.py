@@ -37,7 +37,7 @@ def load_eval_model(model: str, adapter: str | None = None, checkpoint: str | No
     The tokenizer always comes from `model` (checkpoints do not store one), with the same chat template setup the
     training scripts run, so the prompt tokens match what the policy was trained on."""
     if adapter and checkpoint:
-        raise ValueError("give --adapter or --checkpoint, not both")
+        raise ArgsError("give --adapter or --checkpoint, not both")
     policy, tokenizer = load_model(model, dtype, attn_implementation)
     setup_chat_template(tokenizer, template)
     weights = checkpoint_weights(checkpoint) if checkpoint else adapter

@@ -22,10 +22,10 @@ from typing import Literal
 
 import torch
 
-from common.data import load_rows, tokenize_prompt
+from common.data import load_rows, question_row, tokenize_prompt, validate_rows
 from common.embedded import MATH_INSTRUCTION
 from common.rewards import extract_answer, math_reward
-from evals.cli import cli
+from common.run import ArgsError, one_line_errors
 from evals.common_eval import dataset_tag, generate_completions, load_eval_model, model_label, write_results
 
 
@@ -71,19 +71,17 @@ class Args:
 
 def gsm8k_rows(dataset: str = "openai/gsm8k:main", split: str = "test", limit: int | None = None,
                instruction: str = MATH_INSTRUCTION) -> list[dict]:
-    """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} or builtin:math's
-    {prompt, answer}. The reference stays as given (a whole solution ending '#### N', or a bare number):
-    math_reward extracts from it with the same function it applies to the completion."""
-    rows = load_rows(dataset, split)[:limit]  # [:None] keeps all
+    """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} through the same mapping as
+    training (common.data.question_row: reference = the number after '####'), or prompt-only rows such as
+    builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions."""
+    rows = [question_row(r, instruction) if "question" in r and "prompt" not in r else r
+            for r in load_rows(dataset, split)[:limit]]  # [:None] keeps all
     out = []
-    for row in rows:
-        if "question" in row:
-            content = f"{row['question']}\n{instruction}" if instruction else row["question"]
-            prompt = [{"role": "user", "content": content}]
-        else:  # already a prompt-only row (builtin:math); a plain-string prompt becomes one user turn
-            prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        question = row.get("question", prompt[-1]["content"])  # builtin:math: the user turn, instruction included
-        out.append({"question": question, "prompt": prompt, "reference": str(row["answer"])})
+    for row in validate_rows(rows, "prompt"):
+        # A plain-string prompt becomes one user turn; builtin:math's question is its user turn, instruction included.
+        prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        out.append({"question": row.get("question", prompt[-1]["content"]), "prompt": prompt,
+                    "reference": str(row["answer"])})
     return out
 
 
@@ -114,7 +112,7 @@ def evaluate_gsm8k(model, tokenizer, rows: list[dict], batch_size: int = 16, max
 def main(args: Args) -> dict:
     # ---- 1 data (first: a bad path or setting fails before the model loads)
     if args.num_samples < 1 or (args.temperature == 0.0 and args.num_samples != 1):
-        raise ValueError(f"--num-samples {args.num_samples} needs --temperature > 0 (greedy decoding gives 1 sample)")
+        raise ArgsError(f"--num-samples {args.num_samples} needs --temperature > 0 (greedy decoding gives 1 sample)")
     rows = gsm8k_rows(args.dataset, args.split, args.limit, args.instruction)
 
     # ---- 2 model: base, base + adapter, or a run's checkpoint
@@ -147,4 +145,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    cli(main, Args, "evals.gsm8k")
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

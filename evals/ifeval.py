@@ -26,7 +26,7 @@ from typing import Literal
 
 from common.data import load_rows, tokenize_prompt
 from common.model import require
-from evals.cli import cli
+from common.run import one_line_errors
 from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
 
 # NLTK data a checker loads at check time. Checked up front per instruction, so "missing" is decided from the
@@ -212,4 +212,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    cli(main, Args, "evals.ifeval")
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args))

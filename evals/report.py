@@ -20,7 +20,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from evals.cli import cli
+from common.run import ArgsError, one_line_errors
 
 # The scores shown per task, in column order; a task not listed here shows its *accuracy / *_acc keys.
 HEADLINE = {
@@ -198,9 +198,9 @@ def to_html(title: str, cells: list[list[str]], finals: list[list[str]], plots: 
 def main(args: Args) -> dict:
     # ---- 1 inputs: eval summaries and run logs, all checked before anything is read or written
     if not 0 <= args.smoothing < 1:
-        raise ValueError(f"--smoothing {args.smoothing}: the EMA weight must be in [0, 1)")
+        raise ArgsError(f"--smoothing {args.smoothing}: the EMA weight must be in [0, 1)")
     if not args.runs and not args.evals:
-        raise ValueError("nothing to report: give --runs RUN_DIR ... and/or --evals SUMMARY.json ...")
+        raise ArgsError("nothing to report: give --runs RUN_DIR ... and/or --evals SUMMARY.json ...")
     missing = [p for p in args.evals if not os.path.isfile(p)]
     missing += [log for log in (os.path.join(r, "metrics.jsonl") for r in args.runs) if not os.path.isfile(log)]
     if missing:
@@ -240,4 +240,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    cli(main, Args, "evals.report")
+    with one_line_errors():  # a missing input or a bad setting: one line, no traceback
+        main(tyro.cli(Args))

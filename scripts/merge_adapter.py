@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common/ is at the repo root
 from common.model import attach_lora, load_model  # noqa: E402
-from evals.cli import cli  # noqa: E402
+from common.run import ArgsError, one_line_errors  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "What is 12 plus 7? Answer in one line."}]
 
@@ -60,7 +61,7 @@ def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
     with open(config_path) as f:
         base = model or json.load(f).get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"{config_path} names no base model: give --model")
+        raise ArgsError(f"{config_path} names no base model: give --model")
     policy, tokenizer = load_model(base, dtype)
     if os.path.isfile(os.path.join(adapter, "tokenizer_config.json")):  # the tokenizer (and template) it trained with
         from transformers import AutoTokenizer
@@ -101,4 +102,5 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    cli(main, Args, "merge_adapter")
+    with one_line_errors():  # a missing input or a bad setting: one line, no traceback
+        main(tyro.cli(Args))

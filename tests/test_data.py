@@ -279,6 +279,8 @@ def test_load_json_jsonl_parquet_and_field_map(tmp_path):
 def test_builtin_and_hub_branches(monkeypatch):
     import datasets
 
+    import common.hub
+
     fake = types.ModuleType("common.embedded")
     fake.builtin_rows = lambda name, split: [{"prompt": f"{name}/{split}"}]
     monkeypatch.setitem(sys.modules, "common.embedded", fake)
@@ -290,8 +292,43 @@ def test_builtin_and_hub_branches(monkeypatch):
         return datasets.Dataset.from_list([{"question": "q", "answer": "a"}])
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(common.hub, "check_hub", lambda repo_id, kind: False)  # tests/test_hub.py tests it
     rows = load_rows("openai/gsm8k:main", "test", field_map={"question": "prompt"})
     assert calls == [("openai/gsm8k", "main", "test")] and rows[0]["_loc"] == "openai/gsm8k:main:[0]"
+
+
+def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
+    """GSM8K {question, answer} rows become prompt rows through one mapping, from the JSONL file or the hub set:
+    prompt = the question + MATH_INSTRUCTION as one user turn, answer = the number after '####' (no commas)."""
+    import datasets
+
+    import common.hub
+    from common.embedded import MATH_INSTRUCTION
+    from evals.gsm8k import gsm8k_rows
+
+    path = str(shared_data / "gsm8k" / "test.jsonl")
+    rows = validate_rows(load_rows(path), "prompt")
+    assert len(rows) == 1319
+    janet, frederick = rows[0], rows[505]  # '#### 18' and '#### 1,600'
+    assert janet["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.") and janet["answer"] == "18"
+    assert janet["prompt"] == [{"role": "user", "content": f"{janet['question']}\n{MATH_INSTRUCTION}"}]
+    assert janet["solution"].endswith("farmer\u2019s market.\n#### 18") and janet["_loc"] == f"{path}:1"
+    assert frederick["question"].startswith("Frederick is making popsicles") and frederick["answer"] == "1600"
+    train = validate_rows(load_rows(str(shared_data / "gsm8k" / "train.jsonl")), "prompt")
+    assert len(train) == 7473 and train[0]["question"].startswith("Natalia sold clips") and train[0]["answer"] == "72"
+    # The hub branch (datasets.load_dataset faked with the file's first rows) gives the same rows.
+    raw = [{"question": r["question"], "answer": r["solution"]} for r in rows[:3]]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: datasets.Dataset.from_list(raw))
+    monkeypatch.setattr(common.hub, "check_hub", lambda repo_id, kind: False)
+    hub = validate_rows(load_rows("openai/gsm8k:main", "test"), "prompt")
+    assert [{k: v for k, v in r.items() if k != "_loc"} for r in hub] == [
+        {k: v for k, v in r.items() if k != "_loc"} for r in rows[:3]]
+    # The eval rows use the same mapping: the reference is the number, the prompt the training prompt.
+    evals = gsm8k_rows(path, limit=2)
+    assert [e["reference"] for e in evals] == ["18", rows[1]["answer"]] and evals[0]["prompt"] == janet["prompt"]
+    assert gsm8k_rows(path, limit=1, instruction="")[0]["prompt"][0]["content"] == janet["question"]
+    with pytest.raises(DataError, match="field 'question': must be a str"):
+        validate_rows([{"question": 3, "answer": "#### 3", "_loc": "q:[0]"}], "prompt")
 
 
 def test_implicit_prompt_is_extracted():

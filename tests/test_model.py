@@ -1,5 +1,6 @@
 """The dual-adapter backbone: snapshot_ref / as_reference / trainable set / save-load / checkpoints."""
 
+import inspect
 import os
 import shutil
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from common.model import (
-    DEFAULT, REF, adapter_hash, as_reference, attach_lora, load_model, load_weights, require, save_weights,
-    snapshot_ref, trainable_parameters,
+    DEFAULT, REF, adapter_hash, as_reference, attach_lora, cache_kwarg, is_checkpointing, load_model, load_weights,
+    require, save_weights, snapshot_ref, trainable_parameters,
 )
 from common.run import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 
@@ -157,6 +158,23 @@ def test_existing_adapter_becomes_default_and_ref(tiny_model_dir, tmp_path):
 def test_missing_optional_package_gives_install_hint():
     with pytest.raises(ImportError, match="pip install surely_not_installed_pkg"):
         require("surely_not_installed_pkg", "--engine vllm")
+
+
+def test_version_shims_follow_the_installed_transformers(tiny_model_dir):
+    """transformers 5.17 (the GPU image) takes past_key_values and has only is_gradient_checkpointing; 5.24 renamed
+    both. The shims read what the model offers, so the shared-prefix paths pass the cache under the right name."""
+    class Old(torch.nn.Module):  # 5.17's signature and attribute
+        is_gradient_checkpointing = True
+
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return input_ids
+
+    assert cache_kwarg(Old()) == "past_key_values" and is_checkpointing(Old())
+    model, _ = load_model(tiny_model_dir)
+    assert cache_kwarg(model) in inspect.signature(model.forward).parameters
+    assert not is_checkpointing(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert is_checkpointing(model)
 
 
 def test_quantization_on_cpu_is_a_clear_error(tiny_model_dir):

@@ -202,7 +202,7 @@ def test_merge_adapter_push_without_a_token_fails_fast_in_one_line(tiny_model_di
                           timeout=300, check=False)
     lines = [line for line in done.stderr.splitlines() if not line.startswith("Failed to load CPU gemm_4bit")]
     assert done.returncode == 1 and lines == [
-        "merge_adapter: error: --push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"], lines
+        "merge_adapter.py: error: --push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"], lines
     assert not (tmp_path / "merged").exists()  # failed before loading or writing anything
 
 
