@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from common.model import attach_lora, load_model, load_weights
 from common.rollout import hf_generate
-from common.run import resolve_checkpoint
+from common.run import ArgsError, resolve_checkpoint
 from common.templates import setup_chat_template
 
 

@@ -18,6 +18,8 @@ plain text by default); lenient extraction (the last number counts when no marke
 
 import time
 from dataclasses import dataclass
+
+import tyro
 from typing import Literal
 
 import torch

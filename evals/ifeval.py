@@ -21,6 +21,8 @@ import random
 import re
 import time
 from dataclasses import dataclass
+
+import tyro
 from typing import Literal
 
 

@@ -20,6 +20,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import tyro
+
 from common.run import ArgsError, one_line_errors
 
 # The scores shown per task, in column order; a task not listed here shows its *accuracy / *_acc keys.
