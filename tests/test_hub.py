@@ -22,7 +22,7 @@ def offline_env(tmp_path) -> dict:
 
 def run_grpo(tmp_path, *argv) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    cmd = [sys.executable, "grpo.py", "--max-steps", "1", "--output-dir", str(tmp_path / "runs"), *argv]
+    cmd = [sys.executable, "grpo.py", "--preset", "demo", "--max-steps", "1", "--output-dir", str(tmp_path / "runs"), *argv]
     res = subprocess.run(cmd, cwd=ROOT, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
     return res, time.perf_counter() - start
 
