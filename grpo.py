@@ -39,7 +39,7 @@ from transformers import get_scheduler
 from common.data import load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
 from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
-from common.rewards import load_reward_funcs, score_rollout
+from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import VLLMEngine, hf_generate
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import save_final, seed_everything
@@ -169,6 +169,8 @@ class Args:
     """keep the newest N checkpoints"""
     resume_from_checkpoint: str | None = None
     """checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, step)"""
+    resume_ignore_mismatch: bool = False
+    """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
 
 
 def grpo_per_token_loss(
@@ -376,8 +378,10 @@ def main(args: Args) -> dict:
     eval_rows = load_rows(args.dataset, args.eval_split)[: args.eval_limit] if args.eval_split else []
     eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards)
+    check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column
 
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -400,9 +404,8 @@ def main(args: Args) -> dict:
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, updates)
     start_step, nonfinite = 0, 0
     if args.resume_from_checkpoint:
-        state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)
+        state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
         start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
     generate, engine = rollout_engine(args, model, tokenizer)
 
@@ -479,10 +482,10 @@ def main(args: Args) -> dict:
             logger.log(step + 1, metrics)
         state = {"nonfinite_updates": nonfinite}
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, keep_last=args.save_total_limit)
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
         active = report_breakers(history, args, active)
         if active and args.breaker_action == "stop":
-            path = save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit)
+            path = save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
             print(f"grpo: stopped by breaker(s) {sorted(active)}; checkpoint {path}")
             break
 

