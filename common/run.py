@@ -191,7 +191,7 @@ def _check_identity(ckpt: str, meta: dict, model, args) -> None:
         raise ResumeError(f"{ckpt} belongs to another experiment: {'; '.join(diff)} "
                           "(--resume-ignore-mismatch resumes anyway)")
     if diff:
-        warnings.warn(f"--resume-ignore-mismatch: resuming {ckpt} although {'; '.join(diff)}")
+        warnings.warn(f"--resume-ignore-mismatch: resuming {ckpt} although {'; '.join(diff)}", stacklevel=2)
 
 
 def check_run_identity(run_dir: str, model, args) -> None:
@@ -301,7 +301,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, args=None, tota
         except CorruptCheckpointError as e:
             failures.append(str(e))
             if ckpt != candidates[-1]:
-                warnings.warn(f"{e}; falling back to the previous checkpoint")
+                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
             continue
         break
     else:
