@@ -3,6 +3,9 @@ no chosen reward can score, empty and non-UTF-8 files, missing local paths, a da
 another base, an unwritable --output-dir, and two runs started in the same second."""
 
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -14,6 +17,7 @@ from common.rewards import check_reward_fields, load_reward_funcs
 from common.run import OutputDirError, make_run_dir
 from tests.prefs_helpers import write_jsonl
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_ROWS = [{"prompt": "Say red", "completion": "red"}, {"prompt": "Say blue", "completion": "blue"}]
 
 
@@ -146,6 +150,21 @@ def test_a_read_only_output_dir_fails_before_the_model_loads(tmp_path, no_model_
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     with pytest.raises(OutputDirError, match="PermissionError"):
         sft.main(sft.Args(model="unused", dataset=data, output_dir=str(tmp_path / "ro")))
+
+
+def test_a_read_only_mount_fails_before_the_model_loads(tmp_path):
+    """Root writes into a chmod 555 directory, not into a read-only mount: bind one in a private mount namespace."""
+    ro, data = tmp_path / "ro", write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    ro.mkdir()
+    if shutil.which("unshare") is None:
+        pytest.skip("util-linux unshare not installed")
+    cli = f"{sys.executable} {ROOT}/sft.py --model unused --dataset {data} --output-dir {ro}"
+    res = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} || "
+                          f"exit 99; {cli}"], capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    if res.returncode == 99 or res.stderr.startswith("unshare:"):  # no mount namespace or no right to mount
+        pytest.skip(f"no private read-only mount here: {res.stderr[-200:]}")
+    assert res.returncode != 0
+    assert f"OutputDirError: --output-dir {ro}: cannot write a run there (OSError: Read-only file" in res.stderr
 
 
 def test_the_run_dir_exists_before_the_model_loads(tmp_path, no_model_load):
