@@ -150,7 +150,8 @@ def save_final(run_dir: str, model, tokenizer, adapters: list[str] | None = None
 NON_MATH_ARGS = {"exp_name", "output_dir", "torch_threads", "debug", "logging_steps", "save_steps", "save_total_limit",
                  "resume_from_checkpoint", "resume_from", "resume_ignore_mismatch", "max_steps", "num_train_epochs",
                  "num_rounds", "model", "adapter", "use_lora", "lora_r", "lora_alpha", "lora_dropout", "dtype",
-                 "quantization", "attn_implementation", "gradient_checkpointing", "trust_remote_code", "engine"}
+                 "quantization", "attn_implementation", "gradient_checkpointing", "trust_remote_code", "engine",
+                 "groups_per_micro_batch"}
 NON_MATH_PREFIXES = ("eval_", "breaker_", "vllm_")
 
 
