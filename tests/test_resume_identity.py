@@ -75,6 +75,12 @@ def test_another_scripts_checkpoint_is_refused(tiny_model_dir, memo, tmp_path):
                           per_device_train_batch_size=4, max_steps=1, seed=1, save_steps=1))
     with pytest.raises(ResumeError, match="script: saved 'dpo', now 'sft'"):
         sft_run(tiny_model_dir, memo, tmp_path / "runs", max_steps=4, resume_from_checkpoint=ckpt(d["run_dir"], 1))
+    import grpo
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Count to 3", "answer": "3"}] * 2)
+    with pytest.raises(ResumeError, match="script: saved 'dpo', now 'grpo'"):
+        grpo.main(grpo.Args(model=tiny_model_dir, dataset=prompts, output_dir=str(tmp_path / "g"), max_steps=4,
+                            resume_from_checkpoint=ckpt(d["run_dir"], 1)))
 
 
 def test_resuming_at_or_past_max_steps_names_both_numbers(tiny_model_dir, sft_run_dir, memo, tmp_path):
