@@ -122,6 +122,8 @@ class Args:
     """keep the newest N checkpoints"""
     resume_from_checkpoint: str | None = None
     """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
+    resume_ignore_mismatch: bool = False
+    """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
 
 
 def dpo_loss(
@@ -248,6 +250,7 @@ def main(args: Args) -> dict:
     eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -276,8 +279,9 @@ def main(args: Args) -> dict:
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     start_step = 0
     if args.resume_from_checkpoint:  # restores "ref" too (hash-checked), so precomputing after this stays right
-        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)["step"]
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)[
+            "step"
+        ]
     logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
 
     if use_ref and args.precompute_ref_log_probs:  # after a resume: its "ref" is restored (hash-checked) above
@@ -325,11 +329,9 @@ def main(args: Args) -> dict:
         if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
         if interrupt.requested:
-            stop_run(
-                "dpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args.save_total_limit, metrics
-            )
+            stop_run("dpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args, metrics)
     interrupt.restore()
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/

@@ -43,7 +43,7 @@ from transformers import get_scheduler
 from common.data import dataset_label, load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
 from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
-from common.rewards import load_reward_funcs, math_reward, score_rollout
+from common.rewards import check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import VLLMEngine, hf_generate
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, print_config, resolve_preset, save_final
@@ -185,6 +185,8 @@ class Args:
     """keep the newest N checkpoints"""
     resume_from_checkpoint: str | None = None
     """checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, step)"""
+    resume_ignore_mismatch: bool = False
+    """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
 
 
 # The two sets of defaults. demo: `python grpo.py` on a 2-core CPU in minutes (README command 1). gsm8k: the real
@@ -452,16 +454,17 @@ def main(args: Args) -> dict:
     # ---- 1 setup: the preset, data and rewards, all checked before any weights load
     t_start, args = time.perf_counter(), resolve_preset(args, PRESETS)
     check_args(args, min_group_size=2)  # G = 1 would make every advantage 0
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), "prompt")
     eval_rows = load_rows(args.dataset, args.eval_split)[: args.eval_limit] if args.eval_steps else []
     eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards)
+    check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column
     print_config("grpo", args, config_lines(args, len(rows), len(eval_rows)))
 
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -484,9 +487,8 @@ def main(args: Args) -> dict:
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, updates)
     start_step, nonfinite = 0, 0
     if args.resume_from_checkpoint:
-        state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)
+        state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
         start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
     generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by
@@ -565,12 +567,12 @@ def main(args: Args) -> dict:
             logger.log(step + 1, metrics)
         state = {"nonfinite_updates": nonfinite}
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, keep_last=args.save_total_limit)
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
         active = report_breakers(history, args, active)
         if interrupt.requested or (active and args.breaker_action == "stop"):
             why = "Ctrl-C" if interrupt.requested else "circuit breaker " + ", ".join(sorted(active))
             out = {**metrics, "history": history, "run_dir": run_dir, "stopped_by": sorted(active)}
-            stop_run("grpo", why, run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, out)
+            stop_run("grpo", why, run_dir, step + 1, model, optimizer, scheduler, state, args, out)
     interrupt.restore()
 
     # ---- 5 save: the "default" adapter alone, loadable by plain PEFT, with the tokenizer

@@ -113,6 +113,8 @@ class Args:
     """keep the newest N checkpoints"""
     resume_from_checkpoint: str | None = None
     """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
+    resume_ignore_mismatch: bool = False
+    """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
 
 
 def kto_reference_point(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
@@ -172,6 +174,7 @@ def main(args: Args) -> dict:
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -208,8 +211,9 @@ def main(args: Args) -> dict:
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     start_step = 0
     if args.resume_from_checkpoint:  # restores "ref" too, checked against the hash saved with it
-        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)["step"]
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)[
+            "step"
+        ]
     logger = Logger(run_dir, args, total_steps, show=("loss", "kl"), start_step=start_step)
 
     # ---- 4 loop
@@ -268,11 +272,9 @@ def main(args: Args) -> dict:
         if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
         if interrupt.requested:
-            stop_run(
-                "kto", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args.save_total_limit, metrics
-            )
+            stop_run("kto", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args, metrics)
     interrupt.restore()
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/

@@ -115,6 +115,8 @@ class Args:
     """keep the newest N checkpoints"""
     resume_from_checkpoint: str | None = None
     """checkpoint dir or run dir to continue from (adapter, optimizer, scheduler, RNG, data position)"""
+    resume_ignore_mismatch: bool = False
+    """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
@@ -151,6 +153,7 @@ def main(args: Args) -> dict:
     eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
 
     # ---- 2 model: the policy only (ORPO has no reference)
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -178,8 +181,9 @@ def main(args: Args) -> dict:
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     start_step = 0
     if args.resume_from_checkpoint:
-        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler)["step"]
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)[
+            "step"
+        ]
     logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
 
     def pair_losses(chunk):
@@ -252,11 +256,9 @@ def main(args: Args) -> dict:
         if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
             logger.log(step + 1, metrics)
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit)
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
         if interrupt.requested:
-            stop_run(
-                "orpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args.save_total_limit, metrics
-            )
+            stop_run("orpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args, metrics)
     interrupt.restore()
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer

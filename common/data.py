@@ -16,6 +16,7 @@ cut them from the left). Drops get one warning: count + first locations."""
 
 import json
 import math
+import os
 import pathlib
 import warnings
 
@@ -70,7 +71,16 @@ def _read_file(path: pathlib.Path) -> list[dict]:
         return [dict(r, _loc=f"{name}:[{i}]") for i, r in enumerate(pq.read_table(path).to_pylist())]
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"{name}: unsupported file type {path.suffix!r}; use .json, .jsonl or .parquet")
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{name}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); "
+                        "save the file as UTF-8") from None
+    if not text.strip():
+        raise DataError(f"{name}: the file is empty")
     # `Dataset.to_json` writes JSON Lines even into files named .json: a .json starting with "{" is read as such.
     if path.suffix == ".jsonl" or text.lstrip().startswith("{"):
         lines = enumerate(text.splitlines(), 1)
@@ -79,10 +89,34 @@ def _read_file(path: pathlib.Path) -> list[dict]:
         if not isinstance(data := _json(text, name), list):
             raise DataError(f"{name}: expected a JSON list of objects, got a {type(data).__name__}")
         pairs = [(row, f"{name}:[{i}]") for i, row in enumerate(data)]
+    if not pairs:
+        raise DataError(f"{name}: no rows in the file")
     for row, loc in pairs:
         if not isinstance(row, dict):
             raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}: {str(row)[:60]}")
     return [dict(row, _loc=loc) for row, loc in pairs]
+
+
+def looks_local(spec: str) -> bool:
+    """A path, not a hub id ("org/name"): absolute, starting with '.' or '~', or with more than one '/'."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
+
+
+def _load_saved_dataset(path: pathlib.Path, split: str) -> list[dict]:
+    """A folder written by Dataset(Dict).save_to_disk; any other folder is refused (datasets would train on whatever
+    files it finds inside, e.g. a run dir's metrics.jsonl)."""
+    if not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        shown = ", ".join(sorted(os.listdir(path))[:5]) or "nothing"
+        raise DataError(f"{path}: a directory, not a saved HF dataset (save_to_disk's dataset_info.json/state.json "
+                        f"or dataset_dict.json missing; it holds: {shown}); pass a .json/.jsonl/.parquet file")
+    import datasets
+
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise DataError(f"{path}: no split {split!r} in the saved dataset (it has: {', '.join(data)})")
+        data = data[split]
+    return [dict(r, _loc=f"{path}:[{i}]") for i, r in enumerate(data.to_list())]
 
 
 def load_rows(spec: str, split: str = "train", convert: str | None = None,
@@ -96,8 +130,11 @@ def load_rows(spec: str, split: str = "train", convert: str | None = None,
         rows = [dict(r) for r in builtin_rows(spec.removeprefix("builtin:"), split)]
     elif path.is_file():
         rows = _read_file(path)
-    elif path.suffix in (".json", ".jsonl", ".parquet"):
-        raise DataError(f"{spec}: file not found")  # a mistyped path must not turn into a hub lookup
+    elif path.is_dir():
+        rows = _load_saved_dataset(path, split)
+    elif path.suffix in (".json", ".jsonl", ".parquet") or looks_local(spec):
+        # a mistyped path must not turn into a hub lookup
+        raise DataError(f"{spec}: file not found (no such file or directory)")
     else:
         import datasets
 

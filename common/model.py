@@ -10,6 +10,7 @@ import copy
 import hashlib
 import importlib.util
 import inspect
+import json
 import os
 import warnings
 
@@ -19,6 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REF = "ref"
 DEFAULT = "default"
+
+
+class ModelError(ValueError):
+    """A --model / --adapter that is not what it must be: no such path, no config.json, an adapter of another base."""
 
 
 def pick_device() -> torch.device:
@@ -67,7 +72,14 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", both through bitsandbytes on CUDA only."""
     from common.embedded import resolve_model  # alias -> cached local folder; other names pass through
 
+    from common.data import looks_local
+
     path, device = resolve_model(name), pick_device()
+    if looks_local(path) and not os.path.exists(path):
+        raise ModelError(f"--model {name}: no such file or directory")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelError(f"--model {name}: the folder {path} has no config.json, so it is not a model "
+                         f"(it holds: {', '.join(sorted(os.listdir(path))[:5]) or 'nothing'})")
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
     if quantization is not None:
@@ -91,6 +103,8 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     # An alias (smollm2-135m) stays the model's name: saved adapters record it, not this disk's cache path.
     model.name_or_path = model.config._name_or_path = name
+    # Taken now, before any update: full fine-tuning changes every weight, yet a checkpoint must name its base.
+    model.base_identity = base_identity(model, str(torch_dtype).removeprefix("torch."), quantization)
     if tokenizer.pad_token is None:
         # Padding is always masked out, so any id works; EOS is the usual choice (our masks never rely on pad ids).
         tokenizer.pad_token = tokenizer.eos_token
@@ -119,10 +133,20 @@ def attach_lora(model, adapter: str | None = None, r: int = 16, alpha: int = 32,
         # PEFT 0.21's PeftModel.__init__ reads transformers' deprecated model.is_gradient_checkpointing on every
         # wrap (checkpointing on or off); nothing we call can avoid it, so only that one warning is hidden, here.
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        if adapter is not None:
+        if adapter is None:
+            return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                                    target_modules=target_modules, task_type="CAUSAL_LM"))
+        try:
             return PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
-        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                                                target_modules=target_modules, task_type="CAUSAL_LM"))
+        except RuntimeError as e:  # PEFT lists every mismatched tensor (52 lines for a 135M model): name the models
+            if "size mismatch" not in str(e):
+                raise
+            with open(os.path.join(adapter, "adapter_config.json")) as f:
+                trained_on = json.load(f).get("base_model_name_or_path")
+            first = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
+            raise ModelError(f"--adapter {adapter} was trained on {trained_on!r}, whose shapes differ from the base "
+                             f"--model {model.config._name_or_path!r} ({str(e).count('size mismatch')} tensors, "
+                             f"e.g. {first[:200]})") from None
 
 
 def is_peft(model) -> bool:
@@ -189,6 +213,28 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     if not params:
         raise RuntimeError("the model has no trainable parameters")
     return [p for _, p in params]
+
+
+def base_identity(model, dtype: str | None = None, quantization: str | None = None) -> dict:
+    """What a checkpoint records about its base model: a hash of the config (minus load options), a fingerprint of
+    its weights (sha256 over 1,024 values at each end of the first, middle and last base tensor, rounded to bf16 so
+    the load dtype shows only as `dtype`), the dtype and the quantization. load_model stores it as
+    model.base_identity (before any update); otherwise it is computed from the model as it is now."""
+    if (saved := getattr(model, "base_identity", None)) is not None:
+        return saved
+    base = model.get_base_model() if is_peft(model) else model
+    config = {k: v for k, v in base.config.to_dict().items() if not k.startswith("_") and k not in (
+        "use_cache", "dtype", "torch_dtype", "transformers_version", "quantization_config", "attn_implementation")}
+    params = [(n.replace(".base_layer.", "."), p) for n, p in base.named_parameters() if "lora_" not in n]
+    h = hashlib.sha256()
+    for name, p in (params[0], params[len(params) // 2], params[-1]):
+        flat = p.detach().reshape(-1)
+        values = torch.cat([flat[:1024], flat[-1024:]]).to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(values.numpy().tobytes())
+    return {"base.config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+            "base.weights_sha256": h.hexdigest(), "dtype": dtype or str(base.dtype).removeprefix("torch."),
+            "quantization": quantization}
 
 
 def adapter_hash(model, slot: str = REF) -> str:

@@ -423,6 +423,10 @@ def api_reward(prompts, completions, **kw) -> list[float | None]:
 REWARD_FUNCS = {"math": math_reward, "code": code_reward, "format": format_reward, "gsm8k_format": gsm8k_format_reward,
                 "json": json_reward, "regex": regex_reward, "length": soft_overlong_reward,
                 "target_length": target_length_reward, "api": api_reward}
+# The row fields a reward needs to score a row at all (without them it returns None); a custom module:function reward
+# may declare its own `fn.needs = ("field",)`. check_reward_fields refuses data that no chosen reward can score.
+math_reward.needs, code_reward.needs, regex_reward.needs = ("answer",), ("test_cases",), ("pattern",)
+target_length_reward.needs = ("target_length",)
 
 
 def load_reward_funcs(specs: list[str]) -> list[tuple[str, Callable, float]]:
@@ -443,6 +447,23 @@ def load_reward_funcs(specs: list[str]) -> list[tuple[str, Callable, float]]:
         else:
             raise ValueError(f"unknown reward {name!r}: use one of {sorted(REWARD_FUNCS)} or module:function")
     return funcs
+
+
+def check_reward_fields(rows: list[dict], funcs) -> None:
+    """Before the model loads: every row must have the fields (not None) of at least one chosen reward, else it would
+    train on a constant 0 reward (e.g. SFT or preference rows under `math`, which needs `answer`)."""
+    from common.data import MAX_SHOWN, DataError
+
+    needs = [(name, getattr(fn, "needs", ())) for name, fn, _ in funcs]
+    if not needs or any(not fields for _, fields in needs):
+        return  # no rewards (SPIN), or one that scores any row
+    wanted = " or ".join(f"'{name}' needs {', '.join(fields)}" for name, fields in needs)
+    bad = [r for r in rows if not any(all(r.get(f) is not None for f in fields) for _, fields in needs)]
+    if bad:
+        has = [", ".join(k for k, v in r.items() if k != "_loc" and v is not None) for r in bad[:MAX_SHOWN]]
+        shown = "\n  ".join(f"{r.get('_loc', '<row>')}: row has {h}" for r, h in zip(bad, has, strict=False))
+        raise DataError(f"{len(bad)} of {len(rows)} rows cannot be scored by the chosen rewards ({wanted}); "
+                        f"first {min(len(bad), MAX_SHOWN)}:\n  {shown}")
 
 
 _warned_all_none: set[str] = set()

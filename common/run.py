@@ -4,10 +4,14 @@ carriage-return frames fill a log) and the Logger prints one plain line per logg
 
 Checkpoints are written atomically (a temp dir renamed into place, a marker file last) and read back without
 pickle: weights as safetensors, optimizer/scheduler/RNG through torch.load(weights_only=True), the rest as JSON.
+The marker records each file's sha256, each adapter's tensor hash and what the checkpoint belongs to (run_identity):
+a resume refuses another experiment's checkpoint and skips a damaged one for the previous good one.
 """
 
 import contextlib
 import dataclasses
+import hashlib
+import inspect
 import json
 import math
 import os
@@ -15,15 +19,18 @@ import pathlib
 import random
 import re
 import resource
+import secrets
 import shutil
 import signal
 import sys
 import threading
 import time
+import warnings
 
 import torch
 
-from common.model import REF, adapter_hash, is_peft, load_weights, save_weights, snapshot_ref, trainable_parameters
+from common.model import DEFAULT, REF, adapter_hash, base_identity, is_peft, load_weights, save_weights, snapshot_ref
+from common.model import trainable_parameters
 
 if not sys.stderr.isatty():
     from transformers.utils import logging as hf_logging
@@ -68,11 +75,29 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed)
 
 
+class OutputDirError(RuntimeError):
+    """The output directory cannot take a run (read-only, full, not a directory)."""
+
+
 def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs") -> str:
-    """runs/<exp_name>__<model>__<seed>__<time>, CleanRL's run naming (model path reduced to its last part)."""
+    """runs/<exp_name>__<model>__<seed>__<time>-<6 hex>, CleanRL's run naming (model path reduced to its last part)
+    plus a random tag, so two runs started in the same second never share a directory. Scripts call it before the
+    model loads: the directory is created and a probe file written and deleted, so an unwritable --output-dir fails
+    in a second, not after minutes of loading."""
     model_tag = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rstrip("/").split("/")[-1])
-    path = os.path.join(root, f"{exp_name}__{model_tag}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}")
-    os.makedirs(path, exist_ok=False)
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    path = os.path.join(root, f"{exp_name}__{model_tag}__{seed}__{stamp}")
+    try:
+        os.makedirs(path, exist_ok=False)
+        probe = os.path.join(path, ".write-probe")
+        with open(probe, "w") as f:
+            f.write("probe")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise OutputDirError(f"--output-dir {root}: cannot write a run there ({type(e).__name__}: "
+                             f"{e.strerror or e})") from None
     return path
 
 
@@ -203,9 +228,9 @@ class RunStopped(RuntimeError):
         self.step, self.checkpoint, self.result = step, checkpoint, result or {}
 
 
-def stop_run(script: str, reason: str, run_dir: str, step: int, model, optimizer, scheduler, state, keep: int, result):
+def stop_run(script: str, reason: str, run_dir: str, step: int, model, optimizer, scheduler, state, args, result):
     """Save a checkpoint at this step and raise RunStopped with the command that resumes from it."""
-    path = save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=keep)
+    path = save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=args.save_total_limit, args=args)
     raise RunStopped(f"{script}: stopped at step {step} ({reason}); final/ not written. Checkpoint {path}; resume "
                      f"with --resume-from-checkpoint {path}", step, path, result)
 
@@ -254,8 +279,97 @@ def save_final(run_dir: str, model, tokenizer, adapters: list[str] | None = None
     return final_dir
 
 
-def save_checkpoint(run_dir, step, model, optimizer=None, scheduler=None, trainer_state=None, keep_last=2) -> str:
-    """Write run_dir/checkpoints/step-N atomically and keep the newest `keep_last` complete ones.
+# ------------------------------------------------------------------------------------------------ run identity
+# Args fields that do not change the math of an update, so a resume may change them: where and how often to write,
+# log and evaluate, how far to train, when breakers stop, speed/memory knobs with the same result, and the model
+# fields, whose effect is recorded from the model itself (base hash, LoRA config, dtype). Every other field counts.
+NON_MATH_ARGS = {"exp_name", "output_dir", "torch_threads", "debug", "logging_steps", "save_steps", "save_total_limit",
+                 "resume_from_checkpoint", "resume_from", "resume_ignore_mismatch", "max_steps", "num_train_epochs",
+                 "num_rounds", "model", "adapter", "use_lora", "lora_r", "lora_alpha", "lora_dropout", "dtype",
+                 "quantization", "attn_implementation", "gradient_checkpointing", "trust_remote_code", "engine",
+                 "groups_per_micro_batch"}
+NON_MATH_PREFIXES = ("eval_", "breaker_", "vllm_")
+
+
+class ResumeError(ValueError):
+    """A resume that would not continue this run: another experiment's checkpoint, or no steps left."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint whose files or tensors do not match the hashes recorded when it was written."""
+
+
+def run_identity(model, args=None) -> dict:
+    """What a checkpoint belongs to, flat and JSON-ready: base model (config hash, weight fingerprint, dtype,
+    quantization), LoRA config of "default", and with `args` the script (its file's stem) and every Args field
+    that changes the math (all but NON_MATH_ARGS / NON_MATH_PREFIXES)."""
+    ident = dict(base_identity(model))
+    cfg = model.peft_config.get(DEFAULT) if is_peft(model) else None
+    targets = cfg and cfg.target_modules
+    ident |= {"lora.r": cfg and cfg.r, "lora.alpha": cfg and cfg.lora_alpha, "lora.dropout": cfg and cfg.lora_dropout,
+              "lora.target_modules": targets if isinstance(targets, str | None) else sorted(targets)}
+    if args is not None:
+        fields = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
+        ident["script"] = pathlib.Path(inspect.getfile(type(args))).stem
+        ident |= {f"args.{k}": v for k, v in fields.items()
+                  if k not in NON_MATH_ARGS and not k.startswith(NON_MATH_PREFIXES)}
+    return json.loads(json.dumps(ident, default=str))  # tuples -> lists, as they come back from the marker file
+
+
+def _check_identity(ckpt: str, meta: dict, model, args) -> None:
+    """Refuse (or, with args.resume_ignore_mismatch, warn about) every field that differs from the checkpoint's."""
+    now, saved = run_identity(model, args), meta.get("identity")
+    if saved is None:
+        diff = ["identity: not recorded (a checkpoint written before identity checks)"]
+    else:
+        diff = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
+                for k in sorted(saved.keys() | now.keys()) if saved.get(k, "<absent>") != now.get(k, "<absent>")]
+    if diff and not getattr(args, "resume_ignore_mismatch", False):
+        raise ResumeError(f"{ckpt} belongs to another experiment: {'; '.join(diff)} "
+                          "(--resume-ignore-mismatch resumes anyway)")
+    if diff:
+        warnings.warn(f"--resume-ignore-mismatch: resuming {ckpt} although {'; '.join(diff)}", stacklevel=2)
+
+
+def check_run_identity(run_dir: str, model, args) -> None:
+    """For runs resumed in place (raft.py's rounds): the first start writes run_dir/identity.json; a later start in
+    the same run dir must match it, as a checkpoint must (run dirs from before this file are not checked)."""
+    path = pathlib.Path(run_dir, "identity.json")
+    if path.exists():
+        _check_identity(run_dir, {"identity": json.loads(path.read_text())}, model, args)
+    else:
+        path.write_text(json.dumps(run_identity(model, args), indent=2))
+
+
+def _file_hashes(root: str) -> dict[str, str]:
+    """sha256 of every file under root but the marker, keyed by relative path."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if name != COMPLETE:
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, root)] = hashlib.file_digest(f, "sha256").hexdigest()
+    return dict(sorted(out.items()))
+
+
+def _read_verified_meta(ckpt: str) -> dict:
+    """The marker's JSON, after every file it lists was re-hashed (a truncated or flipped file is caught here)."""
+    try:
+        meta = json.loads(pathlib.Path(ckpt, COMPLETE).read_text())
+        found = _file_hashes(ckpt)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{ckpt}: unreadable ({e})") from None
+    for rel, digest in meta.get("files_sha256", {}).items():
+        if found.get(rel) != digest:
+            raise CorruptCheckpointError(f"{ckpt}: {rel} is missing or does not match the hash recorded at save time")
+    return meta
+
+
+def save_checkpoint(run_dir, step, model, optimizer=None, scheduler=None, trainer_state=None, keep_last=2,
+                    args=None) -> str:
+    """Write run_dir/checkpoints/step-N atomically and keep the newest `keep_last` complete ones; the marker records
+    run_identity(model, args), each file's sha256 and each adapter's tensor hash.
     Order matters: the new checkpoint is complete and renamed into place before any old one is deleted, so a
     crash at any moment leaves at least the last good checkpoint."""
     root = os.path.join(run_dir, "checkpoints")
@@ -269,9 +383,10 @@ def save_checkpoint(run_dir, step, model, optimizer=None, scheduler=None, traine
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save({"optimizer": optimizer.state_dict() if optimizer else None, "rng": rng,
                 "scheduler": scheduler.state_dict() if scheduler else None}, os.path.join(tmp, "state.pt"))
-    meta = {"step": step, "trainer_state": trainer_state or {}}
-    if is_peft(model) and REF in model.peft_config:
-        meta["ref_sha256"] = adapter_hash(model, REF)
+    meta = {"step": step, "trainer_state": trainer_state or {}, "identity": run_identity(model, args),
+            "files_sha256": _file_hashes(tmp)}
+    if is_peft(model):
+        meta["adapter_sha256"] = {slot: adapter_hash(model, slot) for slot in model.peft_config}
     with open(os.path.join(tmp, COMPLETE), "w") as f:
         json.dump(meta, f, indent=2)
         f.flush()
@@ -301,15 +416,34 @@ def resolve_checkpoint(path: str) -> str:
     return found[-1]
 
 
-def load_checkpoint(path, model, optimizer=None, scheduler=None) -> dict:
-    """Restore weights, optimizer, scheduler and RNG; verify the 'ref' hash; return (step, trainer_state) as a dict."""
-    ckpt = resolve_checkpoint(path)
-    meta = json.loads(pathlib.Path(ckpt, COMPLETE).read_text())
-    if "ref_sha256" in meta and is_peft(model) and REF not in model.peft_config:
-        snapshot_ref(model)  # create the slot; its content is overwritten by the saved 'ref' below
-    load_weights(model, os.path.join(ckpt, "weights"))
-    if "ref_sha256" in meta and adapter_hash(model, REF) != meta["ref_sha256"]:
-        raise RuntimeError(f"{ckpt}: the 'ref' adapter does not match the hash recorded at save time")
+def load_checkpoint(path, model, optimizer=None, scheduler=None, args=None, total_steps=None) -> dict:
+    """Restore weights, optimizer, scheduler and RNG; return {step, trainer_state, path}.
+    `path` is a checkpoint dir, or a run dir: then its newest checkpoint whose files and adapter tensors match their
+    recorded hashes is used (a damaged one is skipped with a warning). With `args`, a checkpoint of another experiment
+    (run_identity differs) is refused; with `total_steps`, so is one with no steps left."""
+    explicit = os.path.isfile(os.path.join(path, COMPLETE))
+    candidates = [path] if explicit else list_checkpoints(path)[::-1]
+    if not candidates:
+        raise FileNotFoundError(f"--resume-from-checkpoint {path}: no complete checkpoint there")
+    failures = []
+    for ckpt in candidates:
+        try:
+            meta = _read_verified_meta(ckpt)
+            if args is not None:
+                _check_identity(ckpt, meta, model, args)
+            if total_steps is not None and meta["step"] >= total_steps:
+                raise ResumeError(f"{ckpt} is at step {meta['step']}, at or past this run's {total_steps} steps: "
+                                  "nothing to train (raise --max-steps to continue)")
+            _load_verified_weights(ckpt, meta, model)
+        except CorruptCheckpointError as e:
+            failures.append(str(e))
+            if ckpt != candidates[-1]:
+                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+            continue
+        break
+    else:
+        hint = "" if not explicit else " (pass the run dir to fall back to an earlier checkpoint)"
+        raise CorruptCheckpointError(f"no intact checkpoint to resume from{hint}: {'; '.join(failures)}")
     state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
     if optimizer is not None and state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -321,3 +455,14 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None) -> dict:
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return {"step": meta["step"], "trainer_state": meta["trainer_state"], "path": ckpt}
+
+
+def _load_verified_weights(ckpt: str, meta: dict, model) -> None:
+    """Both LoRA slots (or the full model) from the checkpoint, then each adapter checked against its saved hash."""
+    hashes = meta.get("adapter_sha256") or ({REF: meta["ref_sha256"]} if "ref_sha256" in meta else {})
+    if REF in hashes and is_peft(model) and REF not in model.peft_config:
+        snapshot_ref(model)  # create the slot; its content is overwritten by the saved 'ref' below
+    load_weights(model, os.path.join(ckpt, "weights"))
+    for slot, digest in hashes.items():
+        if adapter_hash(model, slot) != digest:
+            raise CorruptCheckpointError(f"{ckpt}: the '{slot}' adapter does not match the hash recorded at save time")

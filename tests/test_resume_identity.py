@@ -1,0 +1,162 @@
+"""Resume refuses another experiment's checkpoint (script, base model, LoRA config, math args), skips a damaged
+newest checkpoint for the previous good one, catches a flipped bit in "default", and refuses a run with no steps
+left (issue 18, section 4)."""
+
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import dpo
+import sft
+from common.run import CorruptCheckpointError, ResumeError, run_identity
+from tests.prefs_helpers import preference_rows, write_jsonl
+from tests.tiny import write_tiny
+
+
+@pytest.fixture(scope="module")
+def memo(tmp_path_factory):
+    rows = [{"prompt": [{"role": "user", "content": f"Say word {i}"}],
+             "completion": [{"role": "assistant", "content": f"{w} {w}"}]} for i, w in enumerate(["red", "blue"] * 4)]
+    return write_jsonl(tmp_path_factory.mktemp("memo") / "memo.jsonl", rows)
+
+
+def sft_run(model_dir, dataset, out, **kw):
+    defaults = dict(model=model_dir, dataset=dataset, output_dir=str(out), max_length=64, learning_rate=1e-2,
+                    per_device_train_batch_size=4, lora_dropout=0.0, max_steps=2, seed=1, save_steps=1)
+    return sft.main(sft.Args(**{**defaults, **kw}))
+
+
+@pytest.fixture(scope="module")
+def sft_run_dir(tiny_model_dir, memo, tmp_path_factory):
+    """A finished 2-step SFT run with checkpoints step-1 and step-2 (copy it before damaging it)."""
+    return sft_run(tiny_model_dir, memo, tmp_path_factory.mktemp("base"))["run_dir"]
+
+
+@pytest.fixture
+def run_copy(sft_run_dir, tmp_path):
+    return shutil.copytree(sft_run_dir, tmp_path / "copy")
+
+
+def ckpt(run_dir, step):
+    return os.path.join(run_dir, "checkpoints", f"step-{step}")
+
+
+def test_a_different_base_model_of_the_same_shape_is_refused(sft_run_dir, memo, tmp_path):
+    other = write_tiny(tmp_path / "other", seed=7)  # same config, other weights
+    with pytest.raises(ResumeError, match="base.weights_sha256: saved") as e:
+        sft_run(other, memo, tmp_path / "runs", max_steps=4, resume_from_checkpoint=ckpt(sft_run_dir, 2))
+    assert "\n" not in str(e.value) and "base.config_sha256" not in str(e.value)  # one line, only what differs
+
+
+def test_a_different_lora_alpha_is_refused_and_the_override_lists_it(tiny_model_dir, sft_run_dir, memo, tmp_path):
+    kw = dict(max_steps=3, lora_alpha=64, resume_from_checkpoint=ckpt(sft_run_dir, 2))
+    with pytest.raises(ResumeError, match="lora.alpha: saved 32, now 64"):
+        sft_run(tiny_model_dir, memo, tmp_path / "a", **kw)
+    with pytest.warns(UserWarning, match="--resume-ignore-mismatch: .*lora.alpha: saved 32, now 64"):
+        out = sft_run(tiny_model_dir, memo, tmp_path / "b", resume_ignore_mismatch=True, **kw)
+    assert [h["step"] for h in out["history"]] == [3]
+
+
+def test_a_math_arg_is_refused_but_logging_output_and_length_are_not(tiny_model_dir, sft_run_dir, memo, tmp_path):
+    with pytest.raises(ResumeError, match="args.learning_rate: saved 0.01, now 0.02"):
+        sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, learning_rate=2e-2,
+                resume_from_checkpoint=ckpt(sft_run_dir, 2))
+    out = sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, logging_steps=2, save_steps=0, exp_name="x",
+                  resume_from_checkpoint=ckpt(sft_run_dir, 2))
+    assert [h["step"] for h in out["history"]] == [3]
+
+
+def test_another_scripts_checkpoint_is_refused(tiny_model_dir, memo, tmp_path):
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(8))
+    d = dpo.main(dpo.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path / "dpo"), max_length=64,
+                          per_device_train_batch_size=4, max_steps=1, seed=1, save_steps=1))
+    with pytest.raises(ResumeError, match="script: saved 'dpo', now 'sft'"):
+        sft_run(tiny_model_dir, memo, tmp_path / "runs", max_steps=4, resume_from_checkpoint=ckpt(d["run_dir"], 1))
+    import grpo
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Count to 3", "answer": "3"}] * 2)
+    with pytest.raises(ResumeError, match="script: saved 'dpo', now 'grpo'"):
+        grpo.main(grpo.Args(model=tiny_model_dir, dataset=prompts, output_dir=str(tmp_path / "g"), max_steps=4,
+                            resume_from_checkpoint=ckpt(d["run_dir"], 1)))
+
+
+def test_resuming_at_or_past_max_steps_names_both_numbers(tiny_model_dir, sft_run_dir, memo, tmp_path):
+    for max_steps in (2, 1):
+        with pytest.raises(ResumeError, match=f"at step 2, at or past this run's {max_steps} steps"):
+            sft_run(tiny_model_dir, memo, tmp_path / str(max_steps), max_steps=max_steps,
+                    resume_from_checkpoint=sft_run_dir)
+
+
+def flip_one_value(path):
+    tensors = load_file(path)
+    key = next(iter(tensors))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] *= -1.0
+    save_file(tensors, path)
+
+
+def test_a_flipped_default_adapter_is_refused(tiny_model_dir, run_copy, memo, tmp_path):
+    step2 = ckpt(run_copy, 2)
+    flip_one_value(os.path.join(step2, "weights", "adapter_model.safetensors"))
+    with pytest.raises(CorruptCheckpointError, match="adapter_model.safetensors .*does not match the hash"):
+        sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, resume_from_checkpoint=step2)
+    # Even with the file hashes rewritten to match, the tensor hash of "default" recorded at save time catches it.
+    marker = os.path.join(step2, "checkpoint_complete.json")
+    meta = json.load(open(marker))
+    meta.pop("files_sha256")
+    json.dump(meta, open(marker, "w"))
+    with pytest.raises(CorruptCheckpointError, match="'default' adapter does not match the hash"):
+        sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=step2)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, run_copy, memo, tmp_path):
+    weights = os.path.join(ckpt(run_copy, 2), "weights", "adapter_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.warns(UserWarning, match="step-2: .*falling back to the previous checkpoint"):
+        out = sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, resume_from_checkpoint=str(run_copy))
+    assert [h["step"] for h in out["history"]] == [2, 3]  # resumed from step-1
+    # With no intact checkpoint left it is an error that lists each one.
+    flip_one_value(os.path.join(ckpt(run_copy, 1), "weights", "adapter_model.safetensors"))
+    no_good = pytest.raises(CorruptCheckpointError, match="no intact checkpoint.*step-2.*step-1")
+    with pytest.warns(UserWarning), no_good:
+        sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=str(run_copy))
+
+
+def test_identity_records_what_the_checkpoint_belongs_to(sft_run_dir):
+    meta = json.load(open(os.path.join(ckpt(sft_run_dir, 2), "checkpoint_complete.json")))
+    ident = meta["identity"]
+    assert ident["script"] == "sft" and ident["dtype"] == "float32" and ident["quantization"] is None
+    assert (ident["lora.r"], ident["lora.alpha"], ident["lora.dropout"]) == (16, 32, 0.0)
+    assert ident["args.learning_rate"] == 0.01 and ident["args.seed"] == 1
+    # Not recorded: where and how often it writes, how far it trains (a resume may change them).
+    assert not {"args.output_dir", "args.max_steps", "args.save_steps", "args.logging_steps"} & ident.keys()
+    assert set(meta["adapter_sha256"]) == {"default"} and "weights/adapter_model.safetensors" in meta["files_sha256"]
+
+
+def test_the_base_fingerprint_ignores_the_load_dtype_but_not_the_weights(tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    fp32 = run_identity(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    bf16 = run_identity(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16))
+    other = run_identity(AutoModelForCausalLM.from_pretrained(write_tiny(tmp_path / "o", seed=3)))
+    assert fp32["base.weights_sha256"] == bf16["base.weights_sha256"] and fp32["dtype"] != bf16["dtype"]
+    assert fp32["base.config_sha256"] == other["base.config_sha256"]
+    assert fp32["base.weights_sha256"] != other["base.weights_sha256"]
+
+
+def test_raft_resume_in_the_same_run_dir_must_be_the_same_experiment(tiny_model_dir, tmp_path):
+    import raft
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Count to {i}"} for i in range(4)])
+    kw = dict(model=tiny_model_dir, dataset=prompts, output_dir=str(tmp_path / "runs"), eval_limit=0, num_rounds=1,
+              rewards=["tests.test_raft:frac_low_ids"], prompts_per_round=2, group_size=2, max_completion_length=4,
+              reward_threshold=None, per_device_train_batch_size=2, seed=1)
+    run_dir = raft.main(raft.Args(**kw))["run_dir"]
+    with pytest.raises(ResumeError, match="args.learning_rate: saved 0.0002, now 0.002"):
+        raft.main(raft.Args(**{**kw, "num_rounds": 2, "learning_rate": 2e-3, "resume_from": run_dir}))
+    assert sorted(d for d in os.listdir(run_dir) if d.startswith("round-")) == ["round-0", "round-1"]  # nothing ran
