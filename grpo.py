@@ -46,7 +46,7 @@ from common.model import as_reference, attach_lora, load_model, resolve_dtype, s
 from common.rewards import check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import VLLMEngine, hf_generate
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, print_config, resolve_preset, save_final
+from common.run import ArgsError, StopOnCtrlC, check_args, one_line_errors, print_config, resolve_preset, save_final
 from common.run import seed_everything, stop_run
 from common.templates import setup_chat_template
 
@@ -93,8 +93,11 @@ class Args:
     rewards. None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
     dataset_split: str = "train"
     """split to train on"""
+    eval_dataset: str | None = None
+    """held-out prompts for the greedy eval; None = --dataset's eval_split (a hub or builtin set; a local file has no
+    splits, so it needs --eval-dataset)"""
     eval_split: str = "test"
-    """split (of the same dataset) for the greedy eval (every eval_steps)"""
+    """split of the eval dataset"""
     eval_limit: int = 250
     """eval prompts used (the first N of the split)"""
     template: str = "auto"
@@ -431,13 +434,26 @@ def evaluate(generate, eval_examples: list[dict], reward_funcs, args: Args) -> d
     metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
     if all("answer" in e for e in eval_examples):
         right = math_reward(None, out["completions"], answer=[e["answer"] for e in eval_examples])
-        metrics[f"eval/{dataset_label(args.dataset)}/accuracy"] = sum(right) / len(right)
+        metrics[f"eval/{dataset_label(eval_source(args))}/accuracy"] = sum(right) / len(right)
     return metrics
+
+
+def eval_source(args: Args) -> str:
+    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set; a file is the train data)."""
+    is_file = os.path.exists(args.dataset) or args.dataset.endswith((".json", ".jsonl", ".parquet"))
+    if args.eval_dataset or not is_file:
+        return args.eval_dataset or args.dataset
+    raise ArgsError(
+        f"--eval-steps {args.eval_steps} with --dataset {args.dataset}: a file has no test split; give "
+        "--eval-dataset FILE, or --eval-steps 0"
+    )
 
 
 def config_lines(args: Args, n_rows: int, n_eval: int) -> dict[str, str]:
     """What this run will do, for the start-up block."""
-    evals = f"; eval: {n_eval} {args.eval_split} prompts every {args.eval_steps} steps" if args.eval_steps else ""
+    evals = (
+        f"; eval: {n_eval} of {eval_source(args)} {args.eval_split} every {args.eval_steps} steps" if n_eval else ""
+    )
     return {
         "data": f"{args.dataset} {args.dataset_split}: {n_rows} prompts{evals}",
         "steps": f"{args.max_steps} x {args.prompts_per_step} prompts x G {args.group_size} completions of <= "
@@ -457,7 +473,7 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), "prompt")
-    eval_rows = load_rows(args.dataset, args.eval_split)[: args.eval_limit] if args.eval_steps else []
+    eval_rows = load_rows(eval_source(args), args.eval_split)[: args.eval_limit] if args.eval_steps else []
     eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards)
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column

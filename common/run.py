@@ -49,10 +49,12 @@ def one_line_errors():
     shows the traceback (the exception is then re-raised as it is)."""
     from common.data import DataError
     from common.hub import HubUnavailable
+    from common.model import ModelError
 
     spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m evals.gsm8k` -> evals.gsm8k
     prog = spec.name if spec else os.path.basename(sys.argv[0])
-    users = (DataError, HubUnavailable, ArgsError, RunStopped, NonFiniteWeightsError, OSError, ImportError)
+    users = (DataError, HubUnavailable, ModelError, ArgsError, OutputDirError, ResumeError, CorruptCheckpointError,
+             RunStopped, NonFiniteWeightsError, OSError, ImportError)
     try:
         yield
     except KeyboardInterrupt:

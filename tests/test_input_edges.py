@@ -84,7 +84,7 @@ def test_hub_ids_are_not_local_paths():
 # ------------------------------------------------------------------------------------------------ rewards
 def test_grpo_refuses_rows_no_reward_can_score_before_loading(tmp_path, no_model_load):
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
-    args = grpo.Args(model="unused", dataset=data, output_dir=str(tmp_path / "runs"), rewards=["math"])
+    args = grpo.Args(model="unused", dataset=data, output_dir=str(tmp_path / "runs"), rewards=["math"], preset="demo")
     expected = r"(?s)2 of 2 rows cannot be scored .*'math' needs answer.*sft.jsonl:1: row has prompt, completion"
     with pytest.raises(DataError, match=expected):
         grpo.main(args)
@@ -164,7 +164,7 @@ def test_a_read_only_mount_fails_before_the_model_loads(tmp_path):
     if res.returncode == 99 or res.stderr.startswith("unshare:"):  # no mount namespace or no right to mount
         pytest.skip(f"no private read-only mount here: {res.stderr[-200:]}")
     assert res.returncode != 0
-    assert f"OutputDirError: --output-dir {ro}: cannot write a run there (OSError: Read-only file" in res.stderr
+    assert f"sft.py: error: --output-dir {ro}: cannot write a run there (OSError: Read-only file" in res.stderr
 
 
 def test_the_run_dir_exists_before_the_model_loads(tmp_path, no_model_load):

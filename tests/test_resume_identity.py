@@ -18,14 +18,29 @@ from tests.tiny import write_tiny
 
 @pytest.fixture(scope="module")
 def memo(tmp_path_factory):
-    rows = [{"prompt": [{"role": "user", "content": f"Say word {i}"}],
-             "completion": [{"role": "assistant", "content": f"{w} {w}"}]} for i, w in enumerate(["red", "blue"] * 4)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Say word {i}"}],
+            "completion": [{"role": "assistant", "content": f"{w} {w}"}],
+        }
+        for i, w in enumerate(["red", "blue"] * 4)
+    ]
     return write_jsonl(tmp_path_factory.mktemp("memo") / "memo.jsonl", rows)
 
 
 def sft_run(model_dir, dataset, out, **kw):
-    defaults = dict(model=model_dir, dataset=dataset, output_dir=str(out), max_length=64, learning_rate=1e-2,
-                    per_device_train_batch_size=4, lora_dropout=0.0, max_steps=2, seed=1, save_steps=1)
+    defaults = dict(
+        model=model_dir,
+        dataset=dataset,
+        output_dir=str(out),
+        max_length=64,
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        lora_dropout=0.0,
+        max_steps=2,
+        seed=1,
+        save_steps=1,
+    )
     return sft.main(sft.Args(**{**defaults, **kw}))
 
 
@@ -62,32 +77,69 @@ def test_a_different_lora_alpha_is_refused_and_the_override_lists_it(tiny_model_
 
 def test_a_math_arg_is_refused_but_logging_output_and_length_are_not(tiny_model_dir, sft_run_dir, memo, tmp_path):
     with pytest.raises(ResumeError, match="args.learning_rate: saved 0.01, now 0.02"):
-        sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, learning_rate=2e-2,
-                resume_from_checkpoint=ckpt(sft_run_dir, 2))
-    out = sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, logging_steps=2, save_steps=0, exp_name="x",
-                  resume_from_checkpoint=ckpt(sft_run_dir, 2))
+        sft_run(
+            tiny_model_dir,
+            memo,
+            tmp_path / "a",
+            max_steps=3,
+            learning_rate=2e-2,
+            resume_from_checkpoint=ckpt(sft_run_dir, 2),
+        )
+    out = sft_run(
+        tiny_model_dir,
+        memo,
+        tmp_path / "b",
+        max_steps=3,
+        logging_steps=2,
+        save_steps=0,
+        exp_name="x",
+        resume_from_checkpoint=ckpt(sft_run_dir, 2),
+    )
     assert [h["step"] for h in out["history"]] == [3]
 
 
 def test_another_scripts_checkpoint_is_refused(tiny_model_dir, memo, tmp_path):
     prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(8))
-    d = dpo.main(dpo.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path / "dpo"), max_length=64,
-                          per_device_train_batch_size=4, max_steps=1, seed=1, save_steps=1))
+    d = dpo.main(
+        dpo.Args(
+            model=tiny_model_dir,
+            dataset=prefs,
+            output_dir=str(tmp_path / "dpo"),
+            max_length=64,
+            per_device_train_batch_size=4,
+            max_steps=1,
+            seed=1,
+            save_steps=1,
+        )
+    )
     with pytest.raises(ResumeError, match="script: saved 'dpo', now 'sft'"):
         sft_run(tiny_model_dir, memo, tmp_path / "runs", max_steps=4, resume_from_checkpoint=ckpt(d["run_dir"], 1))
     import grpo
 
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "Count to 3", "answer": "3"}] * 2)
     with pytest.raises(ResumeError, match="script: saved 'dpo', now 'grpo'"):
-        grpo.main(grpo.Args(model=tiny_model_dir, dataset=prompts, output_dir=str(tmp_path / "g"), max_steps=4,
-                            resume_from_checkpoint=ckpt(d["run_dir"], 1)))
+        grpo.main(
+            grpo.Args(
+                model=tiny_model_dir,
+                dataset=prompts,
+                output_dir=str(tmp_path / "g"),
+                max_steps=4,
+                preset="demo",
+                resume_from_checkpoint=ckpt(d["run_dir"], 1),
+            )
+        )
 
 
 def test_resuming_at_or_past_max_steps_names_both_numbers(tiny_model_dir, sft_run_dir, memo, tmp_path):
     for max_steps in (2, 1):
         with pytest.raises(ResumeError, match=f"at step 2, at or past this run's {max_steps} steps"):
-            sft_run(tiny_model_dir, memo, tmp_path / str(max_steps), max_steps=max_steps,
-                    resume_from_checkpoint=sft_run_dir)
+            sft_run(
+                tiny_model_dir,
+                memo,
+                tmp_path / str(max_steps),
+                max_steps=max_steps,
+                resume_from_checkpoint=sft_run_dir,
+            )
 
 
 def flip_one_value(path):
@@ -153,9 +205,20 @@ def test_raft_resume_in_the_same_run_dir_must_be_the_same_experiment(tiny_model_
     import raft
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Count to {i}"} for i in range(4)])
-    kw = dict(model=tiny_model_dir, dataset=prompts, output_dir=str(tmp_path / "runs"), eval_limit=0, num_rounds=1,
-              rewards=["tests.test_raft:frac_low_ids"], prompts_per_round=2, group_size=2, max_completion_length=4,
-              reward_threshold=None, per_device_train_batch_size=2, seed=1)
+    kw = dict(
+        model=tiny_model_dir,
+        dataset=prompts,
+        output_dir=str(tmp_path / "runs"),
+        eval_limit=0,
+        num_rounds=1,
+        rewards=["tests.test_raft:frac_low_ids"],
+        prompts_per_round=2,
+        group_size=2,
+        max_completion_length=4,
+        reward_threshold=None,
+        per_device_train_batch_size=2,
+        seed=1,
+    )
     run_dir = raft.main(raft.Args(**kw))["run_dir"]
     with pytest.raises(ResumeError, match="args.learning_rate: saved 0.0002, now 0.002"):
         raft.main(raft.Args(**{**kw, "num_rounds": 2, "learning_rate": 2e-3, "resume_from": run_dir}))
