@@ -1,12 +1,12 @@
 """The code sandbox: run untrusted Python (a policy's completion), return its stdout. Chosen once, printed once:
-- bubblewrap (`bwrap`; `apt-get install bubblewrap`) where it works: all namespaces unshared (no network, its own
-  PIDs and /proc), --die-with-parent, --new-session, --clearenv, --cap-drop ALL, uid nobody, a read-only root with
-  only /usr and Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME;
-- else (or with ONLYONE_SANDBOX=fallback) _BOOT's fallback: new mount, PID, network, IPC, UTS (and, not as root,
-  user) namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm, then uid nobody (if root), no
-  capabilities, an empty bounding set and no_new_privs. What the kernel refuses is warned about.
-Both: `python -I -S` (stdlib only), an environment of PATH LANG HOME TMPDIR only, rlimits, a pids cgroup as root
-(RLIMIT_NPROC does not bind root), a wall-clock timeout, then SIGKILL to all it started."""
+- bubblewrap (`apt-get install bubblewrap`) where it works: --unshare-all (no network; own PIDs, /proc, IPC, UTS),
+  --die-with-parent --new-session --clearenv --cap-drop ALL, uid nobody, a read-only root with only /usr and
+  Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME;
+- else (or if ONLYONE_SANDBOX=fallback) _BOOT's: new mount, PID, network, IPC, UTS (+ user, if not root)
+  namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm, uid nobody (if root), no capabilities, an empty
+  bounding set, no_new_privs; what the kernel refuses is warned about.
+Both: `python -I -S` (stdlib only), env PATH LANG HOME TMPDIR only, rlimits, a pids cgroup as root (RLIMIT_NPROC
+does not bind root), a wall-clock timeout, then SIGKILL to all it started."""
 
 import contextlib
 import functools
@@ -29,17 +29,14 @@ import warnings
 _BOOT = r"""
 import ctypes, json, os, resource, runpy, signal, sys
 cfg, libc, src = json.loads(sys.argv.pop()), ctypes.CDLL(None, use_errno=True), open("solution.py").read()
-def check(failed, what):
-    if failed:
-        os.write(2, f"onlyone-sandbox: {what} failed: {os.strerror(ctypes.get_errno())}\n".encode())
-    return not failed
+def check(failed, what):  # a refused step goes to stderr, where run_python finds it and warns
+    return not (failed and os.write(2, f"onlyone-sandbox: {what}: {os.strerror(ctypes.get_errno())}\n".encode()))
 if cfg["fallback"]:
     uid, gid = os.getuid(), os.getgid()  # mount, PID, network, IPC, UTS (+ user, to mount, if not root) namespaces
     ns = check(libc.unshare(0x6C020000 | (0x10000000 if uid else 0)), "unshare")
-    for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
-        if ns and uid:  # keep our uid in the new user namespace
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
+    maps = (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1"))
+    for name, text in maps if ns and uid else ():  # keep our uid in the new user namespace
+        open(f"/proc/self/{name}", "w").write(text)
     if pid := os.fork():  # we wait; the child is PID 1: when it dies the kernel kills all it left
         signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, 9))  # our timeout: kill PID 1, reap it here
         os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 255)
@@ -47,16 +44,16 @@ if cfg["fallback"]:
     tmp = ns and check(libc.mount(b"none", b"/", None, 0x44000, None), "private mounts")  # MS_REC | MS_PRIVATE
     if tmp and libc.mount(b"proc", b"/proc", b"proc", 14, None):  # nosuid nodev noexec; else hide the host's
         check(libc.mount(b"tmpfs", b"/proc", b"tmpfs", 1, b"size=4k"), "mount /proc")
-    for d in ("/tmp", "/var/tmp", "/dev/shm") if tmp else ():  # nosuid nodev
-        tmp = tmp and (not os.path.isdir(d) or check(libc.mount(b"t", d.encode(), b"tmpfs", 6, b"size=64m,mode=1777"), d))
+    for d in (b"/tmp", b"/var/tmp", b"/dev/shm") if tmp else ():  # nosuid nodev
+        tmp = tmp and (not os.path.isdir(d) or check(libc.mount(b"tmpfs", d, b"tmpfs", 6, b"size=64m,mode=1777"), d))
     if tmp:  # into the private /tmp, which hides the host's
         os.chdir("/tmp")
         open("solution.py", "w").write(src)
     if tmp and uid == 0 and not os.mkdir(".python"):  # Python's files, read-only, where nobody can read them
-        py = sys.base_prefix.encode()  # (it may be under /root)
-        check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(None, b".python", None, 0x1021, None), py)
+        py = sys.base_prefix.encode()  # (nobody may not reach them where they are, e.g. under /root)
+        check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), py)
         for paths in [sys.path] + [m.__path__ for m in sys.modules.values() if type(vars(m).get("__path__")) is list]:
-            paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]
+            paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]  # import from there
     for cap in range(64):
         libc.prctl(24, cap)  # PR_CAPBSET_DROP: no capability can come back
     if uid == 0:  # to nobody; leaving uid 0 clears the capabilities
@@ -71,10 +68,8 @@ for res, soft, hard in cfg["limits"]:
     resource.setrlimit(res, (soft, hard))
 write, types = os.write, (bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
 def plain(v):  # subclasses (defaultdict, namedtuple, IntEnum) as their builtin base, as an assert compares them
-    t = next((t for t in types if isinstance(v, t)), None)
-    if t in (list, tuple, set, frozenset):
-        return t(plain(x) for x in v)
-    return {plain(k): plain(x) for k, x in v.items()} if t is dict else v if t is None else t(v)
+    t = next((t for t in types if isinstance(v, t)), lambda v: v)
+    return {plain(k): plain(x) for k, x in v.items()} if t is dict else t(map(plain, v)) if t in types[6:10] else t(v)
 sys.argv = ["solution.py"]
 ns = runpy.run_path("solution.py", run_name="__main__")
 for i, query in enumerate(cfg["queries"]):
@@ -84,6 +79,8 @@ for i, query in enumerate(cfg["queries"]):
         value = f"!{type(e).__name__}"
     write(1, f"\n\x1e{i} {value}\n".encode(errors="replace"))
 """
+
+_PYTHON = os.path.realpath(sys.executable)  # a venv's link would point outside the sandbox
 
 
 def _bwrap(tmp: str) -> list[str]:
@@ -99,16 +96,13 @@ def _bwrap(tmp: str) -> list[str]:
 
 @functools.cache
 def _kind(forced: bool) -> str:
-    """'bwrap' if installed and it can build the sandbox here (some containers forbid it), else 'fallback'."""
+    """'bwrap' if installed and it can build its sandbox here (some containers forbid it), else 'fallback'."""
     with tempfile.TemporaryDirectory() as tmp:
         pathlib.Path(tmp, "solution.py").touch()
-        works = not forced and shutil.which("bwrap") is not None and subprocess.run(
-            [*_bwrap(tmp), os.path.realpath(sys.executable), "-I", "-S", "solution.py"], check=False,
-            capture_output=True, timeout=60).returncode == 0
-    kind = "bwrap" if works else "fallback"
-    print(f"code sandbox: {kind}" + (" (install bubblewrap for a stronger one)" if kind == "fallback" else ""),
-          file=sys.stderr, flush=True)
-    return kind
+        bwrap = not forced and shutil.which("bwrap") and subprocess.run(
+            [*_bwrap(tmp), _PYTHON, "-I", "-S", "solution.py"], check=False, capture_output=True).returncode == 0
+    print("code sandbox: " + ("bwrap" if bwrap else "fallback (bubblewrap is stronger)"), file=sys.stderr, flush=True)
+    return "bwrap" if bwrap else "fallback"
 
 
 def _pids_cgroup(max_procs: int) -> str | None:
@@ -128,10 +122,9 @@ def _pids_cgroup(max_procs: int) -> str | None:
 def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
     """SIGTERM the sandbox (the fallback's waiter kills PID 1; bwrap dies, --die-with-parent takes its PID 1, and
     with PID 1 the kernel kills its namespace), SIGKILL its process group and cgroup members until both are gone."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(1)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.send_signal(signal.SIGTERM)  # (nothing once it has exited)
+        proc.wait(1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -166,7 +159,7 @@ def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: in
         i.write(stdin.encode())
         i.seek(0)
         cgroup = _pids_cgroup(max_procs)
-        cmd = (_bwrap(tmp) if kind == "bwrap" else []) + [os.path.realpath(sys.executable), "-I", "-S", "-c", _BOOT, cfg]
+        cmd = (_bwrap(tmp) if kind == "bwrap" else []) + [_PYTHON, "-I", "-S", "-c", _BOOT, cfg]
         if cgroup:  # the shell joins the cgroup, then becomes the sandbox: all it starts is counted
             cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', f"{cgroup}/cgroup.procs", *cmd]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
