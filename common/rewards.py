@@ -104,8 +104,8 @@ def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
 _PURE = {f.__name__: f for f in (abs, all, any, bool, dict, float, frozenset, int, len, list, max, min, round, set,
                                  sorted, str, sum, tuple)} | {"math": types.SimpleNamespace(isclose=math.isclose)}
 _HERE = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
-         ast.IfExp, ast.Subscript, ast.Slice, ast.keyword, ast.operator, ast.unaryop, ast.boolop, ast.cmpop,
-         ast.expr_context)
+         ast.IfExp, ast.Subscript, ast.Slice, ast.Starred, ast.keyword, ast.operator, ast.unaryop, ast.boolop,
+         ast.cmpop, ast.expr_context)
 
 
 def _split_assert(test: str, queries: list[str]):

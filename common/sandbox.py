@@ -28,7 +28,7 @@ import warnings
 # `queries` (run_code_tests), each value written as a line "\x1e<i> <repr>" in builtin types.
 _BOOT = r"""
 import ctypes, json, os, resource, runpy, signal, sys
-cfg, libc, src = json.loads(sys.argv.pop()), ctypes.CDLL(None, use_errno=True), open("solution.py").read()
+cfg, libc, src = json.load(open("cfg.json")), ctypes.CDLL(None, use_errno=True), open("solution.py").read()
 def check(failed, what):  # a refused step goes to stderr, where run_python finds it and warns
     return not (failed and os.write(2, f"onlyone-sandbox: {what}: {os.strerror(ctypes.get_errno())}\n".encode()))
 if cfg["fallback"]:
@@ -90,7 +90,8 @@ def _bwrap(tmp: str) -> list[str]:
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", sys.base_prefix):  # merged-/usr symlinks or directories
         argv += ["--symlink", os.readlink(d), d] if os.path.islink(d) else ["--ro-bind", d, d] * os.path.isdir(d)
     return argv + ["--proc", "/proc", "--dev", "/dev", "--size", str(64 << 20), "--tmpfs", "/tmp", "--ro-bind",
-                   f"{tmp}/solution.py", "/tmp/solution.py", "--remount-ro", "/", "--chdir", "/tmp", "--setenv",
+                   f"{tmp}/solution.py", "/tmp/solution.py", "--ro-bind", f"{tmp}/cfg.json", "/tmp/cfg.json",
+                   "--remount-ro", "/", "--chdir", "/tmp", "--setenv",
                    "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp"]
 
 
@@ -99,6 +100,7 @@ def _kind(forced: bool) -> str:
     """'bwrap' if installed and it can build its sandbox here (some containers forbid it), else 'fallback'."""
     with tempfile.TemporaryDirectory() as tmp:
         pathlib.Path(tmp, "solution.py").touch()
+        pathlib.Path(tmp, "cfg.json").touch()
         bwrap = not forced and shutil.which("bwrap") and subprocess.run(
             [*_bwrap(tmp), _PYTHON, "-I", "-S", "solution.py"], check=False, capture_output=True).returncode == 0
     print("code sandbox: " + ("bwrap" if bwrap else "fallback (bubblewrap is stronger)"), file=sys.stderr, flush=True)
@@ -152,18 +154,24 @@ def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: in
     kind, cpu, mem = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback"), math.ceil(timeout), memory_mb << 20
     limits = [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_NOFILE, 64, 64),
               (resource.RLIMIT_FSIZE, max_output, max_output), (resource.RLIMIT_NPROC, max_procs, max_procs)]
-    cfg = json.dumps({"fallback": kind == "fallback", "limits": limits, "queries": list(queries)})
     with (tempfile.TemporaryDirectory(prefix="onlyone_sandbox_", ignore_cleanup_errors=True) as tmp,
           tempfile.TemporaryFile() as i, tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e):
         pathlib.Path(tmp, "solution.py").write_text(source, encoding="utf-8")
+        cfg = {"fallback": kind == "fallback", "limits": limits, "queries": list(queries)}  # (argv is limited)
+        pathlib.Path(tmp, "cfg.json").write_text(json.dumps(cfg))
         i.write(stdin.encode())
         i.seek(0)
         cgroup = _pids_cgroup(max_procs)
-        cmd = (_bwrap(tmp) if kind == "bwrap" else []) + [_PYTHON, "-I", "-S", "-c", _BOOT, cfg]
+        cmd = (_bwrap(tmp) if kind == "bwrap" else []) + [_PYTHON, "-I", "-S", "-c", _BOOT]
         if cgroup:  # the shell joins the cgroup, then becomes the sandbox: all it starts is counted
             cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', f"{cgroup}/cgroup.procs", *cmd]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
-        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=i, stdout=o, stderr=e, start_new_session=True)
+        try:
+            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=i, stdout=o, stderr=e, start_new_session=True)
+        except OSError:
+            if cgroup:  # else nothing removes it
+                os.rmdir(cgroup)
+            raise
         try:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout)

@@ -196,6 +196,8 @@ def test_assert_forms_are_judged_on_the_solutions_values(no_leftovers):
              "assert g('aab') == {'a': 2, 'b': 1}", "assert sorted(h(3)) == [1, 2, 3]", "assert h(2)[0] == 2",
              "assert len(h(K)) == K", "assert not h(0)", "assert f(1) == 0.5, 'message'", "assert f(2) is None"]
     assert run_code_tests(code, tests) == pytest.approx(9 / 10)  # f(2) is 1.0
+    big = f"assert len(g({list(range(40_000))})) == 40_000"  # a query over argv's limit of 128 KiB per string
+    assert run_code_tests(code, [big, "assert max(*h(3)) == 3"]) == 1.0
     with pytest.raises(ValueError, match="one assert statement"):
         run_code_tests(code, ["x = f(1)\nassert x == 0.5"])
 
