@@ -3,8 +3,8 @@
   --die-with-parent --new-session --clearenv --cap-drop ALL, uid nobody, a read-only root with only /usr and
   Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME;
 - else (or if ONLYONE_SANDBOX=fallback) _BOOT's: new mount, PID, network, IPC, UTS (+ user, if not root)
-  namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm, uid nobody (if root), no capabilities, an empty
-  bounding set, no_new_privs; what the kernel refuses is warned about.
+  namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm /run/lock, uid nobody (if root), no
+  capabilities, an empty bounding set, no_new_privs; what the kernel refuses is warned about.
 Both: `python -I -S` (stdlib only), env PATH LANG HOME TMPDIR only, rlimits, a pids cgroup as root (RLIMIT_NPROC
 does not bind root), a wall-clock timeout, then SIGKILL to all it started."""
 
@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -44,7 +45,7 @@ if cfg["fallback"]:
     tmp = ns and check(libc.mount(b"none", b"/", None, 0x44000, None), "private mounts")  # MS_REC | MS_PRIVATE
     if tmp and libc.mount(b"proc", b"/proc", b"proc", 14, None):  # nosuid nodev noexec; else hide the host's
         check(libc.mount(b"tmpfs", b"/proc", b"tmpfs", 1, b"size=4k"), "mount /proc")
-    for d in (b"/tmp", b"/var/tmp", b"/dev/shm") if tmp else ():  # nosuid nodev
+    for d in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock") if tmp else ():  # the world-writable; nosuid nodev
         tmp = tmp and (not os.path.isdir(d) or check(libc.mount(b"tmpfs", d, b"tmpfs", 6, b"size=64m,mode=1777"), d))
     if tmp:  # into the private /tmp, which hides the host's
         os.chdir("/tmp")
@@ -81,6 +82,7 @@ for i, query in enumerate(cfg["queries"]):
 """
 
 _PYTHON = os.path.realpath(sys.executable)  # a venv's link would point outside the sandbox
+_KIND_LOCK = threading.Lock()  # code_reward's threads ask at once: probe and print once
 
 
 def _bwrap(tmp: str) -> list[str]:
@@ -130,7 +132,7 @@ def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    for _ in range(100):  # a killed process exists until reaped (by its parent, else by init, which may be slow)
+    for _ in range(200):  # a killed process exists until reaped (by its parent, else by init, which may be slow)
         for pid in pathlib.Path(cgroup, "cgroup.procs").read_text().split() if cgroup else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
@@ -142,7 +144,7 @@ def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
                     os.rmdir(cgroup)
                 return
         time.sleep(0.05)
-    warnings.warn(f"sandbox process group {proc.pid} or cgroup {cgroup} not empty 5 s after SIGKILL")
+    warnings.warn(f"sandbox process group {proc.pid} or cgroup {cgroup} not empty 10 s after SIGKILL")
 
 
 def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: int = 1024, max_procs: int = 32,
@@ -151,7 +153,8 @@ def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: in
     `queries`, evaluated in the solution's globals after it ran, adds a line "\\x1e<i> <repr>".
     rlimits: CPU timeout + 1 s, AS memory_mb, FSIZE max_output (stdout and stderr are files: this caps them),
     NOFILE 64, NPROC max_procs. stdin, stdout and stderr are unnamed files."""
-    kind, cpu, mem = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback"), math.ceil(timeout), memory_mb << 20
+    with _KIND_LOCK:
+        kind, cpu, mem = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback"), math.ceil(timeout), memory_mb << 20
     limits = [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_NOFILE, 64, 64),
               (resource.RLIMIT_FSIZE, max_output, max_output), (resource.RLIMIT_NPROC, max_procs, max_procs)]
     with (tempfile.TemporaryDirectory(prefix="onlyone_sandbox_", ignore_cleanup_errors=True) as tmp,

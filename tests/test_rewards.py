@@ -212,8 +212,9 @@ CHEATS = {
     "rebind exec": "def add(a, b):\n    return 0\nexec = lambda *a, **k: None",
     "rebind builtins": "import builtins\nbuiltins.exec = builtins.eval = lambda *a, **k: True\n"
                        "builtins.AssertionError = type('Nothing', (Exception,), {})\ndef add(a, b):\n    return 0",
-    "monkeypatch AssertionError": "import builtins\nbuiltins.AssertionError = SystemExit\ndef add(a, b):\n    return 0",
-    "sys.modules": "import sys, types\nfake = types.ModuleType('os')\nfake.write = lambda *a: 0\nfake._exit = lambda *a: 0\n"
+    "monkeypatch AssertionError": "import builtins\nbuiltins.AssertionError = SystemExit\n"
+                                  "def add(a, b):\n    return 0",
+    "sys.modules": "import sys, types\nfake = types.ModuleType('os')\nfake.write = fake._exit = lambda *a: 0\n"
                    "sys.modules.update(os=fake, json=fake, ast=fake)\ndef add(a, b):\n    return 0",
     "SystemExit(0) in the test": "def add(a, b):\n    raise SystemExit(0)",
     "os._exit(0) in the test": "import os\ndef add(a, b):\n    os._exit(0)",
@@ -230,12 +231,14 @@ CHEATS = {
         "    return found.get(x)",
     "signal handler": FIND_IN + "import signal, time\nfound = {}\ndef spy(signum, frame):\n    while frame:\n"
         "        found.update(find(list(frame.f_locals.values()) + list(frame.f_globals.values())))\n"
-        "        frame = frame.f_back\nsignal.signal(signal.SIGALRM, spy)\nsignal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)\n"
+        "        frame = frame.f_back\nsignal.signal(signal.SIGALRM, spy)\n"
+        "signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)\n"
         "def secret(x):\n    deadline = time.time() + 1\n    while x not in found and time.time() < deadline:\n"
         "        pass\n    return found.get(x)",
     "atexit: fake results": FIND_IN + "import atexit, re\ndef fake():\n    text = open(__file__).read()\n"
         "    for nonce in set(re.findall(r'[0-9a-f]{32}', text)):\n        print(f'{nonce}:0\\n{nonce}:1')\n"
-        "    for i in range(2):\n        print(f'\\n\\x1e{i} True\\n\\x1e{i} 3\\n\\x1e{i} 7919')\natexit.register(fake)\n"
+        "    for i in range(2):\n        print(f'\\n\\x1e{i} True\\n\\x1e{i} 3\\n\\x1e{i} 7919')\n"
+        "atexit.register(fake)\n"
         "def add(a, b):\n    return 0\nsecret = add",
 }
 
@@ -295,15 +298,16 @@ def test_memory_bomb_fails(no_leftovers):
 
 
 def test_writes_stay_in_the_sandbox(no_leftovers):
-    """cwd, HOME, /tmp, /var/tmp, /dev/shm are private and vanish; /root, / and the rest cannot be written."""
+    """cwd, HOME, /tmp, /var/tmp, /dev/shm, /run/lock are private and vanish; /root, / and the rest: not writable."""
     name = f"onlyone_escape_{uuid.uuid4().hex}"
-    targets = [f"{d}/{name}" for d in ("/tmp", "/var/tmp", "/dev/shm", "/root", "", os.getcwd())]
+    targets = [f"{d}/{name}" for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/root", "", os.getcwd())]
     program = (f"import os\nfor path in {targets!r} + ['inside.txt', os.path.expanduser('~/home.txt')]:\n"
-               f"    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n    except OSError as e:\n"
+               f"    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
+               f"    except OSError as e:\n"
                f"        print('refused', path, e.strerror)\nprint(os.getcwd())")
     out = run_python(program)
     try:
-        assert "wrote inside.txt" in out and out.count("\n") == 9  # it ran, and wrote where it may
+        assert "wrote inside.txt" in out and out.count("\n") == 10  # it ran, and wrote where it may
         assert [t for t in targets if os.path.exists(t)] == []
     finally:
         for t in targets:
@@ -384,7 +388,8 @@ RERUN = "import os, subprocess, sys\nsubprocess.run([os.path.realpath(sys.execut
 
 def _nobody_python() -> list[str] | None:
     """A command that runs Python as uid nobody (setpriv or runuser), with an interpreter nobody may run."""
-    for drop in (["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"], ["runuser", "-u", "nobody", "--"]):
+    setpriv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    for drop in (setpriv, ["runuser", "-u", "nobody", "--"]):
         for python in (sys.executable, "/usr/bin/python3"):
             cmd = [*drop, python, "-I"]
             if shutil.which(drop[0]) and subprocess.run([*cmd, "-c", RERUN], check=False,
