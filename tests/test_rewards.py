@@ -416,6 +416,8 @@ def test_sandbox_works_as_non_root(kind, tmp_path):
                                 cwd=home, timeout=60)
     finally:
         shutil.rmtree(home)
+    if "onlyone-sandbox: unshare" in result.stderr:  # warned at run time too; no isolation is possible then
+        pytest.skip("this kernel or container refuses non-root user namespaces (to bwrap and to the fallback)")
     assert result.stdout.split()[:3] == ["True", "42", "False"], result.stderr  # it ran, as non-root, sealed off
     if result.stdout.split()[3] != kind:  # bwrap runs as root here, but may not as nobody (e.g. in Docker)
         pytest.skip(f"bwrap cannot build its sandbox as nobody here; the fallback ran and passed: {result.stderr}")
