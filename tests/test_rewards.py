@@ -222,7 +222,7 @@ CHEATS = {
                            "    __hash__ = object.__hash__\ndef add(a, b):\n    return Anything()",
     "read files and /proc": FIND_IN + "import glob, os\nfound = {}\n"
         "for path in [__file__, *glob.glob('/proc/*/cmdline'), *glob.glob('/proc/*/environ'), *glob.glob('*'),\n"
-        "             *glob.glob('/tmp/**', recursive=True)]:\n"
+        "             *glob.glob('/tmp/*'), *glob.glob('/proc/1/cwd/*')]:\n"
         "    try:\n        found |= find(open(path, errors='replace').read(1 << 20) if os.path.isfile(path) else '')\n"
         "    except OSError:\n        pass\ndef secret(x):\n    return found.get(x)",
     "inspect the caller": FIND_IN + "import gc, sys\ndef secret(x):\n    frame, found = sys._getframe(1), {}\n"
