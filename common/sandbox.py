@@ -1,7 +1,7 @@
 """The code sandbox: run untrusted Python (a policy's completion), return its stdout. Chosen once, printed once:
 - bubblewrap (`apt-get install bubblewrap`) where it works: --unshare-all (no network; own PIDs, /proc, IPC, UTS),
-  --die-with-parent --new-session --clearenv --cap-drop ALL, uid nobody, a read-only root with only /usr and
-  Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME;
+  --die-with-parent --new-session --clearenv --cap-drop ALL, uid nobody in a user namespace (root's outside, if
+  root: hence) a read-only root with only /usr and Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME;
 - else (or if ONLYONE_SANDBOX=fallback) _BOOT's: new mount, PID, network, IPC, UTS (+ user, if not root)
   namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm /run/lock, uid nobody (if root), no
   capabilities, an empty bounding set, no_new_privs; what the kernel refuses is warned about.
@@ -46,13 +46,13 @@ if cfg["fallback"]:
     if tmp and libc.mount(b"proc", b"/proc", b"proc", 14, None):  # nosuid nodev noexec; else hide the host's
         check(libc.mount(b"tmpfs", b"/proc", b"tmpfs", 1, b"size=4k"), "mount /proc")
     for d in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock") if tmp else ():  # the world-writable; nosuid nodev
-        tmp = tmp and (not os.path.isdir(d) or check(libc.mount(b"tmpfs", d, b"tmpfs", 6, b"size=64m,mode=1777"), d))
+        tmp = tmp and (not os.path.isdir(d) or check(libc.mount(b"t", d, b"tmpfs", 6, b"size=64m,mode=1777"), "tmp"))
     if tmp:  # into the private /tmp, which hides the host's
         os.chdir("/tmp")
         open("solution.py", "w").write(src)
     if tmp and uid == 0 and not os.mkdir(".python"):  # Python's files, read-only, where nobody can read them
         py = sys.base_prefix.encode()  # (nobody may not reach them where they are, e.g. under /root)
-        check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), py)
+        check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), "bind")
         for paths in [sys.path] + [m.__path__ for m in sys.modules.values() if type(vars(m).get("__path__")) is list]:
             paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]  # import from there
     for cap in range(64):
@@ -95,8 +95,8 @@ def _bwrap(tmp: str) -> list[str]:
         argv += ["--symlink", os.readlink(d), d] if os.path.islink(d) else ["--ro-bind", d, d] * os.path.isdir(d)
     return argv + ["--proc", "/proc", "--dev", "/dev", "--size", str(64 << 20), "--tmpfs", "/tmp", "--ro-bind",
                    f"{tmp}/solution.py", "/tmp/solution.py", "--ro-bind", f"{tmp}/cfg.json", "/tmp/cfg.json",
-                   "--remount-ro", "/", "--chdir", "/tmp", "--setenv",
-                   "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp"]
+                   "--remount-ro", "/", "--chdir", "/tmp", "--setenv", "PATH", "/usr/bin:/bin",
+                   "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp"]
 
 
 @functools.cache
