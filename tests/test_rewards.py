@@ -399,7 +399,7 @@ def _nobody_python() -> list[str] | None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="we already run as non-root: every other sandbox test covers it")
-def test_sandbox_works_as_non_root(kind, tmp_path):
+def test_sandbox_works_as_non_root(kind):
     """The trainer as nobody: bwrap and the fallback (user namespace) still run code and hide the environment."""
     cmd = _nobody_python()
     if cmd is None:
