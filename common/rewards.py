@@ -4,10 +4,11 @@ A reward function is `fn(prompts, completions, **row_fields) -> list[float | Non
 "not applicable to this sample"). row_fields are the dataset's extra columns as lists plus `completion_ids` (token-id
 lists) and `max_completion_length` (int); every function takes unknown kwargs. Prompts and completions are strings
 or, for conversational data, lists of {role, content} messages (a completion's text is its last assistant message).
-REWARD_FUNCS: math, code (sandboxed tests, see run_python), format, gsm8k_format, json, regex, length, target_length,
-api.
+REWARD_FUNCS: math, code (sandboxed tests, see run_code_tests), format, gsm8k_format, json, regex, length,
+target_length, api.
 """
 
+import ast
 import concurrent.futures
 import contextlib
 import functools
@@ -15,21 +16,17 @@ import importlib
 import json
 import math
 import os
-import pathlib
 import re
-import resource
-import signal
-import subprocess
-import sys
-import tempfile
 import time
+import types
 import urllib.error
 import urllib.request
-import uuid
 import warnings
 from collections.abc import Callable
 
 import torch
+
+from common.sandbox import run_python
 
 
 def _text(x, last_assistant: bool = True) -> str:
@@ -101,117 +98,43 @@ def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
 
 
 # ---------------------------------------------------------------------------------------------------- code
-# The sandboxed interpreter runs this before the solution. It joins the pids cgroup, enters new network and PID
-# namespaces and forks: the solution runs as PID 1 of the namespace, so its getppid() is 0 and it cannot signal us,
-# and when PID 1 dies the kernel kills everything left in the namespace. The parent only waits for it.
-_BOOT = r"""
-import ctypes, json, os, resource, runpy, signal, sys
-cfg = json.loads(sys.argv.pop())
-libc = ctypes.CDLL(None, use_errno=True)
-if cfg["cgroup"]:
-    with open(cfg["cgroup"] + "/cgroup.procs", "w") as f:
-        f.write(str(os.getpid()))
-NET_PID = 0x40000000 | 0x20000000  # CLONE_NEWNET | CLONE_NEWPID; non-root also needs CLONE_NEWUSER (0x10000000)
-if libc.unshare(NET_PID) and libc.unshare(NET_PID | 0x10000000):
-    os.write(2, cfg["marker"].encode())
-pid = os.fork()
-if pid:  # on SIGTERM (our timeout) kill PID 1 from here, so that it is reaped here and not by a slow or absent init
-    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, 9))
-    os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 255)
-libc.prctl(1, 9)  # PR_SET_PDEATHSIG = SIGKILL: if this waiting parent is killed, PID 1 and its namespace die too
-for res, soft, hard in cfg["limits"]:
-    resource.setrlimit(res, (soft, hard))
-sys.argv = ["solution.py"]
-runpy.run_path("solution.py", run_name="__main__")
-"""
-_NO_NS = "onlyone-sandbox: no namespaces\n"
+# An assert test is judged here, out of the solution's reach: the sandbox evaluates only its parts that need the
+# solution (a call of its function, a name it defines: "queries") and returns their values as literals; the rest
+# (==, <, abs(), sorted(), math.isclose(), the expected values) is evaluated here on those values.
+_PURE = {f.__name__: f for f in (abs, all, any, bool, dict, float, frozenset, int, len, list, max, min, round, set,
+                                 sorted, str, sum, tuple)} | {"math": types.SimpleNamespace(isclose=math.isclose)}
+_HERE = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
+         ast.IfExp, ast.Subscript, ast.Slice, ast.Starred, ast.keyword, ast.operator, ast.unaryop, ast.boolop,
+         ast.cmpop, ast.expr_context)
 
 
-def _pids_cgroup(max_procs: int) -> str | None:
-    """A new pids cgroup (v1, else v2) capped at max_procs, or None where we may not make one. RLIMIT_NPROC does
-    not apply to root, so as root this cap is what stops a fork bomb; it also lists members that left the group."""
-    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        path = os.path.join(root, f"onlyone_{uuid.uuid4().hex[:12]}")
-        try:
-            os.mkdir(path)
-            pathlib.Path(path, "pids.max").write_text(str(max_procs))  # fails on v2 without the pids controller
-            return path
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
-    return None
+def _split_assert(test: str, queries: list[str]):
+    """`assert f(1) == 2` -> compiled `_q0 == 2`, "f(1)" appended to queries: every largest part that is neither in
+    _HERE nor a call of a _PURE function becomes a query."""
+    body = ast.parse(test).body
+    if len(body) != 1 or not isinstance(body[0], ast.Assert):
+        raise ValueError(f"an assert test is one assert statement, e.g. 'assert f(1) == 2'; got {test!r}")
+
+    class Split(ast.NodeTransformer):
+        def visit(self, node):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in {*_PURE, "math.isclose"} - {"math"}:
+                node.args, node.keywords = [self.visit(a) for a in node.args], [self.visit(k) for k in node.keywords]
+            elif isinstance(node, _HERE):
+                self.generic_visit(node)
+            else:
+                queries.append(ast.unparse(node))
+                return ast.Name(f"_q{len(queries) - 1}", ast.Load())
+            return node
+
+    return compile(ast.fix_missing_locations(ast.Expression(Split().visit(body[0].test))), "<test>", "eval")
 
 
-def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
-    """Stop PID 1 through its waiting parent, then SIGKILL the process group (even after a clean exit: children may
-    linger) and every cgroup member (some may have left the group) until both are empty; warn after 5 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for _ in range(100):  # a killed process exists until reaped (by its parent, else by init, which may be slow)
-        for pid in pathlib.Path(cgroup, "cgroup.procs").read_text().split() if cgroup else []:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        try:
-            os.killpg(proc.pid, 0)  # raises once every member of the group has been reaped
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):  # rmdir fails (EBUSY) until the cgroup's last member is reaped too
-                if cgroup:
-                    os.rmdir(cgroup)
-                return
-        time.sleep(0.05)
-    warnings.warn(f"sandbox process group {proc.pid} or cgroup {cgroup} not empty 5 s after SIGKILL")
-
-
-def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: int = 1024, max_procs: int = 32,
-               max_output: int = 1 << 22) -> str:
-    """Run `source` in the sandbox; return its stdout (the first max_output bytes).
-
-    Applied: `python -I -S` (no PYTHON* variables, no site-packages: stdlib only); a minimal env (PATH, LANG;
-    no inherited keys or tokens); a fresh temp dir as cwd, HOME and TMPDIR, deleted afterwards; its own session and
-    process group; stdin from a file; rlimits CPU (timeout + 1 s), AS (memory_mb), FSIZE (max_output: stdout and
-    stderr are files, so this caps output too), NOFILE 64 and NPROC max_procs (per real uid; ignored for root);
-    a pids cgroup capped at max_procs where one can be made (root); new network (no interfaces up, not even
-    loopback) and PID namespaces where the kernel allows (root, or unprivileged user namespaces), else a warning
-    and the network is open; a wall-clock timeout, then SIGKILL to everything it started, also on success.
-    NOT prevented: reading any file the user may read; writing, outside the temp dir, any file the user may write
-    (as root: all; FSIZE caps each file's size, not their number); and code written to undo the above (root may
-    raise rlimits or leave the cgroup). This stops accidents and reward hacks, not an attacker."""
-    with tempfile.TemporaryDirectory(prefix="onlyone_sandbox_", ignore_cleanup_errors=True) as tmp:
-        for name, text in (("solution.py", source), ("stdin", stdin)):
-            pathlib.Path(tmp, name).write_text(text, encoding="utf-8")
-        cgroup, cpu, mem = _pids_cgroup(max_procs), math.ceil(timeout), memory_mb << 20
-        limits = [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_NOFILE, 64, 64),
-                  (resource.RLIMIT_FSIZE, max_output, max_output), (resource.RLIMIT_NPROC, max_procs, max_procs)]
-        cfg = json.dumps({"cgroup": cgroup or "", "marker": _NO_NS, "limits": limits})
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
-        # Output is read back through our own descriptors: the code may replace the files by name (e.g. by a FIFO).
-        with open(f"{tmp}/stdin", "rb") as i, open(f"{tmp}/out", "w+b") as o, open(f"{tmp}/err", "w+b") as e:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOT, cfg], cwd=tmp, env=env, stdin=i,
-                                    stdout=o, stderr=e, start_new_session=True)
-            try:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout)
-            finally:  # also after a clean exit: the solution's children may still run
-                _kill_all(proc, cgroup)
-            if os.pread(e.fileno(), len(_NO_NS), 0) == _NO_NS.encode():
-                warnings.warn("code sandbox: unshare refused, so no network/PID namespace: the network is reachable")
-            return os.pread(o.fileno(), max_output, 0).decode("utf-8", errors="replace")
-
-
-# Appended to the solution for assert tests: each runs in its own try, and only one that completes writes its token.
-_HARNESS = """
-for _i, _t in enumerate({tests!r}):
+def _holds(test, values: dict) -> bool:
+    """A split test on the solution's values; a missing value (NameError) or a wrong one's TypeError etc. fails."""
     try:
-        exec(_t, globals())
-    except BaseException:
-        continue
-    __import__("os").write(1, b"{nonce}:%d\\n" % _i)
-"""
+        return bool(eval(test, {"__builtins__": {}, **_PURE, **values}))
+    except (NameError, TypeError, ValueError, ArithmeticError, LookupError, MemoryError, RecursionError):
+        return False
 
 
 def _lines(s: str) -> list[str]:
@@ -224,19 +147,26 @@ def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
     (or its JSON string, or APPS' {"inputs": [...], "outputs": [...]}) of
       {"input": str, "output": str}: one run each; passes if the stdout lines equal ALL expected lines after rstrip
         (extra or missing lines fail: open-r1's zip() let half an answer pass);
-      "assert f(1) == 2" strings: run after the code in one process; each completed one prints a token with a
-        random nonce and only tokens seen count, so exiting early (os._exit(0)) or printing cannot pass."""
+      "assert f(1) == 2" strings, one assert each: one run for all; the sandbox evaluates only "f(1)" and returns
+        its value as a literal, the comparison runs here (_split_assert).
+    Either way the expected values never enter the sandbox and the verdict is reached outside it, so no trick of
+    the solution's (rebinding exec or builtins, sys.modules, AssertionError, exiting early, atexit, signals,
+    printing fake results, reading its files or /proc, an object equal to everything) can pass a test it fails."""
     if isinstance(tests, str):
         tests = json.loads(tests) if tests.lstrip().startswith(("[", "{")) else [tests]
     if isinstance(tests, dict):
         tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
-    asserts = [t for t in tests if isinstance(t, str)]
     passed = sum(_lines(run_python(code, t["input"], timeout, **sandbox)) == _lines(t["output"])
                  for t in tests if isinstance(t, dict))
+    queries = []
+    asserts = [_split_assert(t, queries) for t in tests if isinstance(t, str)]
     if asserts:
-        nonce = uuid.uuid4().hex
-        out = run_python(code + _HARNESS.format(tests=asserts, nonce=nonce), "", timeout, **sandbox)
-        passed += len(set(re.findall(nonce + r":(\d+)", out)))
+        out, values = run_python(code, "", timeout, queries=queries, **sandbox), {}
+        records = dict(re.findall(r"^\x1e(\d+) (.*)$", out, re.MULTILINE))  # the last one of each query
+        for i in range(len(queries)):  # (only these: parsing costs us, not the sandbox)
+            with contextlib.suppress(KeyError, ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                values[f"_q{i}"] = ast.literal_eval(records[str(i)])  # none or not a literal: its test fails
+        passed += sum(_holds(test, values) for test in asserts)
     return passed / max(len(tests), 1)
 
 

@@ -7,7 +7,11 @@ import http.server
 import json
 import math
 import os
+import pathlib
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -21,7 +25,6 @@ from common.rewards import (
     ApiJudge,
     REWARD_FUNCS,
     _env_judge,
-    _pids_cgroup,
     code_reward,
     compute_rewards,
     extract_answer,
@@ -33,10 +36,10 @@ from common.rewards import (
     normalize_number,
     regex_reward,
     run_code_tests,
-    run_python,
     soft_overlong_reward,
     target_length_reward,
 )
+from common.sandbox import _kind, _pids_cgroup, run_python
 
 GSM8K_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -108,34 +111,42 @@ def test_math_reward():
 
 # ---------------------------------------------------------------------------------------------------- code sandbox
 def _sandbox_leftovers() -> list[str]:
-    """Processes whose cwd is a sandbox temp dir, and sandbox cgroups still present."""
-    prefix = os.path.join(tempfile.gettempdir(), "onlyone_sandbox_")
+    """Processes of a sandbox (bwrap's or the fallback's command line names it), and sandbox cgroups still present."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        with_cwd = None
         try:
-            with_cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            pass
-        if with_cwd and with_cwd.startswith(prefix):
-            found.append(f"pid {pid} in {with_cwd}")
+            cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # it exited meanwhile
+            continue
+        if b"onlyone_sandbox_" in cmdline or b"onlyone-sandbox" in cmdline:
+            found.append(f"pid {pid}: {cmdline[:80]!r}")
     for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
         if os.path.isdir(root):
             found += [f"cgroup {root}/{d}" for d in os.listdir(root) if d.startswith("onlyone_")]
     return found
 
 
+@pytest.fixture(params=["bwrap", "fallback"])
+def kind(request, monkeypatch) -> str:
+    """Every sandbox test runs in both sandboxes: bubblewrap, and the fallback forced by ONLYONE_SANDBOX."""
+    if request.param == "fallback":
+        monkeypatch.setenv("ONLYONE_SANDBOX", "fallback")
+    elif _kind(False) != "bwrap":
+        pytest.skip("bubblewrap is not installed or cannot build its sandbox here (apt-get install bubblewrap)")
+    return request.param
+
+
 @pytest.fixture
-def no_leftovers():
+def no_leftovers(kind):
     """Every sandbox test must leave no process and no cgroup behind."""
     yield
     assert _sandbox_leftovers() == []
 
 
-@pytest.fixture(scope="module")
-def namespaced() -> bool:
-    """Whether this machine gives the sandbox its own PID (and network) namespace: PID 1 inside."""
-    return run_python("import os; print(os.getpid())").strip() == "1"
+@pytest.fixture
+def namespaced(kind) -> bool:
+    """Whether the sandbox has its own PID namespace (and so its own network namespace): a low pid inside."""
+    return int(run_python("import os; print(os.getpid())")) <= 2
 
 
 def _has_cgroup() -> bool:
@@ -175,6 +186,74 @@ def test_asserts_count_once_and_early_exit_scores_zero(no_leftovers):
     assert run_code_tests("raise SystemExit", tests) == 0.0
     # printing tokens that look like test results cannot pass without the nonce
     assert run_code_tests("for i in range(3):\n    print(f'ok:{i}')\nimport os\nos._exit(0)", tests) == 0.0
+
+
+def test_assert_forms_are_judged_on_the_solutions_values(no_leftovers):
+    """The parts that need the solution run in the sandbox; ==, <, abs(), sorted(), math.isclose() run here."""
+    code = ("import collections\ndef f(x):\n    print('debug output is fine')\n    return x / 2\n"
+            "def g(s):\n    return collections.Counter(s)\ndef h(n):\n    return list(range(n, 0, -1))\nK = 3")
+    tests = ["assert f(1) == 0.5", "assert abs(f(3) - 1.5) < 1e-9", "assert math.isclose(f(1), 0.5)",
+             "assert g('aab') == {'a': 2, 'b': 1}", "assert sorted(h(3)) == [1, 2, 3]", "assert h(2)[0] == 2",
+             "assert len(h(K)) == K", "assert not h(0)", "assert f(1) == 0.5, 'message'", "assert f(2) is None"]
+    assert run_code_tests(code, tests) == pytest.approx(9 / 10)  # f(2) is 1.0
+    big = f"assert len(g({list(range(40_000))})) == 40_000"  # a query over argv's limit of 128 KiB per string
+    assert run_code_tests(code, [big, "assert max(*h(3)) == 3"]) == 1.0
+    with pytest.raises(ValueError, match="one assert statement"):
+        run_code_tests(code, ["x = f(1)\nassert x == 0.5"])
+
+
+SECRET = ["assert secret(1) == 7919", "assert secret(2) == 104729"]  # values no solution can derive
+FIND_IN = r"""
+import re
+def find(text):
+    return {int(a): int(b) for a, b in re.findall(r"secret\((\d+)\) == (\d+)", str(text))}
+"""
+CHEATS = {
+    "rebind exec": "def add(a, b):\n    return 0\nexec = lambda *a, **k: None",
+    "rebind builtins": "import builtins\nbuiltins.exec = builtins.eval = lambda *a, **k: True\n"
+                       "builtins.AssertionError = type('Nothing', (Exception,), {})\ndef add(a, b):\n    return 0",
+    "monkeypatch AssertionError": "import builtins\nbuiltins.AssertionError = SystemExit\n"
+                                  "def add(a, b):\n    return 0",
+    "sys.modules": "import sys, types\nfake = types.ModuleType('os')\nfake.write = fake._exit = lambda *a: 0\n"
+                   "sys.modules.update(os=fake, json=fake, ast=fake)\ndef add(a, b):\n    return 0",
+    "SystemExit(0) in the test": "def add(a, b):\n    raise SystemExit(0)",
+    "os._exit(0) in the test": "import os\ndef add(a, b):\n    os._exit(0)",
+    "equal to everything": "class Anything:\n    def __eq__(self, other):\n        return True\n"
+                           "    __hash__ = object.__hash__\ndef add(a, b):\n    return Anything()",
+    "read files and /proc": FIND_IN + "import glob, os\nfound = {}\n"
+        "for path in [__file__, *glob.glob('/proc/*/cmdline'), *glob.glob('/proc/*/environ'), *glob.glob('*'),\n"
+        "             *glob.glob('/tmp/*'), *glob.glob('/proc/1/cwd/*')]:\n"
+        "    try:\n        found |= find(open(path, errors='replace').read(1 << 20) if os.path.isfile(path) else '')\n"
+        "    except OSError:\n        pass\ndef secret(x):\n    return found.get(x)",
+    "inspect the caller": FIND_IN + "import gc, sys\ndef secret(x):\n    frame, found = sys._getframe(1), {}\n"
+        "    while frame:\n        found |= find(list(frame.f_locals.values()) + list(frame.f_globals.values()))\n"
+        "        frame = frame.f_back\n    for obj in gc.get_objects():\n        found |= find(obj)\n"
+        "    return found.get(x)",
+    "signal handler": FIND_IN + "import signal, time\nfound = {}\ndef spy(signum, frame):\n    while frame:\n"
+        "        found.update(find(list(frame.f_locals.values()) + list(frame.f_globals.values())))\n"
+        "        frame = frame.f_back\nsignal.signal(signal.SIGALRM, spy)\n"
+        "signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)\n"
+        "def secret(x):\n    deadline = time.time() + 1\n    while x not in found and time.time() < deadline:\n"
+        "        pass\n    return found.get(x)",
+    "atexit: fake results": FIND_IN + "import atexit, re\ndef fake():\n    text = open(__file__).read()\n"
+        "    for nonce in set(re.findall(r'[0-9a-f]{32}', text)):\n        print(f'{nonce}:0\\n{nonce}:1')\n"
+        "    for i in range(2):\n        print(f'\\n\\x1e{i} True\\n\\x1e{i} 3\\n\\x1e{i} 7919')\n"
+        "atexit.register(fake)\n"
+        "def add(a, b):\n    return 0\nsecret = add",
+}
+
+
+@pytest.mark.parametrize("name", list(CHEATS))
+def test_cheats_score_zero(name, no_leftovers):
+    """The verdict is reached outside the sandbox, from values only: no trick of the solution can pass a test."""
+    tests = ["assert add(1, 2) == 3", "assert add(20, 22) == 42"] if "def add" in CHEATS[name] else SECRET
+    assert run_code_tests(CHEATS[name], tests) == 0.0
+
+
+def test_honest_secret_passes(no_leftovers):
+    """The control for test_cheats_score_zero: the same tests pass for a solution that knows the values."""
+    assert run_code_tests("def secret(x):\n    return {1: 7919, 2: 104729}[x]", SECRET) == 1.0
+    assert run_code_tests("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"]) == 1.0
 
 
 @pytest.mark.parametrize("program", ["while True:\n    pass", "import time\ntime.sleep(1e9)",
@@ -218,25 +297,57 @@ def test_memory_bomb_fails(no_leftovers):
     assert "allocated" not in out
 
 
-def test_writes_outside_the_sandbox_dir(no_leftovers):
-    """Guaranteed: cwd, HOME and TMPDIR are a temp dir removed afterwards. Not prevented (documented in run_python):
-    an absolute path the process may write, here /tmp, which is world-writable; this test pins that behaviour."""
-    escape = os.path.join(tempfile.gettempdir(), f"onlyone_escape_{uuid.uuid4().hex}")
-    program = (f"import os, tempfile\nopen('inside.txt', 'w').write('x')\nopen(os.path.expanduser('~/home.txt'), 'w')"
-               f".write('x')\nopen(os.path.join(tempfile.gettempdir(), 'tmp.txt'), 'w').write('x')\n"
-               f"open({escape!r}, 'w').write('x')\nprint(os.getcwd())")
-    sandbox_dir = run_python(program).strip()
+def test_writes_stay_in_the_sandbox(no_leftovers):
+    """cwd, HOME, /tmp, /var/tmp, /dev/shm, /run/lock are private and vanish; /root, / and the rest: not writable."""
+    name = f"onlyone_escape_{uuid.uuid4().hex}"
+    targets = [f"{d}/{name}" for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/root", "", os.getcwd())]
+    program = (f"import os\nfor path in {targets!r} + ['inside.txt', os.path.expanduser('~/home.txt')]:\n"
+               f"    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
+               f"    except OSError as e:\n"
+               f"        print('refused', path, e.strerror)\nprint(os.getcwd())")
+    out = run_python(program)
     try:
-        assert os.path.basename(sandbox_dir).startswith("onlyone_sandbox_")
-        assert not os.path.exists(sandbox_dir)  # inside.txt, ~/home.txt and $TMPDIR/tmp.txt went with it
-        assert os.path.exists(escape)  # the documented gap: no filesystem isolation
+        assert "wrote inside.txt" in out and out.count("\n") == 10  # it ran, and wrote where it may
+        assert [t for t in targets if os.path.exists(t)] == []
     finally:
-        if os.path.exists(escape):
-            os.remove(escape)
+        for t in targets:
+            if os.path.exists(t):
+                os.remove(t)
+
+
+def test_trainer_environment_is_unreadable(monkeypatch, no_leftovers):
+    """The judge's key in the trainer's environment: neither inherited nor readable through /proc/*/environ."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-onlyone-test-secret")
+    program = ("import glob, json, os\nleaks = []\n"
+               "for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/task/*/environ'):\n    try:\n"
+               "        leaks += [path] * ('sk-onlyone-test-secret' in open(path, errors='replace').read())\n"
+               "    except OSError:\n        pass\nprint(json.dumps([leaks, 'sk-onlyone' in str(os.environ), "
+               "len([p for p in os.listdir('/proc') if p.isdigit()])]))")
+    leaks, inherited, count = json.loads(run_python(program))
+    assert leaks == [] and not inherited
+    assert count <= 3, "the sandbox's /proc should show its own few processes, not the trainer's"
+
+
+def test_setns_into_the_trainers_network_fails(no_leftovers):
+    """Root's old escape: join the trainer's network namespace through /proc/<pid>/ns/net and reach loopback."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    program = (f"import ctypes, glob, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\nresults = []\n"
+               f"for path in glob.glob('/proc/*/ns/net') + ['/proc/{os.getpid()}/ns/net', '/proc/1/ns/net']:\n"
+               f"    try:\n        fd = os.open(path, os.O_RDONLY)\n    except OSError:\n        continue\n"
+               f"    if libc.setns(fd, 0x40000000) == 0:\n        results.append('joined')\n"
+               f"    try:\n        socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+               f"        results.append('connected')\n    except OSError:\n        pass\nprint('ran', results)")
+    try:
+        out = run_python(program)
+        assert out.startswith("ran") and "connected" not in out and "joined" not in out
+    finally:
+        server.close()
 
 
 def test_output_files_swapped_for_a_fifo_do_not_hang_us(no_leftovers):
-    program = "import os\nfor name in ('out', 'err'):\n    os.remove(name)\n    os.mkfifo(name)\nprint('still read')"
+    program = ("import os\nfor name in ('out', 'err'):\n    if os.path.exists(name):\n        os.remove(name)\n"
+               "    os.mkfifo(name)\nprint('still read')")
     assert run_python(program) == "still read\n"  # read through our descriptors, not by name
 
 
@@ -269,7 +380,47 @@ def test_killing_the_parent_spares_us(namespaced, no_leftovers):
 def test_env_is_minimal(monkeypatch, no_leftovers):
     monkeypatch.setenv("MY_SECRET_API_KEY", "hunter2")
     env = json.loads(run_python("import json, os\nprint(json.dumps(dict(os.environ)))"))
-    assert "MY_SECRET_API_KEY" not in env and set(env) <= {"PATH", "LANG", "HOME", "TMPDIR", "LC_CTYPE"}
+    assert "MY_SECRET_API_KEY" not in env and set(env) <= {"PATH", "LANG", "HOME", "TMPDIR", "LC_CTYPE", "PWD"}
+
+
+RERUN = "import os, subprocess, sys\nsubprocess.run([os.path.realpath(sys.executable), '-c', ''], check=True)"
+
+
+def _nobody_python() -> list[str] | None:
+    """A command that runs Python as uid nobody (setpriv or runuser), with an interpreter nobody may run."""
+    setpriv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    for drop in (setpriv, ["runuser", "-u", "nobody", "--"]):
+        for python in (sys.executable, "/usr/bin/python3"):
+            cmd = [*drop, python, "-I"]
+            if shutil.which(drop[0]) and subprocess.run([*cmd, "-c", RERUN], check=False,
+                                                        capture_output=True).returncode == 0:
+                return cmd
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="we already run as non-root: every other sandbox test covers it")
+def test_sandbox_works_as_non_root(kind):
+    """The trainer as nobody: bwrap and the fallback (user namespace) still run code and hide the environment."""
+    cmd = _nobody_python()
+    if cmd is None:
+        pytest.skip("neither setpriv nor runuser can run a Python interpreter as nobody here")
+    home = tempfile.mkdtemp()  # readable by nobody (pytest's tmp_path is root's alone)
+    try:
+        shutil.copy(pathlib.Path(__file__).parents[1] / "common" / "sandbox.py", home)
+        os.chmod(home, 0o755)
+        driver = (f"import sys\nsys.path.insert(0, {home!r})\nimport sandbox\nprint(sandbox.run_python("
+                  f"\"import glob, os\\nprint(os.getuid() != 0, 6 * 7, any('sk-onlyone' in open(p).read() "
+                  f"for p in glob.glob('/proc/*/environ')))\"), sandbox._kind({kind == 'fallback'}))")
+        env = {"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "sk-onlyone-test-secret"}
+        result = subprocess.run([*cmd, "-c", driver], check=False, capture_output=True, text=True, env=env,
+                                cwd=home, timeout=60)
+    finally:
+        shutil.rmtree(home)
+    if "onlyone-sandbox: unshare" in result.stderr:  # warned at run time too; no isolation is possible then
+        pytest.skip("this kernel or container refuses non-root user namespaces (to bwrap and to the fallback)")
+    assert result.stdout.split()[:3] == ["True", "42", "False"], result.stderr  # it ran, as non-root, sealed off
+    if result.stdout.split()[3] != kind:  # bwrap runs as root here, but may not as nobody (e.g. in Docker)
+        pytest.skip(f"bwrap cannot build its sandbox as nobody here; the fallback ran and passed: {result.stderr}")
 
 
 def test_code_reward(no_leftovers):

@@ -1,0 +1,188 @@
+"""The code sandbox: run untrusted Python (a policy's completion), return its stdout. Chosen once, printed once:
+- bubblewrap (`apt-get install bubblewrap`) where it works: --unshare-all (no network; own PIDs, /proc, IPC, UTS),
+  --die-with-parent --new-session --clearenv --cap-drop ALL, uid nobody in a user namespace (root's outside, if
+  root: hence) a read-only root with only /usr and Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME;
+- else (or if ONLYONE_SANDBOX=fallback) _BOOT's: new mount, PID, network, IPC, UTS (+ user, if not root)
+  namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm /run/lock, uid nobody (if root), no
+  capabilities, an empty bounding set, no_new_privs; what the kernel refuses is warned about.
+Both: `python -I -S` (stdlib only), env PATH LANG HOME TMPDIR only, rlimits, a pids cgroup as root (RLIMIT_NPROC
+does not bind root), a wall-clock timeout, then SIGKILL to all it started."""
+
+import contextlib
+import functools
+import json
+import math
+import os
+import pathlib
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+
+# In the sandbox, before the solution: the fallback's isolation, rlimits, the solution as __main__, then its
+# `queries` (run_code_tests), each value written as a line "\x1e<i> <repr>" in builtin types.
+_BOOT = r"""
+import ctypes, json, os, resource, runpy, signal, sys
+cfg, libc, src = json.load(open("cfg.json")), ctypes.CDLL(None, use_errno=True), open("solution.py").read()
+def check(failed, what):  # a refused step goes to stderr, where run_python finds it and warns
+    return not (failed and os.write(2, f"onlyone-sandbox: {what}: {os.strerror(ctypes.get_errno())}\n".encode()))
+if cfg["fallback"]:
+    uid, gid = os.getuid(), os.getgid()  # mount, PID, network, IPC, UTS (+ user, to mount, if not root) namespaces
+    ns = check(libc.unshare(0x6C020000 | (0x10000000 if uid else 0)), "unshare")
+    maps = (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1"))
+    for name, text in maps if ns and uid else ():  # keep our uid in the new user namespace
+        open(f"/proc/self/{name}", "w").write(text)
+    if pid := os.fork():  # we wait; the child is PID 1: when it dies the kernel kills all it left
+        signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, 9))  # our timeout: kill PID 1, reap it here
+        os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 255)
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG SIGKILL: if the waiter is killed, so is PID 1
+    tmp = ns and check(libc.mount(b"none", b"/", None, 0x44000, None), "private mounts")  # MS_REC | MS_PRIVATE
+    if tmp and libc.mount(b"proc", b"/proc", b"proc", 14, None):  # nosuid nodev noexec; else hide the host's
+        check(libc.mount(b"tmpfs", b"/proc", b"tmpfs", 1, b"size=4k"), "mount /proc")
+    for d in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock") if tmp else ():  # the world-writable; nosuid nodev
+        tmp = tmp and (not os.path.isdir(d) or check(libc.mount(b"t", d, b"tmpfs", 6, b"size=64m,mode=1777"), "tmp"))
+    if tmp:  # into the private /tmp, which hides the host's
+        os.chdir("/tmp")
+        open("solution.py", "w").write(src)
+    if tmp and uid == 0 and not os.mkdir(".python"):  # Python's files, read-only, where nobody can read them
+        py = sys.base_prefix.encode()  # (nobody may not reach them where they are, e.g. under /root)
+        check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), "bind")
+        for paths in [sys.path] + [m.__path__ for m in sys.modules.values() if type(vars(m).get("__path__")) is list]:
+            paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]  # import from there
+    for cap in range(64):
+        libc.prctl(24, cap)  # PR_CAPBSET_DROP: no capability can come back
+    if uid == 0:  # to nobody; leaving uid 0 clears the capabilities
+        os.chown(".", 65534, 65534)
+        os.setgroups([])
+        os.setresgid(65534, 65534, 65534)
+        os.setresuid(65534, 65534, 65534)
+        if not os.access(sys.path[-1], os.X_OK):  # (without namespaces, Python's files stay where they are)
+            os.write(2, b"onlyone-sandbox: nobody may not read Python's files: every import fails\n")
+    check(libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()), "capset")  # none left
+    check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+    os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd(), PWD=os.getcwd())
+for res, soft, hard in cfg["limits"]:
+    resource.setrlimit(res, (soft, hard))
+write, types = os.write, (bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
+def plain(v):  # subclasses (defaultdict, namedtuple, IntEnum) as their builtin base, as an assert compares them
+    t = next((t for t in types if isinstance(v, t)), lambda v: v)
+    return {plain(k): plain(x) for k, x in v.items()} if t is dict else t(map(plain, v)) if t in types[6:10] else t(v)
+sys.argv = ["solution.py"]
+ns = runpy.run_path("solution.py", run_name="__main__")
+for i, query in enumerate(cfg["queries"]):
+    try:
+        value = repr(plain(eval(query, ns)))
+    except BaseException as e:  # SystemExit too: this query fails, the next ones still run
+        value = f"!{type(e).__name__}"
+    write(1, f"\n\x1e{i} {value}\n".encode(errors="replace"))
+"""
+
+_PYTHON = os.path.realpath(sys.executable)  # a venv's link would point outside the sandbox
+_KIND_LOCK = threading.Lock()  # code_reward's threads ask at once: probe and print once
+
+
+def _bwrap(tmp: str) -> list[str]:
+    """bwrap's argv up to the command: /usr and Python's prefix read-only, solution.py read-only in a private tmp."""
+    argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--die-with-parent",
+            "--new-session", "--clearenv", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", sys.base_prefix):  # merged-/usr symlinks or directories
+        argv += ["--symlink", os.readlink(d), d] if os.path.islink(d) else ["--ro-bind", d, d] * os.path.isdir(d)
+    return argv + ["--proc", "/proc", "--dev", "/dev", "--size", str(64 << 20), "--tmpfs", "/tmp", "--ro-bind",
+                   f"{tmp}/solution.py", "/tmp/solution.py", "--ro-bind", f"{tmp}/cfg.json", "/tmp/cfg.json",
+                   "--remount-ro", "/", "--chdir", "/tmp", "--setenv", "PATH", "/usr/bin:/bin",
+                   "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp"]
+
+
+@functools.cache
+def _kind(forced: bool) -> str:
+    """'bwrap' if installed and it can build its sandbox here (some containers forbid it), else 'fallback'."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pathlib.Path(tmp, "solution.py").touch()
+        pathlib.Path(tmp, "cfg.json").touch()
+        bwrap = not forced and shutil.which("bwrap") and subprocess.run(
+            [*_bwrap(tmp), _PYTHON, "-I", "-S", "solution.py"], check=False, capture_output=True).returncode == 0
+    print("code sandbox: " + ("bwrap" if bwrap else "fallback (bubblewrap is stronger)"), file=sys.stderr, flush=True)
+    return "bwrap" if bwrap else "fallback"
+
+
+def _pids_cgroup(max_procs: int) -> str | None:
+    """A new pids cgroup (v1, else v2) capped at max_procs, or None where we may not make one (not root)."""
+    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        path = os.path.join(root, f"onlyone_{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(path)
+            pathlib.Path(path, "pids.max").write_text(str(max_procs))  # fails on v2 without the pids controller
+            return path
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+    return None
+
+
+def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
+    """SIGTERM the sandbox (the fallback's waiter kills PID 1; bwrap dies, --die-with-parent takes its PID 1, and
+    with PID 1 the kernel kills its namespace), SIGKILL its process group and cgroup members until both are gone."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.send_signal(signal.SIGTERM)  # (nothing once it has exited)
+        proc.wait(1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(200):  # a killed process exists until reaped (by its parent, else by init, which may be slow)
+        for pid in pathlib.Path(cgroup, "cgroup.procs").read_text().split() if cgroup else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, 0)  # raises once every member of the group has been reaped
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):  # rmdir fails (EBUSY) until the cgroup's last member is reaped too
+                if cgroup:
+                    os.rmdir(cgroup)
+                return
+        time.sleep(0.05)
+    warnings.warn(f"sandbox process group {proc.pid} or cgroup {cgroup} not empty 10 s after SIGKILL")
+
+
+def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: int = 1024, max_procs: int = 32,
+               max_output: int = 1 << 22, queries: tuple | list = ()) -> str:
+    """Run `source` with `stdin` in the sandbox; return its stdout (the first max_output bytes), to which each of
+    `queries`, evaluated in the solution's globals after it ran, adds a line "\\x1e<i> <repr>".
+    rlimits: CPU timeout + 1 s, AS memory_mb, FSIZE max_output (stdout and stderr are files: this caps them),
+    NOFILE 64, NPROC max_procs. stdin, stdout and stderr are unnamed files."""
+    with _KIND_LOCK:
+        kind, cpu, mem = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback"), math.ceil(timeout), memory_mb << 20
+    limits = [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_NOFILE, 64, 64),
+              (resource.RLIMIT_FSIZE, max_output, max_output), (resource.RLIMIT_NPROC, max_procs, max_procs)]
+    with (tempfile.TemporaryDirectory(prefix="onlyone_sandbox_", ignore_cleanup_errors=True) as tmp,
+          tempfile.TemporaryFile() as i, tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e):
+        pathlib.Path(tmp, "solution.py").write_text(source, encoding="utf-8")
+        cfg = {"fallback": kind == "fallback", "limits": limits, "queries": list(queries)}  # (argv is limited)
+        pathlib.Path(tmp, "cfg.json").write_text(json.dumps(cfg))
+        i.write(stdin.encode())
+        i.seek(0)
+        cgroup = _pids_cgroup(max_procs)
+        cmd = (_bwrap(tmp) if kind == "bwrap" else []) + [_PYTHON, "-I", "-S", "-c", _BOOT]
+        if cgroup:  # the shell joins the cgroup, then becomes the sandbox: all it starts is counted
+            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', f"{cgroup}/cgroup.procs", *cmd]
+        env, start = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}, time.monotonic()
+        try:
+            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=i, stdout=o, stderr=e, start_new_session=True)
+        except OSError:
+            if cgroup:  # else nothing removes it
+                os.rmdir(cgroup)
+            raise
+        try:
+            while proc.poll() is None and time.monotonic() < start + timeout:  # (Popen.wait polls up to 50 ms late)
+                time.sleep(0.005)
+        finally:  # also after a clean exit: the solution's children may still run
+            _kill_all(proc, cgroup)
+        for line in os.pread(e.fileno(), 1 << 16, 0).decode(errors="replace").splitlines():
+            if line.startswith(("onlyone-sandbox: ", "bwrap: ")):  # an isolation step the kernel refused
+                warnings.warn(f"code sandbox ({kind}): {line}")
+        return os.pread(o.fileno(), max_output, 0).decode("utf-8", errors="replace")
