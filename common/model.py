@@ -49,22 +49,21 @@ def resolve_attn(attn_implementation: str, device: torch.device) -> str:
 def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto", quantization: str | None = None,
                gradient_checkpointing: bool = False, trust_remote_code: bool = False):
     """Load (model, tokenizer) from a hub id, a local path or an embedded alias such as 'smollm2-135m'.
-    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", both through bitsandbytes on CUDA only."""
+    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", through bitsandbytes (>= 0.48 runs on CPU too);
+    the quantized base is frozen and prepared for k-bit training (norms in fp32, input grads for checkpointing)."""
     from common.embedded import resolve_model  # alias -> cached local folder; other names pass through
 
     path, device = resolve_model(name), pick_device()
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
     if quantization is not None:
-        if device.type != "cuda":
-            raise RuntimeError(f"--quantization {quantization} needs a CUDA GPU (bitsandbytes); drop it on CPU")
         require("bitsandbytes", f"--quantization {quantization}")
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=quantization == "4bit", load_in_8bit=quantization == "8bit", bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch_dtype)
-        kwargs["device_map"] = {"": device.index or 0}
+        kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}  # quantized on load
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     if tokenizer.pad_token is None:
@@ -98,6 +97,11 @@ def attach_lora(model, adapter: str | None = None, r: int = 16, alpha: int = 32,
 
 def is_peft(model) -> bool:
     return hasattr(model, "peft_config")
+
+
+def unwrap(model):
+    """The transformers PreTrainedModel inside a PeftModel (LoRA layers live in it in place), else the model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _slot_params(model, slot: str) -> dict[str, torch.nn.Parameter]:
@@ -154,6 +158,9 @@ def disable_dropout(model) -> None:
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """What the optimizer holds: never a "ref" tensor (checked, since PEFT's adapter switching can flip flags)."""
+    if getattr(model, "is_quantized", False) and not is_peft(model):
+        # Only LoRA can train on a bitsandbytes base: its int8/NF4 weights take no gradient and no optimizer step.
+        raise ValueError("a --quantization base can only be trained through LoRA: drop --no-use-lora or --quantization")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if leaked := [n for n, _ in params if f".{REF}." in n]:
         raise RuntimeError(f"'ref' adapter tensors are trainable: {leaked[:3]}")
