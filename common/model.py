@@ -75,6 +75,13 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        for module in model.modules():
+            # bitsandbytes 0.50 on an AVX512-BF16 CPU repacks a 4-bit weight in place the first time it runs in eval
+            # mode without grad (bf16 absmax, a gemv kernel with no autograd), and keeps using that layout in
+            # training: our reference and rollout passes run in eval mode, so the base would change under the
+            # trainer and its backward would break. Keep the one layout that trains.
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     if quantization is None and gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA), so no enable_input_require_grads hack.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
