@@ -167,7 +167,8 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """What the optimizer holds: never a "ref" tensor (checked, since PEFT's adapter switching can flip flags)."""
     if getattr(model, "is_quantized", False) and not is_peft(model):
         # Only LoRA can train on a bitsandbytes base: its int8/NF4 weights take no gradient and no optimizer step.
-        raise ValueError("a --quantization base can only be trained through LoRA: drop --no-use-lora or --quantization")
+        raise ValueError("a --quantization base can only be trained through LoRA: drop --no-use-lora or "
+                         "--quantization")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if leaked := [n for n, _ in params if f".{REF}." in n]:
         raise RuntimeError(f"'ref' adapter tensors are trainable: {leaked[:3]}")

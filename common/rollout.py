@@ -175,7 +175,8 @@ class VLLMEngine:
     def _sample(self, prompts, n, temperature, top_p, top_k, max_new_tokens, seed=None):
         params = self.vllm.SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,  # -1 = off in every version
-            max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos, seed=seed,  # logprobs=0: sampled token only
+            # logprobs=0: the sampled token's only
+            max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos, seed=seed,
         )
         self._set_awake(True)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
