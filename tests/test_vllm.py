@@ -55,7 +55,11 @@ def served(tmp_path_factory):
     model, tokenizer = load_model(path)  # fp32 on CPU, bf16 on CUDA: what grpo.py hands the engine
     model = attach_lora(model, r=16, dropout=0.0)
     dtype = resolve_dtype("auto", next(model.parameters()).device)
+    rng = torch.get_rng_state()
     engine = VLLMEngine(path, model, tokenizer, gpu_memory_utilization=0.2, max_model_len=256, dtype=dtype)
+    # vLLM reseeds the global RNGs when its worker starts (in-process here): the trainer's stream must go on as if
+    # no engine had started, or a resumed run would sample differently from the straight one
+    assert torch.equal(torch.get_rng_state(), rng), "starting the engine changed the trainer's torch RNG state"
     return path, model, tokenizer, engine
 
 
