@@ -173,14 +173,20 @@ class VLLMEngine:
             self.awake = awake
 
     def _sample(self, prompts, n, temperature, top_p, top_k, max_new_tokens, seed=None):
-        params = self.vllm.SamplingParams(
+        """vLLM samples in this process, from torch's global RNG unless seeded, so every request gets its own seed,
+        drawn once per call from the trainer's torch stream (rollouts are then a function of it, as hf_generate's
+        are, and a resumed run samples what the straight run did), and whatever vLLM draws is put back after."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - len(prompts) * n, ()).item())
+        params = [self.vllm.SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,  # -1 = off in every version
-            # logprobs=0: the sampled token's only
-            max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos, seed=seed,
-        )
+            # logprobs=0: the sampled token's only; sample j of prompt i is seeded seed + i*n + j (vLLM adds j)
+            max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos, seed=seed + i * n,
+        ) for i in range(len(prompts))]
         self._set_awake(True)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                 lora_request=self.lora)
+        with preserved_rng():
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                     lora_request=self.lora)
         rows, completions, logprobs = [], [], []
         for prompt, out in zip(prompts, outs):
             for sample in out.outputs:  # the n samples of one prompt, in order: groups stay contiguous

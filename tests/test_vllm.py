@@ -75,6 +75,13 @@ def test_engine_starts_and_serves_the_starting_adapter(served):
         assert 1 <= len(c) <= 12 and len(lp) == len(c) and truncated == (c[-1] not in eos)
         assert all(x <= 0.0 and math.isfinite(x) for x in lp)
     assert out["completions"] == tokenizer.batch_decode(out["completion_ids"], skip_special_tokens=True)
+    # Rollouts are a function of the trainer's torch RNG (one draw per call): same state, same completions
+    state = torch.get_rng_state()
+    again = engine.generate(prompts, 4, temperature=1.0, max_new_tokens=12)
+    torch.set_rng_state(state)
+    assert engine.generate(prompts, 4, temperature=1.0, max_new_tokens=12)["completion_ids"] == again["completion_ids"]
+    assert again["completion_ids"] != out["completion_ids"]
+    assert len(set(map(tuple, again["completion_ids"]))) > 1, "the samples of a group must differ"
 
 
 def test_sync_serves_the_trained_adapter_under_a_new_id_and_the_canary_passes(served):
