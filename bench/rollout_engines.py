@@ -114,10 +114,9 @@ def main():
         return
     kinds = ["hf"] + (["vllm-float32", "vllm-bfloat16"] if importlib.util.find_spec("vllm") else [])
     kinds += ["rss-fp32", "rss-4bit", "rss-8bit"]
-    results = {}
+    results, options = {}, [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "child"]
     for kind in kinds:
-        cmd = [sys.executable, __file__, "--child", kind] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                                                               if k != "child"]
+        cmd = [sys.executable, __file__, "--child", kind, *options]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

