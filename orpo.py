@@ -62,7 +62,7 @@ class Args:
     attn_implementation: str = "auto"
     """auto = flash_attention_2 if installed on CUDA, else sdpa"""
     quantization: Literal["4bit", "8bit"] | None = None
-    """QLoRA base quantization through bitsandbytes (CUDA only)"""
+    """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
     trust_remote_code: bool = False

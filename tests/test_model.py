@@ -177,13 +177,6 @@ def test_version_shims_follow_the_installed_transformers(tiny_model_dir):
     assert is_checkpointing(model)
 
 
-def test_quantization_on_cpu_is_a_clear_error(tiny_model_dir):
-    if torch.cuda.is_available():
-        pytest.skip("CPU-only check")
-    with pytest.raises(RuntimeError, match="CUDA"):
-        load_model(tiny_model_dir, quantization="4bit")
-
-
 def test_checkpoints_are_atomic_pruned_and_verified(tiny_model_dir, tmp_path):
     model, _ = lora_model(tiny_model_dir)
     snapshot_ref(model)

@@ -1,14 +1,11 @@
-"""common/rollout.py: the HF engine on the tiny model (layout, EOS, sampling semantics, padding, log-probs) and the vLLM
-engine (import-safe on CPU; its real behaviour in @pytest.mark.gpu tests that need CUDA and vllm)."""
+"""common/rollout.py: the HF engine on the tiny model (layout, EOS, sampling semantics, padding) and the vLLM engine's
+install hint and refusals (its real behaviour, with vllm installed, is in test_vllm.py)."""
 
 import importlib.util
 
 import pytest
-import torch
 from transformers import LogitsProcessorList
 
-from common.data import concat_prompt_completion
-from common.logps import sequence_logps
 from common.model import attach_lora, load_model
 from common.rollout import VLLMEngine, cut_at_eos, eos_ids, hf_generate
 
@@ -131,34 +128,15 @@ def test_shared_prompt_prefill_gives_the_unshared_completions(policy):
     separate rows (group_size 1), for prompts of different lengths (left padding) and a 1-token prompt."""
     model, tokenizer = policy
     prompts = [ids(tokenizer, "hi there"), ids(tokenizer, "The quick brown fox jumps over the lazy dog. What is 12?")]
-    shared = hf_generate(model, tokenizer, prompts, 3, temperature=0.0, max_new_tokens=8, return_logprobs=True)
+    shared = hf_generate(model, tokenizer, prompts, 3, temperature=0.0, max_new_tokens=8)
     rows = [p for p in prompts for _ in range(3)]
-    unshared = hf_generate(model, tokenizer, rows, 1, temperature=0.0, max_new_tokens=8, return_logprobs=True)
+    unshared = hf_generate(model, tokenizer, rows, 1, temperature=0.0, max_new_tokens=8)
     assert shared["completion_ids"] == unshared["completion_ids"]
-    for a, b in zip(shared["logprobs"], unshared["logprobs"]):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
     one_token = ids(tokenizer, "hi")
     assert len(one_token) == 1  # nothing to prefill: the unshared path
     alone = hf_generate(model, tokenizer, [one_token], 1, temperature=0.0, max_new_tokens=4)
     one_token = hf_generate(model, tokenizer, [one_token], 2, temperature=0.0, max_new_tokens=4)
     assert one_token["completion_ids"] == alone["completion_ids"] * 2
-
-
-def test_engine_logprobs_match_sequence_logps(policy):
-    model, tokenizer = policy
-    prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "What is 12 plus 7? The answer is")]
-    out = hf_generate(model, tokenizer, prompts, 2, temperature=0.7, max_new_tokens=6, return_logprobs=True)
-    batch = concat_prompt_completion(out["prompt_ids"], out["completion_ids"], tokenizer.pad_token_id)
-    model.eval()  # the engine samples without dropout
-    try:
-        with torch.no_grad():
-            logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
-                                   temperature=0.7)
-    finally:
-        model.train()
-    for i, (p, c) in enumerate(zip(out["prompt_ids"], out["completion_ids"])):
-        expected = logps[i, len(p) : len(p) + len(c)]
-        torch.testing.assert_close(torch.tensor(out["logprobs"][i]), expected, rtol=0, atol=1e-4)
 
 
 def test_vllm_engine_without_vllm_is_a_one_line_install_hint(policy, monkeypatch):
@@ -170,54 +148,14 @@ def test_vllm_engine_without_vllm_is_a_one_line_install_hint(policy, monkeypatch
     assert "\n" not in str(err.value)
 
 
-# ---------------------------------------------------------------------------------------------------- GPU + vLLM
-@pytest.fixture(scope="module")
-def gpu_policy(tmp_path_factory):
-    pytest.importorskip("vllm")
-    from tests.tiny import write_tiny
-
-    path = write_tiny(tmp_path_factory.mktemp("vllm_tiny"), hidden=256)  # head_dim 64: every vLLM attention backend
-    model, tokenizer = load_model(path, dtype="bf16")
-    model = attach_lora(model, r=16, dropout=0.0)
-    engine = VLLMEngine(path, model, tokenizer, gpu_memory_utilization=0.2, max_model_len=256, dtype="bfloat16")
-    return path, model, tokenizer, engine
-
-
-@pytest.mark.gpu
-def test_vllm_rollout_layout_logprobs_and_sleep(gpu_policy):
-    _, model, tokenizer, engine = gpu_policy
-    assert engine.version == 1 and engine.awake  # the constructor synced the starting adapter and ran the canary
-    assert engine.sync(model) < 0.1
-    prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "The quick brown fox")]
-    free_awake = torch.cuda.mem_get_info()[0]
-    out = engine.generate(prompts, 4, temperature=1.0, max_new_tokens=12)
-    assert not engine.awake and torch.cuda.mem_get_info()[0] > free_awake + 2**30, "sleep must free the KV cache"
-    assert out["prompt_ids"] == [prompts[0]] * 4 + [prompts[1]] * 4
-    eos = eos_ids(model, tokenizer)
-    for c, truncated, lp in zip(out["completion_ids"], out["truncated"], out["logprobs"]):
-        assert len(lp) == len(c) <= 12 and truncated == (c[-1] not in eos)
-    batch = concat_prompt_completion(out["prompt_ids"], out["completion_ids"], tokenizer.pad_token_id)
-    batch = {k: v.cuda() for k, v in batch.items()}
-    with torch.no_grad():
-        logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
-    gaps = [(torch.tensor(lp) - logps[i, len(p) : len(p) + len(lp)].cpu()).abs().mean()
-            for i, (p, lp) in enumerate(zip(out["prompt_ids"], out["logprobs"]))]
-    assert max(gaps) < 0.1, f"vLLM and trainer log-probs differ by up to {max(gaps):.3f} nats/token"
-
-
-@pytest.mark.gpu
-def test_vllm_follows_each_sync_and_the_canary_catches_a_stale_adapter(gpu_policy):
-    _, model, tokenizer, engine = gpu_policy
-    with torch.no_grad():  # move the policy far from the base so that base-weight rollouts are unmistakable
-        for name, p in model.named_parameters():
-            if "lora_B" in name and ".default." in name:
-                p.normal_(0, 0.05)
-    version = engine.version
-    assert engine.sync(model) < 0.1 and engine.version == version + 1 and engine.lora.lora_int_id == version + 1
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name and ".default." in name:
-                p.mul_(-1.0)  # the trainer moved on, vLLM still serves the previous adapter
-    with pytest.raises(RuntimeError, match="canary"):
-        engine.canary(model)
-    engine.sync(model)  # a new id: vLLM picks up the new weights and the canary passes again
+@pytest.mark.parametrize("quantization, message", [
+    ("8bit", "vLLM cannot load an in-flight 8-bit base"), ("4bit", "vLLM-CPU has no bitsandbytes quantization"),
+])
+def test_vllm_engine_names_the_unsupported_quantization(policy, quantization, message):
+    """Refused before vllm is imported or an engine starts (4-bit is refused on CPU only: vLLM-CPU 0.32 lists no
+    bitsandbytes method)."""
+    model, tokenizer = policy
+    if quantization == "4bit" and next(model.parameters()).is_cuda:
+        pytest.skip("vLLM serves a 4-bit base on CUDA")
+    with pytest.raises(ValueError, match=message):
+        VLLMEngine("unused", model, tokenizer, quantization=quantization)
