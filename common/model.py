@@ -90,8 +90,7 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=quantization == "4bit", load_in_8bit=quantization == "8bit", bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch_dtype)
-<<<<<<< HEAD
-        kwargs["device_map"] = {"": device.index or 0}
+        kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}  # quantized on load
     if not os.path.isdir(path):  # a hub id: fail in seconds when it can be neither fetched nor found in the cache
         from common.hub import check_hub
 
@@ -99,9 +98,6 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
             from huggingface_hub import snapshot_download
 
             path = snapshot_download(path, local_files_only=True)
-=======
-        kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}  # quantized on load
->>>>>>> vllm
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     # An alias (smollm2-135m) stays the model's name: saved adapters record it, not this disk's cache path.
@@ -116,23 +112,18 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     else:
         from peft import prepare_model_for_kbit_training
 
-<<<<<<< HEAD
         # Checkpointing is switched on below, as without quantization (PEFT's would use the deprecated alias).
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    if gradient_checkpointing:
-        # Non-reentrant works with frozen inputs (LoRA). transformers 5 renamed gradient_ to activation_checkpointing.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-=======
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
         # bitsandbytes 0.50 on an AVX512-BF16 CPU repacks a 4-bit weight in place the first time it runs in eval mode
         # without grad (bf16 absmax, a kernel without autograd) and keeps that layout in training: our reference and
         # rollout passes run in eval mode, so the base would change under the trainer. Keep the layout that trains.
         for module in (m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")):
             module.support_avx512bf16_for_cpu = False
-    if quantization is None and gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA), so no enable_input_require_grads hack.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
->>>>>>> vllm
+    if gradient_checkpointing:  # non-reentrant works with frozen inputs (LoRA): no enable_input_require_grads hack
+        if hasattr(model, "activation_checkpointing_enable"):  # the name transformers 5.24 gives it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # older transformers (the GPU image's 5.17)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = not gradient_checkpointing
     return model, tokenizer
 
