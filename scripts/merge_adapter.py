@@ -85,7 +85,8 @@ def main(args: Args) -> dict:
     # ---- 2 merge and check against the adapter model
     model, tokenizer, diff = merge(args.adapter, args.model, args.dtype)
     if not diff <= args.tolerance:
-        raise RuntimeError(f"merged logits differ from the adapter model's by {diff:.3g} > --tolerance {args.tolerance}")
+        raise RuntimeError(f"merged logits differ from the adapter model's by {diff:.3g} > --tolerance "
+                           f"{args.tolerance}; nothing written")
 
     # ---- 3 save a plain transformers folder (and upload it)
     model.save_pretrained(out, safe_serialization=True)  # config.json, generation_config.json, model.safetensors

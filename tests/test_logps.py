@@ -342,7 +342,7 @@ def test_grouped_completion_logps_fallbacks_match(monkeypatch):
         assert calls, "a LoRA'd lm_head must take the concatenated-rows path"
         torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
         plain = lora_model("qwen2")
-        plain.gradient_checkpointing_enable()
+        plain.activation_checkpointing_enable()
         plain.train()
         for module in plain.modules():  # dropout is 0 here already; train mode is what switches checkpointing on
             assert not isinstance(module, torch.nn.Dropout) or module.p == 0

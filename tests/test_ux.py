@@ -20,7 +20,8 @@ def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_di
         done = subprocess.run(
             [sys.executable, "sft.py", "--model", tiny_model_dir, "--dataset", "builtin:math_sft", "--max-steps", "2",
              "--max-length", "256", "--gradient-checkpointing", "--output-dir", str(tmp_path / "runs")],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, check=False,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
             timeout=300)
     text = log.read_text()
     assert done.returncode == 0, text[-2000:]
@@ -235,8 +236,9 @@ def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path, mo
     assert '"runs/grpo__smollm2-135m__42__<time>/final"' in block
     scope: dict = {}
     exec(block.replace('"runs/grpo__smollm2-135m__42__<time>/final"', repr(final)), scope)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 plus 7?"}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    chat = [{"role": "user", "content": "What is 12 plus 7?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
     with torch.no_grad():
         ours, theirs = model.eval()(ids).logits, scope["model"].eval()(ids).logits
         with model.disable_adapter():
