@@ -33,6 +33,7 @@ How the two runs are made identical (each point is checked by the harness, not a
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import math
@@ -373,35 +374,18 @@ def trl_model(s: Setup):
 def trl_common(s: Setup, **over) -> dict:
     """TrainingArguments both sides agree on. TRL's own defaults differ on purpose: bf16=True (even on CPU),
     gradient_checkpointing=True, logging_steps=10, the fused AdamW kernel, shuffled batches."""
-    return (
-        dict(
-            output_dir=os.path.join(s.out, "trl"),
-            per_device_train_batch_size=s.batch_size,
-            gradient_accumulation_steps=s.grad_accum,
-            max_steps=s.steps,
-            learning_rate=s.learning_rate,
-            lr_scheduler_type="linear",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            adam_beta1=0.9,
-            adam_beta2=0.999,
-            adam_epsilon=1e-8,
-            optim="adamw_torch",
-            seed=s.seed,
-            bf16=False,
-            fp16=False,
-            activation_checkpointing=False,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            train_sampling_strategy="sequential",
-            dataloader_num_workers=0,
-            dataloader_pin_memory=False,
-        )
-        | over
-    )
+    from transformers import TrainingArguments
+
+    # transformers 5.24 renamed gradient_checkpointing to activation_checkpointing; 5.17 (the GPU image) has the old
+    checkpointing = next(f.name for f in dataclasses.fields(TrainingArguments)
+                         if f.name in ("activation_checkpointing", "gradient_checkpointing"))
+    return dict(output_dir=os.path.join(s.out, "trl"), per_device_train_batch_size=s.batch_size,
+                gradient_accumulation_steps=s.grad_accum, max_steps=s.steps, learning_rate=s.learning_rate,
+                lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9,
+                adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", seed=s.seed, bf16=False, fp16=False,
+                logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                train_sampling_strategy="sequential", dataloader_num_workers=0, dataloader_pin_memory=False,
+                **{checkpointing: False}) | over
 
 
 def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | None = None, model=None, **over):
