@@ -43,8 +43,12 @@ def build(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = build_tokenizer()  # ChatML byte-level BPE; its 400 ids fit any vocab
-    config = Qwen2Config(**(TINY if args.dry_run else QWEN25_15B), attn_implementation="sdpa",
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        **(TINY if args.dry_run else QWEN25_15B),
+        attn_implementation="sdpa",
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     with device:  # initialise directly on the device: no 6 GB host copy
         model = Qwen2ForCausalLM(config).to(dtype)
@@ -52,7 +56,9 @@ def build(args):
     model.generation_config.pad_token_id = config.pad_token_id
     model.config.use_cache = True
     rows = []
-    for i in range(args.steps * args.prompts_per_step):  # grow each prompt's text until the chat renders prompt_len ids
+    for i in range(
+        args.steps * args.prompts_per_step
+    ):  # grow each prompt's text until the chat renders prompt_len ids
         text = f"Prompt {i}: " + " ".join(f"item{j} costs {j % 7 + 1} dollars" for j in range(args.prompt_len))
         lo, hi = 1, len(text)  # binary search on the characters kept (the token count grows with them)
         while lo < hi:
@@ -66,8 +72,11 @@ def build(args):
 
 
 def prompt_len(tokenizer, content: str) -> int:
-    return len(tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"])
+    return len(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    )
 
 
 def reward(prompts, completions, completion_ids=None, **kw):
@@ -89,8 +98,10 @@ def peak():
         import resource
 
         return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    return {"peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+    return {
+        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+    }
 
 
 def run_ours(args, out):
@@ -101,18 +112,41 @@ def run_ours(args, out):
     data = os.path.join(out, "prompts.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    result = grpo.main(grpo.Args(
-        model="random-qwen2.5-1.5b", dataset=data, output_dir=os.path.join(out, "runs"), seed=0,
-        rewards=["bench.grpo_gpu:reward"], group_size=args.group_size, prompts_per_step=args.prompts_per_step,
-        groups_per_micro_batch=args.prompts_per_step, max_prompt_length=args.prompt_len + 8, preset="demo",
-        max_completion_length=args.completion_len, max_steps=args.steps, beta=0.04, loss_type="dapo",
-        learning_rate=1e-5, lora_dropout=0.0, breaker_action="warn", temperature=1.0))
+    result = grpo.main(
+        grpo.Args(
+            model="random-qwen2.5-1.5b",
+            dataset=data,
+            output_dir=os.path.join(out, "runs"),
+            seed=0,
+            rewards=["bench.grpo_gpu:reward"],
+            group_size=args.group_size,
+            prompts_per_step=args.prompts_per_step,
+            groups_per_micro_batch=args.prompts_per_step,
+            max_prompt_length=args.prompt_len + 8,
+            preset="demo",
+            max_completion_length=args.completion_len,
+            max_steps=args.steps,
+            beta=0.04,
+            loss_type="dapo",
+            learning_rate=1e-5,
+            lora_dropout=0.0,
+            breaker_action="warn",
+            temperature=1.0,
+        )
+    )
     steps = []
     for h in result["history"]:
         total = sum(h[k] for k in ("time/rollout", "time/reward", "time/reference", "time/train"))
-        steps.append({"rollout": h["time/rollout"], "reward+reference": h["time/reward"] + h["time/reference"],
-                      "train": h["time/train"], "step": total, "tokens": h["perf/tokens_per_s"] * total,
-                      "completion_len": h["completions/mean_length"]})
+        steps.append(
+            {
+                "rollout": h["time/rollout"],
+                "reward+reference": h["time/reward"] + h["time/reference"],
+                "train": h["time/train"],
+                "step": total,
+                "tokens": h["perf/tokens_per_s"] * total,
+                "completion_len": h["completions/mean_length"],
+            }
+        )
     return steps
 
 
@@ -129,15 +163,39 @@ def run_trl(args, out):
     names = {f.name for f in dataclasses.fields(GRPOConfig)}
     checkpointing = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
     config = GRPOConfig(
-        output_dir=os.path.join(out, "trl"), per_device_train_batch_size=n, gradient_accumulation_steps=1,
-        num_generations=args.group_size, max_completion_length=args.completion_len, max_steps=args.steps,
-        beta=0.04, loss_type="dapo", learning_rate=1e-5, lr_scheduler_type="constant", temperature=1.0, top_k=0,
-        bf16=torch.cuda.is_available(), logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        shuffle_dataset=False, seed=0, disable_dropout=True, use_bias_correction_kl=False, dataloader_pin_memory=False,
-        **{checkpointing: False})
+        output_dir=os.path.join(out, "trl"),
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        num_generations=args.group_size,
+        max_completion_length=args.completion_len,
+        max_steps=args.steps,
+        beta=0.04,
+        loss_type="dapo",
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        temperature=1.0,
+        top_k=0,
+        bf16=torch.cuda.is_available(),
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        seed=0,
+        disable_dropout=True,
+        use_bias_correction_kl=False,
+        dataloader_pin_memory=False,
+        **{checkpointing: False},
+    )
     peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, peft_config=peft_config)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     phases = {"_generate": [], "_generate_and_score_completions": []}
     for name in phases:  # time the bound methods on this instance, synchronised
         method = getattr(trainer, name)
@@ -167,10 +225,19 @@ def run_trl(args, out):
     history = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     cumulative = [h["num_tokens"] for h in history]
     tokens = [b - a for a, b in zip([0.0] + cumulative, cumulative)]
-    return [{"rollout": g, "reward+reference": s - g, "train": step - s, "step": step, "tokens": tok,
-             "completion_len": h["completions/mean_length"]}
-            for g, s, step, tok, h in zip(phases["_generate"], phases["_generate_and_score_completions"], stamps,
-                                          tokens, history)]
+    return [
+        {
+            "rollout": g,
+            "reward+reference": s - g,
+            "train": step - s,
+            "step": step,
+            "tokens": tok,
+            "completion_len": h["completions/mean_length"],
+        }
+        for g, s, step, tok, h in zip(
+            phases["_generate"], phases["_generate_and_score_completions"], stamps, tokens, history
+        )
+    ]
 
 
 def child(args):
@@ -210,13 +277,34 @@ def main():
         return child(args)
     results = {}
     for side in ("ours", "trl") if args.side == "both" else (args.side,):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--side", side, "--steps", str(args.steps),
-               "--group-size", str(args.group_size), "--prompts-per-step", str(args.prompts_per_step),
-               "--prompt-len", str(args.prompt_len), "--completion-len", str(args.completion_len), "--out", args.out]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--side",
+            side,
+            "--steps",
+            str(args.steps),
+            "--group-size",
+            str(args.group_size),
+            "--prompts-per-step",
+            str(args.prompts_per_step),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--completion-len",
+            str(args.completion_len),
+            "--out",
+            args.out,
+        ]
         cmd += ["--dry-run"] if args.dry_run else []
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
         if proc.returncode != 0:
             sys.exit(f"{side} failed:\n{proc.stderr[-4000:]}")
         results[side] = summary(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -236,11 +324,14 @@ def markdown(results: dict, args) -> str:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU (dry run)"
     mem = "peak_allocated_gb" if torch.cuda.is_available() else "peak_rss_gb"
     model = "tiny dry-run model" if args.dry_run else "random Qwen2.5-1.5B"
-    lines = [f"`python bench/grpo_gpu.py {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}, {device}; {model}, "
-             f"G={args.group_size} x {args.prompts_per_step} prompt(s), prompt {args.prompt_len} / completion "
-             f"{args.completion_len} tokens, LoRA r=16, bf16 on CUDA, beta 0.04)", "",
-             "| side | rollout s | reward+reference s | train s | step s | tokens/s | completion len | peak GB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`python bench/grpo_gpu.py {' '.join(sys.argv[1:])}` ({time.strftime('%Y-%m-%d')}, {device}; {model}, "
+        f"G={args.group_size} x {args.prompts_per_step} prompt(s), prompt {args.prompt_len} / completion "
+        f"{args.completion_len} tokens, LoRA r=16, bf16 on CUDA, beta 0.04)",
+        "",
+        "| side | rollout s | reward+reference s | train s | step s | tokens/s | completion len | peak GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for side, r in results.items():
         cells = [f"{r[k]:.2f}" for k in ("rollout", "reward+reference", "train", "step")]
         cells += [f"{r['tokens_per_s']:.0f}", f"{r['completion_len']:.0f}", f"{r.get(mem, float('nan')):.2f}"]
@@ -248,8 +339,10 @@ def markdown(results: dict, args) -> str:
     if len(results) == 2:
         o, t = results["ours"], results["trl"]
         ratio = {k: o[k] / max(t[k], 1e-9) for k in ("rollout", "reward+reference", "train", "step", mem)}
-        lines.append(f"| ours / TRL | {ratio['rollout']:.2f} | {ratio['reward+reference']:.2f} | {ratio['train']:.2f} "
-                     f"| **{ratio['step']:.2f}** | | | **{ratio[mem]:.2f}** |")
+        lines.append(
+            f"| ours / TRL | {ratio['rollout']:.2f} | {ratio['reward+reference']:.2f} | {ratio['train']:.2f} "
+            f"| **{ratio['step']:.2f}** | | | **{ratio[mem]:.2f}** |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -60,8 +60,11 @@ def main():
     model_dir = args.model_dir or f"/tmp/onlyone-random-{shape}"
     t0 = time.perf_counter()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "qwen_shapes.py"), model_dir]
-                       + (["--tiny"] if args.tiny else []), check=True)
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, "bench", "qwen_shapes.py"), model_dir]
+            + (["--tiny"] if args.tiny else []),
+            check=True,
+        )
     write_s = time.perf_counter() - t0
     train, test, source = gsm8k_files(os.path.join(args.out, "data"))
 
@@ -70,9 +73,16 @@ def main():
     import grpo
 
     fields = {f.name for f in dataclasses.fields(grpo.Args)}
-    kw = dict(model=model_dir, dataset=train, output_dir=os.path.join(args.out, "runs"), max_steps=args.steps,
-              prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-              max_completion_length=args.max_completion_length, breaker_action="warn")
+    kw = dict(
+        model=model_dir,
+        dataset=train,
+        output_dir=os.path.join(args.out, "runs"),
+        max_steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        max_completion_length=args.max_completion_length,
+        breaker_action="warn",
+    )
     if "eval_dataset" in fields:  # the held-out GSM8K eval of the headline experiment (issue 12)
         kw |= {"eval_dataset": test, "eval_steps": args.steps, "eval_limit": args.eval_limit}
     else:
@@ -83,16 +93,24 @@ def main():
     history = result["history"]
     measured = history[1:] or history  # step 1 carries one-off costs (allocator, kernel selection)
     figures = {
-        "shape": shape, "data": source, "steps": len(history),
+        "shape": shape,
+        "data": source,
+        "steps": len(history),
         "prompts_x_G": f"{args.prompts_per_step} x {args.group_size}",
-        "max_completion_length": args.max_completion_length, "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "model_write_s": round(write_s, 1), "run_s": round(run_s, 1),
+        "max_completion_length": args.max_completion_length,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "model_write_s": round(write_s, 1),
+        "run_s": round(run_s, 1),
         "step_s": [round(sum(h[k] for k in PHASES), 2) for h in history],
         **{k.split("/")[1] + "_s": round(statistics.median(h[k] for h in measured), 2) for k in PHASES},
         "tokens_per_s": round(statistics.median(h["perf/tokens_per_s"] for h in measured), 1),
         "completion_mean_length": round(statistics.mean(h["completions/mean_length"] for h in history), 1),
-        "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
-                         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "peak_gb": round(
+            torch.cuda.max_memory_allocated() / 2**30
+            if torch.cuda.is_available()
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            2,
+        ),
         "peak_kind": "GPU allocated" if torch.cuda.is_available() else "RSS",
         **{k: v for k, v in result.items() if k.startswith("eval/")},
     }

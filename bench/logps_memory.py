@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.logps import chunked_logps  # noqa: E402
+from common.logps import chunked_logps
 
 
 def naive_logps(hidden, weight, labels):

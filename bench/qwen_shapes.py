@@ -17,17 +17,27 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QWEN25_15B = {  # Qwen/Qwen2.5-1.5B config.json, architecture only (weights are random)
-    "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-    "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1_000_000.0,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu", "use_sliding_window": False,
+    "vocab_size": 151936,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
     "max_window_layers": 21,  # unused without sliding-window attention; kept as the checkpoint states it
 }
 # Same fields cut down, for dry runs on a CPU (the code path, not the cost).
 TINY = QWEN25_15B | {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
-def build_random_qwen(config: dict = QWEN25_15B, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                      seed: int = 0):
+def build_random_qwen(
+    config: dict = QWEN25_15B, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0
+):
     """(Qwen2ForCausalLM with `config` and random weights, ChatML tokenizer), eos/pad set in config and generation
     config as a real checkpoint has them."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -47,10 +47,13 @@ def score_gaps(model, tokenizer, out, temperature):
     batch = concat_prompt_completion(out["prompt_ids"], out["completion_ids"], tokenizer.pad_token_id)
     model.eval()
     with torch.no_grad():
-        logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
-                               temperature=temperature)
-    return [(torch.tensor(lp) - logps[i, len(p) : len(p) + len(lp)]).abs().mean().item()
-            for i, (p, lp) in enumerate(zip(out["prompt_ids"], out["logprobs"]))]
+        logps = sequence_logps(
+            model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], temperature=temperature
+        )
+    return [
+        (torch.tensor(lp) - logps[i, len(p) : len(p) + len(lp)]).abs().mean().item()
+        for i, (p, lp) in enumerate(zip(out["prompt_ids"], out["logprobs"]))
+    ]
 
 
 def timed(generate, prompts, args):
@@ -87,11 +90,18 @@ def child(kind, args) -> dict:
         from common.rollout import VLLMEngine, hf_generate
 
         model, tokenizer, prompts = policy(args)
-        engine = VLLMEngine(args.model, model, tokenizer, max_model_len=1024, dtype=kind.removeprefix("vllm-"),
-                            canary_threshold=float("inf"))  # measure here, never stop
+        engine = VLLMEngine(
+            args.model,
+            model,
+            tokenizer,
+            max_model_len=1024,
+            dtype=kind.removeprefix("vllm-"),
+            canary_threshold=float("inf"),
+        )  # measure here, never stop
         # the same process, model and prompts: HF and vLLM timed alternately, one torch thread for both
-        best = best_of({"hf": lambda *a, **k: hf_generate(model, tokenizer, *a, **k), "vllm": engine.generate},
-                       prompts, args)
+        best = best_of(
+            {"hf": lambda *a, **k: hf_generate(model, tokenizer, *a, **k), "vllm": engine.generate}, prompts, args
+        )
         result = {**best["vllm"], "hf_tokens_per_s": best["hf"]["tokens_per_s"]}
         out, _ = timed(engine.generate, prompts, args)
         gaps = score_gaps(model, tokenizer, out, args.temperature)
@@ -112,8 +122,11 @@ def child(kind, args) -> dict:
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         with open("/proc/self/statm") as f:  # resident pages now, after the load's transient copies are freed
             rss_mb = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-        return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_mb": rss_mb,
-                "footprint_mb": model.get_memory_footprint() / 2**20}
+        return {
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_mb": rss_mb,
+            "footprint_mb": model.get_memory_footprint() / 2**20,
+        }
     raise ValueError(kind)
 
 
@@ -144,13 +157,17 @@ def main():
     for kind in ("vllm-float32", "vllm-bfloat16"):
         if kind in results:
             r = results[kind]
-            print(f"{kind} / hf rollout tokens/s (same process, alternating): {r['tokens_per_s']:.1f} / "
-                  f"{r['hf_tokens_per_s']:.1f} = {r['tokens_per_s'] / r['hf_tokens_per_s']:.2f}")
+            print(
+                f"{kind} / hf rollout tokens/s (same process, alternating): {r['tokens_per_s']:.1f} / "
+                f"{r['hf_tokens_per_s']:.1f} = {r['tokens_per_s'] / r['hf_tokens_per_s']:.2f}"
+            )
     for q in ("4bit", "8bit"):
         r, f = results[f"rss-{q}"], results["rss-fp32"]
-        print(f"{q} / fp32 base: peak RSS {r['peak_rss_mb']:.0f} / {f['peak_rss_mb']:.0f} MB, RSS after load "
-              f"{r['rss_mb']:.0f} / {f['rss_mb']:.0f} MB, model tensors {r['footprint_mb']:.0f} / "
-              f"{f['footprint_mb']:.0f} MB")
+        print(
+            f"{q} / fp32 base: peak RSS {r['peak_rss_mb']:.0f} / {f['peak_rss_mb']:.0f} MB, RSS after load "
+            f"{r['rss_mb']:.0f} / {f['rss_mb']:.0f} MB, model tensors {r['footprint_mb']:.0f} / "
+            f"{f['footprint_mb']:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

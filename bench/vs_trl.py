@@ -61,12 +61,18 @@ def write_bench_model(out: str, vocab_size: int = 16384, hidden: int = 384, laye
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        chat_template=CHATML_TEMPLATE)
-    model = build_tiny_model(vocab_size, hidden=hidden, layers=layers, intermediate_size=4 * hidden,
-                             max_position_embeddings=2048)
+    tok.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE
+    )
+    model = build_tiny_model(
+        vocab_size, hidden=hidden, layers=layers, intermediate_size=4 * hidden, max_position_embeddings=2048
+    )
     for cfg in (model.config, model.generation_config):
         cfg.eos_token_id, cfg.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     tokenizer.save_pretrained(path)
@@ -77,8 +83,15 @@ def write_bench_model(out: str, vocab_size: int = 16384, hidden: int = 384, laye
 def setup_for(args, model: str, adapter: str, method: str):
     from scripts.compare_with_trl import Setup
 
-    return Setup(method=method, model=model, adapter=adapter, out=os.path.join(args.out, "runs"), steps=args.steps,
-                 seed=0, **CONFIGS[method])
+    return Setup(
+        method=method,
+        model=model,
+        adapter=adapter,
+        out=os.path.join(args.out, "runs"),
+        steps=args.steps,
+        seed=0,
+        **CONFIGS[method],
+    )
 
 
 def measure(args) -> dict:
@@ -89,7 +102,15 @@ def measure(args) -> dict:
     import datasets
 
     from scripts.compare_with_trl import (
-        KIND, load_tokenizer, make_rows, quiet, run_ours, trl_history, trl_order, trl_trainer, write_jsonl,
+        KIND,
+        load_tokenizer,
+        make_rows,
+        quiet,
+        run_ours,
+        trl_history,
+        trl_order,
+        trl_trainer,
+        write_jsonl,
     )
 
     datasets.disable_progress_bars()
@@ -111,8 +132,11 @@ def measure(args) -> dict:
         data = write_jsonl(os.path.join(s.out, f"data_{s.method}.jsonl"), rows)
         history = run_ours(s, data)
         if s.method == "grpo":  # attention-mask tokens of the step = tokens_per_s x the step's phases
-            tokens = [h["perf/tokens_per_s"] * sum(h[k] for k in ("time/rollout", "time/reward", "time/reference",
-                                                                  "time/train")) for h in history]
+            tokens = [
+                h["perf/tokens_per_s"]
+                * sum(h[k] for k in ("time/rollout", "time/reward", "time/reference", "time/train"))
+                for h in history
+            ]
         else:
             tokens = [h["num_tokens"] for h in history]
     else:
@@ -129,15 +153,39 @@ def measure(args) -> dict:
         tokens = [b - a for a, b in zip([0.0] + cumulative, cumulative)]
     seconds = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])]
     cpu_seconds = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]
-    return {"side": args.child, "seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens[1:], "peak_rss_mb":
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "side": args.child,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "tokens": tokens[1:],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def run_child(args, side: str, method: str, model: str, adapter: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--method", method, "--model-path", model,
-           "--adapter", adapter, "--steps", str(args.steps), "--out", args.out]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TRL_EXPERIMENTAL_SILENCE": "1"}
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        side,
+        "--method",
+        method,
+        "--model-path",
+        model,
+        "--adapter",
+        adapter,
+        "--steps",
+        str(args.steps),
+        "--out",
+        args.out,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} {method} failed:\n{proc.stderr[-4000:]}")
@@ -148,10 +196,15 @@ def summarise(runs: list[dict]) -> dict:
     seconds = [x for r in runs for x in r["seconds"]]
     cpu = [x for r in runs for x in r["cpu_seconds"]]
     tokens = sum(sum(r["tokens"]) for r in runs)
-    return {"s_per_step": statistics.median(seconds), "cpu_s_per_step": statistics.median(cpu),
-            "tokens_per_s": tokens / sum(seconds), "tokens_per_cpu_s": tokens / sum(cpu),
-            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs), "steps_measured": len(seconds),
-            "s_per_step_all": seconds}
+    return {
+        "s_per_step": statistics.median(seconds),
+        "cpu_s_per_step": statistics.median(cpu),
+        "tokens_per_s": tokens / sum(seconds),
+        "tokens_per_cpu_s": tokens / sum(cpu),
+        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+        "steps_measured": len(seconds),
+        "s_per_step_all": seconds,
+    }
 
 
 def main():
@@ -180,12 +233,22 @@ def main():
         for _ in range(args.repeats):
             for side in ("ours", "trl"):
                 runs[side].append(run_child(args, side, method, model, adapter))
-                print(f"{method} {side}: s/step {[round(x, 3) for x in runs[side][-1]['seconds']]}, CPU s/step "
-                      f"{[round(x, 3) for x in runs[side][-1]['cpu_seconds']]}, peak RSS "
-                      f"{runs[side][-1]['peak_rss_mb']:.0f} MB", flush=True)
+                print(
+                    f"{method} {side}: s/step {[round(x, 3) for x in runs[side][-1]['seconds']]}, CPU s/step "
+                    f"{[round(x, 3) for x in runs[side][-1]['cpu_seconds']]}, peak RSS "
+                    f"{runs[side][-1]['peak_rss_mb']:.0f} MB",
+                    flush=True,
+                )
         ours, trl = summarise(runs["ours"]), summarise(runs["trl"])
-        results.append({"method": method, "model": os.path.basename(model.rstrip("/")), "config": CONFIGS[method],
-                        "ours": ours, "trl": trl})
+        results.append(
+            {
+                "method": method,
+                "model": os.path.basename(model.rstrip("/")),
+                "config": CONFIGS[method],
+                "ours": ours,
+                "trl": trl,
+            }
+        )
     command = "OMP_NUM_THREADS=1 python bench/vs_trl.py " + " ".join(sys.argv[1:])
     md = markdown(results, command)
     with open(os.path.join(args.out, "results.md"), "w") as f:
@@ -199,20 +262,32 @@ def markdown(results: list[dict], command: str) -> str:
     import torch
     import trl
 
-    lines = [f"`{command}` ({time.strftime('%Y-%m-%d')}; torch {torch.__version__}, TRL {trl.__version__}, 1 thread, "
-             f"{os.cpu_count()} vCPU shared)", "",
-             "| method | model | config | ours s/step | TRL s/step | time ours/TRL | CPU s/step ours / TRL | CPU "
-             "ours/TRL | ours tok/s | TRL tok/s | ours peak RSS (MB) | TRL peak RSS (MB) | RSS ours/TRL |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`{command}` ({time.strftime('%Y-%m-%d')}; torch {torch.__version__}, TRL {trl.__version__}, 1 thread, "
+        f"{os.cpu_count()} vCPU shared)",
+        "",
+        "| method | model | config | ours s/step | TRL s/step | time ours/TRL | CPU s/step ours / TRL | CPU "
+        "ours/TRL | ours tok/s | TRL tok/s | ours peak RSS (MB) | TRL peak RSS (MB) | RSS ours/TRL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         o, t = r["ours"], r["trl"]
         cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items() if k != "learning_rate")
-        cells = [r["method"], r["model"], cfg, f"{o['s_per_step']:.3f}", f"{t['s_per_step']:.3f}",
-                 f"**{o['s_per_step'] / t['s_per_step']:.2f}**",
-                 f"{o['cpu_s_per_step']:.3f} / {t['cpu_s_per_step']:.3f}",
-                 f"**{o['cpu_s_per_step'] / t['cpu_s_per_step']:.2f}**", f"{o['tokens_per_s']:.0f}",
-                 f"{t['tokens_per_s']:.0f}", f"{o['peak_rss_mb']:.0f}", f"{t['peak_rss_mb']:.0f}",
-                 f"**{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}**"]
+        cells = [
+            r["method"],
+            r["model"],
+            cfg,
+            f"{o['s_per_step']:.3f}",
+            f"{t['s_per_step']:.3f}",
+            f"**{o['s_per_step'] / t['s_per_step']:.2f}**",
+            f"{o['cpu_s_per_step']:.3f} / {t['cpu_s_per_step']:.3f}",
+            f"**{o['cpu_s_per_step'] / t['cpu_s_per_step']:.2f}**",
+            f"{o['tokens_per_s']:.0f}",
+            f"{t['tokens_per_s']:.0f}",
+            f"{o['peak_rss_mb']:.0f}",
+            f"{t['peak_rss_mb']:.0f}",
+            f"**{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}**",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

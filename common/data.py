@@ -42,7 +42,7 @@ def _columns(row: dict) -> str:
 
 
 def _map_rows(rows: list[dict], fn, what: str) -> list[dict]:
-    """fn over every row; all bad rows' DataErrors become one error, so a file is fixed in one pass, not one per run."""
+    """fn over every row; all bad rows' DataErrors become one error: a file is fixed in one pass, not one per run."""
     out, errors = [], []
     for row in rows:
         try:
@@ -50,8 +50,10 @@ def _map_rows(rows: list[dict], fn, what: str) -> list[dict]:
         except DataError as e:
             errors.append(str(e))
     if errors:
-        raise DataError(f"{len(errors)} bad row(s) for {what} (first {min(len(errors), MAX_SHOWN)}):\n  "
-                        + "\n  ".join(errors[:MAX_SHOWN]))
+        raise DataError(
+            f"{len(errors)} bad row(s) for {what} (first {min(len(errors), MAX_SHOWN)}):\n  "
+            + "\n  ".join(errors[:MAX_SHOWN])
+        )
     return out
 
 
@@ -77,8 +79,9 @@ def _read_file(path: pathlib.Path) -> list[dict]:
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise DataError(f"{name}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); "
-                        "save the file as UTF-8") from None
+        raise DataError(
+            f"{name}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); save the file as UTF-8"
+        ) from None
     if not text.strip():
         raise DataError(f"{name}: the file is empty")
     # `Dataset.to_json` writes JSON Lines even into files named .json: a .json starting with "{" is read as such.
@@ -107,8 +110,10 @@ def _load_saved_dataset(path: pathlib.Path, split: str) -> list[dict]:
     files it finds inside, e.g. a run dir's metrics.jsonl)."""
     if not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
         shown = ", ".join(sorted(os.listdir(path))[:5]) or "nothing"
-        raise DataError(f"{path}: a directory, not a saved HF dataset (save_to_disk's dataset_info.json/state.json "
-                        f"or dataset_dict.json missing; it holds: {shown}); pass a .json/.jsonl/.parquet file")
+        raise DataError(
+            f"{path}: a directory, not a saved HF dataset (save_to_disk's dataset_info.json/state.json "
+            f"or dataset_dict.json missing; it holds: {shown}); pass a .json/.jsonl/.parquet file"
+        )
     import datasets
 
     data = datasets.load_from_disk(str(path))
@@ -119,8 +124,9 @@ def _load_saved_dataset(path: pathlib.Path, split: str) -> list[dict]:
     return [dict(r, _loc=f"{path}:[{i}]") for i, r in enumerate(data.to_list())]
 
 
-def load_rows(spec: str, split: str = "train", convert: str | None = None,
-              field_map: dict[str, str] | None = None) -> list[dict]:
+def load_rows(
+    spec: str, split: str = "train", convert: str | None = None, field_map: dict[str, str] | None = None
+) -> list[dict]:
     """Rows from a local .json/.jsonl/.parquet file, `builtin:<name>`, or a hub id ("org/name" or "org/name:config").
     `field_map` renames columns first ({"question": "prompt"}); then `convert` (a CONVERTERS key) rewrites each row."""
     path = pathlib.Path(spec)
@@ -159,8 +165,13 @@ def load_rows(spec: str, split: str = "train", convert: str | None = None,
 # -------------------------------------------------------------------------------------------------- converters
 def _need(row: dict, field: str, kind: type) -> object:
     if not isinstance(row.get(field), kind):
-        _bad(row, field, f"must be a {kind.__name__}, got {type(row[field]).__name__}" if field in row
-             else f"missing (row has: {_columns(row)})")
+        _bad(
+            row,
+            field,
+            f"must be a {kind.__name__}, got {type(row[field]).__name__}"
+            if field in row
+            else f"missing (row has: {_columns(row)})",
+        )
     return row[field]
 
 
@@ -176,7 +187,8 @@ def _alpaca(row: dict) -> dict:
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
     return _rest(row, "instruction", "input", "output", "system") | {
         "prompt": system + [{"role": "user", "content": user}],
-        "completion": [{"role": "assistant", "content": output}]}
+        "completion": [{"role": "assistant", "content": output}],
+    }
 
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -214,8 +226,9 @@ def question_row(row: dict, instruction: str | None = None) -> dict:
 
         instruction = MATH_INSTRUCTION
     question = _need(row, "question", str)
-    out = _rest(row, "answer") | {"prompt": [{"role": "user", "content": f"{question}\n{instruction}" if instruction
-                                              else question}]}
+    out = _rest(row, "answer") | {
+        "prompt": [{"role": "user", "content": f"{question}\n{instruction}" if instruction else question}]
+    }
     if isinstance(answer := row.get("answer"), str) and "####" in answer:
         return out | {"answer": answer.rsplit("####", 1)[1].strip().replace(",", ""), "solution": answer}
     return out | ({"answer": str(answer)} if answer is not None else {})
@@ -245,21 +258,33 @@ def _extract_prompt(chosen, rejected):
 
 def _check_row(row: dict, kind: str) -> dict:
     # Normalise first: implicit-prompt preference rows and {messages, label} binary rows into prompt/completion form.
-    if kind == "preference" and "prompt" not in row and isinstance(row.get("chosen"), (str, list)) \
-            and type(row.get("rejected")) is type(row["chosen"]):
+    if (
+        kind == "preference"
+        and "prompt" not in row
+        and isinstance(row.get("chosen"), (str, list))
+        and type(row.get("rejected")) is type(row["chosen"])
+    ):
         row = row | dict(zip(("prompt", "chosen", "rejected"), _extract_prompt(row["chosen"], row["rejected"])))
     if kind == "binary" and "messages" in row and "prompt" not in row and "completion" not in row:
         msgs = row["messages"]
-        if not (isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant"):
+        if not (
+            isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant"
+        ):
             _bad(row, "messages", "the last message must be an assistant turn (it becomes the completion)")
         row = _rest(row, "messages") | {"prompt": msgs[:-1], "completion": msgs[-1:]}
     if kind == "prompt" and "prompt" not in row and "question" in row:
         row = question_row(row)
     # (field, may be empty); an SFT row uses whichever of its three layouts it has
-    fields = {"preference": [("prompt", True), ("chosen", False), ("rejected", False)],
-              "binary": [("prompt", True), ("completion", False)], "prompt": [("prompt", False)],
-              "sft": [("messages", False)] if "messages" in row else [("text", False)] if "text" in row
-              else [("prompt", True), ("completion", False)]}[kind]
+    fields = {
+        "preference": [("prompt", True), ("chosen", False), ("rejected", False)],
+        "binary": [("prompt", True), ("completion", False)],
+        "prompt": [("prompt", False)],
+        "sft": [("messages", False)]
+        if "messages" in row
+        else [("text", False)]
+        if "text" in row
+        else [("prompt", True), ("completion", False)],
+    }[kind]
     for field, may_be_empty in fields:
         if field not in row:
             hint = "; sft rows need {prompt, completion}, {messages} or {text}" if kind == "sft" else ""
@@ -268,16 +293,25 @@ def _check_row(row: dict, kind: str) -> dict:
             _bad(row, field, problem)
         first = row[fields[0][0]]
         if isinstance(row[field], list) != isinstance(first, list):  # apply_chat_template or plain text, not both
-            _bad(row, field, f"is a {type(row[field]).__name__} but '{fields[0][0]}' is a {type(first).__name__}: "
-                             "use strings for all fields or message lists for all")
+            _bad(
+                row,
+                field,
+                f"is a {type(row[field]).__name__} but '{fields[0][0]}' is a {type(first).__name__}: "
+                "use strings for all fields or message lists for all",
+            )
     if fields[0][0] == "messages":
         if not any(m["role"] == "assistant" and m["content"].strip() for m in row["messages"]):
             _bad(row, "messages", "has no assistant turn with content, so there is nothing to learn")
         if row["messages"][0]["role"] == "assistant":
             _bad(row, "messages", "starts with an assistant turn, which answers nothing (add the user turn before it)")
     if kind == "binary" and type(row.get("label")) is not bool:  # 1, "true", None are not labels: say so, no guessing
-        _bad(row, "label", f"must be a JSON boolean (true/false), got {type(row['label']).__name__} {row['label']!r}"
-             if "label" in row else "missing")
+        _bad(
+            row,
+            "label",
+            f"must be a JSON boolean (true/false), got {type(row['label']).__name__} {row['label']!r}"
+            if "label" in row
+            else "missing",
+        )
     return row
 
 
@@ -291,13 +325,17 @@ def validate_rows(rows: list[dict], kind: str) -> list[dict]:
         raise DataError(f"no rows to validate for {kind} data")
     rows = _map_rows(rows, lambda row: _check_row(row, kind), f"{kind} data")
     if kind == "preference" and (same := [r.get("_loc") for r in rows if r["chosen"] == r["rejected"]]):
-        warnings.warn(f"{len(same)} of {len(rows)} preference rows have chosen == rejected ({_first(same)}). They are "
-                      "kept, but their pairwise loss term is constant (ln 2 for sigmoid DPO) with zero gradient, so "
-                      "they only dilute each batch: remove them unless that is intended.")
+        warnings.warn(
+            f"{len(same)} of {len(rows)} preference rows have chosen == rejected ({_first(same)}). They are "
+            "kept, but their pairwise loss term is constant (ln 2 for sigmoid DPO) with zero gradient, so "
+            "they only dilute each batch: remove them unless that is intended."
+        )
     if kind == "binary" and len(labels := {r["label"] for r in rows}) == 1:
         side = "desirable" if (label := labels.pop()) else "undesirable"
-        warnings.warn(f"all {len(rows)} binary rows are labelled {label}: KTO needs desirable (true) and undesirable "
-                      f"(false) examples. Training still runs, but only the {side} half of the loss has signal.")
+        warnings.warn(
+            f"all {len(rows)} binary rows are labelled {label}: KTO needs desirable (true) and undesirable "
+            f"(false) examples. Training still runs, but only the {side} half of the loss has signal."
+        )
     return rows
 
 
@@ -323,9 +361,11 @@ def _through_last(ids: list[int], token_id: int) -> list[int]:
 
 def _check_prefix(prefix: str, text: str, loc: str):
     if not text.startswith(prefix):
-        raise DataError(f"{loc}: the chat template renders this chat's start differently when more turns follow (no "
-                        "prefix property, e.g. it rewrites earlier turns), so the assistant tokens can't be found. Use "
-                        "a built-in template (--template chatml) or one that renders each turn the same way.")
+        raise DataError(
+            f"{loc}: the chat template renders this chat's start differently when more turns follow (no "
+            "prefix property, e.g. it rewrites earlier turns), so the assistant tokens can't be found. Use "
+            "a built-in template (--template chatml) or one that renders each turn the same way."
+        )
 
 
 def _encode(tokenizer, prompt, completion, loc: str) -> tuple[list[int], list[int]]:
@@ -349,7 +389,7 @@ def _fit(prompt_ids: list[int], completions: list[list[int]], max_length: int | 
     """Keep the prompt's end (max_prompt_length), then cut completions from the right so each pair fits max_length;
     None when a completion would be left empty."""
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
-        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length:]
+        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :]
     if max_length is not None:
         completions = [c[: max(max_length - len(prompt_ids), 0)] for c in completions]
     return (prompt_ids, completions) if all(completions) else None
@@ -367,8 +407,8 @@ def _messages_ids(tokenizer, messages: list[dict], loc: str) -> tuple[list[int],
         _check_prefix(through, text, loc)
         # Token positions via common prefixes, which stay right if BPE merges across a turn boundary.
         start = _common_prefix(_ids(tokenizer, before), ids)
-        turn = _through_last(ids[start: _common_prefix(_ids(tokenizer, through), ids)], tokenizer.eos_token_id)
-        mask[start: start + len(turn)] = [1] * len(turn)
+        turn = _through_last(ids[start : _common_prefix(_ids(tokenizer, through), ids)], tokenizer.eos_token_id)
+        mask[start : start + len(turn)] = [1] * len(turn)
     return ids, mask
 
 
@@ -392,8 +432,9 @@ def tokenize_sft(tokenizer, row: dict, max_length: int | None, completion_only_l
     return {"input_ids": input_ids, "completion_mask": mask if completion_only_loss else [1] * len(input_ids)}
 
 
-def tokenize_preference(tokenizer, row: dict, max_length: int | None,
-                        max_prompt_length: int | None = None) -> dict | None:
+def tokenize_preference(
+    tokenizer, row: dict, max_length: int | None, max_prompt_length: int | None = None
+) -> dict | None:
     """{prompt_ids, chosen_ids, rejected_ids}; completions end with the end-of-turn/EOS token. Truncation: _fit."""
     prompt_ids, chosen = _encode(tokenizer, row["prompt"], row["chosen"], row.get("_loc", "<row>"))
     other_ids, rejected = _encode(tokenizer, row["prompt"], row["rejected"], row.get("_loc", "<row>"))
@@ -413,7 +454,9 @@ def tokenize_binary(tokenizer, row: dict, max_length: int | None, max_prompt_len
 def tokenize_prompt(tokenizer, row: dict, max_prompt_length: int | None) -> dict | None:
     """{prompt_ids}, conversational prompts rendered with the generation prompt; None (drop) when too long."""
     prompt = row["prompt"]
-    ids = _ids(tokenizer, _chat(tokenizer, prompt, True)) if isinstance(prompt, list) else _ids(tokenizer, prompt, True)
+    ids = (
+        _ids(tokenizer, _chat(tokenizer, prompt, True)) if isinstance(prompt, list) else _ids(tokenizer, prompt, True)
+    )
     return None if max_prompt_length is not None and len(ids) > max_prompt_length else {"prompt_ids": ids}
 
 
@@ -431,8 +474,10 @@ def tokenize_dataset(tokenizer, rows: list[dict], kind: str, max_length: int | N
             examples.append((row if kind == "prompt" else {"_loc": row.get("_loc")}) | example)
     if dropped:
         what = "the prompt is too long" if kind == "prompt" else "no completion token would be left"
-        warnings.warn(f"dropped {len(dropped)} of {len(rows)} {kind} rows because {what} at a limit of {max_length} "
-                      f"tokens: {_first(dropped)}. Raise the limit to keep them.")
+        warnings.warn(
+            f"dropped {len(dropped)} of {len(rows)} {kind} rows because {what} at a limit of {max_length} "
+            f"tokens: {_first(dropped)}. Raise the limit to keep them."
+        )
     if not examples:
         raise DataError(f"no {kind} rows left after tokenization with a limit of {max_length} tokens")
     return examples
@@ -455,23 +500,30 @@ def collate_sft(examples: list[dict], pad_id: int) -> dict:
     """Right-padded input_ids, attention_mask, completion_mask (B, T); masks come from lengths, never from pad ids
     (with pad == eos, a pad-derived mask would drop the EOS the model must learn to emit)."""
     ids = [e["input_ids"] for e in examples]
-    return {"input_ids": pad_batch(ids, pad_id), "attention_mask": pad_batch([[1] * len(x) for x in ids], 0),
-            "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0)}
+    return {
+        "input_ids": pad_batch(ids, pad_id),
+        "attention_mask": pad_batch([[1] * len(x) for x in ids], 0),
+        "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0),
+    }
 
 
-def concat_prompt_completion(prompt_ids_list: list[list[int]], completion_ids_list: list[list[int]], pad_id: int,
-                             side: str = "right") -> dict:
+def concat_prompt_completion(
+    prompt_ids_list: list[list[int]], completion_ids_list: list[list[int]], pad_id: int, side: str = "right"
+) -> dict:
     """Prompt + completion per row, padded: input_ids, attention_mask, completion_mask (1 on completion tokens)."""
     pairs = list(zip(prompt_ids_list, completion_ids_list, strict=True))
     seqs = [list(p) + list(c) for p, c in pairs]
-    return {"input_ids": pad_batch(seqs, pad_id, side),
-            "attention_mask": pad_batch([[1] * len(s) for s in seqs], 0, side),
-            "completion_mask": pad_batch([[0] * len(p) + [1] * len(c) for p, c in pairs], 0, side)}
+    return {
+        "input_ids": pad_batch(seqs, pad_id, side),
+        "attention_mask": pad_batch([[1] * len(s) for s in seqs], 0, side),
+        "completion_mask": pad_batch([[0] * len(p) + [1] * len(c) for p, c in pairs], 0, side),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------- packing
 def concat_pairs(examples: list[dict], pad_id: int, device) -> dict:
-    """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated batch)."""
+    """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated
+    batch)."""
     prompts = [e["prompt_ids"] for e in examples]
     completions = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
     return {k: v.to(device) for k, v in concat_prompt_completion(prompts + prompts, completions, pad_id).items()}
@@ -510,8 +562,11 @@ def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False)
     width = max(len(e["input_ids"]) for e in examples)
     # Padding positions restart at 0 too, so the padding is one more (loss-masked) document, never part of a real one.
     positions = [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples]
-    return {"input_ids": pad_batch([e["input_ids"] for e in examples], pad_id), "position_ids": pad_batch(positions, 0),
-            "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0)}
+    return {
+        "input_ids": pad_batch([e["input_ids"] for e in examples], pad_id),
+        "position_ids": pad_batch(positions, 0),
+        "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0),
+    }
 
 
 def dataset_label(spec: str) -> str:

@@ -97,8 +97,12 @@ def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
     model.hf_quantizer = None
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 plus 7?"}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12 plus 7?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir)
     with torch.no_grad():
         if not torch.equal(model(ids).logits, reloaded(ids).logits):
@@ -128,8 +132,12 @@ def resolve_model(name: str) -> str:
             _convert(gguf_path, tmp)
             files = {p.name: p.stat().st_size for p in pathlib.Path(tmp).iterdir() if p.is_file()}
             deps = [m for m in ("torch", "transformers", "gguf") if importlib.util.find_spec(m)]  # provenance only
-            marker = {"format": MARKER_FORMAT, "source": source, "files": files,
-                      "versions": {m: importlib.metadata.version(m) for m in deps}}
+            marker = {
+                "format": MARKER_FORMAT,
+                "source": source,
+                "files": files,
+                "versions": {m: importlib.metadata.version(m) for m in deps},
+            }
             pathlib.Path(tmp, MARKER).write_text(json.dumps(marker, indent=1))
             os.rename(tmp, folder)  # atomic: readers see no folder or a whole one
         finally:
@@ -138,8 +146,20 @@ def resolve_model(name: str) -> str:
 
 
 # ---- Procedural grade-school math (GSM8K answer format: worked steps, then "#### N") ----
-NAMES = {"Tom": "he", "Mia": "she", "Sam": "he", "Lily": "she", "Ben": "he", "Ava": "she", "Leo": "he", "Zoe": "she",
-         "Max": "he", "Emma": "she", "Omar": "he", "Nina": "she"}
+NAMES = {
+    "Tom": "he",
+    "Mia": "she",
+    "Sam": "he",
+    "Lily": "she",
+    "Ben": "he",
+    "Ava": "she",
+    "Leo": "he",
+    "Zoe": "she",
+    "Max": "he",
+    "Emma": "she",
+    "Omar": "he",
+    "Nina": "she",
+}
 ITEMS = ["apples", "marbles", "stickers", "pencils", "cookies", "books", "cards", "shells", "stamps", "balloons"]
 PRICED = ["pen", "notebook", "toy car", "sandwich", "ticket", "comic"]
 # Chosen by measurement: SmolLM2-135M ended 43/50 answers with "#### N" under it (34/50 for "Explain briefly, then
@@ -204,7 +224,8 @@ def _problem(rng: random.Random):
     else:
         k, b = rng.randint(3, 9), c
         a, c = k * b, rng.randint(1, k - 1)
-        q = f"{N} puts {a} {it} equally into {b} jars. Then {p} takes {c} out of one jar. How many {it} are left in it?"
+        q = f"{N} puts {a} {it} equally into {b} jars. Then {p} takes {c} out of one jar. "
+        q += f"How many {it} are left in it?"
         s = [("Each jar gets ", a, "/", b, it), (f"After taking {c} out, that jar has ", k, "-", c, it)]
     results = [{"+": x + y, "-": x - y, "*": x * y, "/": x // y}[op] for _, x, op, y, _ in s]
     steps = [f"{text}{x} {op} {y} = {r} {unit}." for (text, x, op, y, unit), r in zip(s, results)]
@@ -253,7 +274,9 @@ SPLIT_SIZES = {"train": 2000, "test": 200}
 def builtin_rows(name: str, split: str = "train") -> list[dict]:
     """Rows for the dataset spec builtin:<name> (see BUILTIN_NAMES); splits "train" (2,000) and "test" (200)."""
     if name not in BUILTIN_NAMES or split not in SPLIT_SIZES:
-        raise ValueError(f"unknown builtin:{name} / split {split!r}; names: {list(BUILTIN_NAMES)}, splits: train, test")
+        raise ValueError(
+            f"unknown builtin:{name} / split {split!r}; names: {list(BUILTIN_NAMES)}, splits: train, test"
+        )
     # Train and test come from disjoint (kind, numbers) combinations; names and items vary within each.
     problems = make_math_problems(SPLIT_SIZES[split], 0, keep=lambda key: _is_test_problem(key) == (split == "test"))
     rng = random.Random(f"slips-{split}")
@@ -263,10 +286,12 @@ def builtin_rows(name: str, split: str = "train") -> list[dict]:
         right = [{"role": "assistant", "content": pb["answer"]}]
         wrong = [{"role": "assistant", "content": _wrong(pb["answer"], rng)}]  # always drawn: same slips per name
         good = i % 2 == 0  # alternating labels keep math_binary exactly balanced
-        rows.append({
-            "math": {"prompt": prompt, "answer": pb["answer"].rsplit("#### ", 1)[1]},
-            "math_sft": {"prompt": prompt, "completion": right},
-            "math_preference": {"prompt": prompt, "chosen": right, "rejected": wrong},
-            "math_binary": {"prompt": prompt, "completion": right if good else wrong, "label": good},
-        }[name])
+        rows.append(
+            {
+                "math": {"prompt": prompt, "answer": pb["answer"].rsplit("#### ", 1)[1]},
+                "math_sft": {"prompt": prompt, "completion": right},
+                "math_preference": {"prompt": prompt, "chosen": right, "rejected": wrong},
+                "math_binary": {"prompt": prompt, "completion": right if good else wrong, "label": good},
+            }[name]
+        )
     return rows

@@ -39,8 +39,10 @@ def _is_cached(repo_id: str, kind: str) -> bool:
         return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
     import datasets.config  # a hub dataset leaves its files in the hub cache and its Arrow tables in datasets' own
 
-    folders = (os.path.join(constants.HF_HUB_CACHE, "datasets--" + repo_id.replace("/", "--")),
-               os.path.join(datasets.config.HF_DATASETS_CACHE, repo_id.replace("/", "___")))
+    folders = (
+        os.path.join(constants.HF_HUB_CACHE, "datasets--" + repo_id.replace("/", "--")),
+        os.path.join(datasets.config.HF_DATASETS_CACHE, repo_id.replace("/", "___")),
+    )
     return any(os.path.isdir(f) for f in folders)
 
 
@@ -57,5 +59,7 @@ def check_hub(repo_id: str, kind: str) -> bool:
         return False
     if _is_cached(repo_id, kind):
         return True
-    raise HubUnavailable(f"cannot fetch {kind} '{repo_id}': it is not in the local cache and {why}; download it "
-                         f"where the hub is reachable, or pass a local copy: {flag}")
+    raise HubUnavailable(
+        f"cannot fetch {kind} '{repo_id}': it is not in the local cache and {why}; download it "
+        f"where the hub is reachable, or pass a local copy: {flag}"
+    )

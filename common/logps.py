@@ -1,6 +1,7 @@
 """Shared numerics: per-token log-probs (chunked over rows, never the full (N, V) fp32 logits), masked reductions,
-the k3 KL estimator, GRPO group advantages and GRPO loss aggregation. Every formula is stated in its docstring and checked
-against a naive reference in tests/test_logps.py; the GRPO pieces match TRL 1.16's GRPOTrainer (cited per function).
+the k3 KL estimator, GRPO group advantages and GRPO loss aggregation. Every formula is stated in its docstring and
+checked against a naive reference in tests/test_logps.py; the GRPO pieces match TRL 1.16's GRPOTrainer (cited per
+function).
 """
 
 import torch
@@ -168,8 +169,9 @@ def completion_logps(model, batch: dict):
     return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
 
 
-def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_id, temperature=1.0, chunk_size=1024,
-                             return_entropy=False):
+def grouped_completion_logps(
+    model, prompt_ids, completion_ids, group_size, pad_id, temperature=1.0, chunk_size=1024, return_entropy=False
+):
     """per_token_logps[r, t] = log p(completion_ids[r][t] | prompt_ids[r // G], completion_ids[r][:t]), (B*G, C) fp32,
     0 past each completion's end; each of the B prompts runs through the backbone ONCE for its group of G completions.
 
@@ -187,8 +189,15 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
         # would silently not see their prompt).
         rows = [p for p in prompt_ids for _ in range(group_size)]
         seqs = {k: v.to(device) for k, v in concat_prompt_completion(rows, completion_ids, pad_id).items()}
-        out = sequence_logps(model, seqs["input_ids"], seqs["attention_mask"], seqs["completion_mask"],
-                             temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+        out = sequence_logps(
+            model,
+            seqs["input_ids"],
+            seqs["attention_mask"],
+            seqs["completion_mask"],
+            temperature=temperature,
+            chunk_size=chunk_size,
+            return_entropy=return_entropy,
+        )
         out, scored = out if return_entropy else (out,), seqs["completion_mask"].bool()
         # Row-major, both masks list each row's completion tokens in order: move them to the (B*G, C) layout.
         picked = [torch.zeros(c_mask.shape, device=device).masked_scatter(c_mask.bool(), x[scored]) for x in out]
@@ -197,14 +206,24 @@ def grouped_completion_logps(model, prompt_ids, completion_ids, group_size, pad_
     p_mask = pad_batch([[1] * len(p) for p in prompt_ids], 0, "left").to(device)
     cache = DynamicCache(config=lm.config)
     cache_kw = {cache_kwarg(decoder): cache}  # "cache" (transformers >= 5.24) or "past_key_values"
-    p_out = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, **cache_kw)
+    p_out = decoder(
+        input_ids=p_ids,
+        attention_mask=p_mask,
+        position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        **cache_kw,
+    )
     cache.batch_repeat_interleave(group_size)  # (B*G, ...) views of one computation: its gradient sums over the group
     c_ids = pad_batch(completion_ids, pad_id).to(device)  # (B*G, C)
     # Completion positions continue each prompt's real length (left padding does not count), as in generation.
     c_pos = p_mask.sum(-1).repeat_interleave(group_size)[:, None] + torch.arange(c_ids.shape[1], device=device)
-    c_out = decoder(input_ids=c_ids, attention_mask=torch.cat([p_mask.repeat_interleave(group_size, 0), c_mask], 1),
-                    position_ids=c_pos, use_cache=True, **cache_kw)
+    c_out = decoder(
+        input_ids=c_ids,
+        attention_mask=torch.cat([p_mask.repeat_interleave(group_size, 0), c_mask], 1),
+        position_ids=c_pos,
+        use_cache=True,
+        **cache_kw,
+    )
     # The state before token t predicts it: the prompt's last one for t = 0, then the completion's own.
     first = p_out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([first, c_out.last_hidden_state[:, :-1]], 1)  # (B*G, C, H)

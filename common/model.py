@@ -66,8 +66,14 @@ def resolve_attn(attn_implementation: str, device: torch.device) -> str:
     return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
-def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto", quantization: str | None = None,
-               gradient_checkpointing: bool = False, trust_remote_code: bool = False):
+def load_model(
+    name: str,
+    dtype: str = "auto",
+    attn_implementation: str = "auto",
+    quantization: str | None = None,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+):
     """Load (model, tokenizer) from a hub id, a local path or an embedded alias such as 'smollm2-135m'.
     quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", through bitsandbytes (>= 0.48 runs on CPU too);
     the quantized base is frozen and prepared for k-bit training (norms in fp32, input grads for checkpointing)."""
@@ -79,8 +85,10 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     if looks_local(path) and not os.path.exists(path):
         raise ModelError(f"--model {name}: no such file or directory")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ModelError(f"--model {name}: the folder {path} has no config.json, so it is not a model "
-                         f"(it holds: {', '.join(sorted(os.listdir(path))[:5]) or 'nothing'})")
+        raise ModelError(
+            f"--model {name}: the folder {path} has no config.json, so it is not a model "
+            f"(it holds: {', '.join(sorted(os.listdir(path))[:5]) or 'nothing'})"
+        )
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
     if quantization is not None:
@@ -88,8 +96,12 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=quantization == "4bit", load_in_8bit=quantization == "8bit", bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch_dtype)
+            load_in_4bit=quantization == "4bit",
+            load_in_8bit=quantization == "8bit",
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch_dtype,
+        )
         kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}  # quantized on load
     if not os.path.isdir(path):  # a hub id: fail in seconds when it can be neither fetched nor found in the cache
         from common.hub import check_hub
@@ -128,8 +140,14 @@ def load_model(name: str, dtype: str = "auto", attn_implementation: str = "auto"
     return model, tokenizer
 
 
-def attach_lora(model, adapter: str | None = None, r: int = 16, alpha: int = 32, dropout: float = 0.05,
-                target_modules: str | list[str] = "all-linear"):
+def attach_lora(
+    model,
+    adapter: str | None = None,
+    r: int = 16,
+    alpha: int = 32,
+    dropout: float = 0.05,
+    target_modules: str | list[str] = "all-linear",
+):
     """Wrap the model in PEFT with a trainable "default" adapter, loaded from `adapter` (sft.py's output) or new."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -140,8 +158,12 @@ def attach_lora(model, adapter: str | None = None, r: int = 16, alpha: int = 32,
         # wrap (checkpointing on or off); nothing we call can avoid it, so only that one warning is hidden, here.
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         if adapter is None:
-            return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                                                    target_modules=target_modules, task_type="CAUSAL_LM"))
+            return get_peft_model(
+                model,
+                LoraConfig(
+                    r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
+                ),
+            )
         try:
             return PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
         except RuntimeError as e:  # PEFT lists every mismatched tensor (52 lines for a 135M model): name the models
@@ -150,9 +172,11 @@ def attach_lora(model, adapter: str | None = None, r: int = 16, alpha: int = 32,
             with open(os.path.join(adapter, "adapter_config.json")) as f:
                 trained_on = json.load(f).get("base_model_name_or_path")
             first = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
-            raise ModelError(f"--adapter {adapter} was trained on {trained_on!r}, whose shapes differ from the base "
-                             f"--model {model.config._name_or_path!r} ({str(e).count('size mismatch')} tensors, "
-                             f"e.g. {first[:200]})") from None
+            raise ModelError(
+                f"--adapter {adapter} was trained on {trained_on!r}, whose shapes differ from the base "
+                f"--model {model.config._name_or_path!r} ({str(e).count('size mismatch')} tensors, "
+                f"e.g. {first[:200]})"
+            ) from None
 
 
 def is_peft(model) -> bool:
@@ -237,8 +261,20 @@ def base_identity(model, dtype: str | None = None, quantization: str | None = No
     if (saved := getattr(model, "base_identity", None)) is not None:
         return saved
     base = model.get_base_model() if is_peft(model) else model
-    config = {k: v for k, v in base.config.to_dict().items() if not k.startswith("_") and k not in (
-        "use_cache", "dtype", "torch_dtype", "transformers_version", "quantization_config", "attn_implementation")}
+    config = {
+        k: v
+        for k, v in base.config.to_dict().items()
+        if not k.startswith("_")
+        and k
+        not in (
+            "use_cache",
+            "dtype",
+            "torch_dtype",
+            "transformers_version",
+            "quantization_config",
+            "attn_implementation",
+        )
+    }
     params = [(n.replace(".base_layer.", "."), p) for n, p in base.named_parameters() if "lora_" not in n]
     h = hashlib.sha256()
     for name, p in (params[0], params[len(params) // 2], params[-1]):
@@ -246,9 +282,12 @@ def base_identity(model, dtype: str | None = None, quantization: str | None = No
         values = torch.cat([flat[:1024], flat[-1024:]]).to("cpu", torch.bfloat16).view(torch.int16)
         h.update(f"{name}{tuple(p.shape)}".encode())
         h.update(values.numpy().tobytes())
-    return {"base.config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-            "base.weights_sha256": h.hexdigest(), "dtype": dtype or str(base.dtype).removeprefix("torch."),
-            "quantization": quantization}
+    return {
+        "base.config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "base.weights_sha256": h.hexdigest(),
+        "dtype": dtype or str(base.dtype).removeprefix("torch."),
+        "quantization": quantization,
+    }
 
 
 def adapter_hash(model, slot: str = REF) -> str:

@@ -93,7 +93,9 @@ def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
     for completion, ref in zip(completions, answer or [None] * len(completions), strict=True):
         truth = None if ref is None else normalize_number(extract_answer(str(ref)))
         guess = normalize_number(extract_answer(completion))
-        rewards.append(None if truth is None else float(guess is not None and math.isclose(guess, truth, rel_tol=1e-6)))
+        rewards.append(
+            None if truth is None else float(guess is not None and math.isclose(guess, truth, rel_tol=1e-6))
+        )
     return rewards
 
 
@@ -101,11 +103,50 @@ def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
 # An assert test is judged here, out of the solution's reach: the sandbox evaluates only its parts that need the
 # solution (a call of its function, a name it defines: "queries") and returns their values as literals; the rest
 # (==, <, abs(), sorted(), math.isclose(), the expected values) is evaluated here on those values.
-_PURE = {f.__name__: f for f in (abs, all, any, bool, dict, float, frozenset, int, len, list, max, min, round, set,
-                                 sorted, str, sum, tuple)} | {"math": types.SimpleNamespace(isclose=math.isclose)}
-_HERE = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare,
-         ast.IfExp, ast.Subscript, ast.Slice, ast.Starred, ast.keyword, ast.operator, ast.unaryop, ast.boolop,
-         ast.cmpop, ast.expr_context)
+_PURE = {
+    f.__name__: f
+    for f in (
+        abs,
+        all,
+        any,
+        bool,
+        dict,
+        float,
+        frozenset,
+        int,
+        len,
+        list,
+        max,
+        min,
+        round,
+        set,
+        sorted,
+        str,
+        sum,
+        tuple,
+    )
+} | {"math": types.SimpleNamespace(isclose=math.isclose)}
+_HERE = (
+    ast.Constant,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.BoolOp,
+    ast.Compare,
+    ast.IfExp,
+    ast.Subscript,
+    ast.Slice,
+    ast.Starred,
+    ast.keyword,
+    ast.operator,
+    ast.unaryop,
+    ast.boolop,
+    ast.cmpop,
+    ast.expr_context,
+)
 
 
 def _split_assert(test: str, queries: list[str]):
@@ -156,8 +197,11 @@ def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
         tests = json.loads(tests) if tests.lstrip().startswith(("[", "{")) else [tests]
     if isinstance(tests, dict):
         tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
-    passed = sum(_lines(run_python(code, t["input"], timeout, **sandbox)) == _lines(t["output"])
-                 for t in tests if isinstance(t, dict))
+    passed = sum(
+        _lines(run_python(code, t["input"], timeout, **sandbox)) == _lines(t["output"])
+        for t in tests
+        if isinstance(t, dict)
+    )
     queries = []
     asserts = [_split_assert(t, queries) for t in tests if isinstance(t, str)]
     if asserts:
@@ -180,8 +224,10 @@ def code_reward(prompts, completions, test_cases=None, **kw) -> list[float | Non
     """Fraction of the row's `test_cases` that the completion's code passes (run_code_tests); None if it has none.
     Samples run on a few threads: each run is a separate process, so the threads only wait."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        jobs = [None if not t else pool.submit(run_code_tests, extract_code(c), t)
-                for c, t in zip(completions, test_cases or [None] * len(completions), strict=True)]
+        jobs = [
+            None if not t else pool.submit(run_code_tests, extract_code(c), t)
+            for c, t in zip(completions, test_cases or [None] * len(completions), strict=True)
+        ]
         return [None if j is None else j.result() for j in jobs]
 
 
@@ -191,8 +237,15 @@ def format_reward(prompts, completions, **kw) -> list[float]:
     each tag exactly once; else 0.0. Counting tags instead of a lazy regex keeps it linear on long completions."""
     tags = ("<think>", "</think>", "<answer>", "</answer>")
     texts = [_text(c).strip() for c in completions]
-    return [float(all(t.count(tag) == 1 for tag in tags) and t.startswith(tags[0]) and t.endswith(tags[3])
-                  and re.search(r"</think>\s*<answer>", t) is not None) for t in texts]
+    return [
+        float(
+            all(t.count(tag) == 1 for tag in tags)
+            and t.startswith(tags[0])
+            and t.endswith(tags[3])
+            and re.search(r"</think>\s*<answer>", t) is not None
+        )
+        for t in texts
+    ]
 
 
 _NUMBER = r"\$?(-?[\d,]*\d(?:\.\d+)?)"
@@ -212,8 +265,15 @@ def gsm8k_format_reward(prompts, completions, **kw) -> list[float]:
     return scores
 
 
-_JSON_TYPES = {"object": dict, "array": list, "string": str, "number": (int, float), "integer": int,
-               "boolean": bool, "null": type(None)}
+_JSON_TYPES = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "number": (int, float),
+    "integer": int,
+    "boolean": bool,
+    "null": type(None),
+}
 
 
 def _schema_ok(value, schema: dict) -> bool:
@@ -226,7 +286,8 @@ def _schema_ok(value, schema: dict) -> bool:
         return False
     if isinstance(value, dict):
         return all(k in value for k in schema.get("required", [])) and all(
-            _schema_ok(value[k], s) for k, s in schema.get("properties", {}).items() if k in value)
+            _schema_ok(value[k], s) for k, s in schema.get("properties", {}).items() if k in value
+        )
     return not isinstance(value, list) or all(_schema_ok(v, schema.get("items", {})) for v in value)
 
 
@@ -248,8 +309,10 @@ def json_reward(prompts, completions, json_schema=None, **kw) -> list[float]:
 def regex_reward(prompts, completions, pattern=None, **kw) -> list[float | None]:
     """1.0 if the stripped completion fullmatches the row's `pattern` (re.DOTALL), else 0.0; None without one.
     Patterns come from your data: one with nested quantifiers can backtrack exponentially."""
-    return [None if p is None else float(re.fullmatch(p, _text(c).strip(), re.DOTALL) is not None)
-            for c, p in zip(completions, pattern or [None] * len(completions), strict=True)]
+    return [
+        None if p is None else float(re.fullmatch(p, _text(c).strip(), re.DOTALL) is not None)
+        for c, p in zip(completions, pattern or [None] * len(completions), strict=True)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- length
@@ -259,8 +322,9 @@ def _lengths(completions, completion_ids) -> list[int]:
     return [len(x) for x in tokens_or_words]
 
 
-def soft_overlong_reward(prompts, completions, max_completion_length=None, completion_ids=None, overlong_buffer=None,
-                         **kw) -> list[float]:
+def soft_overlong_reward(
+    prompts, completions, max_completion_length=None, completion_ids=None, overlong_buffer=None, **kw
+) -> list[float]:
     """DAPO eq. 13 (arXiv:2503.14476; TRL's get_soft_overlong_punishment), L_max = max_completion_length,
     L_cache = overlong_buffer (default L_max // 5: DAPO's 4,096 of 20,480):
     0 if |y| <= L_max - L_cache; (L_max - L_cache - |y|) / L_cache up to L_max; -1 beyond. A completion cut at
@@ -269,21 +333,27 @@ def soft_overlong_reward(prompts, completions, max_completion_length=None, compl
         raise ValueError("the length reward needs max_completion_length (grpo.py passes it)")
     l_cache = max_completion_length // 5 if overlong_buffer is None else overlong_buffer
     free = max_completion_length - l_cache
-    return [0.0 if n <= free else (free - n) / l_cache if n <= max_completion_length else -1.0
-            for n in _lengths(completions, completion_ids)]
+    return [
+        0.0 if n <= free else (free - n) / l_cache if n <= max_completion_length else -1.0
+        for n in _lengths(completions, completion_ids)
+    ]
 
 
 def target_length_reward(prompts, completions, target_length=None, completion_ids=None, **kw) -> list[float | None]:
     """-|len - target| / target, target from the row field (a list) or a kwarg (one int) `target_length`; None
     without one. len counted as in soft_overlong_reward."""
     targets = target_length if isinstance(target_length, list) else [target_length] * len(completions)
-    return [None if t is None else -abs(n - t) / t
-            for n, t in zip(_lengths(completions, completion_ids), targets, strict=True)]
+    return [
+        None if t is None else -abs(n - t) / t
+        for n, t in zip(_lengths(completions, completion_ids), targets, strict=True)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- api judge
-JUDGE_TEMPLATE = ("Rate the response to the question from 0 to 10. Reply with 'Score: N'.\n\nQuestion:\n{prompt}\n\n"
-                  "Reference answer (may be empty):\n{answer}\n\nResponse:\n{completion}")
+JUDGE_TEMPLATE = (
+    "Rate the response to the question from 0 to 10. Reply with 'Score: N'.\n\nQuestion:\n{prompt}\n\n"
+    "Reference answer (may be empty):\n{answer}\n\nResponse:\n{completion}"
+)
 
 
 class ApiJudge:
@@ -294,9 +364,18 @@ class ApiJudge:
     number). 429, 5xx, timeouts and connection errors are retried with exponential backoff, then a RuntimeError
     names the URL: an unreachable judge stops training rather than silently rewarding 0."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, template: str = JUDGE_TEMPLATE,
-                 max_score: float = 10.0, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
-                 max_workers: int = 8):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        template: str = JUDGE_TEMPLATE,
+        max_score: float = 10.0,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff: float = 1.0,
+        max_workers: int = 8,
+    ):
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.template, self.max_score = model, template, max_score
         self.api_key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
@@ -339,8 +418,10 @@ class ApiJudge:
 def _env_judge() -> ApiJudge:
     url, model = os.environ.get("ONLYONE_JUDGE_URL"), os.environ.get("ONLYONE_JUDGE_MODEL")
     if not url or not model:
-        raise RuntimeError("reward 'api' needs ONLYONE_JUDGE_URL (e.g. http://localhost:8000/v1) and "
-                           "ONLYONE_JUDGE_MODEL (OPENAI_API_KEY if the endpoint wants one)")
+        raise RuntimeError(
+            "reward 'api' needs ONLYONE_JUDGE_URL (e.g. http://localhost:8000/v1) and "
+            "ONLYONE_JUDGE_MODEL (OPENAI_API_KEY if the endpoint wants one)"
+        )
     return ApiJudge(url, model)
 
 
@@ -350,9 +431,17 @@ def api_reward(prompts, completions, **kw) -> list[float | None]:
 
 
 # ---------------------------------------------------------------------------------------------------- registry
-REWARD_FUNCS = {"math": math_reward, "code": code_reward, "format": format_reward, "gsm8k_format": gsm8k_format_reward,
-                "json": json_reward, "regex": regex_reward, "length": soft_overlong_reward,
-                "target_length": target_length_reward, "api": api_reward}
+REWARD_FUNCS = {
+    "math": math_reward,
+    "code": code_reward,
+    "format": format_reward,
+    "gsm8k_format": gsm8k_format_reward,
+    "json": json_reward,
+    "regex": regex_reward,
+    "length": soft_overlong_reward,
+    "target_length": target_length_reward,
+    "api": api_reward,
+}
 # The row fields a reward needs to score a row at all (without them it returns None); a custom module:function reward
 # may declare its own `fn.needs = ("field",)`. check_reward_fields refuses data that no chosen reward can score.
 math_reward.needs, code_reward.needs, regex_reward.needs = ("answer",), ("test_cases",), ("pattern",)
@@ -392,8 +481,10 @@ def check_reward_fields(rows: list[dict], funcs) -> None:
     if bad:
         has = [", ".join(k for k, v in r.items() if k != "_loc" and v is not None) for r in bad[:MAX_SHOWN]]
         shown = "\n  ".join(f"{r.get('_loc', '<row>')}: row has {h}" for r, h in zip(bad, has, strict=False))
-        raise DataError(f"{len(bad)} of {len(rows)} rows cannot be scored by the chosen rewards ({wanted}); "
-                        f"first {min(len(bad), MAX_SHOWN)}:\n  {shown}")
+        raise DataError(
+            f"{len(bad)} of {len(rows)} rows cannot be scored by the chosen rewards ({wanted}); "
+            f"first {min(len(bad), MAX_SHOWN)}:\n  {shown}"
+        )
 
 
 _warned_all_none: set[str] = set()

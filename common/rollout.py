@@ -46,16 +46,24 @@ def _result(prompt_ids, completion_ids, eos, tokenizer, logprobs=None) -> dict:
     cut = [cut_at_eos(list(c), eos) for c in completion_ids]
     ids = [c for c, _ in cut]
     return {
-        "prompt_ids": [list(p) for p in prompt_ids], "completion_ids": ids,
-        "completions": tokenizer.batch_decode(ids, skip_special_tokens=True), "truncated": [t for _, t in cut],
+        "prompt_ids": [list(p) for p in prompt_ids],
+        "completion_ids": ids,
+        "completions": tokenizer.batch_decode(ids, skip_special_tokens=True),
+        "truncated": [t for _, t in cut],
         "logprobs": None if logprobs is None else [lp[: len(c)] for lp, c in zip(logprobs, ids)],
     }
 
 
 @torch.no_grad()
 def hf_generate(
-    model, tokenizer, prompts: list[list[int]], group_size: int, temperature: float = 1.0, top_p: float = 1.0,
-    top_k: int = 0, max_new_tokens: int = 256,
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    group_size: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int = 256,
 ) -> dict:
     """Sample group_size completions per prompt with `model.generate` (left padding, KV cache, eval, no_grad)."""
     from transformers import GenerationConfig
@@ -72,9 +80,13 @@ def hf_generate(
     greedy = dict(do_sample=False)
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else greedy
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, use_cache=True,  # the KV cache, even with gradient checkpointing on
-        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        return_dict_in_generate=True, **sampling,
+        max_new_tokens=max_new_tokens,
+        use_cache=True,  # the KV cache, even with gradient checkpointing on
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        return_dict_in_generate=True,
+        **sampling,
     )
     # generate() fills every field we leave unset from model.generation_config (a checkpoint's repetition_penalty,
     # min_p, suppress_tokens, ...), so for this call the model's own config is replaced by ours.
@@ -91,11 +103,20 @@ def hf_generate(
 
             cache = DynamicCache(config=lm.config)
             prefix, prefix_mask = input_ids[::group_size, :-1], attention_mask[::group_size, :-1]
-            lm.get_decoder()(input_ids=prefix, attention_mask=prefix_mask, use_cache=True,
-                             position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0), **{cache_kwarg(lm): cache})
+            lm.get_decoder()(
+                input_ids=prefix,
+                attention_mask=prefix_mask,
+                use_cache=True,
+                position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
+                **{cache_kwarg(lm): cache},
+            )
             cache.batch_repeat_interleave(group_size)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             **({cache_kwarg(lm): cache} if cache is not None else {}))
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            **({cache_kwarg(lm): cache} if cache is not None else {}),
+        )
     finally:
         lm.generation_config = saved
         model.train(was_training)
@@ -123,8 +144,16 @@ class VLLMEngine:
     """
 
     def __init__(
-        self, model_path: str, model, tokenizer, gpu_memory_utilization: float = 0.3, max_model_len: int = 2048,
-        dtype: str = "auto", quantization: str | None = None, seed: int = 0, canary_threshold: float = 0.1,
+        self,
+        model_path: str,
+        model,
+        tokenizer,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int = 2048,
+        dtype: str = "auto",
+        quantization: str | None = None,
+        seed: int = 0,
+        canary_threshold: float = 0.1,
         canary_prompt: str = "The capital of France is",
     ):
         """model_path: the base the trainer loaded (hub id, path or alias); model: the trainer's PeftModel, whose
@@ -151,9 +180,14 @@ class VLLMEngine:
         self.sleeps = current_platform.is_sleep_mode_available()
         with preserved_rng():  # the engine reseeds torch and random with its own seed; the trainer's streams go on
             self.llm = self.vllm.LLM(
-                model=resolve_model(model_path), dtype=str(dtype).removeprefix("torch."),
-                gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, seed=seed,
-                enable_sleep_mode=self.sleeps, enable_lora=True, max_loras=1,
+                model=resolve_model(model_path),
+                dtype=str(dtype).removeprefix("torch."),
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                seed=seed,
+                enable_sleep_mode=self.sleeps,
+                enable_lora=True,
+                max_loras=1,
                 max_lora_rank=max(8, 1 << (model.peft_config[DEFAULT].r - 1).bit_length()),  # 8, 16, 32...: round up
                 quantization="bitsandbytes" if quantization == "4bit" else None,
                 # Log-probs after temperature / top-k / top-p, i.e. of the distribution actually sampled from (vLLM
@@ -176,15 +210,25 @@ class VLLMEngine:
         trainer's stream (a resumed run samples what the straight run did) and vLLM's own draws are undone."""
         if seed is None:
             seed = int(torch.randint(0, 2**31 - len(prompts) * n, ()).item())
-        params = [self.vllm.SamplingParams(
-            n=n, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,  # -1 = off in every version
-            # logprobs=0: the sampled token's only; sample j of prompt i is seeded seed + i*n + j (vLLM adds j)
-            max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos, seed=seed + i * n,
-        ) for i in range(len(prompts))]
+        params = [
+            self.vllm.SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k if top_k > 0 else -1,  # -1 = off in every version
+                # logprobs=0: the sampled token's only; sample j of prompt i is seeded seed + i*n + j (vLLM adds j)
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                stop_token_ids=self.eos,
+                seed=seed + i * n,
+            )
+            for i in range(len(prompts))
+        ]
         self._set_awake(True)
         with preserved_rng():
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                     lora_request=self.lora)
+            outs = self.llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora
+            )
         rows, completions, logprobs = [], [], []
         for prompt, out in zip(prompts, outs):
             for sample in out.outputs:  # the n samples of one prompt, in order: groups stay contiguous

@@ -45,16 +45,27 @@ COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it w
 def one_line_errors():
     """Wraps a CLI's `main(tyro.cli(Args))`: an error ends the process with one line on stderr and exit status 1
     (a second Ctrl-C: 130), not a traceback. Errors on the user's side (bad data or flags, a missing file or package,
-    a file system or the hub out of reach, a stopped run) print their message; any other also names its type and that ONLYONE_DEBUG=1
-    shows the traceback (the exception is then re-raised as it is)."""
+    a file system or the hub out of reach, a stopped run) print their message; any other also names its type and
+    that ONLYONE_DEBUG=1 shows the traceback (the exception is then re-raised as it is)."""
     from common.data import DataError
     from common.hub import HubUnavailable
     from common.model import ModelError
 
     spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m evals.gsm8k` -> evals.gsm8k
     prog = spec.name if spec else os.path.basename(sys.argv[0])
-    users = (DataError, HubUnavailable, ModelError, ArgsError, OutputDirError, ResumeError, CorruptCheckpointError,
-             RunStopped, NonFiniteWeightsError, OSError, ImportError)
+    users = (
+        DataError,
+        HubUnavailable,
+        ModelError,
+        ArgsError,
+        OutputDirError,
+        ResumeError,
+        CorruptCheckpointError,
+        RunStopped,
+        NonFiniteWeightsError,
+        OSError,
+        ImportError,
+    )
     try:
         yield
     except KeyboardInterrupt:
@@ -98,8 +109,9 @@ def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs") -> st
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as e:
-        raise OutputDirError(f"--output-dir {root}: cannot write a run there ({type(e).__name__}: "
-                             f"{e.strerror or e})") from None
+        raise OutputDirError(
+            f"--output-dir {root}: cannot write a run there ({type(e).__name__}: {e.strerror or e})"
+        ) from None
     return path
 
 
@@ -140,8 +152,11 @@ class Logger:
             per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
             shown = "  ".join(f"{k} {metrics[k]:.4g}" for k in self.show if k in metrics)
             eta = per_step * (self.total - step)
-            print(f"step {step}/{self.total}  {shown}  {per_step:.2f} s/step  ETA {eta // 60:.0f}m{eta % 60:02.0f}s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"step {step}/{self.total}  {shown}  {per_step:.2f} s/step  ETA {eta // 60:.0f}m{eta % 60:02.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         self.bar.close()
@@ -154,11 +169,34 @@ class ArgsError(ValueError):
 
 
 # Flags (when a script has them) that must be >= 1, and >= 0; each message names the flag as the CLI spells it.
-_AT_LEAST_ONE = ("per_device_train_batch_size", "gradient_accumulation_steps", "prompts_per_step", "group_size",
-                 "groups_per_micro_batch", "num_iterations", "max_completion_length", "prompts_per_round", "num_rounds",
-                 "keep_per_prompt", "eval_batch_size", "logging_steps", "lora_r", "max_length", "breaker_patience")
-_AT_LEAST_ZERO = ("save_steps", "eval_steps", "warmup_steps", "save_total_limit", "eval_limit", "beta", "rpo_alpha",
-                  "weight_decay", "num_train_epochs")
+_AT_LEAST_ONE = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "prompts_per_step",
+    "group_size",
+    "groups_per_micro_batch",
+    "num_iterations",
+    "max_completion_length",
+    "prompts_per_round",
+    "num_rounds",
+    "keep_per_prompt",
+    "eval_batch_size",
+    "logging_steps",
+    "lora_r",
+    "max_length",
+    "breaker_patience",
+)
+_AT_LEAST_ZERO = (
+    "save_steps",
+    "eval_steps",
+    "warmup_steps",
+    "save_total_limit",
+    "eval_limit",
+    "beta",
+    "rpo_alpha",
+    "weight_decay",
+    "num_train_epochs",
+)
 
 
 def check_args(args, min_group_size: int = 1) -> None:
@@ -232,9 +270,16 @@ class RunStopped(RuntimeError):
 
 def stop_run(script: str, reason: str, run_dir: str, step: int, model, optimizer, scheduler, state, args, result):
     """Save a checkpoint at this step and raise RunStopped with the command that resumes from it."""
-    path = save_checkpoint(run_dir, step, model, optimizer, scheduler, state, keep_last=args.save_total_limit, args=args)
-    raise RunStopped(f"{script}: stopped at step {step} ({reason}); final/ not written. Checkpoint {path}; resume "
-                     f"with --resume-from-checkpoint {path}", step, path, result)
+    path = save_checkpoint(
+        run_dir, step, model, optimizer, scheduler, state, keep_last=args.save_total_limit, args=args
+    )
+    raise RunStopped(
+        f"{script}: stopped at step {step} ({reason}); final/ not written. Checkpoint {path}; resume "
+        f"with --resume-from-checkpoint {path}",
+        step,
+        path,
+        result,
+    )
 
 
 class StopOnCtrlC:
@@ -267,8 +312,9 @@ def check_finite(model, run_dir: str) -> None:
     bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
     if bad:
         last = (list_checkpoints(run_dir) or ["none"])[-1]
-        raise NonFiniteWeightsError(f"{len(bad)} weight tensors hold NaN/Inf (e.g. {bad[0]}); nothing was saved. "
-                                    f"Last good checkpoint: {last}")
+        raise NonFiniteWeightsError(
+            f"{len(bad)} weight tensors hold NaN/Inf (e.g. {bad[0]}); nothing was saved. Last good checkpoint: {last}"
+        )
 
 
 def save_final(run_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
@@ -285,11 +331,34 @@ def save_final(run_dir: str, model, tokenizer, adapters: list[str] | None = None
 # Args fields that do not change the math of an update, so a resume may change them: where and how often to write,
 # log and evaluate, how far to train, when breakers stop, speed/memory knobs with the same result, and the model
 # fields, whose effect is recorded from the model itself (base hash, LoRA config, dtype). Every other field counts.
-NON_MATH_ARGS = {"exp_name", "output_dir", "torch_threads", "debug", "logging_steps", "save_steps", "save_total_limit",
-                 "resume_from_checkpoint", "resume_from", "resume_ignore_mismatch", "max_steps", "num_train_epochs",
-                 "num_rounds", "model", "adapter", "use_lora", "lora_r", "lora_alpha", "lora_dropout", "dtype",
-                 "quantization", "attn_implementation", "gradient_checkpointing", "trust_remote_code", "engine",
-                 "groups_per_micro_batch"}
+NON_MATH_ARGS = {
+    "exp_name",
+    "output_dir",
+    "torch_threads",
+    "debug",
+    "logging_steps",
+    "save_steps",
+    "save_total_limit",
+    "resume_from_checkpoint",
+    "resume_from",
+    "resume_ignore_mismatch",
+    "max_steps",
+    "num_train_epochs",
+    "num_rounds",
+    "model",
+    "adapter",
+    "use_lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "dtype",
+    "quantization",
+    "attn_implementation",
+    "gradient_checkpointing",
+    "trust_remote_code",
+    "engine",
+    "groups_per_micro_batch",
+}
 NON_MATH_PREFIXES = ("eval_", "breaker_", "vllm_")
 
 
@@ -308,13 +377,18 @@ def run_identity(model, args=None) -> dict:
     ident = dict(base_identity(model))
     cfg = model.peft_config.get(DEFAULT) if is_peft(model) else None
     targets = cfg and cfg.target_modules
-    ident |= {"lora.r": cfg and cfg.r, "lora.alpha": cfg and cfg.lora_alpha, "lora.dropout": cfg and cfg.lora_dropout,
-              "lora.target_modules": targets if isinstance(targets, str | None) else sorted(targets)}
+    ident |= {
+        "lora.r": cfg and cfg.r,
+        "lora.alpha": cfg and cfg.lora_alpha,
+        "lora.dropout": cfg and cfg.lora_dropout,
+        "lora.target_modules": targets if isinstance(targets, str | None) else sorted(targets),
+    }
     if args is not None:
         fields = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
         ident["script"] = pathlib.Path(inspect.getfile(type(args))).stem
-        ident |= {f"args.{k}": v for k, v in fields.items()
-                  if k not in NON_MATH_ARGS and not k.startswith(NON_MATH_PREFIXES)}
+        ident |= {
+            f"args.{k}": v for k, v in fields.items() if k not in NON_MATH_ARGS and not k.startswith(NON_MATH_PREFIXES)
+        }
     return json.loads(json.dumps(ident, default=str))  # tuples -> lists, as they come back from the marker file
 
 
@@ -324,11 +398,15 @@ def _check_identity(ckpt: str, meta: dict, model, args) -> None:
     if saved is None:
         diff = ["identity: not recorded (a checkpoint written before identity checks)"]
     else:
-        diff = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
-                for k in sorted(saved.keys() | now.keys()) if saved.get(k, "<absent>") != now.get(k, "<absent>")]
+        diff = [
+            f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
+            for k in sorted(saved.keys() | now.keys())
+            if saved.get(k, "<absent>") != now.get(k, "<absent>")
+        ]
     if diff and not getattr(args, "resume_ignore_mismatch", False):
-        raise ResumeError(f"{ckpt} belongs to another experiment: {'; '.join(diff)} "
-                          "(--resume-ignore-mismatch resumes anyway)")
+        raise ResumeError(
+            f"{ckpt} belongs to another experiment: {'; '.join(diff)} (--resume-ignore-mismatch resumes anyway)"
+        )
     if diff:
         warnings.warn(f"--resume-ignore-mismatch: resuming {ckpt} although {'; '.join(diff)}", stacklevel=2)
 
@@ -368,8 +446,9 @@ def _read_verified_meta(ckpt: str) -> dict:
     return meta
 
 
-def save_checkpoint(run_dir, step, model, optimizer=None, scheduler=None, trainer_state=None, keep_last=2,
-                    args=None) -> str:
+def save_checkpoint(
+    run_dir, step, model, optimizer=None, scheduler=None, trainer_state=None, keep_last=2, args=None
+) -> str:
     """Write run_dir/checkpoints/step-N atomically and keep the newest `keep_last` complete ones; the marker records
     run_identity(model, args), each file's sha256 and each adapter's tensor hash.
     Order matters: the new checkpoint is complete and renamed into place before any old one is deleted, so a
@@ -383,10 +462,20 @@ def save_checkpoint(run_dir, step, model, optimizer=None, scheduler=None, traine
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({"optimizer": optimizer.state_dict() if optimizer else None, "rng": rng,
-                "scheduler": scheduler.state_dict() if scheduler else None}, os.path.join(tmp, "state.pt"))
-    meta = {"step": step, "trainer_state": trainer_state or {}, "identity": run_identity(model, args),
-            "files_sha256": _file_hashes(tmp)}
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict() if optimizer else None,
+            "rng": rng,
+            "scheduler": scheduler.state_dict() if scheduler else None,
+        },
+        os.path.join(tmp, "state.pt"),
+    )
+    meta = {
+        "step": step,
+        "trainer_state": trainer_state or {},
+        "identity": run_identity(model, args),
+        "files_sha256": _file_hashes(tmp),
+    }
     if is_peft(model):
         meta["adapter_sha256"] = {slot: adapter_hash(model, slot) for slot in model.peft_config}
     with open(os.path.join(tmp, COMPLETE), "w") as f:
@@ -434,8 +523,10 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, args=None, tota
             if args is not None:
                 _check_identity(ckpt, meta, model, args)
             if total_steps is not None and meta["step"] >= total_steps:
-                raise ResumeError(f"{ckpt} is at step {meta['step']}, at or past this run's {total_steps} steps: "
-                                  "nothing to train (raise --max-steps to continue)")
+                raise ResumeError(
+                    f"{ckpt} is at step {meta['step']}, at or past this run's {total_steps} steps: "
+                    "nothing to train (raise --max-steps to continue)"
+                )
             _load_verified_weights(ckpt, meta, model)
         except CorruptCheckpointError as e:
             failures.append(str(e))

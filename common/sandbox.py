@@ -89,14 +89,54 @@ _KIND_LOCK = threading.Lock()  # code_reward's threads ask at once: probe and pr
 
 def _bwrap(tmp: str) -> list[str]:
     """bwrap's argv up to the command: /usr and Python's prefix read-only, solution.py read-only in a private tmp."""
-    argv = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--die-with-parent",
-            "--new-session", "--clearenv", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    argv = [
+        "bwrap",
+        "--unshare-all",
+        "--unshare-user",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--cap-drop",
+        "ALL",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", sys.base_prefix):  # merged-/usr symlinks or directories
         argv += ["--symlink", os.readlink(d), d] if os.path.islink(d) else ["--ro-bind", d, d] * os.path.isdir(d)
-    return argv + ["--proc", "/proc", "--dev", "/dev", "--size", str(64 << 20), "--tmpfs", "/tmp", "--ro-bind",
-                   f"{tmp}/solution.py", "/tmp/solution.py", "--ro-bind", f"{tmp}/cfg.json", "/tmp/cfg.json",
-                   "--remount-ro", "/", "--chdir", "/tmp", "--setenv", "PATH", "/usr/bin:/bin",
-                   "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp"]
+    return argv + [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(64 << 20),
+        "--tmpfs",
+        "/tmp",
+        "--ro-bind",
+        f"{tmp}/solution.py",
+        "/tmp/solution.py",
+        "--ro-bind",
+        f"{tmp}/cfg.json",
+        "/tmp/cfg.json",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
+    ]
 
 
 @functools.cache
@@ -105,8 +145,14 @@ def _kind(forced: bool) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         pathlib.Path(tmp, "solution.py").touch()
         pathlib.Path(tmp, "cfg.json").touch()
-        bwrap = not forced and shutil.which("bwrap") and subprocess.run(
-            [*_bwrap(tmp), _PYTHON, "-I", "-S", "solution.py"], check=False, capture_output=True).returncode == 0
+        bwrap = (
+            not forced
+            and shutil.which("bwrap")
+            and subprocess.run(
+                [*_bwrap(tmp), _PYTHON, "-I", "-S", "solution.py"], check=False, capture_output=True
+            ).returncode
+            == 0
+        )
     print("code sandbox: " + ("bwrap" if bwrap else "fallback (bubblewrap is stronger)"), file=sys.stderr, flush=True)
     return "bwrap" if bwrap else "fallback"
 
@@ -149,18 +195,34 @@ def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
     warnings.warn(f"sandbox process group {proc.pid} or cgroup {cgroup} not empty 10 s after SIGKILL")
 
 
-def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: int = 1024, max_procs: int = 32,
-               max_output: int = 1 << 22, queries: tuple | list = ()) -> str:
+def run_python(
+    source: str,
+    stdin: str = "",
+    timeout: float = 5.0,
+    memory_mb: int = 1024,
+    max_procs: int = 32,
+    max_output: int = 1 << 22,
+    queries: tuple | list = (),
+) -> str:
     """Run `source` with `stdin` in the sandbox; return its stdout (the first max_output bytes), to which each of
     `queries`, evaluated in the solution's globals after it ran, adds a line "\\x1e<i> <repr>".
     rlimits: CPU timeout + 1 s, AS memory_mb, FSIZE max_output (stdout and stderr are files: this caps them),
     NOFILE 64, NPROC max_procs. stdin, stdout and stderr are unnamed files."""
     with _KIND_LOCK:
         kind, cpu, mem = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback"), math.ceil(timeout), memory_mb << 20
-    limits = [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_NOFILE, 64, 64),
-              (resource.RLIMIT_FSIZE, max_output, max_output), (resource.RLIMIT_NPROC, max_procs, max_procs)]
-    with (tempfile.TemporaryDirectory(prefix="onlyone_sandbox_", ignore_cleanup_errors=True) as tmp,
-          tempfile.TemporaryFile() as i, tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e):
+    limits = [
+        (resource.RLIMIT_CPU, cpu, cpu + 1),
+        (resource.RLIMIT_AS, mem, mem),
+        (resource.RLIMIT_NOFILE, 64, 64),
+        (resource.RLIMIT_FSIZE, max_output, max_output),
+        (resource.RLIMIT_NPROC, max_procs, max_procs),
+    ]
+    with (
+        tempfile.TemporaryDirectory(prefix="onlyone_sandbox_", ignore_cleanup_errors=True) as tmp,
+        tempfile.TemporaryFile() as i,
+        tempfile.TemporaryFile() as o,
+        tempfile.TemporaryFile() as e,
+    ):
         pathlib.Path(tmp, "solution.py").write_text(source, encoding="utf-8")
         cfg = {"fallback": kind == "fallback", "limits": limits, "queries": list(queries)}  # (argv is limited)
         pathlib.Path(tmp, "cfg.json").write_text(json.dumps(cfg))

@@ -6,23 +6,32 @@ generation, closes standard (string) completions, and is part of every completio
 """
 
 # ChatML (OpenAI / Qwen): <|im_start|>role\ncontent<|im_end|>\n
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 # Qwen2.5's template without tools: ChatML, plus Qwen's default system prompt when the conversation has none.
-QWEN = ("{% if messages[0]['role'] != 'system' %}"
-        "{{ '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
-        "{% endif %}" + CHATML)
+QWEN = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}" + CHATML
+)
 
 # Llama 3 / 3.1 instruct (without tools); Meta's template trims each message's content, so we do too.
-LLAMA3 = ("{{ '<|begin_of_text|>' }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-          "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 
 TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3}
 # Every special token a template writes, end-of-turn first: each must be ONE token in the tokenizer's vocab.
-SPECIALS = {"chatml": ["<|im_end|>", "<|im_start|>"], "qwen": ["<|im_end|>", "<|im_start|>"],
-            "llama3": ["<|eot_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]}
+SPECIALS = {
+    "chatml": ["<|im_end|>", "<|im_start|>"],
+    "qwen": ["<|im_end|>", "<|im_start|>"],
+    "llama3": ["<|eot_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"],
+}
 
 
 def _is_single_token(tokenizer, text: str) -> bool:
@@ -60,17 +69,21 @@ def setup_chat_template(tokenizer, template: str = "auto") -> str:
     if template == "auto":
         template = "tokenizer" if tokenizer.chat_template else "chatml"
     if template == "tokenizer" and not tokenizer.chat_template:
-        raise ValueError("chat_template='tokenizer' but this tokenizer has no chat template; pick one of "
-                         f"{sorted(TEMPLATES)} (or 'auto')")
+        raise ValueError(
+            "chat_template='tokenizer' but this tokenizer has no chat template; pick one of "
+            f"{sorted(TEMPLATES)} (or 'auto')"
+        )
     if template not in TEMPLATES and template != "tokenizer":
         raise ValueError(f"unknown chat template {template!r}; use 'auto', 'tokenizer' or one of {sorted(TEMPLATES)}")
     if template in TEMPLATES:
         # We do not add missing specials ourselves: that would need an embedding resize and leave the new rows
         # untrained, which silently hurts quality. Make the user pick a template the tokenizer already speaks.
         if missing := [t for t in SPECIALS[template] if not _is_single_token(tokenizer, t)]:
-            raise ValueError(f"chat template {template!r} needs the special tokens {missing}, which this tokenizer "
-                             "does not have as single tokens. Pick a template whose tokens it has; its added tokens "
-                             f"are {sorted(tokenizer.added_tokens_encoder)[:20]}.")
+            raise ValueError(
+                f"chat template {template!r} needs the special tokens {missing}, which this tokenizer "
+                "does not have as single tokens. Pick a template whose tokens it has; its added tokens "
+                f"are {sorted(tokenizer.added_tokens_encoder)[:20]}."
+            )
         tokenizer.chat_template = TEMPLATES[template]
     # The completion's closing token must be the one generation stops on, or the model learns to stop with a token
     # that `generate` ignores (a base Qwen tokenizer's eos is <|endoftext|> while ChatML closes turns with <|im_end|>).

@@ -30,8 +30,14 @@ def checkpoint_weights(path: str) -> str:
     return path  # final/ itself, or any adapter / weights folder
 
 
-def load_eval_model(model: str, adapter: str | None = None, checkpoint: str | None = None, dtype: str = "auto",
-                    template: str = "auto", attn_implementation: str = "auto"):
+def load_eval_model(
+    model: str,
+    adapter: str | None = None,
+    checkpoint: str | None = None,
+    dtype: str = "auto",
+    template: str = "auto",
+    attn_implementation: str = "auto",
+):
     """(model, tokenizer) in eval mode: `model` plus, optionally, a LoRA adapter or a run's checkpoint on top.
 
     The tokenizer always comes from `model` (checkpoints do not store one), with the same chat template setup the
@@ -73,8 +79,15 @@ def dataset_tag(dataset: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", tag)
 
 
-def generate_completions(model, tokenizer, prompt_ids: list[list[int]], batch_size: int = 16,
-                         max_new_tokens: int = 512, temperature: float = 0.0, num_samples: int = 1) -> list[str]:
+def generate_completions(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    batch_size: int = 16,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    num_samples: int = 1,
+) -> list[str]:
     """Completions (decoded, special tokens dropped) for tokenized prompts: greedy at temperature 0, else
     num_samples draws per prompt; prompt i's are at [i * num_samples, (i + 1) * num_samples).
 
@@ -88,8 +101,14 @@ def generate_completions(model, tokenizer, prompt_ids: list[list[int]], batch_si
     starts = range(0, len(order), batch_size)
     for start in tqdm(starts, desc="generate", unit="batch", disable=len(starts) < 2 or not sys.stderr.isatty()):
         idx = order[start : start + batch_size]
-        out = hf_generate(model, tokenizer, [prompt_ids[i] for i in idx], group_size=num_samples,
-                          temperature=temperature, max_new_tokens=max_new_tokens)
+        out = hf_generate(
+            model,
+            tokenizer,
+            [prompt_ids[i] for i in idx],
+            group_size=num_samples,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+        )
         for j, text in enumerate(out["completions"]):  # hf_generate returns each prompt's group together
             texts[idx[j // num_samples] * num_samples + j % num_samples] = text
     return texts

@@ -71,19 +71,26 @@ class Args:
     """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
 
 
-def gsm8k_rows(dataset: str = "openai/gsm8k:main", split: str = "test", limit: int | None = None,
-               instruction: str = MATH_INSTRUCTION) -> list[dict]:
+def gsm8k_rows(
+    dataset: str = "openai/gsm8k:main",
+    split: str = "test",
+    limit: int | None = None,
+    instruction: str = MATH_INSTRUCTION,
+) -> list[dict]:
     """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} through the same mapping as
     training (common.data.question_row: reference = the number after '####'), or prompt-only rows such as
     builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions."""
-    rows = [question_row(r, instruction) if "question" in r and "prompt" not in r else r
-            for r in load_rows(dataset, split)[:limit]]  # [:None] keeps all
+    rows = [
+        question_row(r, instruction) if "question" in r and "prompt" not in r else r
+        for r in load_rows(dataset, split)[:limit]
+    ]  # [:None] keeps all
     out = []
     for row in validate_rows(rows, "prompt"):
         # A plain-string prompt becomes one user turn; builtin:math's question is its user turn, instruction included.
         prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        out.append({"question": row.get("question", prompt[-1]["content"]), "prompt": prompt,
-                    "reference": str(row["answer"])})
+        out.append(
+            {"question": row.get("question", prompt[-1]["content"]), "prompt": prompt, "reference": str(row["answer"])}
+        )
     return out
 
 
@@ -93,14 +100,22 @@ def score(completions: list[str], references: list[str]) -> list[dict]:
     return [{"extracted": extract_answer(c), "correct": r == 1.0} for c, r in zip(completions, rewards, strict=True)]
 
 
-def evaluate_gsm8k(model, tokenizer, rows: list[dict], batch_size: int = 16, max_new_tokens: int = 512,
-                   temperature: float = 0.0, num_samples: int = 1) -> dict:
+def evaluate_gsm8k(
+    model,
+    tokenizer,
+    rows: list[dict],
+    batch_size: int = 16,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    num_samples: int = 1,
+) -> dict:
     """Decode every row of gsm8k_rows() (greedy, or num_samples draws at temperature) and score each completion:
     {accuracy (mean over all completions), n (completions), records}. Restores the model's mode."""
     # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
     prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
-    completions = generate_completions(model, tokenizer, prompt_ids, batch_size, max_new_tokens, temperature,
-                                       num_samples)
+    completions = generate_completions(
+        model, tokenizer, prompt_ids, batch_size, max_new_tokens, temperature, num_samples
+    )
     rows = [row for row in rows for _ in range(num_samples)]  # completions come grouped by prompt
     scored = score(completions, [row["reference"] for row in rows])
     records = [
@@ -125,24 +140,40 @@ def main(args: Args) -> dict:
     # ---- 3 generate and score
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
-    result = evaluate_gsm8k(model, tokenizer, rows, args.batch_size, args.max_new_tokens, args.temperature,
-                            args.num_samples)
+    result = evaluate_gsm8k(
+        model, tokenizer, rows, args.batch_size, args.max_new_tokens, args.temperature, args.num_samples
+    )
     eval_s = time.perf_counter() - t0
 
     # ---- 4 write per-example outputs and the summary
     label, task = args.label or model_label(args.model, args.adapter, args.checkpoint), dataset_tag(args.dataset)
     summary = {
-        "task": task, "label": label, "accuracy": result["accuracy"], "n": result["n"],
-        "correct": sum(r["correct"] for r in result["records"]), "model": args.model, "adapter": args.adapter,
-        "checkpoint": args.checkpoint, "dataset": args.dataset, "split": args.split, "limit": args.limit,
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "num_samples": args.num_samples,
-        "seed": args.seed, "batch_size": args.batch_size, "time_s": round(eval_s, 2),
-        "load_s": round(load_s, 2), "device": str(next(model.parameters()).device),
+        "task": task,
+        "label": label,
+        "accuracy": result["accuracy"],
+        "n": result["n"],
+        "correct": sum(r["correct"] for r in result["records"]),
+        "model": args.model,
+        "adapter": args.adapter,
+        "checkpoint": args.checkpoint,
+        "dataset": args.dataset,
+        "split": args.split,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "num_samples": args.num_samples,
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "time_s": round(eval_s, 2),
+        "load_s": round(load_s, 2),
+        "device": str(next(model.parameters()).device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     paths = write_results(args.output_dir, f"{label}__{task}", result["records"], summary)
-    print(f"{task}: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s; "
-          f"wrote {paths['summary']}")
+    print(
+        f"{task}: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s; "
+        f"wrote {paths['summary']}"
+    )
     return {**summary, **paths, "records": result["records"]}
 
 

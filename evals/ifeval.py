@@ -1,4 +1,4 @@
-"""IFEval: does a greedy response follow verifiable instructions ("no commas", "at least 300 words", "wrap it in JSON")?
+"""IFEval: does a greedy response follow verifiable instructions ("no commas", "at least 300 words", "wrap in JSON")?
 
 Zhou et al. 2023, arXiv:2311.07911. The 25 checkers are Google's own code as packaged by `if-verifiable` (pip install
 if-verifiable); this file only generates, applies them, and aggregates:
@@ -146,8 +146,10 @@ def aggregate(results: list[list[dict]]) -> dict:
         "inst_level_strict_acc": _mean([r["strict"] for r in done]),
         "prompt_level_loose_acc": _mean([all(r["loose"] for r in rs) for rs in whole]),
         "inst_level_loose_acc": _mean([r["loose"] for r in done]),
-        "n_prompts": len(results), "n_prompts_evaluated": len(whole),
-        "n_instructions": sum(len(rs) for rs in results), "n_instructions_evaluated": len(done),
+        "n_prompts": len(results),
+        "n_prompts_evaluated": len(whole),
+        "n_instructions": sum(len(rs) for rs in results),
+        "n_instructions_evaluated": len(done),
         "n_instructions_not_evaluated": sum(len(rs) for rs in results) - len(done),
     }
 
@@ -157,8 +159,10 @@ def score(rows: list[dict], responses: list[str]) -> tuple[list[dict], dict]:
     records, results = [], []
     by_id = {}
     for row, response in zip(rows, responses, strict=True):
-        rs = [check_instruction(i, kw, row["prompt"], response)
-              for i, kw in zip(row["instruction_id_list"], row["kwargs"], strict=True)]
+        rs = [
+            check_instruction(i, kw, row["prompt"], response)
+            for i, kw in zip(row["instruction_id_list"], row["kwargs"], strict=True)
+        ]
         results.append(rs)
         for i, r in zip(row["instruction_id_list"], rs):
             counts = by_id.setdefault(i, {"n": 0, "strict": 0, "loose": 0, "not_evaluated": 0})
@@ -166,11 +170,17 @@ def score(rows: list[dict], responses: list[str]) -> tuple[list[dict], dict]:
             counts["strict"] += r["strict"] is True  # None (not evaluated) is not a pass
             counts["loose"] += r["loose"] is True
             counts["not_evaluated"] += r["not_evaluated"] is not None
-        records.append({
-            "key": row.get("key"), "prompt": row["prompt"], "response": response,
-            "instruction_id_list": row["instruction_id_list"], "strict": [r["strict"] for r in rs],
-            "loose": [r["loose"] for r in rs], "not_evaluated": [r["not_evaluated"] for r in rs],
-        })
+        records.append(
+            {
+                "key": row.get("key"),
+                "prompt": row["prompt"],
+                "response": response,
+                "instruction_id_list": row["instruction_id_list"],
+                "strict": [r["strict"] for r in rs],
+                "loose": [r["loose"] for r in rs],
+                "not_evaluated": [r["not_evaluated"] for r in rs],
+            }
+        )
     metrics = aggregate(results)
     metrics["not_evaluated"] = {i: c["not_evaluated"] for i, c in sorted(by_id.items()) if c["not_evaluated"]}
     metrics["by_instruction"] = dict(sorted(by_id.items()))
@@ -198,18 +208,31 @@ def main(args: Args) -> dict:
     # ---- 4 write per-prompt outputs and the summary
     label = args.label or model_label(args.model, args.adapter, args.checkpoint)
     summary = {
-        "task": "ifeval", "label": label, **metrics, "model": args.model, "adapter": args.adapter,
-        "checkpoint": args.checkpoint, "dataset": args.dataset, "split": args.split, "limit": args.limit,
-        "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
-        "checker": f"if-verifiable {importlib.metadata.version('if-verifiable')}", "time_s": round(eval_s, 2),
-        "load_s": round(load_s, 2), "device": str(next(model.parameters()).device),
+        "task": "ifeval",
+        "label": label,
+        **metrics,
+        "model": args.model,
+        "adapter": args.adapter,
+        "checkpoint": args.checkpoint,
+        "dataset": args.dataset,
+        "split": args.split,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "checker": f"if-verifiable {importlib.metadata.version('if-verifiable')}",
+        "time_s": round(eval_s, 2),
+        "load_s": round(load_s, 2),
+        "device": str(next(model.parameters()).device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     paths = write_results(args.output_dir, f"{label}__ifeval", records, summary)
     n_skipped = summary["n_instructions_not_evaluated"]
     skipped = f"; {n_skipped} instructions not evaluated (NLTK data missing)" if n_skipped else ""
-    print("ifeval: " + ", ".join(f"{m} {summary[m]:.4f}" for m in METRICS) +
-          f" over {summary['n_prompts']} prompts in {eval_s:.1f}s{skipped}; wrote {paths['summary']}")
+    print(
+        "ifeval: "
+        + ", ".join(f"{m} {summary[m]:.4f}" for m in METRICS)
+        + f" over {summary['n_prompts']} prompts in {eval_s:.1f}s{skipped}; wrote {paths['summary']}"
+    )
     return {**summary, **paths, "records": records}
 
 

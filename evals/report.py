@@ -132,16 +132,23 @@ def curve_figure(histories: dict[str, list[dict]], metric: str, smoothing: float
             steps, values = zip(*pts)
             color = f"C{i}"
             smooth = smoothing > 0 and len(pts) > 2  # an EMA of one or two points says nothing new
-            ax.plot(steps, values, color=color, alpha=0.35 if smooth else 1.0, marker="." if len(pts) < 30 else None,
-                    label=None if smooth else name)
+            ax.plot(
+                steps,
+                values,
+                color=color,
+                alpha=0.35 if smooth else 1.0,
+                marker="." if len(pts) < 30 else None,
+                label=None if smooth else name,
+            )
             if smooth:
-                ax.plot(steps, ema(list(values), smoothing), color=color, linewidth=2,
-                        label=f"{name} (EMA {smoothing})")
+                ax.plot(
+                    steps, ema(list(values), smoothing), color=color, linewidth=2, label=f"{name} (EMA {smoothing})"
+                )
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers: no 2.5 ticks
         ax.set(xlabel="step", ylabel=metric, title=f"{kind}: {metric}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small")
-    for ax in list(axes.flat)[len(kinds):]:
+    for ax in list(axes.flat)[len(kinds) :]:
         ax.set_visible(False)  # the empty cells of the last row
     fig.tight_layout()
     return fig
@@ -168,15 +175,23 @@ def to_markdown(title: str, cells: list[list[str]], finals: list[list[str]], plo
         lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows[1:]]) + "\n"
 
-    parts = [f"# {title}\n", f"Generated {time.strftime('%Y-%m-%d %H:%M')}.\n", "## Eval scores\n",
-             "Deltas in parentheses are against the first row.\n", table(cells), "## Training runs\n",
-             RUNS_NOTE + "\n", table(finals)]
+    parts = [
+        f"# {title}\n",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M')}.\n",
+        "## Eval scores\n",
+        "Deltas in parentheses are against the first row.\n",
+        table(cells),
+        "## Training runs\n",
+        RUNS_NOTE + "\n",
+        table(finals),
+    ]
     parts += [f"### {metric}\n\n![{metric}]({os.path.basename(png)})\n" for metric, png in plots.items()]
     return "\n".join(parts)
 
 
 def to_html(title: str, cells: list[list[str]], finals: list[list[str]], plots: dict[str, str]) -> str:
     """One page with no external assets: styles inline, every PNG as a base64 data URI."""
+
     def table(rows):
         if len(rows) < 2:
             return "<p>(none)</p>"
@@ -188,13 +203,19 @@ def to_html(title: str, cells: list[list[str]], finals: list[list[str]], plots: 
     for metric, png in plots.items():
         with open(png, "rb") as f:
             data = base64.b64encode(f.read()).decode()
-        images.append(f'<h3>{html.escape(metric)}</h3><img alt="{html.escape(metric)}" src="data:image/png;base64,{data}">')
-    style = ("body{font-family:sans-serif;max-width:960px;margin:2em auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child{text-align:left}")
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><h2>Eval scores</h2>"
-            f"<p>Deltas in parentheses are against the first row.</p>{table(cells)}<h2>Training runs</h2>"
-            f"<p>{html.escape(RUNS_NOTE)}</p>{table(finals)}{''.join(images)}</body></html>")
+        images.append(
+            f'<h3>{html.escape(metric)}</h3><img alt="{html.escape(metric)}" src="data:image/png;base64,{data}">'
+        )
+    style = (
+        "body{font-family:sans-serif;max-width:960px;margin:2em auto}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child{text-align:left}"
+    )
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><h2>Eval scores</h2>"
+        f"<p>Deltas in parentheses are against the first row.</p>{table(cells)}<h2>Training runs</h2>"
+        f"<p>{html.escape(RUNS_NOTE)}</p>{table(finals)}{''.join(images)}</body></html>"
+    )
 
 
 def main(args: Args) -> dict:
@@ -206,8 +227,10 @@ def main(args: Args) -> dict:
     missing = [p for p in args.evals if not os.path.isfile(p)]
     missing += [log for log in (os.path.join(r, "metrics.jsonl") for r in args.runs) if not os.path.isfile(log)]
     if missing:
-        raise FileNotFoundError(f"not found: {', '.join(missing)} (--evals takes the summary JSONs evals.gsm8k / "
-                                "evals.ifeval write, --runs run dirs holding metrics.jsonl)")
+        raise FileNotFoundError(
+            f"not found: {', '.join(missing)} (--evals takes the summary JSONs evals.gsm8k / "
+            "evals.ifeval write, --runs run dirs holding metrics.jsonl)"
+        )
     summaries = []
     for path in args.evals:
         with open(path) as f:

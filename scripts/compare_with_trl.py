@@ -25,8 +25,8 @@ How the two runs are made identical (each point is checked by the harness, not a
   rotates completions inside consecutive chunks of the batch size, which are now our micro-batches.
 - Hyperparameters: each one that reaches the math is passed to both explicitly; MAPPING lists them with both defaults.
 - GRPO sampling: the two samplers draw different completions, so sampled runs are compared as curves only.
-  --fixed-rollout replaces sampling in both (ours: grpo.hf_generate; TRL: GRPOTrainer._generate_single_turn) by the same
-  deterministic completions (seeded tokens and lengths, some without EOS), and also calls TRL's
+  --fixed-rollout replaces sampling in both (ours: grpo.hf_generate; TRL: GRPOTrainer._generate_single_turn) by the
+  same deterministic completions (seeded tokens and lengths, some without EOS), and also calls TRL's
   GRPOTrainer._compute_loss and our grpo_per_token_loss + aggregate_loss on one batch split into two micro-batches,
   on the same model and tensors, comparing the loss and every LoRA gradient for each loss_type.
 """
@@ -377,15 +377,40 @@ def trl_common(s: Setup, **over) -> dict:
     from transformers import TrainingArguments
 
     # transformers 5.24 renamed gradient_checkpointing to activation_checkpointing; 5.17 (the GPU image) has the old
-    checkpointing = next(f.name for f in dataclasses.fields(TrainingArguments)
-                         if f.name in ("activation_checkpointing", "gradient_checkpointing"))
-    return dict(output_dir=os.path.join(s.out, "trl"), per_device_train_batch_size=s.batch_size,
-                gradient_accumulation_steps=s.grad_accum, max_steps=s.steps, learning_rate=s.learning_rate,
-                lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9,
-                adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch", seed=s.seed, bf16=False, fp16=False,
-                logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-                train_sampling_strategy="sequential", dataloader_num_workers=0, dataloader_pin_memory=False,
-                **{checkpointing: False}) | over
+    checkpointing = next(
+        f.name
+        for f in dataclasses.fields(TrainingArguments)
+        if f.name in ("activation_checkpointing", "gradient_checkpointing")
+    )
+    return (
+        dict(
+            output_dir=os.path.join(s.out, "trl"),
+            per_device_train_batch_size=s.batch_size,
+            gradient_accumulation_steps=s.grad_accum,
+            max_steps=s.steps,
+            learning_rate=s.learning_rate,
+            lr_scheduler_type="linear",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            optim="adamw_torch",
+            seed=s.seed,
+            bf16=False,
+            fp16=False,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            train_sampling_strategy="sequential",
+            dataloader_num_workers=0,
+            dataloader_pin_memory=False,
+            **{checkpointing: False},
+        )
+        | over
+    )
 
 
 def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | None = None, model=None, **over):

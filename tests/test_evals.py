@@ -33,43 +33,63 @@ def test_reference_answers_extract_to_their_number(shared_data):
     assert all(s["correct"] for s in gsm8k.score([r["answer"] for r in rows[:200]], [r["answer"] for r in rows[:200]]))
 
 
-@pytest.mark.parametrize("completion, correct", [
-    ("The answer is 18.", True),
-    ("\\boxed{18}", True),
-    ("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18", True),
-    ("The answer is $18.00.", True),
-    ("Answer: 18 dollars", True),
-    ("16 - 3 - 4 = 9 eggs, 9 * 2 = 18", True),  # documented fallback: the last number
-    ("The answer is 17.", False),
-    ("\\boxed{9} dollars, because 9 * 2 = 18", False),  # a marked answer wins over a later number
-    ("I am not sure.", False),
-    ("", False),
-])
+@pytest.mark.parametrize(
+    "completion, correct",
+    [
+        ("The answer is 18.", True),
+        ("\\boxed{18}", True),
+        ("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18", True),
+        ("The answer is $18.00.", True),
+        ("Answer: 18 dollars", True),
+        ("16 - 3 - 4 = 9 eggs, 9 * 2 = 18", True),  # documented fallback: the last number
+        ("The answer is 17.", False),
+        ("\\boxed{9} dollars, because 9 * 2 = 18", False),  # a marked answer wins over a later number
+        ("I am not sure.", False),
+        ("", False),
+    ],
+)
 def test_model_style_completions_against_a_real_reference(shared_data, completion, correct):
     reference = gsm8k_test_rows(shared_data, 1)[0]["answer"]  # Janet's ducks, "#### 18"
     assert gsm8k.score([completion], [reference])[0]["correct"] is correct
 
 
-@pytest.mark.parametrize("index, completion", [(146, "#### 2,125"), (489, "The answer is -10."),
-                                               (611, "So the total is \\boxed{1,450,000}.")])
+@pytest.mark.parametrize(
+    "index, completion",
+    [(146, "#### 2,125"), (489, "The answer is -10."), (611, "So the total is \\boxed{1,450,000}.")],
+)
 def test_commas_and_signs_in_real_references(shared_data, index, completion):
     reference = gsm8k_test_rows(shared_data)[index]["answer"]
     assert gsm8k.score([completion], [reference]) == [{"extracted": extract_answer(completion), "correct": True}]
 
 
 def test_thousands_separator_on_either_side():
-    scored = gsm8k.score(["#### 1,234", "The answer is 1234.", "#### 1,243"], ["x\n#### 1234", "x\n#### 1,234", "#### 1234"])
+    scored = gsm8k.score(
+        ["#### 1,234", "The answer is 1234.", "#### 1,243"], ["x\n#### 1234", "x\n#### 1,234", "#### 1234"]
+    )
     assert [s["correct"] for s in scored] == [True, True, False]
 
 
 def test_gsm8k_cli_end_to_end_on_the_tiny_model(tiny_model_dir, shared_data, tmp_path):
-    out = gsm8k.main(gsm8k.Args(model=tiny_model_dir, dataset=str(shared_data / "gsm8k" / "test.jsonl"), limit=4,
-                                max_new_tokens=6, batch_size=3, output_dir=str(tmp_path), label="tiny"))
+    out = gsm8k.main(
+        gsm8k.Args(
+            model=tiny_model_dir,
+            dataset=str(shared_data / "gsm8k" / "test.jsonl"),
+            limit=4,
+            max_new_tokens=6,
+            batch_size=3,
+            output_dir=str(tmp_path),
+            label="tiny",
+        )
+    )
     with open(tmp_path / "tiny__gsm8k.json") as f:
         summary = json.load(f)
     with open(tmp_path / "tiny__gsm8k.jsonl") as f:
         records = [json.loads(line) for line in f]
-    assert 0.0 <= summary["accuracy"] <= 1.0 and summary["n"] == 4 == len(records) and out["accuracy"] == summary["accuracy"]
+    assert (
+        0.0 <= summary["accuracy"] <= 1.0
+        and summary["n"] == 4 == len(records)
+        and out["accuracy"] == summary["accuracy"]
+    )
     for key in ("model", "adapter", "checkpoint", "limit", "time_s"):
         assert key in summary
     assert set(records[0]) == {"question", "reference", "completion", "extracted", "correct"}
@@ -77,8 +97,17 @@ def test_gsm8k_cli_end_to_end_on_the_tiny_model(tiny_model_dir, shared_data, tmp
 
 
 def test_gsm8k_cli_sampling_scores_every_sample(tiny_model_dir, tmp_path):
-    args = dict(model=tiny_model_dir, dataset="builtin:math", limit=3, max_new_tokens=5, batch_size=2,
-                output_dir=str(tmp_path), temperature=1.0, num_samples=4, seed=3)
+    args = dict(
+        model=tiny_model_dir,
+        dataset="builtin:math",
+        limit=3,
+        max_new_tokens=5,
+        batch_size=2,
+        output_dir=str(tmp_path),
+        temperature=1.0,
+        num_samples=4,
+        seed=3,
+    )
     first = gsm8k.main(gsm8k.Args(**args, label="a"))
     assert first["n"] == 12 and first["num_samples"] == 4 and first["temperature"] == 1.0
     questions = [r["question"] for r in first["records"]]
@@ -105,8 +134,18 @@ def test_generate_completions_puts_each_prompts_samples_together(monkeypatch):
 def test_evaluate_gsm8k_with_known_completions(tiny_model_dir, monkeypatch):
     rows = gsm8k.gsm8k_rows("builtin:math", "test", limit=4)
     answers = [row["reference"] for row in rows]  # builtin:math references are bare numbers
-    replies = {row["question"]: c for row, c in zip(rows, [f"#### {answers[0]}", f"The answer is {answers[1]}.",
-                                                        f"\\boxed{{{int(answers[2]) + 1}}}", f"#### {answers[3]}"])}
+    replies = {
+        row["question"]: c
+        for row, c in zip(
+            rows,
+            [
+                f"#### {answers[0]}",
+                f"The answer is {answers[1]}.",
+                f"\\boxed{{{int(answers[2]) + 1}}}",
+                f"#### {answers[3]}",
+            ],
+        )
+    }
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
     def fake_generate(model, tok, prompt_ids, batch_size, max_new_tokens, temperature, num_samples):
@@ -166,24 +205,37 @@ def ifeval():
     return module
 
 
-@pytest.mark.parametrize("instruction_id, kwargs, response, strict", [
-    ("punctuation:no_comma", {}, "No commas in this one.", True),
-    ("punctuation:no_comma", {}, "One, two.", False),
-    ("length_constraints:number_words", {"num_words": 5, "relation": "at least"}, "one two three four five six", True),
-    ("length_constraints:number_words", {"num_words": 5, "relation": "less than"}, "one two three four five six", False),
-    ("detectable_format:json_format", {}, '```json\n{"city": "Paris"}\n```', True),
-    ("detectable_format:json_format", {}, "city: Paris", False),
-    ("change_case:english_lowercase", {}, "this whole answer is written in plain lowercase english words.", True),
-    ("change_case:english_lowercase", {}, "This answer Starts with a capital letter in English.", False),
-    ("length_constraints:number_paragraphs", {"num_paragraphs": 2}, "First part.\n***\nSecond part.", True),
-    ("length_constraints:number_paragraphs", {"num_paragraphs": 3}, "First part.\n***\nSecond part.", False),
-    ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* apples\n* pears", True),
-    ("detectable_format:number_bullet_lists", {"num_bullets": 3}, "* apples\n* pears", False),
-    ("startend:end_checker", {"end_phrase": "Any other questions?"}, "Done.\nAny other questions?", True),
-    ("startend:end_checker", {"end_phrase": "Any other questions?"}, "Any other questions? Done.", False),
-    ("combination:repeat_prompt", {"prompt_to_repeat": "Name a fruit."}, "Name a fruit. Apple.", True),
-    ("punctuation:no_comma", {}, "", False),  # an empty response fails every instruction
-])
+@pytest.mark.parametrize(
+    "instruction_id, kwargs, response, strict",
+    [
+        ("punctuation:no_comma", {}, "No commas in this one.", True),
+        ("punctuation:no_comma", {}, "One, two.", False),
+        (
+            "length_constraints:number_words",
+            {"num_words": 5, "relation": "at least"},
+            "one two three four five six",
+            True,
+        ),
+        (
+            "length_constraints:number_words",
+            {"num_words": 5, "relation": "less than"},
+            "one two three four five six",
+            False,
+        ),
+        ("detectable_format:json_format", {}, '```json\n{"city": "Paris"}\n```', True),
+        ("detectable_format:json_format", {}, "city: Paris", False),
+        ("change_case:english_lowercase", {}, "this whole answer is written in plain lowercase english words.", True),
+        ("change_case:english_lowercase", {}, "This answer Starts with a capital letter in English.", False),
+        ("length_constraints:number_paragraphs", {"num_paragraphs": 2}, "First part.\n***\nSecond part.", True),
+        ("length_constraints:number_paragraphs", {"num_paragraphs": 3}, "First part.\n***\nSecond part.", False),
+        ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* apples\n* pears", True),
+        ("detectable_format:number_bullet_lists", {"num_bullets": 3}, "* apples\n* pears", False),
+        ("startend:end_checker", {"end_phrase": "Any other questions?"}, "Done.\nAny other questions?", True),
+        ("startend:end_checker", {"end_phrase": "Any other questions?"}, "Any other questions? Done.", False),
+        ("combination:repeat_prompt", {"prompt_to_repeat": "Name a fruit."}, "Name a fruit. Apple.", True),
+        ("punctuation:no_comma", {}, "", False),  # an empty response fails every instruction
+    ],
+)
 def test_ifeval_checkers(ifeval, instruction_id, kwargs, response, strict):
     result = ifeval.check_instruction(instruction_id, kwargs, "the prompt", response)
     assert result["strict"] is strict and result["not_evaluated"] is None
@@ -192,11 +244,17 @@ def test_ifeval_checkers(ifeval, instruction_id, kwargs, response, strict):
 
 def test_ifeval_loose_forgives_a_preamble_line_and_asterisks(ifeval):
     json_after_preamble = 'Sure! Here it is:\n{"city": "Paris"}'
-    assert ifeval.check_instruction("detectable_format:json_format", {}, "", json_after_preamble) == \
-        {"strict": False, "loose": True, "not_evaluated": None}
+    assert ifeval.check_instruction("detectable_format:json_format", {}, "", json_after_preamble) == {
+        "strict": False,
+        "loose": True,
+        "not_evaluated": None,
+    }
     bold_end = "Done.\n**Any other questions?**"
-    assert ifeval.check_instruction("startend:end_checker", {"end_phrase": "Any other questions?"}, "", bold_end) == \
-        {"strict": False, "loose": True, "not_evaluated": None}
+    assert ifeval.check_instruction("startend:end_checker", {"end_phrase": "Any other questions?"}, "", bold_end) == {
+        "strict": False,
+        "loose": True,
+        "not_evaluated": None,
+    }
 
 
 def test_ifeval_verdicts_do_not_depend_on_the_global_random_state(ifeval):
@@ -228,8 +286,11 @@ def test_ifeval_prompt_and_instruction_level_by_hand(ifeval):
 def test_ifeval_missing_nltk_data_is_not_evaluated(ifeval, monkeypatch):
     monkeypatch.setattr(ifeval, "nltk_has", lambda resource: False)  # a machine without punkt_tab
     rows = [
-        {"prompt": "p1", "instruction_id_list": ["punctuation:no_comma", "length_constraints:number_sentences"],
-         "kwargs": [{}, {"num_sentences": 1, "relation": "at least"}]},
+        {
+            "prompt": "p1",
+            "instruction_id_list": ["punctuation:no_comma", "length_constraints:number_sentences"],
+            "kwargs": [{}, {"num_sentences": 1, "relation": "at least"}],
+        },
         {"prompt": "p2", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
         {"prompt": "p3", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]},
     ]
@@ -254,17 +315,31 @@ def test_ifeval_unexpected_lookup_error_is_not_evaluated(ifeval, monkeypatch):
             return {}
 
         def check_following(self, value):
-            raise LookupError("\n****\n  Resource \x1b[93mstopwords\x1b[0m not found.\n  Please use the NLTK Downloader")
+            raise LookupError(
+                "\n****\n  Resource \x1b[93mstopwords\x1b[0m not found.\n  Please use the NLTK Downloader"
+            )
 
     registry, _ = ifeval._checkers()
     monkeypatch.setitem(registry, "punctuation:no_comma", NeedsData)
     result = ifeval.check_instruction("punctuation:no_comma", {}, "", "text")
-    assert result == {"strict": None, "loose": None, "not_evaluated": "NLTK data missing: Resource stopwords not found"}
+    assert result == {
+        "strict": None,
+        "loose": None,
+        "not_evaluated": "NLTK data missing: Resource stopwords not found",
+    }
 
 
 def test_ifeval_end_to_end_on_the_tiny_model(ifeval, tiny_model_dir, shared_data, tmp_path):
-    out = ifeval.main(ifeval.Args(model=tiny_model_dir, dataset=str(shared_data / "ifeval" / "input_data.jsonl"),
-                                  limit=3, max_new_tokens=6, output_dir=str(tmp_path), label="tiny"))
+    out = ifeval.main(
+        ifeval.Args(
+            model=tiny_model_dir,
+            dataset=str(shared_data / "ifeval" / "input_data.jsonl"),
+            limit=3,
+            max_new_tokens=6,
+            output_dir=str(tmp_path),
+            label="tiny",
+        )
+    )
     with open(tmp_path / "tiny__ifeval.json") as f:
         summary = json.load(f)
     assert summary["n_prompts"] == 3 and all(0.0 <= summary[k] <= 1.0 for k in ifeval.METRICS)
@@ -283,16 +358,25 @@ def test_report_renders_tables_curves_and_one_html_file(tmp_path):
         run.mkdir()
         with open(run / "metrics.jsonl", "w") as f:
             for step in range(1, 6):
-                row = {"step": step, "loss": scale / step, "reward": 0.1 * step, "kl": 0.01 * step,
-                       "completions/mean_length": 50 + step, "memory/peak_gb": 1.5}
+                row = {
+                    "step": step,
+                    "loss": scale / step,
+                    "reward": 0.1 * step,
+                    "kl": 0.01 * step,
+                    "completions/mean_length": 50 + step,
+                    "memory/peak_gb": 1.5,
+                }
                 if step % 5 == 0:
                     row["eval/gsm8k/accuracy"] = 0.2 * scale
                 f.write(json.dumps(row) + "\n")
         runs.append(str(run))
     evals = []
-    for label, task, scores in (("base", "gsm8k", {"accuracy": 0.2}), ("grpo", "gsm8k", {"accuracy": 0.35}),
-                                ("base", "ifeval", {"prompt_level_strict_acc": 0.3, "inst_level_strict_acc": 0.4}),
-                                ("grpo", "ifeval", {"prompt_level_strict_acc": 0.25, "inst_level_strict_acc": 0.45})):
+    for label, task, scores in (
+        ("base", "gsm8k", {"accuracy": 0.2}),
+        ("grpo", "gsm8k", {"accuracy": 0.35}),
+        ("base", "ifeval", {"prompt_level_strict_acc": 0.3, "inst_level_strict_acc": 0.4}),
+        ("grpo", "ifeval", {"prompt_level_strict_acc": 0.25, "inst_level_strict_acc": 0.45}),
+    ):
         path = tmp_path / f"{label}__{task}.json"
         path.write_text(json.dumps({"task": task, "label": label, **scores}))
         evals.append(str(path))
@@ -304,7 +388,7 @@ def test_report_renders_tables_curves_and_one_html_file(tmp_path):
     assert "| grpo | 0.350 (+0.150) |" in md and "| base | 0.200 |" in md and "![loss](loss.png)" in md
     page = open(out["html"]).read()
     assert page.count("data:image/png;base64,") == 6 and "0.250 (-0.050)" in page and "0.450 (+0.050)" in page
-    assert "src=\"http" not in page and ".png\"" not in page  # self-contained: no external or file references
+    assert 'src="http' not in page and '.png"' not in page  # self-contained: no external or file references
 
 
 def test_cli_parsing():
@@ -316,6 +400,7 @@ def test_cli_parsing():
     assert tyro.cli(gsm8k.Args, args=["--checkpoint", "runs/x/final", "--limit", "5"]).limit == 5
     assert tyro.cli(ifeval.Args, args=["--max-new-tokens", "64"]).max_new_tokens == 64
     assert tyro.cli(report.Args, args=["--runs", "a", "b", "--evals", "c.json"]).runs == ("a", "b")
-    res = subprocess.run([sys.executable, "-m", "evals.gsm8k", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "evals.gsm8k", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0 and "--checkpoint" in res.stdout, res.stderr[-500:]

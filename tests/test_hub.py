@@ -22,15 +22,28 @@ def offline_env(tmp_path) -> dict:
 
 def run_grpo(tmp_path, *argv) -> tuple[subprocess.CompletedProcess, float]:
     start = time.perf_counter()
-    cmd = [sys.executable, "grpo.py", "--preset", "demo", "--max-steps", "1", "--output-dir", str(tmp_path / "runs"), *argv]
+    cmd = [
+        sys.executable,
+        "grpo.py",
+        "--preset",
+        "demo",
+        "--max-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "runs"),
+        *argv,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300)
     return res, time.perf_counter() - start
 
 
-@pytest.mark.parametrize(("argv", "named", "hint"), [
-    (["--model", "onlyone-test/no-model"], "model 'onlyone-test/no-model'", "--model /path/to/folder"),
-    (["--dataset", "onlyone-test/no-set:main"], "dataset 'onlyone-test/no-set'", "--dataset file.jsonl"),
-])
+@pytest.mark.parametrize(
+    ("argv", "named", "hint"),
+    [
+        (["--model", "onlyone-test/no-model"], "model 'onlyone-test/no-model'", "--model /path/to/folder"),
+        (["--dataset", "onlyone-test/no-set:main"], "dataset 'onlyone-test/no-set'", "--dataset file.jsonl"),
+    ],
+)
 def test_uncached_hub_model_or_dataset_offline_is_one_line_in_seconds(tmp_path, tiny_model_dir, argv, named, hint):
     argv = ["--model", tiny_model_dir, *argv] if argv[0] == "--dataset" else argv  # the dataset fails first
     res, elapsed = run_grpo(tmp_path, *argv)
@@ -50,8 +63,9 @@ def test_cached_model_loads_offline_without_retries(tmp_path, tiny_model_dir):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)
     code = "from common.model import load_model; m, t = load_model('onlyone-test/tiny'); print(type(m).__name__)"
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=offline_env(tmp_path), capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0 and res.stdout.strip() == "Qwen2ForCausalLM", res.stderr[-2000:]
     assert "Retrying" not in res.stderr and "127.0.0.1" not in res.stderr, res.stderr[-2000:]
 

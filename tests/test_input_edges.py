@@ -24,6 +24,7 @@ SFT_ROWS = [{"prompt": "Say red", "completion": "red"}, {"prompt": "Say blue", "
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Any load_model call from sft.py / grpo.py fails the test: the check must come before the weights."""
+
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
@@ -91,8 +92,11 @@ def test_grpo_refuses_rows_no_reward_can_score_before_loading(tmp_path, no_model
 
 
 def test_reward_needs_per_function():
-    rows = [{"prompt": "p", "answer": "3", "_loc": "f:1"}, {"prompt": "q", "_loc": "f:2"},
-            {"prompt": "q", "answer": None, "_loc": "f:3"}]
+    rows = [
+        {"prompt": "p", "answer": "3", "_loc": "f:1"},
+        {"prompt": "q", "_loc": "f:2"},
+        {"prompt": "q", "answer": None, "_loc": "f:3"},
+    ]
     with pytest.raises(DataError, match="(?s)2 of 3 rows .*f:2: row has prompt\n  f:3: row has prompt$"):
         check_reward_fields(rows, load_reward_funcs(["math"]))
     check_reward_fields(rows, load_reward_funcs(["math", "format"]))  # format scores every row
@@ -159,8 +163,12 @@ def test_a_read_only_mount_fails_before_the_model_loads(tmp_path):
     if shutil.which("unshare") is None:
         pytest.skip("util-linux unshare not installed")
     cli = f"{sys.executable} {ROOT}/sft.py --model unused --dataset {data} --output-dir {ro}"
-    res = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} || "
-                          f"exit 99; {cli}"], capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    res = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} || exit 99; {cli}"],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
     if res.returncode == 99 or res.stderr.startswith("unshare:"):  # no mount namespace or no right to mount
         pytest.skip(f"no private read-only mount here: {res.stderr[-200:]}")
     assert res.returncode != 0

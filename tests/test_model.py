@@ -8,8 +8,19 @@ import pytest
 import torch
 
 from common.model import (
-    DEFAULT, REF, adapter_hash, as_reference, attach_lora, cache_kwarg, is_checkpointing, load_model, load_weights,
-    require, save_weights, snapshot_ref, trainable_parameters,
+    DEFAULT,
+    REF,
+    adapter_hash,
+    as_reference,
+    attach_lora,
+    cache_kwarg,
+    is_checkpointing,
+    load_model,
+    load_weights,
+    require,
+    save_weights,
+    snapshot_ref,
+    trainable_parameters,
 )
 from common.run import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
 
@@ -86,7 +97,7 @@ def test_as_reference_restores_everything_when_the_body_raises(tiny_model_dir):
     with pytest.raises(ZeroDivisionError):
         with as_reference(model):
             assert model.active_adapter == REF and not model.training and not torch.is_grad_enabled()
-            1 / 0
+            raise ZeroDivisionError  # an exception inside: the state must still be restored
     assert trainable_names(model) == names0
     assert model.active_adapter == DEFAULT and model.training and torch.is_grad_enabled()
 
@@ -163,6 +174,7 @@ def test_missing_optional_package_gives_install_hint():
 def test_version_shims_follow_the_installed_transformers(tiny_model_dir):
     """transformers 5.17 (the GPU image) takes past_key_values and has only is_gradient_checkpointing; 5.24 renamed
     both. The shims read what the model offers, so the shared-prefix paths pass the cache under the right name."""
+
     class Old(torch.nn.Module):  # 5.17's signature and attribute
         is_gradient_checkpointing = True
 

@@ -8,7 +8,6 @@ Tolerance: |ours - TRL| <= ATOL + RTOL |TRL| per logged value and step, RTOL = A
 GRPO on one fixed batch: loss to 1e-6, gradients to 1e-5 relative (measured ~3e-7).
 """
 
-
 import pytest
 
 pytest.importorskip("trl")

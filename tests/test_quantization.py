@@ -77,17 +77,32 @@ def test_load_a_quantized_base_on_cpu(tiny_model_dir, quantization, layer):
 
 @pytest.fixture(scope="module")
 def sft_jsonl(tmp_path_factory):
-    rows = [{"prompt": [{"role": "user", "content": f"Say word {i}"}],
-             "completion": [{"role": "assistant", "content": f"{w} {w} {w}"}]}
-            for i, w in enumerate(["red", "blue", "green", "yes", "no", "good", "bad", "hello"])]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Say word {i}"}],
+            "completion": [{"role": "assistant", "content": f"{w} {w} {w}"}],
+        }
+        for i, w in enumerate(["red", "blue", "green", "yes", "no", "good", "bad", "hello"])
+    ]
     return write_jsonl(tmp_path_factory.mktemp("q_sft") / "sft.jsonl", rows)
 
 
 @pytest.mark.parametrize("quantization", ["4bit", "8bit"])
 def test_sft_two_steps_on_a_quantized_base(tiny_model_dir, sft_jsonl, tmp_path, spy, quantization):
-    out = sft.main(sft.Args(model=tiny_model_dir, dataset=sft_jsonl, output_dir=str(tmp_path), max_length=64,
-                            per_device_train_batch_size=4, learning_rate=1e-2, lora_dropout=0.0, max_steps=2,
-                            seed=1, quantization=quantization))
+    out = sft.main(
+        sft.Args(
+            model=tiny_model_dir,
+            dataset=sft_jsonl,
+            output_dir=str(tmp_path),
+            max_length=64,
+            per_device_train_batch_size=4,
+            learning_rate=1e-2,
+            lora_dropout=0.0,
+            max_steps=2,
+            seed=1,
+            quantization=quantization,
+        )
+    )
     if quantization == "4bit":
         assert_qlora_step(spy, out["history"], with_ref=False)
     else:
@@ -102,8 +117,17 @@ def test_dpo_two_steps_on_a_4bit_base_and_resume(tiny_model_dir, tmp_path, spy):
     the same adapters as the straight run (the 'ref' hash is verified on load)."""
     prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(16))
     make_sft_adapter(tiny_model_dir, tmp_path / "sft")
-    kw = dict(model=tiny_model_dir, dataset=prefs, max_length=64, per_device_train_batch_size=4,
-              learning_rate=5e-3, max_steps=2, seed=1, quantization="4bit", adapter=str(tmp_path / "sft"))
+    kw = dict(
+        model=tiny_model_dir,
+        dataset=prefs,
+        max_length=64,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        max_steps=2,
+        seed=1,
+        quantization="4bit",
+        adapter=str(tmp_path / "sft"),
+    )
     straight = dpo.main(dpo.Args(output_dir=str(tmp_path / "a"), save_steps=1, **kw))
     assert straight["history"][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == ref at step 1
     assert_qlora_step(spy, straight["history"], with_ref=True)
@@ -120,10 +144,21 @@ def test_grpo_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, spy):
     prompts = tmp_path / "prompts.jsonl"
     questions = ["What is 12 plus 7?", "Say hello", "Tom has 3 apples.", "Name a colour"]
     prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n" for q in questions))
-    out = grpo.main(grpo.Args(model=tiny_model_dir, dataset=str(prompts), output_dir=str(tmp_path / "runs"),
-                              rewards=["tests.test_grpo:frac_low_ids"], group_size=4, prompts_per_step=2,
-                              max_completion_length=8, learning_rate=1e-2, max_steps=2, seed=1,
-                              breaker_action="warn", quantization="4bit"))
+    out = grpo.main(
+        grpo.Args(
+            model=tiny_model_dir,
+            dataset=str(prompts),
+            output_dir=str(tmp_path / "runs"),
+            rewards=["tests.test_grpo:frac_low_ids"],
+            group_size=4,
+            prompts_per_step=2,
+            max_completion_length=8,
+            learning_rate=1e-2,
+            max_steps=2,
+            seed=1,
+            breaker_action="warn",
+            quantization="4bit",
+        )
+    )
     assert_qlora_step(spy, out["history"], with_ref=True)
     assert all(math.isfinite(h["reward"]) and math.isfinite(h["kl"]) for h in out["history"])
-

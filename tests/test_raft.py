@@ -1,5 +1,6 @@
-"""raft.py: selection and pairing on hand-made scored groups, SPIN pairs, one round end to end on the tiny model (round
-files valid for sft.py / dpo.py, metrics, adapters), exact resume at a round boundary, SPIN's reference refresh, CLI."""
+"""raft.py: selection and pairing on hand-made scored groups, SPIN pairs, one round end to end on the tiny model
+(round files valid for sft.py / dpo.py, metrics, adapters), exact resume at a round boundary, SPIN's reference
+refresh, CLI."""
 
 import json
 import math
@@ -26,9 +27,11 @@ def frac_low_ids(prompts, completions, completion_ids=None, **kw):
 
 # ---------------------------------------------------------------------------------------------------- selection
 def test_select_best_threshold_ties_and_keep_per_prompt():
-    scores = [[0.2, 0.9, 0.9, 0.5],  # tie for best: sample order decides
-              [0.1, 0.3, 0.2, 0.0],  # nothing reaches the threshold
-              [1.0, NAN, 0.7, 0.6]]  # NaN = unusable (truncated / empty), never kept
+    scores = [
+        [0.2, 0.9, 0.9, 0.5],  # tie for best: sample order decides
+        [0.1, 0.3, 0.2, 0.0],  # nothing reaches the threshold
+        [1.0, NAN, 0.7, 0.6],
+    ]  # NaN = unusable (truncated / empty), never kept
     assert select_best(scores, 0.5, 1) == [(0, 1), (2, 0)]
     assert select_best(scores, 0.5, 2) == [(0, 1), (0, 2), (2, 0), (2, 2)]
     assert select_best(scores, 0.5, 10) == [(0, 1), (0, 2), (0, 3), (2, 0), (2, 2), (2, 3)]
@@ -38,11 +41,13 @@ def test_select_best_threshold_ties_and_keep_per_prompt():
 
 
 def test_make_pairs_margin_ties_equal_groups_and_k1():
-    scores = [[0.0, 1.0, 0.0, 1.0],  # ties at both ends: the first best (1), the last worst (2)
-              [0.5, 0.5, 0.5, 0.5],  # all equal: no pair, even with min_margin 0
-              [0.2, 0.4, 0.3, 0.25],  # margin 0.2
-              [1.0, NAN, NAN, 0.0],  # NaN samples are never paired
-              [1.0, NAN, NAN, NAN]]  # one usable sample: no pair
+    scores = [
+        [0.0, 1.0, 0.0, 1.0],  # ties at both ends: the first best (1), the last worst (2)
+        [0.5, 0.5, 0.5, 0.5],  # all equal: no pair, even with min_margin 0
+        [0.2, 0.4, 0.3, 0.25],  # margin 0.2
+        [1.0, NAN, NAN, 0.0],  # NaN samples are never paired
+        [1.0, NAN, NAN, NAN],
+    ]  # one usable sample: no pair
     assert make_pairs(scores, 0.0) == [(0, 1, 2), (2, 1, 0), (3, 0, 3)]
     assert make_pairs(scores, 0.2) == [(0, 1, 2), (2, 1, 0), (3, 0, 3)]  # margin >= min_margin
     assert make_pairs(scores, 0.5) == [(0, 1, 2), (3, 0, 3)]
@@ -51,13 +56,21 @@ def test_make_pairs_margin_ties_equal_groups_and_k1():
 
 
 def test_spin_pairs():
-    chat = [{"prompt": [{"role": "user", "content": f"q{i}"}], "completion": [{"role": "assistant", "content": f"a{i}"}]}
-            for i in range(4)]
+    chat = [
+        {"prompt": [{"role": "user", "content": f"q{i}"}], "completion": [{"role": "assistant", "content": f"a{i}"}]}
+        for i in range(4)
+    ]
     pairs = spin_pairs(chat, ["wrong", None, " a2 ", ""])  # None: unusable; same as the truth or empty: no pair
-    assert pairs == [{"prompt": chat[0]["prompt"], "chosen": chat[0]["completion"],
-                      "rejected": [{"role": "assistant", "content": "wrong"}]}]
+    assert pairs == [
+        {
+            "prompt": chat[0]["prompt"],
+            "chosen": chat[0]["completion"],
+            "rejected": [{"role": "assistant", "content": "wrong"}],
+        }
+    ]
     assert spin_pairs([{"prompt": "2+2=", "completion": " 4"}], [" 5"]) == [
-        {"prompt": "2+2=", "chosen": " 4", "rejected": " 5"}]  # standard (string) rows stay strings
+        {"prompt": "2+2=", "chosen": " 4", "rejected": " 5"}
+    ]  # standard (string) rows stay strings
     validate_rows(pairs, "preference")
 
 
@@ -68,17 +81,40 @@ def prompts_jsonl(tmp_path_factory):
     path = tmp_path_factory.mktemp("raft_data") / "rows.jsonl"
     with open(path, "w") as f:
         for i, q in enumerate(["What is 12 plus 7?", "Say hello", "Tom has 3 apples.", "Name a colour"]):
-            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "answer": str(i),
-                                "completion": [{"role": "assistant", "content": f"The answer is {i}."}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": [{"role": "user", "content": q}],
+                        "answer": str(i),
+                        "completion": [{"role": "assistant", "content": f"The answer is {i}."}],
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
 def run(model_dir, dataset, out_dir, **kw):
     defaults = dict(
-        preset="demo", model=model_dir, dataset=dataset, output_dir=str(out_dir), rewards=["tests.test_raft:frac_low_ids"],
-        num_rounds=1, prompts_per_round=2, group_size=4, max_completion_length=6, reward_threshold=None,
-        min_margin=0.0, mask_truncated_completions=False, learning_rate=1e-2, dpo_learning_rate=1e-2,
-        per_device_train_batch_size=2, num_train_epochs=1.0, eval_dataset="builtin:math", eval_limit=2, seed=1,
+        preset="demo",
+        model=model_dir,
+        dataset=dataset,
+        output_dir=str(out_dir),
+        rewards=["tests.test_raft:frac_low_ids"],
+        num_rounds=1,
+        prompts_per_round=2,
+        group_size=4,
+        max_completion_length=6,
+        reward_threshold=None,
+        min_margin=0.0,
+        mask_truncated_completions=False,
+        learning_rate=1e-2,
+        dpo_learning_rate=1e-2,
+        per_device_train_batch_size=2,
+        num_train_epochs=1.0,
+        eval_dataset="builtin:math",
+        eval_limit=2,
+        seed=1,
     )
     return main(Args(**{**defaults, **kw}))
 
@@ -108,11 +144,18 @@ def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl
     run_dir = out["run_dir"]
     assert sorted(d for d in os.listdir(run_dir) if "round" in d) == ["round-0", "round-1"]  # no temp dir left
     r1 = os.path.join(run_dir, "round-1")
-    assert sorted(os.listdir(r1)) == ["adapter", "eval.jsonl", "metrics.json", "pairs.jsonl", "samples.jsonl",
-                                      "sft.jsonl"]
+    assert sorted(os.listdir(r1)) == [
+        "adapter",
+        "eval.jsonl",
+        "metrics.json",
+        "pairs.jsonl",
+        "samples.jsonl",
+        "sft.jsonl",
+    ]
     samples = read_jsonl(os.path.join(r1, "samples.jsonl"))
-    assert len(samples) == 8 and all({"prompt", "completion", "reward", "truncated", "usable"} <= s.keys()
-                                     for s in samples)
+    assert len(samples) == 8 and all(
+        {"prompt", "completion", "reward", "truncated", "usable"} <= s.keys() for s in samples
+    )
     # The round's data is what sft.py / dpo.py read: same loader, same validation
     sft_rows = validate_rows(load_rows(os.path.join(r1, "sft.jsonl")), "sft")
     pairs = validate_rows(load_rows(os.path.join(r1, "pairs.jsonl")), "preference")
@@ -124,9 +167,24 @@ def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl
     # Metrics: one step per round (round 0 = the starting policy's eval), also in metrics.json
     logged = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [row["step"] for row in logged] == [0, 1] and "eval/builtin_math/accuracy" in logged[0]
-    expected = {"reward", "reward_std", "rewards/frac_low_ids/mean", "kept_fraction", "num_kept", "num_pairs",
-                "completions/mean_length", "completions/clipped_ratio", "sft/loss", "sft/grad_norm", "dpo/loss",
-                "dpo/rewards/accuracies", "dpo/rewards/margins", "eval/builtin_math/accuracy", "time/rollout", "time/round"}
+    expected = {
+        "reward",
+        "reward_std",
+        "rewards/frac_low_ids/mean",
+        "kept_fraction",
+        "num_kept",
+        "num_pairs",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "sft/loss",
+        "sft/grad_norm",
+        "dpo/loss",
+        "dpo/rewards/accuracies",
+        "dpo/rewards/margins",
+        "eval/builtin_math/accuracy",
+        "time/rollout",
+        "time/round",
+    }
     assert expected <= logged[1].keys(), expected - logged[1].keys()
     assert all(math.isfinite(logged[1][k]) for k in expected)
     with open(os.path.join(r1, "metrics.json")) as f:
@@ -187,11 +245,38 @@ def test_cli_help_and_one_round(tiny_model_dir, prompts_jsonl, tmp_path):
     help_out = subprocess.run([sys.executable, "raft.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--reward-threshold" in help_out.stdout and "--mode" in help_out.stdout
     done = subprocess.run(
-        [sys.executable, "raft.py", "--preset", "demo", "--model", tiny_model_dir, "--dataset", prompts_jsonl, "--rewards", "length",
-         "--num-rounds", "1", "--group-size", "2", "--prompts-per-round", "2", "--max-completion-length", "4",
-         "--reward-threshold", "None", "--no-mask-truncated-completions", "--eval-limit", "1",
-         "--output-dir", str(tmp_path / "cli")],
-        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "raft.py",
+            "--preset",
+            "demo",
+            "--model",
+            tiny_model_dir,
+            "--dataset",
+            prompts_jsonl,
+            "--rewards",
+            "length",
+            "--num-rounds",
+            "1",
+            "--group-size",
+            "2",
+            "--prompts-per-round",
+            "2",
+            "--max-completion-length",
+            "4",
+            "--reward-threshold",
+            "None",
+            "--no-mask-truncated-completions",
+            "--eval-limit",
+            "1",
+            "--output-dir",
+            str(tmp_path / "cli"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "raft (raft): eval/builtin_math/accuracy by round" in done.stdout

@@ -78,9 +78,20 @@ def test_extract_and_normalize(text, value):
     assert normalize_number(extract_answer(text)) == value
 
 
-@pytest.mark.parametrize("s, value", [("1,234", 1234.0), ("$18.00.", 18.0), ("-0.5", -0.5), (".5", 0.5),
-                                      ("3/4", 0.75), ("\\frac{-1}{4}", -0.25), ("1/0", None), ("abc", None),
-                                      (None, None)])
+@pytest.mark.parametrize(
+    "s, value",
+    [
+        ("1,234", 1234.0),
+        ("$18.00.", 18.0),
+        ("-0.5", -0.5),
+        (".5", 0.5),
+        ("3/4", 0.75),
+        ("\\frac{-1}{4}", -0.25),
+        ("1/0", None),
+        ("abc", None),
+        (None, None),
+    ],
+)
 def test_normalize_number(s, value):
     assert normalize_number(s) == value
 
@@ -190,11 +201,22 @@ def test_asserts_count_once_and_early_exit_scores_zero(no_leftovers):
 
 def test_assert_forms_are_judged_on_the_solutions_values(no_leftovers):
     """The parts that need the solution run in the sandbox; ==, <, abs(), sorted(), math.isclose() run here."""
-    code = ("import collections\ndef f(x):\n    print('debug output is fine')\n    return x / 2\n"
-            "def g(s):\n    return collections.Counter(s)\ndef h(n):\n    return list(range(n, 0, -1))\nK = 3")
-    tests = ["assert f(1) == 0.5", "assert abs(f(3) - 1.5) < 1e-9", "assert math.isclose(f(1), 0.5)",
-             "assert g('aab') == {'a': 2, 'b': 1}", "assert sorted(h(3)) == [1, 2, 3]", "assert h(2)[0] == 2",
-             "assert len(h(K)) == K", "assert not h(0)", "assert f(1) == 0.5, 'message'", "assert f(2) is None"]
+    code = (
+        "import collections\ndef f(x):\n    print('debug output is fine')\n    return x / 2\n"
+        "def g(s):\n    return collections.Counter(s)\ndef h(n):\n    return list(range(n, 0, -1))\nK = 3"
+    )
+    tests = [
+        "assert f(1) == 0.5",
+        "assert abs(f(3) - 1.5) < 1e-9",
+        "assert math.isclose(f(1), 0.5)",
+        "assert g('aab') == {'a': 2, 'b': 1}",
+        "assert sorted(h(3)) == [1, 2, 3]",
+        "assert h(2)[0] == 2",
+        "assert len(h(K)) == K",
+        "assert not h(0)",
+        "assert f(1) == 0.5, 'message'",
+        "assert f(2) is None",
+    ]
     assert run_code_tests(code, tests) == pytest.approx(9 / 10)  # f(2) is 1.0
     big = f"assert len(g({list(range(40_000))})) == 40_000"  # a query over argv's limit of 128 KiB per string
     assert run_code_tests(code, [big, "assert max(*h(3)) == 3"]) == 1.0
@@ -211,35 +233,35 @@ def find(text):
 CHEATS = {
     "rebind exec": "def add(a, b):\n    return 0\nexec = lambda *a, **k: None",
     "rebind builtins": "import builtins\nbuiltins.exec = builtins.eval = lambda *a, **k: True\n"
-                       "builtins.AssertionError = type('Nothing', (Exception,), {})\ndef add(a, b):\n    return 0",
+    "builtins.AssertionError = type('Nothing', (Exception,), {})\ndef add(a, b):\n    return 0",
     "monkeypatch AssertionError": "import builtins\nbuiltins.AssertionError = SystemExit\n"
-                                  "def add(a, b):\n    return 0",
+    "def add(a, b):\n    return 0",
     "sys.modules": "import sys, types\nfake = types.ModuleType('os')\nfake.write = fake._exit = lambda *a: 0\n"
-                   "sys.modules.update(os=fake, json=fake, ast=fake)\ndef add(a, b):\n    return 0",
+    "sys.modules.update(os=fake, json=fake, ast=fake)\ndef add(a, b):\n    return 0",
     "SystemExit(0) in the test": "def add(a, b):\n    raise SystemExit(0)",
     "os._exit(0) in the test": "import os\ndef add(a, b):\n    os._exit(0)",
     "equal to everything": "class Anything:\n    def __eq__(self, other):\n        return True\n"
-                           "    __hash__ = object.__hash__\ndef add(a, b):\n    return Anything()",
+    "    __hash__ = object.__hash__\ndef add(a, b):\n    return Anything()",
     "read files and /proc": FIND_IN + "import glob, os\nfound = {}\n"
-        "for path in [__file__, *glob.glob('/proc/*/cmdline'), *glob.glob('/proc/*/environ'), *glob.glob('*'),\n"
-        "             *glob.glob('/tmp/*'), *glob.glob('/proc/1/cwd/*')]:\n"
-        "    try:\n        found |= find(open(path, errors='replace').read(1 << 20) if os.path.isfile(path) else '')\n"
-        "    except OSError:\n        pass\ndef secret(x):\n    return found.get(x)",
+    "for path in [__file__, *glob.glob('/proc/*/cmdline'), *glob.glob('/proc/*/environ'), *glob.glob('*'),\n"
+    "             *glob.glob('/tmp/*'), *glob.glob('/proc/1/cwd/*')]:\n"
+    "    try:\n        found |= find(open(path, errors='replace').read(1 << 20) if os.path.isfile(path) else '')\n"
+    "    except OSError:\n        pass\ndef secret(x):\n    return found.get(x)",
     "inspect the caller": FIND_IN + "import gc, sys\ndef secret(x):\n    frame, found = sys._getframe(1), {}\n"
-        "    while frame:\n        found |= find(list(frame.f_locals.values()) + list(frame.f_globals.values()))\n"
-        "        frame = frame.f_back\n    for obj in gc.get_objects():\n        found |= find(obj)\n"
-        "    return found.get(x)",
+    "    while frame:\n        found |= find(list(frame.f_locals.values()) + list(frame.f_globals.values()))\n"
+    "        frame = frame.f_back\n    for obj in gc.get_objects():\n        found |= find(obj)\n"
+    "    return found.get(x)",
     "signal handler": FIND_IN + "import signal, time\nfound = {}\ndef spy(signum, frame):\n    while frame:\n"
-        "        found.update(find(list(frame.f_locals.values()) + list(frame.f_globals.values())))\n"
-        "        frame = frame.f_back\nsignal.signal(signal.SIGALRM, spy)\n"
-        "signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)\n"
-        "def secret(x):\n    deadline = time.time() + 1\n    while x not in found and time.time() < deadline:\n"
-        "        pass\n    return found.get(x)",
+    "        found.update(find(list(frame.f_locals.values()) + list(frame.f_globals.values())))\n"
+    "        frame = frame.f_back\nsignal.signal(signal.SIGALRM, spy)\n"
+    "signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)\n"
+    "def secret(x):\n    deadline = time.time() + 1\n    while x not in found and time.time() < deadline:\n"
+    "        pass\n    return found.get(x)",
     "atexit: fake results": FIND_IN + "import atexit, re\ndef fake():\n    text = open(__file__).read()\n"
-        "    for nonce in set(re.findall(r'[0-9a-f]{32}', text)):\n        print(f'{nonce}:0\\n{nonce}:1')\n"
-        "    for i in range(2):\n        print(f'\\n\\x1e{i} True\\n\\x1e{i} 3\\n\\x1e{i} 7919')\n"
-        "atexit.register(fake)\n"
-        "def add(a, b):\n    return 0\nsecret = add",
+    "    for nonce in set(re.findall(r'[0-9a-f]{32}', text)):\n        print(f'{nonce}:0\\n{nonce}:1')\n"
+    "    for i in range(2):\n        print(f'\\n\\x1e{i} True\\n\\x1e{i} 3\\n\\x1e{i} 7919')\n"
+    "atexit.register(fake)\n"
+    "def add(a, b):\n    return 0\nsecret = add",
 }
 
 
@@ -256,9 +278,14 @@ def test_honest_secret_passes(no_leftovers):
     assert run_code_tests("def add(a, b):\n    return a + b", ["assert add(1, 2) == 3"]) == 1.0
 
 
-@pytest.mark.parametrize("program", ["while True:\n    pass", "import time\ntime.sleep(1e9)",
-                                     "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                                     "time.sleep(1e9)"])
+@pytest.mark.parametrize(
+    "program",
+    [
+        "while True:\n    pass",
+        "import time\ntime.sleep(1e9)",
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(1e9)",
+    ],
+)
 def test_hangs_are_cut_at_the_timeout(program, no_leftovers):
     start = time.time()
     assert run_code_tests(program + "\nprint(3)", [{"input": "", "output": "3"}], timeout=1) == 0.0
@@ -278,17 +305,21 @@ def test_detached_grandchild_is_killed(namespaced, no_leftovers):
     if not (namespaced or _has_cgroup()):
         pytest.skip("without a PID namespace or a pids cgroup a process that left the group is not found")
     # setsid + double fork leaves the process group: the PID namespace (or the cgroup) must still catch it
-    program = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
-               "    os._exit(0)\nprint('parent done')")
+    program = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
+        "    os._exit(0)\nprint('parent done')"
+    )
     assert run_python(program) == "parent done\n"
 
 
 def test_process_count_is_capped(no_leftovers):
     if not _count_capped():
         pytest.skip("root without a pids cgroup: RLIMIT_NPROC does not bind root, nothing caps the count")
-    program = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
-               "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n"
-               "    n += 1\nprint(n)")
+    program = (
+        "import os, time\nn = 0\nfor _ in range(100):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+        "    n += 1\nprint(n)"
+    )
     assert int(run_python(program, timeout=5, max_procs=16)) < 16
 
 
@@ -301,10 +332,12 @@ def test_writes_stay_in_the_sandbox(no_leftovers):
     """cwd, HOME, /tmp, /var/tmp, /dev/shm, /run/lock are private and vanish; /root, / and the rest: not writable."""
     name = f"onlyone_escape_{uuid.uuid4().hex}"
     targets = [f"{d}/{name}" for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/root", "", os.getcwd())]
-    program = (f"import os\nfor path in {targets!r} + ['inside.txt', os.path.expanduser('~/home.txt')]:\n"
-               f"    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
-               f"    except OSError as e:\n"
-               f"        print('refused', path, e.strerror)\nprint(os.getcwd())")
+    program = (
+        f"import os\nfor path in {targets!r} + ['inside.txt', os.path.expanduser('~/home.txt')]:\n"
+        f"    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
+        f"    except OSError as e:\n"
+        f"        print('refused', path, e.strerror)\nprint(os.getcwd())"
+    )
     out = run_python(program)
     try:
         assert "wrote inside.txt" in out and out.count("\n") == 10  # it ran, and wrote where it may
@@ -318,11 +351,13 @@ def test_writes_stay_in_the_sandbox(no_leftovers):
 def test_trainer_environment_is_unreadable(monkeypatch, no_leftovers):
     """The judge's key in the trainer's environment: neither inherited nor readable through /proc/*/environ."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-onlyone-test-secret")
-    program = ("import glob, json, os\nleaks = []\n"
-               "for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/task/*/environ'):\n    try:\n"
-               "        leaks += [path] * ('sk-onlyone-test-secret' in open(path, errors='replace').read())\n"
-               "    except OSError:\n        pass\nprint(json.dumps([leaks, 'sk-onlyone' in str(os.environ), "
-               "len([p for p in os.listdir('/proc') if p.isdigit()])]))")
+    program = (
+        "import glob, json, os\nleaks = []\n"
+        "for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/task/*/environ'):\n    try:\n"
+        "        leaks += [path] * ('sk-onlyone-test-secret' in open(path, errors='replace').read())\n"
+        "    except OSError:\n        pass\nprint(json.dumps([leaks, 'sk-onlyone' in str(os.environ), "
+        "len([p for p in os.listdir('/proc') if p.isdigit()])]))"
+    )
     leaks, inherited, count = json.loads(run_python(program))
     assert leaks == [] and not inherited
     assert count <= 3, "the sandbox's /proc should show its own few processes, not the trainer's"
@@ -332,12 +367,14 @@ def test_setns_into_the_trainers_network_fails(no_leftovers):
     """Root's old escape: join the trainer's network namespace through /proc/<pid>/ns/net and reach loopback."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    program = (f"import ctypes, glob, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\nresults = []\n"
-               f"for path in glob.glob('/proc/*/ns/net') + ['/proc/{os.getpid()}/ns/net', '/proc/1/ns/net']:\n"
-               f"    try:\n        fd = os.open(path, os.O_RDONLY)\n    except OSError:\n        continue\n"
-               f"    if libc.setns(fd, 0x40000000) == 0:\n        results.append('joined')\n"
-               f"    try:\n        socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-               f"        results.append('connected')\n    except OSError:\n        pass\nprint('ran', results)")
+    program = (
+        f"import ctypes, glob, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\nresults = []\n"
+        f"for path in glob.glob('/proc/*/ns/net') + ['/proc/{os.getpid()}/ns/net', '/proc/1/ns/net']:\n"
+        f"    try:\n        fd = os.open(path, os.O_RDONLY)\n    except OSError:\n        continue\n"
+        f"    if libc.setns(fd, 0x40000000) == 0:\n        results.append('joined')\n"
+        f"    try:\n        socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        f"        results.append('connected')\n    except OSError:\n        pass\nprint('ran', results)"
+    )
     try:
         out = run_python(program)
         assert out.startswith("ran") and "connected" not in out and "joined" not in out
@@ -346,8 +383,10 @@ def test_setns_into_the_trainers_network_fails(no_leftovers):
 
 
 def test_output_files_swapped_for_a_fifo_do_not_hang_us(no_leftovers):
-    program = ("import os\nfor name in ('out', 'err'):\n    if os.path.exists(name):\n        os.remove(name)\n"
-               "    os.mkfifo(name)\nprint('still read')")
+    program = (
+        "import os\nfor name in ('out', 'err'):\n    if os.path.exists(name):\n        os.remove(name)\n"
+        "    os.mkfifo(name)\nprint('still read')"
+    )
     assert run_python(program) == "still read\n"  # read through our descriptors, not by name
 
 
@@ -361,8 +400,10 @@ def test_network_is_blocked(namespaced, no_leftovers):
         pytest.skip("unshare is refused here: the sandbox warns and the network stays open")
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    program = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-               f"    print('connected')\nexcept OSError as e:\n    print('blocked', e)")
+    program = (
+        f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        f"    print('connected')\nexcept OSError as e:\n    print('blocked', e)"
+    )
     try:
         assert run_python(program).startswith("blocked")
     finally:
@@ -392,8 +433,10 @@ def _nobody_python() -> list[str] | None:
     for drop in (setpriv, ["runuser", "-u", "nobody", "--"]):
         for python in (sys.executable, "/usr/bin/python3"):
             cmd = [*drop, python, "-I"]
-            if shutil.which(drop[0]) and subprocess.run([*cmd, "-c", RERUN], check=False,
-                                                        capture_output=True).returncode == 0:
+            if (
+                shutil.which(drop[0])
+                and subprocess.run([*cmd, "-c", RERUN], check=False, capture_output=True).returncode == 0
+            ):
                 return cmd
     return None
 
@@ -408,12 +451,15 @@ def test_sandbox_works_as_non_root(kind):
     try:
         shutil.copy(pathlib.Path(__file__).parents[1] / "common" / "sandbox.py", home)
         os.chmod(home, 0o755)
-        driver = (f"import sys\nsys.path.insert(0, {home!r})\nimport sandbox\nprint(sandbox.run_python("
-                  f"\"import glob, os\\nprint(os.getuid() != 0, 6 * 7, any('sk-onlyone' in open(p).read() "
-                  f"for p in glob.glob('/proc/*/environ')))\"), sandbox._kind({kind == 'fallback'}))")
+        driver = (
+            f"import sys\nsys.path.insert(0, {home!r})\nimport sandbox\nprint(sandbox.run_python("
+            f"\"import glob, os\\nprint(os.getuid() != 0, 6 * 7, any('sk-onlyone' in open(p).read() "
+            f"for p in glob.glob('/proc/*/environ')))\"), sandbox._kind({kind == 'fallback'}))"
+        )
         env = {"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": "sk-onlyone-test-secret"}
-        result = subprocess.run([*cmd, "-c", driver], check=False, capture_output=True, text=True, env=env,
-                                cwd=home, timeout=60)
+        result = subprocess.run(
+            [*cmd, "-c", driver], check=False, capture_output=True, text=True, env=env, cwd=home, timeout=60
+        )
     finally:
         shutil.rmtree(home)
     if "onlyone-sandbox: unshare" in result.stderr:  # warned at run time too; no isolation is possible then
@@ -471,12 +517,24 @@ def test_gsm8k_format_reward():
 
 
 def test_json_reward():
-    schema = {"type": "object", "required": ["name", "age"],
-              "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                             "tags": {"type": "array", "items": {"type": "string"}}}}
-    completions = ['{"name": "a", "age": 3}', '```json\n{"name": "a", "age": 3, "tags": ["x"]}\n```',
-                   '{"name": "a"}', '{"name": "a", "age": true}', '{"name": "a", "age": 3, "tags": [1]}', "{oops",
-                   "[1, 2]"]
+    schema = {
+        "type": "object",
+        "required": ["name", "age"],
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+    }
+    completions = [
+        '{"name": "a", "age": 3}',
+        '```json\n{"name": "a", "age": 3, "tags": ["x"]}\n```',
+        '{"name": "a"}',
+        '{"name": "a", "age": true}',
+        '{"name": "a", "age": 3, "tags": [1]}',
+        "{oops",
+        "[1, 2]",
+    ]
     assert json_reward(None, completions, json_schema=[schema] * 6 + [None]) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert json_reward(None, ['"b"'], json_schema=['{"enum": ["a"]}']) == [0.0]  # schema as a JSON string
 
@@ -489,7 +547,12 @@ def test_regex_reward():
 def test_soft_overlong_reward():
     ids = [[0] * n for n in (10, 80, 90, 100, 120)]
     assert soft_overlong_reward(None, [""] * 5, max_completion_length=100, completion_ids=ids, overlong_buffer=20) == [
-        0.0, 0.0, -0.5, -1.0, -1.0]
+        0.0,
+        0.0,
+        -0.5,
+        -1.0,
+        -1.0,
+    ]
     assert soft_overlong_reward(None, ["a b c d e"], max_completion_length=5) == [-1.0]  # default buffer 5 // 5 = 1
     assert soft_overlong_reward(None, ["a b c d"], max_completion_length=5) == [0.0]  # words when no ids
     with pytest.raises(ValueError, match="max_completion_length"):
@@ -584,8 +647,12 @@ def test_api_registry_entry_reads_the_environment(monkeypatch, judge_server):
 # ---------------------------------------------------------------------------------------------------- registry
 def test_load_reward_funcs(tmp_path, monkeypatch):
     funcs = load_reward_funcs(["math", "format:0.5", "tests.test_rewards:my_reward", "tests.test_rewards:my_reward:2"])
-    assert [(n, f, w) for n, f, w in funcs] == [("math", math_reward, 1.0), ("format", format_reward, 0.5),
-                                                ("my_reward", my_reward, 1.0), ("my_reward", my_reward, 2.0)]
+    assert [(n, f, w) for n, f, w in funcs] == [
+        ("math", math_reward, 1.0),
+        ("format", format_reward, 0.5),
+        ("my_reward", my_reward, 1.0),
+        ("my_reward", my_reward, 2.0),
+    ]
     (tmp_path / "user_rewards_mod.py").write_text("def short(prompts, completions, **kw):\n    return [1.0] * 2\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     ((name, fn, weight),) = load_reward_funcs(["user_rewards_mod:short:-1.5"])

@@ -87,10 +87,17 @@ def test_top_k_zero_is_off_and_the_model_generation_config_does_not_leak(policy)
         plain = _processors(model, tokenizer, temperature=1.0, top_p=1.0, top_k=0)
         asked = _processors(model, tokenizer, temperature=0.7, top_p=0.9, top_k=3)
     finally:
-        config.update(top_k=None, top_p=None, temperature=None, repetition_penalty=None, min_p=None,
-                      no_repeat_ngram_size=None)
-    leaked = {"TopKLogitsWarper", "TopPLogitsWarper", "TemperatureLogitsWarper", "MinPLogitsWarper",
-              "RepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor"} & set(plain)
+        config.update(
+            top_k=None, top_p=None, temperature=None, repetition_penalty=None, min_p=None, no_repeat_ngram_size=None
+        )
+    leaked = {
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "TemperatureLogitsWarper",
+        "MinPLogitsWarper",
+        "RepetitionPenaltyLogitsProcessor",
+        "NoRepeatNGramLogitsProcessor",
+    } & set(plain)
     assert not leaked, f"sampling with TRL's defaults must apply no processor, got {leaked}"
     assert asked["TopKLogitsWarper"].top_k == 3 and asked["TopPLogitsWarper"].top_p == 0.9
     assert asked["TemperatureLogitsWarper"].temperature == 0.7
@@ -148,9 +155,10 @@ def test_vllm_engine_without_vllm_is_a_one_line_install_hint(policy, monkeypatch
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("quantization, message", [
-    ("8bit", "vLLM cannot load an in-flight 8-bit base"), ("4bit", "vLLM-CPU has no bitsandbytes quantization"),
-])
+@pytest.mark.parametrize(
+    "quantization, message",
+    [("8bit", "vLLM cannot load an in-flight 8-bit base"), ("4bit", "vLLM-CPU has no bitsandbytes quantization")],
+)
 def test_vllm_engine_names_the_unsupported_quantization(policy, quantization, message):
     """Refused before vllm is imported or an engine starts (4-bit is refused on CPU only: vLLM-CPU 0.32 lists no
     bitsandbytes method)."""

@@ -40,8 +40,15 @@ def memo_jsonl(tmp_path):
 
 def run(tiny_model_dir, dataset, tmp_path, **kw):
     defaults = dict(
-        model=tiny_model_dir, dataset=dataset, output_dir=str(tmp_path / "runs"), max_length=64,
-        per_device_train_batch_size=4, learning_rate=1e-2, lora_dropout=0.0, max_steps=2, seed=1,
+        model=tiny_model_dir,
+        dataset=dataset,
+        output_dir=str(tmp_path / "runs"),
+        max_length=64,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        lora_dropout=0.0,
+        max_steps=2,
+        seed=1,
     )
     return main(Args(**{**defaults, **kw}))
 
@@ -75,7 +82,11 @@ def test_sft_learns_a_memorisable_set(learnable_dir, memo_jsonl, tmp_path):
 def test_gradient_accumulation_1x4_equals_4x1(tiny_model_dir, memo_jsonl, tmp_path):
     one_big = run(tiny_model_dir, memo_jsonl, tmp_path / "a", per_device_train_batch_size=4, max_steps=1)
     four_small = run(
-        tiny_model_dir, memo_jsonl, tmp_path / "b", per_device_train_batch_size=1, gradient_accumulation_steps=4,
+        tiny_model_dir,
+        memo_jsonl,
+        tmp_path / "b",
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=4,
         max_steps=1,
     )
     assert four_small["loss"] == pytest.approx(one_big["loss"], rel=1e-5)
@@ -116,9 +127,25 @@ def test_cli_help_and_one_step(tiny_model_dir, memo_jsonl, tmp_path):
     help_out = subprocess.run([sys.executable, "sft.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--learning-rate" in help_out.stdout and "completion" in help_out.stdout
     done = subprocess.run(
-        [sys.executable, "sft.py", "--model", tiny_model_dir, "--dataset", memo_jsonl, "--max-steps", "1",
-         "--max-length", "64", "--output-dir", str(tmp_path / "cli")],
-        cwd=ROOT, capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "sft.py",
+            "--model",
+            tiny_model_dir,
+            "--dataset",
+            memo_jsonl,
+            "--max-steps",
+            "1",
+            "--max-length",
+            "64",
+            "--output-dir",
+            str(tmp_path / "cli"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sft: loss" in done.stdout

@@ -18,15 +18,34 @@ def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_di
     log = tmp_path / "run.log"
     with open(log, "w") as err:
         done = subprocess.run(
-            [sys.executable, "sft.py", "--model", tiny_model_dir, "--dataset", "builtin:math_sft", "--max-steps", "2",
-             "--max-length", "256", "--gradient-checkpointing", "--output-dir", str(tmp_path / "runs")],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, check=False,
+            [
+                sys.executable,
+                "sft.py",
+                "--model",
+                tiny_model_dir,
+                "--dataset",
+                "builtin:math_sft",
+                "--max-steps",
+                "2",
+                "--max-length",
+                "256",
+                "--gradient-checkpointing",
+                "--output-dir",
+                str(tmp_path / "runs"),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            check=False,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
-            timeout=300)
+            timeout=300,
+        )
     text = log.read_text()
     assert done.returncode == 0, text[-2000:]
-    steps = re.findall(r"^step (\d+)/2  loss [-\d.e+]+  learning_rate [-\d.e+]+  [\d.]+ s/step  ETA \d+m\d\ds$",
-                       text, re.MULTILINE)
+    steps = re.findall(
+        r"^step (\d+)/2  loss [-\d.e+]+  learning_rate [-\d.e+]+  [\d.]+ s/step  ETA \d+m\d\ds$", text, re.MULTILINE
+    )
     assert steps == ["1", "2"], text[-2000:]
     assert "\r" not in text, text[:2000]
     assert "is_gradient_checkpointing" not in text and "FutureWarning" not in text, text[-2000:]
@@ -45,10 +64,20 @@ def test_dataset_tag_names_the_dataset_used():
 def test_gsm8k_eval_on_builtin_math_is_not_labelled_gsm8k(tiny_model_dir, tmp_path, capsys):
     import evals.gsm8k as gsm8k
 
-    out = gsm8k.main(gsm8k.Args(model=tiny_model_dir, dataset="builtin:math", limit=2, max_new_tokens=3,
-                                output_dir=str(tmp_path), label="tiny"))
-    assert out["task"] == "builtin-math" and sorted(os.listdir(tmp_path)) == ["tiny__builtin-math.json",
-                                                                               "tiny__builtin-math.jsonl"]
+    out = gsm8k.main(
+        gsm8k.Args(
+            model=tiny_model_dir,
+            dataset="builtin:math",
+            limit=2,
+            max_new_tokens=3,
+            output_dir=str(tmp_path),
+            label="tiny",
+        )
+    )
+    assert out["task"] == "builtin-math" and sorted(os.listdir(tmp_path)) == [
+        "tiny__builtin-math.json",
+        "tiny__builtin-math.jsonl",
+    ]
     printed = capsys.readouterr().out
     assert printed.startswith("builtin-math: accuracy") and "gsm8k" not in printed.replace(str(tmp_path), "")
 
@@ -62,8 +91,15 @@ EVAL_CLIS = {
 
 def test_eval_entry_points_give_one_line_errors_for_missing_inputs(tmp_path):
     for module, argv in EVAL_CLIS.items():
-        done = subprocess.run([sys.executable, "-m", module, *argv], cwd=tmp_path, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, timeout=300, check=False)
+        done = subprocess.run(
+            [sys.executable, "-m", module, *argv],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+            timeout=300,
+            check=False,
+        )
         lines = [line for line in done.stderr.splitlines() if not line.startswith("Failed to load CPU gemm_4bit")]
         assert done.returncode == 1 and len(lines) == 1, (module, done.stderr[-2000:])
         assert lines[0].startswith(f"{module}: error: ") and "no_such" in lines[0], lines
@@ -74,8 +110,10 @@ def _history(n, start, noise, seed):
     import random
 
     rng = random.Random(seed)
-    return [{"step": s, "loss": start / s + rng.uniform(-noise, noise), "reward": s / n + rng.uniform(-0.3, 0.3)}
-            for s in range(1, n + 1)]
+    return [
+        {"step": s, "loss": start / s + rng.uniform(-noise, noise), "reward": s / n + rng.uniform(-0.3, 0.3)}
+        for s in range(1, n + 1)
+    ]
 
 
 def test_report_plots_one_panel_per_run_kind_with_ema_and_integer_steps(tmp_path):
@@ -83,8 +121,12 @@ def test_report_plots_one_panel_per_run_kind_with_ema_and_integer_steps(tmp_path
 
     assert ema([1.0, 1.0, 1.0], 0.6) == pytest.approx([1.0, 1.0, 1.0])  # debiased: a constant stays constant
     assert ema([0.0, 1.0], 0.5) == pytest.approx([0.0, 0.5 / 0.75])  # (0.5*0 + 0.5*1) / (1 - 0.25)
-    histories = {"sft__m__1__a": _history(8, 2.0, 0.05, 0), "dpo__m__1__a": _history(8, 0.7, 0.02, 1),
-                 "grpo__m__1__a": _history(20, 0.1, 0.05, 2), "grpo__m__2__b": _history(20, 0.1, 0.05, 3)}
+    histories = {
+        "sft__m__1__a": _history(8, 2.0, 0.05, 0),
+        "dpo__m__1__a": _history(8, 0.7, 0.02, 1),
+        "grpo__m__1__a": _history(20, 0.1, 0.05, 2),
+        "grpo__m__2__b": _history(20, 0.1, 0.05, 3),
+    }
     fig = curve_figure(histories, "loss", 0.6)
     panels = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in panels] == ["sft: loss", "dpo: loss", "grpo: loss"]  # no shared loss axis
@@ -132,8 +174,15 @@ def test_adapters_record_the_alias_not_the_cache_path_and_load_back_through_it(e
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = sft.main(sft.Args(dataset="builtin:math_sft", max_steps=1, max_length=256, save_steps=1,
-                                output_dir=str(tmp_path / "runs")))
+        out = sft.main(
+            sft.Args(
+                dataset="builtin:math_sft",
+                max_steps=1,
+                max_length=256,
+                save_steps=1,
+                output_dir=str(tmp_path / "runs"),
+            )
+        )
     # PEFT's save_embedding_layers="auto" would look the name up on the hub at every save and warn offline.
     assert not [w for w in caught if "config file" in str(w.message) or "fetch" in str(w.message)]
     checkpoint = os.path.join(out["run_dir"], "checkpoints", "step-1", "weights")
@@ -198,12 +247,28 @@ def test_merge_adapter_push_without_a_token_fails_fast_in_one_line(tiny_model_di
     adapter = _random_adapter(tiny_model_dir, str(tmp_path / "final"))
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")}
     env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")  # no saved token either
-    done = subprocess.run([sys.executable, "scripts/merge_adapter.py", "--adapter", adapter, "--push-to-hub", "me/x",
-                           "--out", str(tmp_path / "merged")], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "scripts/merge_adapter.py",
+            "--adapter",
+            adapter,
+            "--push-to-hub",
+            "me/x",
+            "--out",
+            str(tmp_path / "merged"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     lines = [line for line in done.stderr.splitlines() if not line.startswith("Failed to load CPU gemm_4bit")]
     assert done.returncode == 1 and lines == [
-        "merge_adapter.py: error: --push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"], lines
+        "merge_adapter.py: error: --push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"
+    ], lines
     assert not (tmp_path / "merged").exists()  # failed before loading or writing anything
 
 
@@ -237,8 +302,9 @@ def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path, mo
     scope: dict = {}
     exec(block.replace('"runs/grpo__smollm2-135m__42__<time>/final"', repr(final)), scope)
     chat = [{"role": "user", "content": "What is 12 plus 7?"}]
-    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     with torch.no_grad():
         ours, theirs = model.eval()(ids).logits, scope["model"].eval()(ids).logits
         with model.disable_adapter():

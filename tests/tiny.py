@@ -40,11 +40,19 @@ def build_tokenizer(vocab_size: int = 400, pad_is_eos: bool = False) -> PreTrain
     )
 
 
-def build_tiny_model(vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0, **overrides) -> Qwen2ForCausalLM:
+def build_tiny_model(
+    vocab_size: int, hidden: int = 64, layers: int = 2, seed: int = 0, **overrides
+) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     cfg = dict(
-        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=1024, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
     )
     cfg.update(overrides)
     return Qwen2ForCausalLM(Qwen2Config(**cfg)).float()
