@@ -1,0 +1,148 @@
+"""The two sets of defaults: `python grpo.py` is the CPU demo it always was; the user's own command,
+`python grpo.py --model Qwen/Qwen2.5-1.5B --group-size 4`, resolves to the GSM8K experiment. Both resolve before any
+weights load, are printed at the start and saved in args.json; the GSM8K path runs end to end on the shared files."""
+
+import ast
+import json
+import os
+import re
+
+import pytest
+import tyro
+
+import grpo
+import raft
+from common.run import resolve_preset
+
+# grpo.py's defaults before the presets existed (README command 1's run): the demo must resolve to exactly these.
+DEMO_BEFORE = dict(
+    dataset="builtin:math",
+    prompts_per_step=2,
+    max_completion_length=64,
+    temperature=0.7,
+    learning_rate=3e-4,
+    max_steps=20,
+    warmup_steps=0,
+    lr_scheduler_type="constant",
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    eval_steps=0,
+    group_size=8,
+    beta=0.04,
+    loss_type="dapo",
+    engine="hf",
+)
+
+
+def resolved(module, argv):
+    return resolve_preset(tyro.cli(module.Args, args=argv), module.PRESETS)
+
+
+def test_no_arguments_is_still_the_cpu_demo():
+    args = resolved(grpo, [])
+    assert args.preset == "demo" and args.model == "smollm2-135m"
+    assert {k: getattr(args, k) for k in DEMO_BEFORE} == DEMO_BEFORE
+    assert args.save_steps == 10  # new: a checkpoint every 10 of the 20 steps (issue: no checkpoints by default)
+
+
+def test_the_headline_command_resolves_to_the_gsm8k_experiment():
+    args = resolved(grpo, ["--model", "Qwen/Qwen2.5-1.5B", "--group-size", "4"])
+    assert args.preset == "gsm8k" and args.group_size == 4
+    expected = dict(
+        dataset="openai/gsm8k:main",
+        dataset_split="train",
+        eval_split="test",
+        eval_steps=50,
+        eval_limit=250,
+        max_completion_length=512,
+        prompts_per_step=8,
+        max_steps=250,
+        temperature=1.0,
+        learning_rate=5e-6,
+        warmup_steps=25,
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        max_grad_norm=0.1,
+        save_steps=50,
+        groups_per_micro_batch=1,
+        beta=0.04,
+        engine="hf",
+    )
+    assert {k: getattr(args, k) for k in expected} == expected
+    assert all(getattr(args, k) is not None for k in grpo.PRESETS["gsm8k"])
+
+
+def test_explicit_flags_win_over_the_preset_and_the_preset_can_be_forced():
+    args = resolved(grpo, ["--model", "Qwen/Qwen2.5-1.5B", "--max-completion-length", "300", "--max-steps", "40"])
+    assert (args.max_completion_length, args.max_steps, args.prompts_per_step) == (300, 40, 8)
+    assert resolved(grpo, ["--preset", "gsm8k"]).dataset == "openai/gsm8k:main"  # the embedded model, real data
+    assert resolved(grpo, ["--model", "some/model", "--preset", "demo"]).max_completion_length == 64
+
+
+def field_docs(module) -> dict[str, str]:
+    """Each Args field's docstring, as tyro shows it under --help."""
+    cls = next(
+        n for n in ast.parse(open(module.__file__).read()).body if isinstance(n, ast.ClassDef) and n.name == "Args"
+    )
+    return {
+        a.target.id: " ".join(d.value.value.split())
+        for a, d in zip(cls.body, cls.body[1:], strict=False)
+        if isinstance(a, ast.AnnAssign) and isinstance(d, ast.Expr)
+    }
+
+
+@pytest.mark.parametrize("module", [grpo, raft], ids=["grpo", "raft"])
+def test_every_preset_field_defaults_to_none_and_its_help_states_both_values(module):
+    demo, real = module.PRESETS["demo"], module.PRESETS["gsm8k"]
+    assert demo.keys() == real.keys()
+    docs, fields = field_docs(module), module.Args.__dataclass_fields__
+    for key in demo:
+        assert fields[key].default is None, key
+        for name, value in (("demo", demo[key]), ("gsm8k", real[key])):
+            shown = re.search(rf"{name}: ([^;),]+)", docs[key])
+            assert shown, (key, name, docs[key])
+            text = shown.group(1).strip()
+            assert text == str(value) or (isinstance(value, float) and float(text) == value), (key, name, text, value)
+
+
+def test_raft_presets():
+    assert resolved(raft, []).dataset == "builtin:math" and resolved(raft, []).max_completion_length == 128
+    real = resolved(raft, ["--model", "Qwen/Qwen2.5-1.5B"])
+    assert (real.dataset, real.eval_dataset, real.max_completion_length) == ("openai/gsm8k:main",) * 2 + (512,)
+
+
+def test_the_gsm8k_path_runs_end_to_end_on_the_shared_files(tiny_model_dir, shared_data, tmp_path, capsys):
+    """The real experiment's code path (GSM8K rows, held-out accuracy before, during and after, the summary), cut down
+    only through flags; the model is the tiny test model (a real one cannot be downloaded here)."""
+    gsm8k = shared_data / "gsm8k"
+    out = grpo.main(
+        grpo.Args(
+            preset="gsm8k",
+            model=tiny_model_dir,
+            dataset=str(gsm8k / "train.jsonl"),
+            eval_dataset=str(gsm8k / "test.jsonl"),
+            eval_limit=4,
+            eval_steps=1,
+            max_steps=2,
+            prompts_per_step=2,
+            group_size=2,
+            max_completion_length=8,
+            output_dir=str(tmp_path),
+            max_prompt_length=4096,
+        )
+    )
+    printed = capsys.readouterr().out
+    assert "grpo: preset gsm8k" in printed and "7473 prompts" in printed and "eval: 4 of" in printed
+    logged = [json.loads(line) for line in open(os.path.join(out["run_dir"], "metrics.jsonl"))]
+    assert [row["step"] for row in logged if "eval/gsm8k/accuracy" in row] == [0, 1, 2]
+    assert "eval/gsm8k/accuracy" in printed.splitlines()[-1]  # the final summary line
+    saved = json.load(open(os.path.join(out["run_dir"], "args.json")))
+    assert saved["preset"] == "gsm8k" and saved["learning_rate"] == 5e-6 and saved["lr_scheduler_type"] == "cosine"
+    assert all(saved[k] is not None for k in grpo.PRESETS["gsm8k"])
+
+
+def test_a_local_train_file_needs_an_eval_file(tmp_path):
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    with pytest.raises(Exception, match="a file has no test split; give --eval-dataset FILE, or --eval-steps 0"):
+        grpo.main(grpo.Args(model=str(tmp_path / "no-model"), dataset=str(rows), output_dir=str(tmp_path)))
