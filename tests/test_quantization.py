@@ -146,6 +146,7 @@ def test_grpo_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, spy):
     prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n" for q in questions))
     out = grpo.main(
         grpo.Args(
+            preset="demo",
             model=tiny_model_dir,
             dataset=str(prompts),
             output_dir=str(tmp_path / "runs"),

@@ -152,6 +152,8 @@ def test_grpo_three_steps_with_the_vllm_engine(served, tmp_path):
     # frac_low_ids: a reward that differs within a group (a length reward is constant: every completion is cut)
     result = run_cli(
         "grpo.py",
+        "--preset",
+        "demo",
         "--model",
         path,
         "--dataset",
