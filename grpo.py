@@ -42,7 +42,8 @@ from transformers import get_scheduler
 
 from common.data import dataset_label, load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
-from common.model import as_reference, attach_lora, load_model, resolve_dtype, snapshot_ref, trainable_parameters
+from common.model import as_reference, attach_lora, load_model, pick_device, resolve_dtype, snapshot_ref
+from common.model import trainable_parameters
 from common.rewards import check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import VLLMEngine, hf_generate
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
@@ -460,7 +461,8 @@ def config_lines(args: Args, n_rows: int, n_eval: int) -> dict[str, str]:
         f"{args.max_completion_length} tokens, rewards {' '.join(args.rewards)}",
         "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), beta "
         f"{args.beta:g}, LoRA r {args.lora_r}",
-        "backend": f"engine {args.engine}, dtype {args.dtype}, quantization {args.quantization}, micro-batch "
+        "backend": f"engine {args.engine}, dtype {resolve_dtype(args.dtype, pick_device())}, quantization "
+        f"{args.quantization}, micro-batch "
         f"{args.groups_per_micro_batch} group(s)",
         "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
     }
@@ -600,4 +602,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
-        main(tyro.cli(Args))
+        main(tyro.cli(Args, description=__doc__.split("\n\n")[0]))  # --help opens with what the script does

@@ -493,4 +493,4 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
-        main(tyro.cli(Args))
+        main(tyro.cli(Args, description=__doc__.split("\n\n")[0]))  # --help opens with what the script does

@@ -922,9 +922,9 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
     (
         ALL,
         "lr_scheduler_type = linear (decay to 0)",
-        "linear (GRPO: constant)",
+        "linear (GRPO: constant in the demo preset, cosine with 25 warmup steps in gsm8k)",
         "ours' value",
-        "GRPO's RL steps are few and non-stationary; a decay to 0 would stop learning at the end",
+        "demo: 20 RL steps, a decay would stop learning at the end; gsm8k: the published recipes' schedule",
     ),
     (
         ALL,
@@ -1033,7 +1033,13 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
         "same estimator, shuffling kept",
     ),
     ("grpo", "beta = 0.0", "beta = 0.04", "ours' value (0.04)", "k3 KL to the start keeps LoRA RL stable"),
-    ("grpo", "learning_rate = 1e-6", "1e-4", "--learning-rate", "LoRA"),
+    (
+        "grpo",
+        "learning_rate = 1e-6",
+        "3e-4 (demo preset) / 5e-6 (gsm8k preset)",
+        "--learning-rate",
+        "LoRA; gsm8k: the recipes' value",
+    ),
     (
         "grpo",
         "loss_type = dapo, scale_rewards = group, epsilon = 0.2, epsilon_high = None, num_iterations = 1",
@@ -1049,7 +1055,7 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
         "TRL per_device = ours' groups x G, GA = prompts / groups",
         "a step is one rollout",
     ),
-    ("grpo", "max_completion_length = 512", "64", "--max-completion-length", "CPU-sized default"),
+    ("grpo", "max_completion_length = 512", "64 (demo) / 512 (gsm8k)", "--max-completion-length", "demo: CPU-sized"),
     (
         "grpo",
         "temperature 1.0, top_p 1.0, top_k 0, min_p None, repetition_penalty 1.0",
