@@ -47,7 +47,7 @@ from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import hf_generate
 from common.run import check_run_identity
 from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, print_config, resolve_preset, save_final
-from common.run import RunStopped, StopOnCtrlC, check_args, one_line_errors, check_finite, seed_everything
+from common.run import ResumeError, RunStopped, StopOnCtrlC, check_args, one_line_errors, check_finite, seed_everything
 from common.templates import setup_chat_template
 from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
 
@@ -379,6 +379,10 @@ def main(args: Args) -> dict:
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
     done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
+    if args.resume_from and done >= args.num_rounds:  # nothing left to run: say so, do not rewrite final/
+        raise ResumeError(
+            f"--resume-from {run_dir}: round {done} is done, at or past this run's {args.num_rounds} rounds"
+        )
 
     # ---- 2 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
     model, tokenizer = load_model(

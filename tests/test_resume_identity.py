@@ -223,3 +223,25 @@ def test_raft_resume_in_the_same_run_dir_must_be_the_same_experiment(tiny_model_
     with pytest.raises(ResumeError, match="args.learning_rate: saved 0.0002, now 0.002"):
         raft.main(raft.Args(**{**kw, "num_rounds": 2, "learning_rate": 2e-3, "resume_from": run_dir}))
     assert sorted(d for d in os.listdir(run_dir) if d.startswith("round-")) == ["round-0", "round-1"]  # nothing ran
+
+
+def test_raft_resume_past_its_rounds_is_an_error(tiny_model_dir, tmp_path):
+    """It used to be a silent no-op that rewrote final/."""
+    import raft
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Count to {i}", "answer": str(i)} for i in range(4)])
+    kw = dict(
+        preset="demo",
+        model=tiny_model_dir,
+        dataset=prompts,
+        output_dir=str(tmp_path / "runs"),
+        num_rounds=1,
+        prompts_per_round=2,
+        group_size=2,
+        max_completion_length=4,
+        eval_limit=0,
+        reward_threshold=None,
+    )
+    run_dir = raft.main(raft.Args(**kw))["run_dir"]
+    with pytest.raises(ResumeError, match="round 1 is done, at or past this run's 1 rounds"):
+        raft.main(raft.Args(**{**kw, "resume_from": run_dir}))
