@@ -197,7 +197,8 @@ class Args:
 # experiment, Qwen2.5-1.5B-class models with LoRA on one 24 GB GPU, from two published single-GPU GSM8K GRPO recipes:
 # Unsloth's Qwen2.5 GRPO notebook (lr 5e-6, 250 steps, 8 generations, warmup 10 %, cosine, weight decay 0.1, grad
 # norm 0.1) and willccbb's grpo_demo.py for Qwen2.5-1.5B-Instruct (the same lr, schedule, decay and clipping;
-# 16 x 4 = 64 completions per update). Completions: TRL's 512 tokens (a GSM8K solution takes 150-300).
+# 16 x 4 = 64 completions per update, so 8 prompts x G 8 = 64 here). Completions: TRL's 512 tokens (a GSM8K
+# solution takes 150-300). Eval: the first 250 GSM8K test questions, greedy (eval_limit, eval_split).
 PRESETS = {
     "demo": dict(
         dataset="builtin:math",
@@ -389,14 +390,13 @@ def summary_line(logged: list[dict], reward_funcs, args: Args, seconds: float, r
         f"{name} {sum(h[key] for h in history[:k]) / k:.3f} -> {sum(h[key] for h in history[-k:]) / k:.3f}"
         for key, name in names.items()
     )
-    accuracy = [(h["step"], v) for h in logged for key, v in h.items() if key.endswith("/accuracy")]
-    if accuracy:
-        key = next(key for h in logged for key in h if key.endswith("/accuracy"))
-        trend += (
-            f"; {key} {accuracy[0][1]:.3f} (step {accuracy[0][0]}) -> {accuracy[-1][1]:.3f} (step {accuracy[-1][0]})"
-        )
+    trend += f" (mean of first/last {k} steps)"
+    accuracy = [(h["step"], key, v) for h in logged for key, v in h.items() if key.endswith("/accuracy")]
+    if accuracy:  # held-out: before the first step, then after the last
+        (s0, key, a0), (s1, _, a1) = accuracy[0], accuracy[-1]
+        trend += f", {key} {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})"
     return (
-        f"grpo: {trend} (mean of first/last {k} steps), kl {history[-1].get('kl', 0.0):.4f}, {seconds:.0f} s for "
+        f"grpo: {trend}, kl {history[-1].get('kl', 0.0):.4f}, {seconds:.0f} s for "
         f"{len(history)} steps; run dir {run_dir}, TensorBoard: tensorboard --logdir {args.output_dir}; "
         f"adapter {final_dir}"
     )
