@@ -30,7 +30,7 @@ from common.logps import completion_logps
 from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import stop_run
+from common.run import print_config, stop_run, training_config
 from common.templates import setup_chat_template
 
 
@@ -184,6 +184,7 @@ def main(args: Args) -> dict:
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
+    print_config("kto", args, training_config(args, len(rows)))
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,

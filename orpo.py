@@ -29,7 +29,7 @@ from common.logps import masked_mean, sequence_logps
 from common.model import attach_lora, disable_dropout, load_model, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import stop_run
+from common.run import print_config, stop_run, training_config
 from common.templates import setup_chat_template
 
 
@@ -164,6 +164,7 @@ def main(args: Args) -> dict:
     eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
 
     # ---- 2 model: the policy only (ORPO has no reference)
+    print_config("orpo", args, training_config(args, len(rows)))
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,

@@ -35,7 +35,7 @@ from common.logps import sequence_logps
 from common.model import attach_lora, load_model, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import stop_run
+from common.run import print_config, stop_run, training_config
 from common.templates import setup_chat_template
 
 
@@ -148,6 +148,7 @@ def main(args: Args) -> dict:
     )
 
     # ---- 2 model (policy = base + "default" LoRA, or every weight)
+    print_config("sft", args, training_config(args, len(rows)))
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,

@@ -244,6 +244,19 @@ def print_config(script: str, args, lines: dict[str, str]) -> None:
     print(f"{script}: preset {args.preset}, model {args.model}{body}", flush=True)
 
 
+def training_config(args, n_rows: int) -> dict[str, str]:
+    """print_config's lines for a supervised script (sft, dpo, orpo, kto): data, steps, optimiser, backend, output."""
+    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
+    lora = f"LoRA r {args.lora_r}" if getattr(args, "use_lora", True) else "full fine-tuning"
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
+        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
+        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), {lora}",
+        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
+        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
+    }
+
+
 # ---------------------------------------------------------------------------------------------------- checkpoints
 def guarded_step(model, optimizer, scheduler, loss: float, max_grad_norm: float) -> tuple[float, bool]:
     """Clip the gradients to max_grad_norm, then one optimizer (and scheduler) step, unless the loss or the gradient

@@ -171,3 +171,15 @@ def test_other_scripts_train_on_real_data_for_a_real_model(module, demo, real):
     assert resolved(module, []).dataset == demo
     assert resolved(module, ["--model", "Qwen/Qwen2.5-1.5B"]).dataset == real
     assert resolved(module, ["--model", "Qwen/Qwen2.5-1.5B", "--dataset", "mine.jsonl"]).dataset == "mine.jsonl"
+
+
+@pytest.mark.parametrize("module", [sft, dpo, orpo, kto], ids=["sft", "dpo", "orpo", "kto"])
+def test_every_script_prints_its_resolved_config_before_loading(module, tmp_path, capsys):
+    """The block comes before the model loads: here the model does not exist, and the block is printed all the same."""
+    data = module.PRESETS["demo"]["dataset"]  # a built-in set: the hub is out of reach here
+    with pytest.raises(Exception, match="no-model"):
+        module.main(module.Args(model=str(tmp_path / "no-model"), dataset=data, output_dir=str(tmp_path), max_steps=3))
+    printed = capsys.readouterr().out
+    name = module.__name__
+    assert f"{name}: preset trl, model {tmp_path / 'no-model'}" in printed  # any other model: the trl preset
+    assert "3 steps x " in printed and "a checkpoint every 100 steps" in printed
