@@ -1,0 +1,275 @@
+"""Will it fit? A pre-flight estimate of a run's peak memory, by part, from the model's config.json and the Args.
+
+Peak = what lives all run (weights, trainable state, an allowance) + the largest phase (a training micro-batch, or
+a rollout). Per-token activation counts are what autograd saves in transformers' Llama/Qwen2 decoder layer (checked
+with saved_tensors_hooks; the bench, bench/memory_check.py, checks the sum against measured peaks).
+`python -m common.memory --table --gpu-memory 24 48` prints the capability matrix for Qwen2.5 sizes.
+"""
+
+import argparse
+
+GiB = 2**30
+SCRIPTS = ("sft", "dpo", "orpo", "kto", "grpo", "raft", "rm")
+CHUNK = 1024  # common.logps.chunked_logps's default chunk_size (rows of logits per chunk)
+CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces: outside torch's allocator, ~0.3-0.5 GiB on recent cards
+CPU_RUNTIME = GiB // 2  # torch + transformers + peft imported: 0.43 GB measured (README, "Where the memory goes")
+ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, see README)
+
+# Qwen2.5 config.json architecture fields (Qwen/Qwen2.5-*B); the 7B and 14B have a 152,064-row untied head.
+QWEN25 = {
+    "0.5B": dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14),
+    "1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12),
+    "3B": dict(num_hidden_layers=36, hidden_size=2048, intermediate_size=11008, num_attention_heads=16),
+    "7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28),
+    "14B": dict(num_hidden_layers=48, hidden_size=5120, intermediate_size=13824, num_attention_heads=40),
+}
+for _size, _c in QWEN25.items():
+    big = _size in ("7B", "14B")
+    _c.update(model_type="qwen2", vocab_size=152064 if big else 151936, tie_word_embeddings=not big)
+    _c["num_key_value_heads"] = {"7B": 4, "14B": 8}.get(_size, 2)
+# The embedded smollm2-135m (SmolLM2-135M-Instruct's config.json): known here, so --plan never builds its cache.
+EMBEDDED = {
+    "smollm2-135m": dict(
+        model_type="llama", num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+    )
+}  # fmt: skip
+
+
+def model_config(name: str, trust_remote_code: bool = False) -> dict:
+    """The architecture fields of --model, from its config.json only (a local folder, the hub cache or the hub)."""
+    if name in EMBEDDED:
+        return EMBEDDED[name]
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code).get_text_config().to_dict()
+    return cfg | {"head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]}
+
+
+def _shape(c: dict):
+    H, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return (
+        c["num_hidden_layers"],
+        H,
+        c["intermediate_size"],
+        c["num_attention_heads"] * hd,
+        c["num_key_value_heads"] * hd,
+    )
+
+
+def param_counts(c: dict) -> tuple[int, int]:
+    """(parameters inside decoder linear layers, all other parameters): q/k/v/o + gate/up/down per layer, and the
+    embedding, the untied head and the RMSNorm weights; Qwen2 has q/k/v biases (attention_bias on Llama)."""
+    L, H, F, Hq, K = _shape(c)
+    bias = Hq + 2 * K if c.get("attention_bias", c.get("model_type") == "qwen2") else 0
+    linear = L * (H * Hq + 2 * H * K + Hq * H + 3 * H * F + bias)
+    V = c["vocab_size"]
+    return linear, V * H * (1 if c.get("tie_word_embeddings") else 2) + (2 * L + 1) * H
+
+
+def lora_params(c: dict, r: int) -> int:
+    """PEFT all-linear LoRA: r * (in + out) for each of q, k, v, o, gate, up, down (lm_head is never a target)."""
+    L, H, F, Hq, K = _shape(c)
+    return L * r * ((H + Hq) + 2 * (H + K) + (Hq + H) + 2 * (H + F) + (F + H))
+
+
+def _dtype_bytes(args, device: str) -> int:
+    dtype = getattr(args, "dtype", "auto")
+    return 4 if dtype == "fp32" or (dtype == "auto" and device == "cpu") else 2  # auto = bf16 on CUDA (load_model)
+
+
+def _layer_act(c: dict, b: int, lora: bool, dropout: bool, r: int) -> int:
+    """Bytes autograd keeps per token per decoder layer (transformers' Llama/Qwen2 layer, sdpa):
+    2 RMSNorm inputs in fp32 (the norm upcasts), 2 normed outputs, q, k and v after RoPE (k, v repeated to all heads
+    under a padding mask), the attention output, gate, silu(gate), up and their product (4 x intermediate F). LoRA
+    adds lora_B's r-wide input per module, and with lora_dropout > 0 a dropped copy of each module's input plus its
+    bool mask. Full fine-tuning keeps the normalised fp32 rows for the norm weights' gradient instead."""
+    L, H, F, Hq, K = _shape(c)
+    n = 2 * H * 4 + b * (2 * H + 3 * Hq + Hq + 4 * F)
+    if not lora:
+        return n + 2 * H * 4
+    return n + 7 * r * b + (dropout and (5 * H + Hq + F) * (b + 1))  # q, k, v, gate, up: H; o: Hq; down: F
+
+
+def _pass(c: dict, b: int, rows: int, seq: int, scored: int, args, grad: bool, entropy: bool = False):
+    """(activations, log-prob buffer) bytes of one forward (+ backward if grad) over rows x seq tokens, `scored` of
+    them through the chunked head; without grad, activations = one layer's working set (no_grad keeps nothing)."""
+    L, H, F, Hq, K = _shape(c)
+    lora, ckpt = getattr(args, "use_lora", True), getattr(args, "gradient_checkpointing", False)
+    dropout = lora and getattr(args, "lora_dropout", 0) > 0 and not getattr(args, "disable_dropout", False)
+    tokens, work = rows * seq, rows * seq * (2 * H + 3 * F) * b  # one layer's working set (backward or no-grad)
+    mask = 0 if getattr(args, "attn_implementation", "") == "flash_attention_2" else rows * seq * seq * 4
+    layer = _layer_act(c, b, lora, dropout, getattr(args, "lora_r", 16)) * tokens + mask  # sdpa keeps a float mask
+    # checkpointing keeps each layer's input and recomputes one layer at a time (transformers, per decoder layer)
+    acts = (L * tokens * H * b + layer if ckpt else L * layer) if grad else 0
+    acts += work + tokens * H * (4 + b) + scored * H * b  # final norm in/out + the scored rows gathered for the head
+    # chunked_logps: (chunk, V) fp32 logits + softmax (one more with entropy); a bf16 head is cast to fp32 once;
+    # backward allocates the hidden rows' gradient
+    n, V = min(CHUNK, scored), c["vocab_size"]
+    return acts, (2 + entropy) * n * V * 4 + (b != 4) * V * H * 4 + grad * scored * H * b
+
+
+def _rollout(c: dict, b: int, args, script: str, device_bytes: int) -> dict:
+    """Generation: vLLM's share of the card, or HF's KV cache of every row (prompts x G) x (P + C) positions, all
+    layers, k and v, + the prompts' prefill working set and the last position's fp32 logits and scores."""
+    L, H, F, Hq, K = _shape(c)
+    P, C, G = args.max_prompt_length, args.max_completion_length, args.group_size
+    prompts = args.prompts_per_step if script == "grpo" else args.prompts_per_round  # raft: a round in one call
+    if getattr(args, "engine", "hf") == "vllm":
+        return {"rollout: vLLM reservation": int(args.vllm_gpu_memory_utilization * device_bytes)}
+    kv = L * prompts * G * (P + C) * 2 * K * b + prompts * P * (2 * H + 3 * F) * b
+    return {"rollout: KV cache": kv + prompts * G * c["vocab_size"] * 4 * 2}
+
+
+def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int = 0) -> dict[str, int]:
+    """Peak memory by part (bytes), keys prefixed by phase: lasting parts, "step:" (one training micro-batch),
+    "rollout:" and "reference:" (GRPO's no-grad passes before the update). total = lasting + the largest phase."""
+    if script not in SCRIPTS:
+        raise ValueError(f"memory plan: unknown script {script!r}; known: {', '.join(SCRIPTS)}")
+    b, q = _dtype_bytes(args, device), getattr(args, "quantization", None)
+    linear, other = param_counts(c)
+    lora, r = getattr(args, "use_lora", True), getattr(args, "lora_r", 16)
+    # bitsandbytes NF4: 4 bits + an 8-bit absmax per 64 weights (+ fp32 per 256 absmax, double quant); int8: 1 byte.
+    # PEFT's prepare_model_for_kbit_training casts every other (bf16/fp16) parameter to fp32.
+    per = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}.get(q, b)
+    parts = {"weights": int(linear * per + other * (4 if q else b))}
+    if lora:  # PEFT keeps adapters in fp32 (autocast_adapter_dtype); fp32 grad + AdamW exp_avg, exp_avg_sq
+        ref = {"dpo": getattr(args, "loss_type", "") != "simpo", "kto": True, "grpo": getattr(args, "beta", 0) != 0}
+        ref["raft"] = getattr(args, "dpo", False) or getattr(args, "mode", "") == "spin"
+        parts["LoRA + grads + AdamW"] = lora_params(c, r) * (16 + 4 * ref.get(script, False))  # + the "ref" slot
+    else:  # full fine-tuning: a gradient and two AdamW states per weight, in the weights' dtype (torch.optim.AdamW)
+        parts["grads + AdamW (full)"] = (linear + other) * 3 * b
+    parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
+    B, T = getattr(args, "per_device_train_batch_size", 1), getattr(args, "max_length", 1024)
+    rows = {"sft": B, "rm": 2 * B, "raft": B, "dpo": 2 * B, "orpo": 2 * B, "kto": B}  # dpo/orpo: chosen + rejected
+    phases = {}
+    if script != "grpo":
+        phases["step: activations"], phases["step: log-prob buffer"] = _pass(
+            c, b, rows[script], T, rows[script] * T, args, True
+        )
+    # DPO's and KTO's reference (and KTO's KL rows) run under no_grad while the policy's activations are held
+    if (script == "dpo" and not getattr(args, "precompute_ref_log_probs", False) and ref["dpo"]) or script == "kto":
+        phases["step: reference pass"] = sum(_pass(c, b, rows[script], T, rows[script] * T, args, False))
+    if script in ("grpo", "raft"):
+        phases |= _rollout(c, b, args, script, device_bytes)
+    if script == "grpo":  # a micro-batch: each prompt once + its G completions attending to it (logps.py)
+        L, H, F, Hq, K = _shape(c)
+        g, G, P, C = args.groups_per_micro_batch, args.group_size, args.max_prompt_length, args.max_completion_length
+        if args.gradient_checkpointing:  # then grouped_completion_logps scores the concatenated rows instead
+            acts, head = _pass(c, b, g * G, P + C, g * G * C, args, True, entropy=True)
+        else:  # + the repeated prompt K, V (all heads) its attention keeps, the cache of all layers and the mask
+            acts, head = _pass(c, b, g * G, C, g * G * C, args, True, entropy=True)
+            acts += _pass(c, b, g, P, 0, args, True)[0]
+            acts += L * g * G * (P * 2 * Hq * b + (P + C) * 2 * K * b + C * (P + C) * 4)
+        phases["step: activations"], phases["step: log-prob buffer"] = acts, head
+        if args.beta or args.num_iterations > 1:  # reference / old-policy log-probs: no_grad, before the update
+            ref_pass = sum(_pass(c, b, g * G, P + C, g * G * C, args, False))
+            phases["reference: no-grad pass"] = ref_pass + L * g * G * (P + C) * 2 * K * b  # + its KV cache
+    lasting = sum(parts.values())
+    peak = max(sum(v for k, v in phases.items() if k.startswith(ph)) for ph in ("step", "rollout", "reference"))
+    parts |= {k: int(v) for k, v in phases.items()}
+    parts["allocator (10 %)"] = int(ALLOCATOR * (lasting - parts["allowance (runtime)"] + peak))
+    parts["total"] = lasting + peak + parts["allocator (10 %)"]
+    return parts
+
+
+def suggestion(args, script: str) -> str:
+    """Knobs in order of what they cost the run (speed first, then quality of the experiment)."""
+    knobs = []
+    if not getattr(args, "gradient_checkpointing", True):
+        knobs.append("--gradient-checkpointing")
+    for name in ("per_device_train_batch_size", "groups_per_micro_batch"):
+        if getattr(args, name, 1) > 1:
+            knobs.append(f"--{name.replace('_', '-')} {getattr(args, name) // 2}")
+    if getattr(args, "quantization", None) is None:
+        knobs.append("--quantization 4bit")
+    for name in ("max_completion_length", "max_length", "group_size"):
+        if getattr(args, name, 0) and getattr(args, name) > (2 if name == "group_size" else 64):
+            knobs.append(f"--{name.replace('_', '-')} {getattr(args, name) // 2}")
+    return "try " + ", then ".join(knobs) if knobs else "no knob left: a larger card or a smaller model"
+
+
+def device_memory(device: str) -> tuple[int, str]:
+    """(bytes, description): CUDA: the card's total memory. CPU: physical RAM (MemTotal), the hard ceiling before
+    the kernel's OOM killer or swap; MemAvailable would make the same command pass or fail with other processes."""
+    if device == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory, f"{props.name} total memory"
+    with open("/proc/meminfo") as f:
+        kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal:")))
+    return kib * 1024, "physical RAM (CPU run)"
+
+
+def format_plan(parts: dict[str, int], budget: int, what: str) -> str:
+    """One aligned table in GiB."""
+    width = max(map(len, parts)) + 2
+    rows = [f"  {k.ljust(width)}{v / GiB:8.2f} GiB" for k, v in parts.items() if k != "total"]
+    return "\n".join(
+        ["memory plan (peak = the parts without a phase + the largest phase: step, rollout or reference):", *rows]
+        + [f"  {'total'.ljust(width)}{parts['total'] / GiB:8.2f} GiB of {budget / GiB:.1f} GiB {what}"]
+    )
+
+
+def check_memory(args, script: str) -> dict[str, int]:
+    """Print the plan; on --plan exit 0 (no weights loaded); refuse a plan over the device's memory."""
+    import torch
+
+    from common.run import ArgsError
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    budget, what = device_memory(device)
+    parts = estimate(model_config(args.model, getattr(args, "trust_remote_code", False)), args, script, device, budget)
+    print(format_plan(parts, budget, what), flush=True)
+    if getattr(args, "plan", False):
+        raise SystemExit(0)
+    if parts["total"] > budget and not getattr(args, "ignore_memory_plan", False):
+        raise ArgsError(
+            f"the memory plan needs {parts['total'] / GiB:.1f} GiB but the {what} is {budget / GiB:.1f} GiB: "
+            f"{suggestion(args, script)} (or --ignore-memory-plan to start anyway)"
+        )
+    return parts
+
+
+def capability_table(gpu_gib: list[float]) -> str:
+    """Qwen2.5 sizes x methods x (bf16 full, bf16 LoRA, 4-bit QLoRA) on a CUDA card, bf16, HF rollouts."""
+    from types import SimpleNamespace as NS
+
+    base = dict(dtype="bf16", lora_r=16, lora_dropout=0.05, gradient_checkpointing=True, max_length=1024)
+    base |= dict(per_device_train_batch_size=2, disable_dropout=True, precompute_ref_log_probs=False, loss_type="")
+    grpo = dict(group_size=4, prompts_per_step=8, groups_per_micro_batch=1, max_prompt_length=256, beta=0.04)
+    grpo |= dict(max_completion_length=512, num_iterations=1, disable_dropout=False)
+    variants = {"bf16 full": dict(use_lora=False), "bf16 LoRA": {}, "QLoRA 4-bit": dict(quantization="4bit")}
+    methods = {"SFT": "sft", "ORPO": "orpo", "DPO": "dpo", "GRPO G=4": "grpo"}
+    head = "| model | " + " | ".join(f"{m} {v}" for m in methods for v in variants) + " |"
+    lines = [head, "|---" * (1 + len(methods) * len(variants)) + "|"]
+    for size, c in QWEN25.items():
+        cells = []
+        for script in methods.values():
+            for v in variants.values():
+                if "use_lora" in v and script in ("dpo", "grpo"):  # their reference is a LoRA slot
+                    cells.append("n/a")
+                    continue
+                args = NS(**base | (grpo if script == "grpo" else {}) | v)
+                gib = estimate(c, args, script, "cuda")["total"] / GiB
+                fits = [g for g in gpu_gib if gib <= g]
+                cells.append(f"{gib:.1f}" + (f" ({min(fits):g})" if fits else " (no)"))
+        lines.append(f"| Qwen2.5-{size} | " + " | ".join(cells) + " |")
+    note = (
+        f"GiB estimated; (N) = the smallest of {', '.join(f'{g:g}' for g in gpu_gib)} GB cards it fits, (no) = none. "
+        "bf16 weights, LoRA r 16 all-linear, gradient checkpointing on, sdpa. SFT: 2 rows x 1,024 tokens; ORPO/DPO: "
+        "2 pairs x 1,024 tokens; GRPO: 8 prompts x G 4, prompts <= 256 and completions <= 512 tokens, HF rollout, "
+        "1 group per micro-batch, beta 0.04. n/a: dpo.py and grpo.py train LoRA only (their reference is a LoRA slot)."
+    )
+    return "\n".join(lines) + "\n\n" + note
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m common.memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--table", action="store_true", help="print the Qwen2.5 capability matrix")
+    ap.add_argument("--gpu-memory", type=float, nargs="+", default=[24.0, 48.0], help="card sizes in GB")
+    cli = ap.parse_args()
+    if not cli.table:
+        ap.error("nothing to do: pass --table (a script's own plan: python sft.py --plan)")
+    print(capability_table(cli.gpu_memory))
