@@ -26,9 +26,9 @@ WORDS = "the quick brown fox jumps over a lazy dog while Tom counts apples and M
 SMALL_152K = dict(vocab_size=151936, hidden=256, layers=4, intermediate_size=640)  # Qwen2.5's vocabulary, tiny body
 # (script, model) -> (two batch sizes, sequence length): sized so that the larger case stays under ~4 GB
 CASES = {
-    ("sft", "tiny"): ((16, 32), 512),
-    ("dpo", "tiny"): ((8, 16), 512),
-    ("grpo", "tiny"): ((2, 4), 256),
+    ("sft", "tiny"): ((32, 64), 512),
+    ("dpo", "tiny"): ((16, 32), 512),
+    ("grpo", "tiny"): ((4, 8), 256),
     ("sft", "v152k"): ((4, 8), 512),
     ("dpo", "v152k"): ((2, 4), 512),
     ("grpo", "v152k"): ((1, 2), 256),
@@ -43,13 +43,14 @@ def text(n_words: int, seed: int) -> str:
 
 
 def write_data(folder: str) -> dict[str, str]:
-    """JSONL rows far longer than any max_length here (truncated to it), short prompts."""
+    """JSONL rows: 3 of 4 completions far longer than any max_length here (cut to it), every 4th short, so batches
+    are padded (sdpa then keeps a mask and all-head k, v: the planner's worst case); DPO: chosen long, rejected
+    short; GRPO prompts of 8-10 words (left padding)."""
+    long = [text(900 if i % 4 else 30, i) for i in range(64)]
     rows = {
-        "sft": [{"prompt": "Write: " + text(4, i), "completion": text(900, i)} for i in range(64)],
-        "dpo": [
-            {"prompt": "Say: " + text(4, i), "chosen": text(900, i), "rejected": text(900, i + 1)} for i in range(64)
-        ],
-        "grpo": [{"prompt": "Write a very long story about " + text(6, i), "answer": "1"} for i in range(64)],
+        "sft": [{"prompt": "Write: " + text(4, i), "completion": long[i]} for i in range(64)],
+        "dpo": [{"prompt": "Say: " + text(4, i), "chosen": text(900, i), "rejected": text(30, i)} for i in range(64)],
+        "grpo": [{"prompt": "Write a very long story about " + text(8 + i % 3, i), "answer": "1"} for i in range(64)],
     }
     paths = {}
     for kind, rs in rows.items():
@@ -83,7 +84,6 @@ def case_args(script: str, model: str, batch: int, seq: int, data: str, out: str
         groups_per_micro_batch=batch,
         group_size=4,
         max_completion_length=seq,
-        max_prompt_length=32,
         eval_steps=0,
         temperature=1.0,
         learning_rate=1e-5,
@@ -104,17 +104,31 @@ def child(spec: dict) -> None:
     import torch.utils.tensorboard  # noqa: F401
     import transformers  # noqa: F401
 
-    from common.memory import estimate, model_config
+    from common.data import load_rows
+    from common.memory import estimate, longest_row, model_config
     from common.run import resolve_preset
 
     mod = importlib.import_module(spec["script"])
     args = mod.Args(**spec["args"])
+    if spec["script"] == "grpo":  # the prompt limit = the longest templated prompt, so the planner's P is what runs
+        from transformers import AutoTokenizer
+
+        from common.data import tokenize_dataset, validate_rows
+        from common.embedded import resolve_model
+        from common.templates import setup_chat_template
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+        setup_chat_template(tokenizer, args.template)
+        examples = tokenize_dataset(
+            tokenizer, validate_rows(load_rows(args.dataset, "train"), "prompt"), "prompt", None
+        )
+        args.max_prompt_length = max(len(e["prompt_ids"]) for e in examples)
     resolved = resolve_preset(args, mod.PRESETS) if hasattr(mod, "PRESETS") else args
-    parts = estimate(model_config(resolved.model), resolved, spec["script"], "cpu")
-    cpu_parts = {k: v for k, v in parts.items() if k not in ("total", "allowance (runtime)", "allocator (10 %)")}
-    phases = ("step", "rollout", "reference")
-    peak_phase = max(sum(v for k, v in cpu_parts.items() if k.startswith(p)) for p in phases)
-    est = sum(v for k, v in cpu_parts.items() if ":" not in k) + peak_phase
+    longest = longest_row(load_rows(resolved.dataset, "train"))  # as check_memory bounds it in the script
+    parts = estimate(model_config(resolved.model), resolved, spec["script"], "cpu", 0, longest)
+    off_cpu = ("allowance (runtime)", "allocator (10 %)")  # the CUDA-or-runtime allowance and the margin
+    cpu_parts = {k: v for k, v in parts.items() if k not in ("total", *off_cpu)}
+    est = parts["total"] - sum(parts[k] for k in off_cpu)
     baseline = rss_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)

@@ -92,28 +92,30 @@ def _layer_act(c: dict, b: int, lora: bool, dropout: bool, r: int) -> int:
 
 
 def _pass(c: dict, b: int, rows: int, seq: int, scored: int, args, grad: bool, entropy: bool = False):
-    """(activations, log-prob buffer) bytes of one forward (+ backward if grad) over rows x seq tokens, `scored` of
-    them through the chunked head; without grad, activations = one layer's working set (no_grad keeps nothing)."""
+    """(kept for backward, one layer's working set, log-prob buffer) in bytes for a forward (+ backward if grad) over
+    rows x seq tokens, `scored` of them through the chunked head. No grad keeps nothing but the working set."""
     L, H, F, Hq, K = _shape(c)
     lora, ckpt = getattr(args, "use_lora", True), getattr(args, "gradient_checkpointing", False)
     dropout = lora and getattr(args, "lora_dropout", 0) > 0 and not getattr(args, "disable_dropout", False)
-    tokens, work = rows * seq, rows * seq * (2 * H + 3 * F) * b  # one layer's working set (backward or no-grad)
+    tokens = rows * seq
     mask = 0 if getattr(args, "attn_implementation", "") == "flash_attention_2" else rows * seq * seq * 4
     layer = _layer_act(c, b, lora, dropout, getattr(args, "lora_r", 16)) * tokens + mask  # sdpa keeps a float mask
     # checkpointing keeps each layer's input and recomputes one layer at a time (transformers, per decoder layer)
-    acts = (L * tokens * H * b + layer if ckpt else L * layer) if grad else 0
-    acts += work + tokens * H * (4 + b) + scored * H * b  # final norm in/out + the scored rows gathered for the head
+    kept = (L * tokens * H * b + layer if ckpt else L * layer) if grad else 0
+    kept += tokens * H * (4 + b) + scored * H * b  # final norm in/out + the scored rows gathered for the head
+    # a layer's gradients (backward) or its live tensors (no grad); sdpa: the model's own copy of the float mask
+    work = tokens * (2 * H + 3 * F) * b + mask
     # chunked_logps: (chunk, V) fp32 logits + softmax (one more with entropy); a bf16 head is cast to fp32 once;
     # backward allocates the hidden rows' gradient
     n, V = min(CHUNK, scored), c["vocab_size"]
-    return acts, (2 + entropy) * n * V * 4 + (b != 4) * V * H * 4 + grad * scored * H * b
+    return kept, work, (2 + entropy) * n * V * 4 + (b != 4) * V * H * 4 + grad * scored * H * b
 
 
-def _rollout(c: dict, b: int, args, script: str, device_bytes: int) -> dict:
+def _rollout(c: dict, b: int, args, script: str, device_bytes: int, P: int) -> dict:
     """Generation: vLLM's share of the card, or HF's KV cache of every row (prompts x G) x (P + C) positions, all
     layers, k and v, + the prompts' prefill working set and the last position's fp32 logits and scores."""
     L, H, F, Hq, K = _shape(c)
-    P, C, G = args.max_prompt_length, args.max_completion_length, args.group_size
+    C, G = args.max_completion_length, args.group_size
     prompts = args.prompts_per_step if script == "grpo" else args.prompts_per_round  # raft: a round in one call
     if getattr(args, "engine", "hf") == "vllm":
         return {"rollout: vLLM reservation": int(args.vllm_gpu_memory_utilization * device_bytes)}
@@ -121,56 +123,80 @@ def _rollout(c: dict, b: int, args, script: str, device_bytes: int) -> dict:
     return {"rollout: KV cache": kv + prompts * G * c["vocab_size"] * 4 * 2}
 
 
-def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int = 0) -> dict[str, int]:
+def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int = 0, longest: int = 0) -> dict:
     """Peak memory by part (bytes), keys prefixed by phase: lasting parts, "step:" (one training micro-batch),
-    "rollout:" and "reference:" (GRPO's no-grad passes before the update). total = lasting + the largest phase."""
+    "rollout:" and "reference:" (GRPO's no-grad passes before the update). total = lasting + the largest phase; in
+    a step the reference pass (DPO, KTO) and the backward's working set come one after the other.
+    longest: a bound on the longest row in tokens (0 = none), which caps max_length and max_prompt_length."""
     if script not in SCRIPTS:
         raise ValueError(f"memory plan: unknown script {script!r}; known: {', '.join(SCRIPTS)}")
     b, q = _dtype_bytes(args, device), getattr(args, "quantization", None)
     linear, other = param_counts(c)
     lora, r = getattr(args, "use_lora", True), getattr(args, "lora_r", 16)
+    ref = {"dpo": getattr(args, "loss_type", "") != "simpo", "kto": True, "grpo": getattr(args, "beta", 0) != 0}
+    ref["raft"] = getattr(args, "dpo", False) or getattr(args, "mode", "") == "spin"  # scripts with a "ref" slot
     # bitsandbytes NF4: 4 bits + an 8-bit absmax per 64 weights (+ fp32 per 256 absmax, double quant); int8: 1 byte.
     # PEFT's prepare_model_for_kbit_training casts every other (bf16/fp16) parameter to fp32.
     per = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}.get(q, b)
     parts = {"weights": int(linear * per + other * (4 if q else b))}
     if lora:  # PEFT keeps adapters in fp32 (autocast_adapter_dtype); fp32 grad + AdamW exp_avg, exp_avg_sq
-        ref = {"dpo": getattr(args, "loss_type", "") != "simpo", "kto": True, "grpo": getattr(args, "beta", 0) != 0}
-        ref["raft"] = getattr(args, "dpo", False) or getattr(args, "mode", "") == "spin"
         parts["LoRA + grads + AdamW"] = lora_params(c, r) * (16 + 4 * ref.get(script, False))  # + the "ref" slot
     else:  # full fine-tuning: a gradient and two AdamW states per weight, in the weights' dtype (torch.optim.AdamW)
         parts["grads + AdamW (full)"] = (linear + other) * 3 * b
     parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
-    B, T = getattr(args, "per_device_train_batch_size", 1), getattr(args, "max_length", 1024)
-    rows = {"sft": B, "rm": 2 * B, "raft": B, "dpo": 2 * B, "orpo": 2 * B, "kto": B}  # dpo/orpo: chosen + rejected
-    phases = {}
+    cap = longest or 1 << 40
+    P = min(getattr(args, "max_prompt_length", None) or 1 << 40, cap)
+    T = min(getattr(args, "max_length", 1024), 1 << 40 if script in ("grpo", "raft") else cap)  # their rows: prompts
+    if script == "raft":  # its SFT rows are a prompt + a sampled completion
+        T = min(T, P + args.max_completion_length)
+    B, pairs = (
+        getattr(args, "per_device_train_batch_size", 1),
+        script in ("dpo", "orpo", "rm") or getattr(args, "dpo", 0),
+    )
+    rows = 2 * B if pairs else B  # chosen + rejected in one batch
+    ref_pass, rollout = 0, {}
     if script != "grpo":
-        phases["step: activations"], phases["step: log-prob buffer"] = _pass(
-            c, b, rows[script], T, rows[script] * T, args, True
-        )
+        kept, work, head = _pass(c, b, rows, T, rows * T, args, True)
     # DPO's and KTO's reference (and KTO's KL rows) run under no_grad while the policy's activations are held
-    if (script == "dpo" and not getattr(args, "precompute_ref_log_probs", False) and ref["dpo"]) or script == "kto":
-        phases["step: reference pass"] = sum(_pass(c, b, rows[script], T, rows[script] * T, args, False))
+    if (script in ("dpo", "kto") or getattr(args, "dpo", 0)) and not getattr(args, "precompute_ref_log_probs", 0):
+        ref_pass = sum(_pass(c, b, rows, T, rows * T, args, False)[1:]) if ref.get(script) else 0
     if script in ("grpo", "raft"):
-        phases |= _rollout(c, b, args, script, device_bytes)
+        rollout = _rollout(c, b, args, script, device_bytes, P)
     if script == "grpo":  # a micro-batch: each prompt once + its G completions attending to it (logps.py)
         L, H, F, Hq, K = _shape(c)
-        g, G, P, C = args.groups_per_micro_batch, args.group_size, args.max_prompt_length, args.max_completion_length
+        g, G, C = args.groups_per_micro_batch, args.group_size, args.max_completion_length
         if args.gradient_checkpointing:  # then grouped_completion_logps scores the concatenated rows instead
-            acts, head = _pass(c, b, g * G, P + C, g * G * C, args, True, entropy=True)
+            kept, work, head = _pass(c, b, g * G, P + C, g * G * C, args, True, entropy=True)
         else:  # + the repeated prompt K, V (all heads) its attention keeps, the cache of all layers and the mask
-            acts, head = _pass(c, b, g * G, C, g * G * C, args, True, entropy=True)
-            acts += _pass(c, b, g, P, 0, args, True)[0]
-            acts += L * g * G * (P * 2 * Hq * b + (P + C) * 2 * K * b + C * (P + C) * 4)
-        phases["step: activations"], phases["step: log-prob buffer"] = acts, head
+            kept, work, head = _pass(c, b, g * G, C, g * G * C, args, True, entropy=True)
+            kept += _pass(c, b, g, P, 0, args, True)[0]
+            kept += L * g * G * (P * 2 * Hq * b + (P + C) * 2 * K * b + C * (P + C) * 4)
         if args.beta or args.num_iterations > 1:  # reference / old-policy log-probs: no_grad, before the update
-            ref_pass = sum(_pass(c, b, g * G, P + C, g * G * C, args, False))
-            phases["reference: no-grad pass"] = ref_pass + L * g * G * (P + C) * 2 * K * b  # + its KV cache
-    lasting = sum(parts.values())
-    peak = max(sum(v for k, v in phases.items() if k.startswith(ph)) for ph in ("step", "rollout", "reference"))
-    parts |= {k: int(v) for k, v in phases.items()}
+            rollout["reference: no-grad pass"] = sum(_pass(c, b, g * G, P + C, g * G * C, args, False)[1:])
+            rollout["reference: no-grad pass"] += L * g * G * (P + C) * 2 * K * b  # + its KV cache
+    step = {"step: activations": kept, "step: layer working set": work, "step: log-prob buffer": head}
+    parts |= step | ({"step: reference pass": ref_pass} if ref_pass else {}) | rollout
+    lasting = sum(v for k, v in parts.items() if ":" not in k)
+    peak = max([kept + max(work + head, ref_pass), *rollout.values()])
+    parts = {k: int(v) for k, v in parts.items()}
     parts["allocator (10 %)"] = int(ALLOCATOR * (lasting - parts["allowance (runtime)"] + peak))
-    parts["total"] = lasting + peak + parts["allocator (10 %)"]
+    parts["total"] = int(lasting + peak) + parts["allocator (10 %)"]
     return parts
+
+
+def longest_row(rows: list[dict]) -> int:
+    """A bound on a row's tokens: its UTF-8 bytes (a byte-level BPE or byte-fallback token covers >= 1 byte) + 16
+    template tokens per message; prompt + the longest of completion / chosen / rejected / messages."""
+
+    def size(x) -> int:
+        if isinstance(x, str):
+            return len(x.encode()) + 16
+        if isinstance(x, dict):
+            return size(x.get("content", ""))
+        return sum(map(size, x)) if isinstance(x, list) else 0
+
+    keys = ("completion", "chosen", "rejected", "messages")
+    return max((size(r.get("prompt")) + max(size(r.get(k)) for k in keys) for r in rows), default=0)
 
 
 def suggestion(args, script: str) -> str:
@@ -207,20 +233,26 @@ def format_plan(parts: dict[str, int], budget: int, what: str) -> str:
     width = max(map(len, parts)) + 2
     rows = [f"  {k.ljust(width)}{v / GiB:8.2f} GiB" for k, v in parts.items() if k != "total"]
     return "\n".join(
-        ["memory plan (peak = the parts without a phase + the largest phase: step, rollout or reference):", *rows]
+        [
+            "memory plan (peak = the parts without a phase + the largest phase: step, rollout or reference; in a step"
+            " the reference pass and the backward's working set take turns):",
+            *rows,
+        ]
         + [f"  {'total'.ljust(width)}{parts['total'] / GiB:8.2f} GiB of {budget / GiB:.1f} GiB {what}"]
     )
 
 
-def check_memory(args, script: str) -> dict[str, int]:
-    """Print the plan; on --plan exit 0 (no weights loaded); refuse a plan over the device's memory."""
+def check_memory(args, script: str, rows: list[dict] | None = None) -> dict[str, int]:
+    """Print the plan; on --plan exit 0 (no weights loaded); refuse a plan over the device's memory. rows (the
+    training rows, optional) bound the sequence lengths below max_length when they are all shorter."""
     import torch
 
     from common.run import ArgsError
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget, what = device_memory(device)
-    parts = estimate(model_config(args.model, getattr(args, "trust_remote_code", False)), args, script, device, budget)
+    cfg = model_config(args.model, getattr(args, "trust_remote_code", False))
+    parts = estimate(cfg, args, script, device, budget, longest_row(rows or []))
     print(format_plan(parts, budget, what), flush=True)
     if getattr(args, "plan", False):
         raise SystemExit(0)
@@ -242,20 +274,18 @@ def capability_table(gpu_gib: list[float]) -> str:
     grpo |= dict(max_completion_length=512, num_iterations=1, disable_dropout=False)
     variants = {"bf16 full": dict(use_lora=False), "bf16 LoRA": {}, "QLoRA 4-bit": dict(quantization="4bit")}
     methods = {"SFT": "sft", "ORPO": "orpo", "DPO": "dpo", "GRPO G=4": "grpo"}
-    head = "| model | " + " | ".join(f"{m} {v}" for m in methods for v in variants) + " |"
-    lines = [head, "|---" * (1 + len(methods) * len(variants)) + "|"]
+    lines = ["| model | weights, training | " + " | ".join(methods) + " |", "|---|---|" + "---:|" * len(methods)]
     for size, c in QWEN25.items():
-        cells = []
-        for script in methods.values():
-            for v in variants.values():
+        for name, v in variants.items():
+            cells = []
+            for script in methods.values():
                 if "use_lora" in v and script in ("dpo", "grpo"):  # their reference is a LoRA slot
                     cells.append("n/a")
                     continue
-                args = NS(**base | (grpo if script == "grpo" else {}) | v)
-                gib = estimate(c, args, script, "cuda")["total"] / GiB
+                gib = estimate(c, NS(**base | (grpo if script == "grpo" else {}) | v), script, "cuda")["total"] / GiB
                 fits = [g for g in gpu_gib if gib <= g]
                 cells.append(f"{gib:.1f}" + (f" ({min(fits):g})" if fits else " (no)"))
-        lines.append(f"| Qwen2.5-{size} | " + " | ".join(cells) + " |")
+            lines.append(f"| Qwen2.5-{size} | {name} | " + " | ".join(cells) + " |")
     note = (
         f"GiB estimated; (N) = the smallest of {', '.join(f'{g:g}' for g in gpu_gib)} GB cards it fits, (no) = none. "
         "bf16 weights, LoRA r 16 all-linear, gradient checkpointing on, sdpa. SFT: 2 rows x 1,024 tokens; ORPO/DPO: "
