@@ -9,7 +9,11 @@ EOS; SmolLM2 is asked for long stories), so the planner's worst case is the case
 MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight back to the OS when freed, so RSS follows the live tensors
 (glibc's default keeps freed blocks, 2-3 GB on DPO: README, "Where the memory of a small run goes").
 
-    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-8]   # ~6 min on 2 busy cores
+    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32]   # ~6 min on 2 busy cores
+
+On a CUDA machine, `--gpu` runs sft / dpo / grpo on a random-init Qwen2.5-1.5B (bench/qwen_shapes.py) in bf16 and
+compares torch.cuda.max_memory_allocated with the planner's tensors (without the CUDA context and the allocator
+margin, which max_memory_allocated does not see); `--gpu --tiny` runs the same cut down on a CPU (a dry run).
 """
 
 import argparse
@@ -91,6 +95,9 @@ def case_args(script: str, model: str, batch: int, seq: int, data: str, out: str
     )
 
 
+GPU_CASES = {"sft": (4, 1024), "dpo": (2, 1024), "grpo": (4, 512)}  # random weights: completions run full length
+
+
 def rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return int(next(line.split()[1] for line in f if line.startswith(field + ":")))
@@ -101,7 +108,7 @@ def child(spec: dict) -> None:
     import importlib
 
     import peft  # noqa: F401  everything the run imports later, so the baseline holds it
-    import torch.utils.tensorboard  # noqa: F401
+    import torch.utils.tensorboard
     import transformers  # noqa: F401
 
     from common.data import load_rows
@@ -125,16 +132,19 @@ def child(spec: dict) -> None:
         args.max_prompt_length = max(len(e["prompt_ids"]) for e in examples)
     resolved = resolve_preset(args, mod.PRESETS) if hasattr(mod, "PRESETS") else args
     longest = longest_row(load_rows(resolved.dataset, "train"))  # as check_memory bounds it in the script
-    parts = estimate(model_config(resolved.model), resolved, spec["script"], "cpu", 0, longest)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    parts = estimate(model_config(resolved.model), resolved, spec["script"], "cuda" if cuda else "cpu", 0, longest)
     off_cpu = ("allowance (runtime)", "allocator (10 %)")  # the CUDA-or-runtime allowance and the margin
     cpu_parts = {k: v for k, v in parts.items() if k not in ("total", *off_cpu)}
     est = parts["total"] - sum(parts[k] for k in off_cpu)
-    baseline = rss_kib("VmRSS")
+    baseline = torch.cuda.memory_allocated() if cuda else rss_kib("VmRSS") * 1024
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
     t0 = time.perf_counter()
     result = mod.main(args)
-    measured = (rss_kib("VmHWM") - baseline) * 1024
+    measured = (torch.cuda.max_memory_allocated() if cuda else rss_kib("VmHWM") * 1024) - baseline
     lengths = [h.get("completions/mean_length") for h in result.get("history", [])]
     print(
         "RESULT "
@@ -149,6 +159,9 @@ def child(spec: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", help="case names to run (e.g. dpo-smollm2-2)")
+    ap.add_argument("--gpu", action="store_true", help="random Qwen2.5-1.5B in bf16 on CUDA (see above)")
+    ap.add_argument("--tiny", action="store_true", help="with --gpu: cut-down shapes on a CPU (dry run)")
+    ap.add_argument("--md", help="also write the table to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     cli = ap.parse_args()
     if cli.child:
@@ -157,11 +170,19 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="memcheck-")
     data = write_data(tmp)
-    paths = {"tiny": write_tiny(os.path.join(tmp, "tiny")), "smollm2": "smollm2-135m"}
-    paths["v152k"] = write_v152k(os.path.join(tmp, "v152k"))
+    cases = CASES
+    if cli.gpu:  # one batch size per script: the 1.5B's cases take a minute each
+        from bench.qwen_shapes import QWEN25_15B, TINY, write_random_qwen
+
+        name = "qwen-tiny-shapes" if cli.tiny else "qwen2.5-1.5b-random"
+        paths = {name: write_random_qwen(os.path.join(tmp, name), TINY if cli.tiny else QWEN25_15B)}
+        cases = {(s, name): ((b // 4 or 1,), n // 4) if cli.tiny else ((b,), n) for s, (b, n) in GPU_CASES.items()}
+    else:
+        paths = {"tiny": write_tiny(os.path.join(tmp, "tiny")), "smollm2": "smollm2-135m"}
+        paths["v152k"] = write_v152k(os.path.join(tmp, "v152k"))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", TOKENIZERS_PARALLELISM="false")
     rows, worst = [], 0.0
-    for (script, model), (batches, seq) in CASES.items():
+    for (script, model), (batches, seq) in cases.items():
         for batch in batches:
             name = f"{script}-{model}-{batch}"
             if cli.only and name not in cli.only:
@@ -192,11 +213,14 @@ def main() -> None:
                 + ")",
                 flush=True,
             )
-    print(
-        "\n| script | model | batch x length | estimate (MiB) | measured (MiB) | error |\n|---|---|---|---:|---:|---:|"
+    head = (
+        "| script | model | batch x length | estimate (MiB) | measured (MiB) | error |\n|---|---|---|---:|---:|---:|"
     )
-    print("\n".join(rows))
-    print(f"\nworst relative error: {worst:.1%}")
+    table = "\n".join([head, *rows, "", f"worst relative error: {worst:.1%}"]) + "\n"
+    print("\n" + table)
+    if cli.md:
+        with open(cli.md, "w") as f:
+            f.write(table)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,9 @@ QWEN25 = {
     "7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28),
     "14B": dict(num_hidden_layers=48, hidden_size=5120, intermediate_size=13824, num_attention_heads=40),
 }
-for _size, _c in QWEN25.items():
-    big = _size in ("7B", "14B")
-    _c.update(model_type="qwen2", vocab_size=152064 if big else 151936, tie_word_embeddings=not big)
-    _c["num_key_value_heads"] = {"7B": 4, "14B": 8}.get(_size, 2)
+for _size, _c in QWEN25.items():  # all: Qwen2 (q/k/v biases); 2 kv heads below 7B; 4 (7B), 8 (14B)
+    _c.update(model_type="qwen2", vocab_size=152064 if _size in ("7B", "14B") else 151936)
+    _c.update(tie_word_embeddings=_c["vocab_size"] == 151936, num_key_value_heads={"7B": 4, "14B": 8}.get(_size, 2))
 # The embedded smollm2-135m (SmolLM2-135M-Instruct's config.json): known here, so --plan never builds its cache.
 EMBEDDED = {
     "smollm2-135m": dict(
@@ -47,14 +46,10 @@ def model_config(name: str, trust_remote_code: bool = False) -> dict:
 
 
 def _shape(c: dict):
-    H, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return (
-        c["num_hidden_layers"],
-        H,
-        c["intermediate_size"],
-        c["num_attention_heads"] * hd,
-        c["num_key_value_heads"] * hd,
-    )
+    """(layers L, hidden H, intermediate F, query width Hq, key/value width K)"""
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    L, H, F = c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]
+    return L, H, F, c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
 
 
 def param_counts(c: dict) -> tuple[int, int]:
@@ -73,35 +68,28 @@ def lora_params(c: dict, r: int) -> int:
     return L * r * ((H + Hq) + 2 * (H + K) + (Hq + H) + 2 * (H + F) + (F + H))
 
 
-def _dtype_bytes(args, device: str) -> int:
-    dtype = getattr(args, "dtype", "auto")
-    return 4 if dtype == "fp32" or (dtype == "auto" and device == "cpu") else 2  # auto = bf16 on CUDA (load_model)
-
-
 def _layer_act(c: dict, b: int, lora: bool, dropout: bool, r: int) -> int:
-    """Bytes autograd keeps per token per decoder layer (transformers' Llama/Qwen2 layer, sdpa):
-    2 RMSNorm inputs in fp32 (the norm upcasts), 2 normed outputs, q, k and v after RoPE (k, v repeated to all heads
-    under a padding mask), the attention output, gate, silu(gate), up and their product (4 x intermediate F). LoRA
-    adds lora_B's r-wide input per module, and with lora_dropout > 0 a dropped copy of each module's input plus its
-    bool mask. Full fine-tuning keeps the normalised fp32 rows for the norm weights' gradient instead."""
+    """Bytes autograd keeps per token per decoder layer (transformers' Llama/Qwen2 layer, sdpa; checked with
+    saved_tensors_hooks): 2 RMSNorm inputs in fp32 (the norm upcasts), 2 normed outputs, q, k, v after RoPE (k, v
+    repeated to all heads under a padding mask), the attention output, gate, silu(gate), up and their product.
+    LoRA adds lora_B's r-wide input per module, with lora_dropout > 0 also a dropped copy of each module's input and
+    its bool mask; full fine-tuning keeps the normalised fp32 rows for the norm weights' gradient instead."""
     L, H, F, Hq, K = _shape(c)
     n = 2 * H * 4 + b * (2 * H + 3 * Hq + Hq + 4 * F)
-    if not lora:
-        return n + 2 * H * 4
-    return n + 7 * r * b + (dropout and (5 * H + Hq + F) * (b + 1))  # q, k, v, gate, up: H; o: Hq; down: F
+    # dropout copies: q, k, v, gate, up take H-wide inputs, o Hq, down F
+    return n + (7 * r * b + (dropout and (5 * H + Hq + F) * (b + 1)) if lora else 2 * H * 4)
 
 
 def _pass(c: dict, b: int, rows: int, seq: int, scored: int, args, grad: bool, entropy: bool = False):
     """(kept for backward, one layer's working set, log-prob buffer) in bytes for a forward (+ backward if grad) over
     rows x seq tokens, `scored` of them through the chunked head. No grad keeps nothing but the working set."""
     L, H, F, Hq, K = _shape(c)
-    lora, ckpt = getattr(args, "use_lora", True), getattr(args, "gradient_checkpointing", False)
+    lora, tokens = getattr(args, "use_lora", True), rows * seq
     dropout = lora and getattr(args, "lora_dropout", 0) > 0 and not getattr(args, "disable_dropout", False)
-    tokens = rows * seq
     mask = 0 if getattr(args, "attn_implementation", "") == "flash_attention_2" else rows * seq * seq * 4
     layer = _layer_act(c, b, lora, dropout, getattr(args, "lora_r", 16)) * tokens + mask  # sdpa keeps a float mask
     # checkpointing keeps each layer's input and recomputes one layer at a time (transformers, per decoder layer)
-    kept = (L * tokens * H * b + layer if ckpt else L * layer) if grad else 0
+    kept = (L * tokens * H * b + layer if getattr(args, "gradient_checkpointing", 0) else L * layer) if grad else 0
     kept += tokens * H * (4 + b) + scored * H * b  # final norm in/out + the scored rows gathered for the head
     # a layer's gradients (backward) or its live tensors (no grad); sdpa: the model's own copy of the float mask
     work = tokens * (2 * H + 3 * F) * b + mask
@@ -111,18 +99,6 @@ def _pass(c: dict, b: int, rows: int, seq: int, scored: int, args, grad: bool, e
     return kept, work, (2 + entropy) * n * V * 4 + (b != 4) * V * H * 4 + grad * scored * H * b
 
 
-def _rollout(c: dict, b: int, args, script: str, device_bytes: int, P: int) -> dict:
-    """Generation: vLLM's share of the card, or HF's KV cache of every row (prompts x G) x (P + C) positions, all
-    layers, k and v, + the prompts' prefill working set and the last position's fp32 logits and scores."""
-    L, H, F, Hq, K = _shape(c)
-    C, G = args.max_completion_length, args.group_size
-    prompts = args.prompts_per_step if script == "grpo" else args.prompts_per_round  # raft: a round in one call
-    if getattr(args, "engine", "hf") == "vllm":
-        return {"rollout: vLLM reservation": int(args.vllm_gpu_memory_utilization * device_bytes)}
-    kv = L * prompts * G * (P + C) * 2 * K * b + prompts * P * (2 * H + 3 * F) * b
-    return {"rollout: KV cache": kv + prompts * G * c["vocab_size"] * 4 * 2}
-
-
 def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int = 0, longest: int = 0) -> dict:
     """Peak memory by part (bytes), keys prefixed by phase: lasting parts, "step:" (one training micro-batch),
     "rollout:" and "reference:" (GRPO's no-grad passes before the update). total = lasting + the largest phase; in
@@ -130,52 +106,49 @@ def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int
     longest: a bound on the longest row in tokens (0 = none), which caps max_length and max_prompt_length."""
     if script not in SCRIPTS:
         raise ValueError(f"memory plan: unknown script {script!r}; known: {', '.join(SCRIPTS)}")
-    b, q = _dtype_bytes(args, device), getattr(args, "quantization", None)
-    linear, other = param_counts(c)
-    lora, r = getattr(args, "use_lora", True), getattr(args, "lora_r", 16)
+    q, (L, H, F, Hq, K), (linear, other) = getattr(args, "quantization", None), _shape(c), param_counts(c)
+    b = 4 if args.dtype == "fp32" or (args.dtype == "auto" and device == "cpu") else 2  # auto: bf16 on CUDA only
     ref = {"dpo": getattr(args, "loss_type", "") != "simpo", "kto": True, "grpo": getattr(args, "beta", 0) != 0}
     ref["raft"] = getattr(args, "dpo", False) or getattr(args, "mode", "") == "spin"  # scripts with a "ref" slot
     # bitsandbytes NF4: 4 bits + an 8-bit absmax per 64 weights (+ fp32 per 256 absmax, double quant); int8: 1 byte.
     # PEFT's prepare_model_for_kbit_training casts every other (bf16/fp16) parameter to fp32.
     per = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}.get(q, b)
     parts = {"weights": int(linear * per + other * (4 if q else b))}
-    if lora:  # PEFT keeps adapters in fp32 (autocast_adapter_dtype); fp32 grad + AdamW exp_avg, exp_avg_sq
-        parts["LoRA + grads + AdamW"] = lora_params(c, r) * (16 + 4 * ref.get(script, False))  # + the "ref" slot
+    if getattr(args, "use_lora", True):  # PEFT keeps adapters in fp32: + fp32 grad, AdamW exp_avg and exp_avg_sq
+        parts["LoRA + grads + AdamW"] = lora_params(c, args.lora_r) * (16 + 4 * ref.get(script, False))  # + "ref"
     else:  # full fine-tuning: a gradient and two AdamW states per weight, in the weights' dtype (torch.optim.AdamW)
         parts["grads + AdamW (full)"] = (linear + other) * 3 * b
     parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
-    cap = longest or 1 << 40
+    cap, C = longest or 1 << 40, getattr(args, "max_completion_length", 0)
     P = min(getattr(args, "max_prompt_length", None) or 1 << 40, cap)
-    T = min(getattr(args, "max_length", 1024), 1 << 40 if script in ("grpo", "raft") else cap)  # their rows: prompts
-    if script == "raft":  # its SFT rows are a prompt + a sampled completion
-        T = min(T, P + args.max_completion_length)
-    B, pairs = (
-        getattr(args, "per_device_train_batch_size", 1),
-        script in ("dpo", "orpo", "rm") or getattr(args, "dpo", 0),
-    )
-    rows = 2 * B if pairs else B  # chosen + rejected in one batch
-    ref_pass, rollout = 0, {}
-    if script != "grpo":
-        kept, work, head = _pass(c, b, rows, T, rows * T, args, True)
+    T = min(getattr(args, "max_length", 1024), P + C if script == "raft" else cap)  # raft: prompt + a sample
+    pairs = script in ("dpo", "orpo", "rm") or getattr(args, "dpo", 0)  # chosen + rejected in one batch
+    rows, ref_pass, rollout = getattr(args, "per_device_train_batch_size", 1) * (1 + pairs), 0, {}
+    kept, work, head = _pass(c, b, rows, T, rows * T, args, True)
+    head *= script != "rm"  # a reward model's head is H -> 1: no vocabulary logits
     # DPO's and KTO's reference (and KTO's KL rows) run under no_grad while the policy's activations are held
     if (script in ("dpo", "kto") or getattr(args, "dpo", 0)) and not getattr(args, "precompute_ref_log_probs", 0):
         ref_pass = sum(_pass(c, b, rows, T, rows * T, args, False)[1:]) if ref.get(script) else 0
-    if script in ("grpo", "raft"):
-        rollout = _rollout(c, b, args, script, device_bytes, P)
+    if script in ("grpo", "raft") and getattr(args, "engine", "hf") == "vllm":  # vLLM takes this share of the card
+        rollout["rollout: vLLM reservation"] = int(args.vllm_gpu_memory_utilization * device_bytes)
+    elif script in ("grpo", "raft"):  # HF: a KV cache of every row (prompts x G) x (P + C) positions, all layers,
+        # + the prompts' prefill working set and the last position's fp32 logits and scores; raft: a round at once
+        n = args.prompts_per_step if script == "grpo" else args.prompts_per_round
+        rollout["rollout: KV cache"] = L * n * args.group_size * (P + C) * 2 * K * b + n * P * (2 * H + 3 * F) * b
+        rollout["rollout: KV cache"] += n * args.group_size * c["vocab_size"] * 4 * 2
     if script == "grpo":  # a micro-batch: each prompt once + its G completions attending to it (logps.py)
-        L, H, F, Hq, K = _shape(c)
-        g, G, C = args.groups_per_micro_batch, args.group_size, args.max_completion_length
+        g, G = args.groups_per_micro_batch, args.group_size
         if args.gradient_checkpointing:  # then grouped_completion_logps scores the concatenated rows instead
             kept, work, head = _pass(c, b, g * G, P + C, g * G * C, args, True, entropy=True)
         else:  # + the repeated prompt K, V (all heads) its attention keeps, the cache of all layers and the mask
             kept, work, head = _pass(c, b, g * G, C, g * G * C, args, True, entropy=True)
             kept += _pass(c, b, g, P, 0, args, True)[0]
             kept += L * g * G * (P * 2 * Hq * b + (P + C) * 2 * K * b + C * (P + C) * 4)
-        if args.beta or args.num_iterations > 1:  # reference / old-policy log-probs: no_grad, before the update
-            rollout["reference: no-grad pass"] = sum(_pass(c, b, g * G, P + C, g * G * C, args, False)[1:])
-            rollout["reference: no-grad pass"] += L * g * G * (P + C) * 2 * K * b  # + its KV cache
-    step = {"step: activations": kept, "step: layer working set": work, "step: log-prob buffer": head}
-    parts |= step | ({"step: reference pass": ref_pass} if ref_pass else {}) | rollout
+        if args.beta or args.num_iterations > 1:  # reference / old-policy log-probs: no_grad, before the update;
+            no_grad = sum(_pass(c, b, g * G, P + C, g * G * C, args, False)[1:])  # + its KV cache
+            rollout["reference: no-grad pass"] = no_grad + L * g * G * (P + C) * 2 * K * b
+    parts |= {"step: activations": kept, "step: layer working set": work, "step: log-prob buffer": head}
+    parts |= ({"step: reference pass": ref_pass} if ref_pass else {}) | rollout
     lasting = sum(v for k, v in parts.items() if ":" not in k)
     peak = max([kept + max(work + head, ref_pass), *rollout.values()])
     parts = {k: int(v) for k, v in parts.items()}
@@ -184,33 +157,29 @@ def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int
     return parts
 
 
+def _size(x) -> int:
+    """Tokens of a text (<= its UTF-8 bytes: a byte-level BPE or byte-fallback token covers >= 1) + 16 for the
+    chat template; messages: the sum of their contents."""
+    if isinstance(x, (str, dict)):
+        return len((x if isinstance(x, str) else x.get("content", "")).encode()) + 16
+    return sum(map(_size, x)) if isinstance(x, list) else 0
+
+
 def longest_row(rows: list[dict]) -> int:
-    """A bound on a row's tokens: its UTF-8 bytes (a byte-level BPE or byte-fallback token covers >= 1 byte) + 16
-    template tokens per message; prompt + the longest of completion / chosen / rejected / messages."""
-
-    def size(x) -> int:
-        if isinstance(x, str):
-            return len(x.encode()) + 16
-        if isinstance(x, dict):
-            return size(x.get("content", ""))
-        return sum(map(size, x)) if isinstance(x, list) else 0
-
+    """A bound on the longest row in tokens: prompt + the longest of completion / chosen / rejected / messages."""
     keys = ("completion", "chosen", "rejected", "messages")
-    return max((size(r.get("prompt")) + max(size(r.get(k)) for k in keys) for r in rows), default=0)
+    return max((_size(r.get("prompt")) + max(_size(r.get(k)) for k in keys) for r in rows), default=0)
 
 
 def suggestion(args, script: str) -> str:
     """Knobs in order of what they cost the run (speed first, then quality of the experiment)."""
-    knobs = []
-    if not getattr(args, "gradient_checkpointing", True):
-        knobs.append("--gradient-checkpointing")
-    for name in ("per_device_train_batch_size", "groups_per_micro_batch"):
-        if getattr(args, name, 1) > 1:
-            knobs.append(f"--{name.replace('_', '-')} {getattr(args, name) // 2}")
-    if getattr(args, "quantization", None) is None:
-        knobs.append("--quantization 4bit")
-    for name in ("max_completion_length", "max_length", "group_size"):
-        if getattr(args, name, 0) and getattr(args, name) > (2 if name == "group_size" else 64):
+    knobs = [] if getattr(args, "gradient_checkpointing", True) else ["--gradient-checkpointing"]
+    halve = {"per_device_train_batch_size": 1, "groups_per_micro_batch": 1, "quantization": 0}
+    halve |= {"max_completion_length": 64, "max_length": 64, "group_size": 2}  # flag: the least worth halving to
+    for name, least in halve.items():
+        if name == "quantization" and getattr(args, name, 0) is None:
+            knobs.append("--quantization 4bit")
+        elif name != "quantization" and getattr(args, name, 0) and getattr(args, name) > least:
             knobs.append(f"--{name.replace('_', '-')} {getattr(args, name) // 2}")
     return "try " + ", then ".join(knobs) if knobs else "no knob left: a larger card or a smaller model"
 
@@ -230,15 +199,11 @@ def device_memory(device: str) -> tuple[int, str]:
 
 def format_plan(parts: dict[str, int], budget: int, what: str) -> str:
     """One aligned table in GiB."""
-    width = max(map(len, parts)) + 2
+    width, head = max(map(len, parts)) + 2, "memory plan (peak = the parts without a phase + the largest phase:"
     rows = [f"  {k.ljust(width)}{v / GiB:8.2f} GiB" for k, v in parts.items() if k != "total"]
+    head += " step, rollout or reference; in a step the reference pass and the backward's working set take turns):"
     return "\n".join(
-        [
-            "memory plan (peak = the parts without a phase + the largest phase: step, rollout or reference; in a step"
-            " the reference pass and the backward's working set take turns):",
-            *rows,
-        ]
-        + [f"  {'total'.ljust(width)}{parts['total'] / GiB:8.2f} GiB of {budget / GiB:.1f} GiB {what}"]
+        [head, *rows, f"  {'total'.ljust(width)}{parts['total'] / GiB:8.2f} GiB of {budget / GiB:.1f} GiB {what}"]
     )
 
 
@@ -264,6 +229,13 @@ def check_memory(args, script: str, rows: list[dict] | None = None) -> dict[str,
     return parts
 
 
+TABLE_NOTE = (
+    " cards it fits, (no) = none. bf16, LoRA r 16 all-linear, gradient checkpointing on, sdpa. SFT: 2 rows x 1,024 "
+    "tokens; ORPO/DPO: 2 pairs x 1,024 tokens; GRPO: 8 prompts x G 4, prompts <= 256 and completions <= 512 tokens, "
+    "HF rollout, 1 group per micro-batch, beta 0.04. n/a: dpo.py and grpo.py train LoRA only (reference = a slot)."
+)
+
+
 def capability_table(gpu_gib: list[float]) -> str:
     """Qwen2.5 sizes x methods x (bf16 full, bf16 LoRA, 4-bit QLoRA) on a CUDA card, bf16, HF rollouts."""
     from types import SimpleNamespace as NS
@@ -286,13 +258,11 @@ def capability_table(gpu_gib: list[float]) -> str:
                 fits = [g for g in gpu_gib if gib <= g]
                 cells.append(f"{gib:.1f}" + (f" ({min(fits):g})" if fits else " (no)"))
             lines.append(f"| Qwen2.5-{size} | {name} | " + " | ".join(cells) + " |")
-    note = (
-        f"GiB estimated; (N) = the smallest of {', '.join(f'{g:g}' for g in gpu_gib)} GB cards it fits, (no) = none. "
-        "bf16 weights, LoRA r 16 all-linear, gradient checkpointing on, sdpa. SFT: 2 rows x 1,024 tokens; ORPO/DPO: "
-        "2 pairs x 1,024 tokens; GRPO: 8 prompts x G 4, prompts <= 256 and completions <= 512 tokens, HF rollout, "
-        "1 group per micro-batch, beta 0.04. n/a: dpo.py and grpo.py train LoRA only (their reference is a LoRA slot)."
+    return (
+        "\n".join(lines)
+        + f"\n\nGiB estimated; (N) = the smallest of {', '.join(map('{:g}'.format, gpu_gib))} GiB"
+        + TABLE_NOTE
     )
-    return "\n".join(lines) + "\n\n" + note
 
 
 if __name__ == "__main__":
