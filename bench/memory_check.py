@@ -210,6 +210,7 @@ def main() -> None:
                 rows[-1],
                 f"({r['seconds']:.0f} s; parts MiB: "
                 + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r["parts"].items())
+                + (f"; completions' mean length per step {r['mean_length']}" if script == "grpo" else "")
                 + ")",
                 flush=True,
             )
