@@ -96,6 +96,8 @@ def case_args(script: str, model: str, batch: int, seq: int, data: str, out: str
 
 
 GPU_CASES = {"sft": (4, 1024), "dpo": (2, 1024), "grpo": (4, 512)}  # random weights: completions run full length
+# the dry run's: dpo at 4 pairs so that its scored tokens (short rejected rows) still fill a 1,024-row logits chunk
+GPU_TINY = {"sft": (1, 256), "dpo": (4, 256), "grpo": (1, 128)}
 
 
 def rss_kib(field: str) -> int:
@@ -176,7 +178,7 @@ def main() -> None:
 
         name = "qwen-tiny-shapes" if cli.tiny else "qwen2.5-1.5b-random"
         paths = {name: write_random_qwen(os.path.join(tmp, name), TINY if cli.tiny else QWEN25_15B)}
-        cases = {(s, name): ((b // 4 or 1,), n // 4) if cli.tiny else ((b,), n) for s, (b, n) in GPU_CASES.items()}
+        cases = {(s, name): ((b,), n) for s, (b, n) in (GPU_TINY if cli.tiny else GPU_CASES).items()}
     else:
         paths = {"tiny": write_tiny(os.path.join(tmp, "tiny")), "smollm2": "smollm2-135m"}
         paths["v152k"] = write_v152k(os.path.join(tmp, "v152k"))

@@ -7,6 +7,7 @@ with saved_tensors_hooks; the bench, bench/memory_check.py, checks the sum again
 """
 
 import argparse
+import os
 
 GiB = 2**30
 SCRIPTS = ("sft", "dpo", "orpo", "kto", "grpo", "raft", "rm")
@@ -36,13 +37,20 @@ EMBEDDED = {
 
 
 def model_config(name: str, trust_remote_code: bool = False) -> dict:
-    """The architecture fields of --model, from its config.json only (a local folder, the hub cache or the hub)."""
+    """The architecture fields of --model from its config.json alone (no weights): the embedded alias's are written
+    above (no cache build); a hub id is checked as load_model checks it (offline: the cache, or one line)."""
     if name in EMBEDDED:
         return EMBEDDED[name]
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code).get_text_config().to_dict()
-    return cfg | {"head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]}
+    from common.hub import check_hub
+    from common.model import ModelError
+
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise ModelError(f"--model {name}: the folder {name} has no config.json, so it is not a model")
+    cached = not os.path.isdir(name) and check_hub(name, "model")  # hub unreachable: read the cached config.json
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, local_files_only=cached)
+    return config.get_text_config().to_dict()
 
 
 def _shape(c: dict):

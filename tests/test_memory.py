@@ -100,6 +100,15 @@ def test_unknown_script_and_longest_row():
     assert short == estimate(CFG, SimpleNamespace(**SFT), "sft", "cpu")  # rows of <= 4 tokens cap max_length
 
 
+def test_model_config_reads_config_json_only(tiny_model_dir, tmp_path):
+    from common.model import ModelError
+
+    assert memory.model_config(tiny_model_dir)["hidden_size"] == 64
+    assert memory.model_config("smollm2-135m")["num_hidden_layers"] == 30  # written in the module: no cache build
+    with pytest.raises(ModelError, match="no config.json"):
+        memory.model_config(str(tmp_path))
+
+
 def test_table_states_its_assumptions():
     out = memory.capability_table([24, 48])
     assert "Qwen2.5-14B" in out and "2 rows x 1,024 tokens" in out and "gradient checkpointing on" in out
