@@ -208,11 +208,10 @@ def device_memory(device: str) -> tuple[int, str]:
 def format_plan(parts: dict[str, int], budget: int, what: str) -> str:
     """One aligned table in GiB."""
     width, head = max(map(len, parts)) + 2, "memory plan (peak = the parts without a phase + the largest phase:"
-    rows = [f"  {k.ljust(width)}{v / GiB:8.2f} GiB" for k, v in parts.items() if k != "total"]
-    head += " step, rollout or reference; in a step the reference pass and the backward's working set take turns):"
-    return "\n".join(
-        [head, *rows, f"  {'total'.ljust(width)}{parts['total'] / GiB:8.2f} GiB of {budget / GiB:.1f} GiB {what}"]
-    )
+    rows = [f"  {k.ljust(width)}{v / GiB:8.2f} GiB" + (f" of {budget / GiB:.1f} GiB {what}" if k == "total" else "")
+            for k, v in parts.items()]  # fmt: skip
+    return "\n".join([head + " step, rollout or reference; in a step the reference pass and the backward's working"
+                      " set take turns):", *rows])  # fmt: skip
 
 
 def check_memory(args, script: str, rows: list[dict] | None = None) -> dict[str, int]:
@@ -255,29 +254,23 @@ def capability_table(gpu_gib: list[float]) -> str:
     variants = {"bf16 full": dict(use_lora=False), "bf16 LoRA": {}, "QLoRA 4-bit": dict(quantization="4bit")}
     methods = {"SFT": "sft", "ORPO": "orpo", "DPO": "dpo", "GRPO G=4": "grpo"}
     lines = ["| model | weights, training | " + " | ".join(methods) + " |", "|---|---|" + "---:|" * len(methods)]
+
+    def cell(c: dict, script: str, v: dict) -> str:
+        if "use_lora" in v and script in ("dpo", "grpo"):  # their reference is a LoRA slot
+            return "n/a"
+        gib = estimate(c, NS(**base | (grpo if script == "grpo" else {}) | v), script, "cuda")["total"] / GiB
+        return f"{gib:.1f}" + (f" ({min(g for g in gpu_gib if gib <= g):g})" if gib <= max(gpu_gib) else " (no)")
+
     for size, c in QWEN25.items():
         for name, v in variants.items():
-            cells = []
-            for script in methods.values():
-                if "use_lora" in v and script in ("dpo", "grpo"):  # their reference is a LoRA slot
-                    cells.append("n/a")
-                    continue
-                gib = estimate(c, NS(**base | (grpo if script == "grpo" else {}) | v), script, "cuda")["total"] / GiB
-                fits = [g for g in gpu_gib if gib <= g]
-                cells.append(f"{gib:.1f}" + (f" ({min(fits):g})" if fits else " (no)"))
-            lines.append(f"| Qwen2.5-{size} | {name} | " + " | ".join(cells) + " |")
-    return (
-        "\n".join(lines)
-        + f"\n\nGiB estimated; (N) = the smallest of {', '.join(map('{:g}'.format, gpu_gib))} GiB"
-        + TABLE_NOTE
-    )
+            lines.append(f"| Qwen2.5-{size} | {name} | " + " | ".join(cell(c, s, v) for s in methods.values()) + " |")
+    sizes = ", ".join(map("{:g}".format, gpu_gib))
+    return "\n".join(lines) + f"\n\nGiB estimated; (N) = the smallest of {sizes} GiB" + TABLE_NOTE
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m common.memory", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", action="store_true", help="print the Qwen2.5 capability matrix")
-    ap.add_argument("--gpu-memory", type=float, nargs="+", default=[24.0, 48.0], help="card sizes in GB")
-    cli = ap.parse_args()
-    if not cli.table:
-        ap.error("nothing to do: pass --table (a script's own plan: python sft.py --plan)")
-    print(capability_table(cli.gpu_memory))
+    ap.add_argument("--table", action="store_true", required=True, help="the Qwen2.5 capability matrix (a run's own"
+                    " plan: python sft.py --plan)")  # fmt: skip
+    ap.add_argument("--gpu-memory", type=float, nargs="+", default=[24.0, 48.0], help="card sizes in GiB")
+    print(capability_table(ap.parse_args().gpu_memory))
