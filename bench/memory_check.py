@@ -17,8 +17,10 @@ margin, which max_memory_allocated does not see); `--gpu --tiny` runs the same c
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -171,6 +173,7 @@ def main() -> None:
     from tests.tiny import write_tiny
 
     tmp = tempfile.mkdtemp(prefix="memcheck-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # the models written here take up to ~3 GB (--gpu)
     data = write_data(tmp)
     cases = CASES
     if cli.gpu:  # one batch size per script: the 1.5B's cases take a minute each
