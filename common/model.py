@@ -7,6 +7,7 @@ copy is ever made, so DPO / KTO / GRPO cost one backbone of memory.
 
 import contextlib
 import copy
+import ctypes
 import hashlib
 import importlib.util
 import inspect
@@ -233,6 +234,17 @@ def snapshot_ref(model) -> None:
             p.requires_grad_(False)
 
 
+def release_heap() -> None:
+    """Give the CPU heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere). glibc serves blocks
+    below its mmap threshold, raised up to 32 MB by the first large free, from a heap that activations of changing
+    sizes fragment: freed pages no later block fits stay resident (~7 GB at DPO's 8 x 512 tokens, measured)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = ctypes.CDLL(None) if hasattr(ctypes.CDLL(None), "malloc_trim") else None
+
+
 @contextlib.contextmanager
 def as_reference(model):
     """Run the block as the reference policy: "ref" active, eval mode, no_grad; everything restored on exit.
@@ -251,6 +263,33 @@ def as_reference(model):
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
         model.train(was_training)
+        release_heap()  # the reference pass's freed activations leave RSS before the policy pass allocates
+
+
+@contextlib.contextmanager
+def merged_adapter(model):
+    """Run the block (sampling, no_grad) with the active LoRA adapter folded into copies of its base weights,
+    W' = W + s B A, and the adapter layers off: one matmul per linear layer instead of three, the same policy up to
+    fp32 rounding. The original weight tensors are put back after, bit for bit (no W + d - d rounding). A model
+    without LoRA, or with a quantized or non-Linear base layer, runs unchanged."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)] if is_peft(model) else []
+    if not layers or any(type(m.base_layer) is not torch.nn.Linear for m in layers):
+        yield model
+        return
+    saved = [(m.base_layer, m.base_layer.weight) for m in layers]
+    try:
+        with torch.no_grad():
+            for m in layers:
+                w = m.base_layer.weight
+                delta = sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)
+                m.base_layer.weight = torch.nn.Parameter(w + delta, requires_grad=False)
+        with model.disable_adapter():
+            yield model
+    finally:
+        for base, w in saved:
+            base.weight = w
 
 
 def disable_dropout(model) -> None:
