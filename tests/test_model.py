@@ -18,7 +18,6 @@ from common.model import (
     load_model,
     load_weights,
     merged_adapter,
-    release_heap,
     require,
     save_weights,
     snapshot_ref,
@@ -154,7 +153,6 @@ def test_merged_adapter_samples_the_same_policy_without_lora_matmuls_and_restore
     assert (adapter - base).abs().max() > 1e-3  # the adapter matters, so the merge did something
     for n, p in model.named_parameters():
         assert p is weights[n][0] and torch.equal(p, weights[n][1]), n
-    release_heap()  # glibc: malloc_trim; elsewhere a no-op (must not raise)
 
 
 def test_adapter_save_load_roundtrip_and_plain_peft_loads_it(tiny_model_dir, tmp_path):
