@@ -11,9 +11,16 @@ tokens of the training forward, prompt + completion, summed over the measured st
 (time.process_time of the one-thread process): on a shared machine wall time includes waiting for a core, CPU time
 does not, so when the load average exceeds the cores the CPU ratio is the steadier of the two.
 
-    OMP_NUM_THREADS=1 python bench/vs_trl.py                       # sft, dpo, grpo on the ~26M bench model
-    OMP_NUM_THREADS=1 python bench/vs_trl.py --method grpo --model smollm2-135m
-    OMP_NUM_THREADS=1 python bench/vs_trl.py --method dpo --repeats 3 --steps 8
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --cpu 1                # issue #19's three presets on SmolLM2-135M
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset sft-8 dpo-4 grpo-2x8   # the first bench's, on the ~26M model
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-4x512 --repeats 3 --steps 5
+
+Presets (PRESETS below): grpo-4x4 = 4 built-in math prompts (asking for "#### N") x G 4, <= 64 new tokens, T 1.0,
+beta 0.04, loss grpo; dpo-4x512 = 4 pairs of single-turn dpo_en_demo rows, max_length 512, sigmoid; sft-4x512 = 4
+alpaca_en_demo rows, max_length 512, completion-only loss (both from ../shared/data/llamafactory-demo, truncated
+from the right on both sides). Each side's phases come back too: ours from the scripts' time/* metrics, TRL's from
+TRLPhases (wrappers around its model's forward, accelerator.backward and GRPO's generation). With --cpu every
+measured process is pinned to that core (taskset), and the 1-minute load average is recorded before and after each.
 
 Read the CPU ratios with TRL 1.16's CPU path in mind: its fused LM head compacts to the scored positions only where
 Triton runs (CUDA), so on CPU it pushes every position (prompt and padding too) through the head, through torch
