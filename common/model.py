@@ -253,32 +253,6 @@ def as_reference(model):
         model.train(was_training)
 
 
-@contextlib.contextmanager
-def merged_adapter(model):
-    """Run the block (sampling, no_grad) with the active LoRA adapter folded into copies of its base weights,
-    W' = W + s B A, and the adapter layers off: one matmul per linear layer instead of three, the same policy up to
-    fp32 rounding. The original weight tensors are put back after, bit for bit (no W + d - d rounding). A model
-    without LoRA, or with a quantized or non-Linear base layer, runs unchanged."""
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)] if is_peft(model) else []
-    if not layers or any(type(m.base_layer) is not torch.nn.Linear for m in layers):
-        yield model
-        return
-    saved = [(m.base_layer, m.base_layer.weight) for m in layers]
-    try:
-        with torch.no_grad():
-            for m in layers:
-                w = m.base_layer.weight
-                delta = sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)
-                m.base_layer.weight = torch.nn.Parameter(w + delta, requires_grad=False)
-        with model.disable_adapter():
-            yield model
-    finally:
-        for base, w in saved:
-            base.weight = w
-
-
 def disable_dropout(model) -> None:
     """p = 0 on every nn.Dropout, a loaded adapter's LoRA dropout included (TRL's disable_dropout=True): otherwise
     the policy (train mode) and the reference (eval mode) differ at step 0 and DPO's first loss is not ln 2."""

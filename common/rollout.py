@@ -25,7 +25,7 @@ import torch
 
 from common.data import pad_batch
 from common.logps import sequence_logps
-from common.model import DEFAULT, cache_kwarg, merged_adapter, require, resolve_dtype, unwrap
+from common.model import DEFAULT, cache_kwarg, require, resolve_dtype, unwrap
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -95,30 +95,29 @@ def hf_generate(
     try:
         lm.generation_config = config
         model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
-        with merged_adapter(model):  # LoRA folded into the weights while sampling (put back exactly after)
-            # The G rows of a prompt share it: prefill each distinct prompt once (all but its last token, backbone
-            # only: no logits) and repeat that KV cache G times, so prefill costs B prompts, not B*G rows. generate()
-            # then runs the last prompt token and the new ones. Same left padding and positions as the unshared rows.
-            cache = None
-            if group_size > 1 and min(len(p) for p in prompts) > 1:
-                from transformers import DynamicCache
+        # The G rows of a prompt share it: prefill each distinct prompt once (all but its last token, backbone only:
+        # no logits) and repeat that KV cache G times, so prefill costs B prompts, not B*G rows. generate() then runs
+        # the last prompt token and the new ones. Same left padding and positions as the unshared rows.
+        cache = None
+        if group_size > 1 and min(len(p) for p in prompts) > 1:
+            from transformers import DynamicCache
 
-                cache = DynamicCache(config=lm.config)
-                prefix, prefix_mask = input_ids[::group_size, :-1], attention_mask[::group_size, :-1]
-                lm.get_decoder()(
-                    input_ids=prefix,
-                    attention_mask=prefix_mask,
-                    use_cache=True,
-                    position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
-                    **{cache_kwarg(lm): cache},
-                )
-                cache.batch_repeat_interleave(group_size)
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                generation_config=config,
-                **({cache_kwarg(lm): cache} if cache is not None else {}),
+            cache = DynamicCache(config=lm.config)
+            prefix, prefix_mask = input_ids[::group_size, :-1], attention_mask[::group_size, :-1]
+            lm.get_decoder()(
+                input_ids=prefix,
+                attention_mask=prefix_mask,
+                use_cache=True,
+                position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
+                **{cache_kwarg(lm): cache},
             )
+            cache.batch_repeat_interleave(group_size)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            **({cache_kwarg(lm): cache} if cache is not None else {}),
+        )
     finally:
         lm.generation_config = saved
         model.train(was_training)

@@ -17,7 +17,6 @@ from common.model import (
     is_checkpointing,
     load_model,
     load_weights,
-    merged_adapter,
     require,
     save_weights,
     snapshot_ref,
@@ -127,32 +126,6 @@ def test_peft_set_adapter_flips_requires_grad_which_we_guard(tiny_model_dir):
             if f".{REF}." in n:
                 p.requires_grad_(True)
         trainable_parameters(model)
-
-
-def test_merged_adapter_samples_the_same_policy_without_lora_matmuls_and_restores_weights(tiny_model_dir):
-    """Sampling runs with "default" folded into the base weights: the same logits as the adapter (fp32 rounding),
-    no LoRA matmul inside, and afterwards the very same weight tensors, bit for bit."""
-    model, _ = lora_model(tiny_model_dir)
-    snapshot_ref(model)
-    model.eval()
-    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
-    weights = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
-    calls = []
-    for n, m in model.named_modules():
-        if n.endswith("lora_A.default"):
-            m.register_forward_hook(lambda *a: calls.append(1))
-    with torch.no_grad():
-        adapter = model(input_ids=ids).logits
-        n_adapter = len(calls)
-        with merged_adapter(model):
-            merged = model(input_ids=ids).logits
-        with model.disable_adapter():
-            base = model(input_ids=ids).logits
-    assert n_adapter > 0 and len(calls) == n_adapter  # merged: no LoRA layer ran
-    torch.testing.assert_close(merged, adapter, atol=1e-5, rtol=1e-5)
-    assert (adapter - base).abs().max() > 1e-3  # the adapter matters, so the merge did something
-    for n, p in model.named_parameters():
-        assert p is weights[n][0] and torch.equal(p, weights[n][1]), n
 
 
 def test_adapter_save_load_roundtrip_and_plain_peft_loads_it(tiny_model_dir, tmp_path):
