@@ -29,7 +29,7 @@ from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import ArgsError, print_config, stop_run, training_config
+from common.run import ArgsError, PhaseTimer, print_config, stop_run, training_config
 
 
 @dataclass
@@ -178,12 +178,11 @@ def dpo_loss(
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
-def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device):
+def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, timer: PhaseTimer | None = None):
     """Loss of one micro-batch of pairs, its per-pair stats and token count. One policy forward scores both halves;
-    the reference is one more no-grad forward of the "ref" slot, or the log-probs precomputed into the rows."""
+    the reference (one more no-grad forward of the "ref" slot, or the log-probs precomputed into the rows) runs first,
+    so its activations are freed before the policy's graph is built."""
     batch = concat_pairs(chunk, pad_id, device)
-    logps, per_token_logps = completion_logps(model, batch)  # (2B,), (2B, T): [chosen; rejected]
-    chosen_logps, rejected_logps = logps.chunk(2)
     ref_chosen_logps = ref_rejected_logps = None  # SimPO is reference-free
     if args.loss_type != "simpo" and args.precompute_ref_log_probs:
         ref_chosen_logps = torch.tensor([e["ref_chosen_logps"] for e in chunk], device=device)
@@ -191,6 +190,10 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device):
     elif args.loss_type != "simpo":
         with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
             ref_chosen_logps, ref_rejected_logps = completion_logps(model, batch)[0].chunk(2)
+    if timer:
+        timer.mark("reference")
+    logps, per_token_logps = completion_logps(model, batch)  # (2B,), (2B, T): [chosen; rejected]
+    chosen_logps, rejected_logps = logps.chunk(2)
     chosen_lengths, rejected_lengths = batch["completion_mask"].sum(1).chunk(2)
     losses, chosen_rewards, rejected_rewards = dpo_loss(
         chosen_logps=chosen_logps,
@@ -301,11 +304,13 @@ def main(args: Args) -> dict:
     for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         loss_sum, tokens, stats = 0.0, 0, []
+        timer = PhaseTimer()
         for i in range(ga):
-            loss, micro_stats, micro_tokens = pair_losses(
-                model, micro_batch(examples, step * ga + i, bs, args.seed), args, pad_id, device
-            )
+            chunk = micro_batch(examples, step * ga + i, bs, args.seed)
+            loss, micro_stats, micro_tokens = pair_losses(model, chunk, args, pad_id, device, timer)
+            timer.mark("forward")
             (loss / ga).backward()  # each micro loss is a mean over its pairs; / GA: the step's mean over all pairs
+            timer.mark("backward")
             loss_sum, tokens = loss_sum + loss.item() / ga, tokens + micro_tokens
             stats.append(micro_stats)
         grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
@@ -320,6 +325,7 @@ def main(args: Args) -> dict:
             "epoch": (step + 1) * ga / batches_per_epoch,
             "memory/peak_gb": peak_memory_gb(),
             "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+            **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             metrics |= evaluate(model, eval_examples, args, pad_id, device)

@@ -28,7 +28,7 @@ from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import print_config, stop_run, training_config
+from common.run import PhaseTimer, print_config, stop_run, training_config
 
 
 @dataclass
@@ -185,10 +185,13 @@ def main(args: Args) -> dict:
         # TRL's num_items_in_batch: normalise by the completion tokens of the WHOLE step, so accumulation is exact.
         num_items = sum(int(b["completion_mask"].sum()) for b in micro)
         loss_sum, tokens = 0.0, 0
+        timer = PhaseTimer()
         for batch in micro:
             per_token_logps, batch = forward_logps(batch)
             loss = sft_loss(per_token_logps, num_items)
+            timer.mark("forward")
             loss.backward()
+            timer.mark("backward")
             loss_sum += loss.item()
             tokens += int(
                 batch["input_ids"].numel() if "attention_mask" not in batch else batch["attention_mask"].sum()
@@ -205,6 +208,7 @@ def main(args: Args) -> dict:
             "epoch": (step + 1) * args.gradient_accumulation_steps / batches_per_epoch,
             "memory/peak_gb": peak_memory_gb(),
             "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+            **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             metrics["eval/loss"] = evaluate(

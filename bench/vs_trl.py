@@ -11,9 +11,16 @@ tokens of the training forward, prompt + completion, summed over the measured st
 (time.process_time of the one-thread process): on a shared machine wall time includes waiting for a core, CPU time
 does not, so when the load average exceeds the cores the CPU ratio is the steadier of the two.
 
-    OMP_NUM_THREADS=1 python bench/vs_trl.py                       # sft, dpo, grpo on the ~26M bench model
-    OMP_NUM_THREADS=1 python bench/vs_trl.py --method grpo --model smollm2-135m
-    OMP_NUM_THREADS=1 python bench/vs_trl.py --method dpo --repeats 3 --steps 8
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --cpu 1                # issue #19's three presets on SmolLM2-135M
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset sft-8 dpo-4 grpo-2x8   # the first bench's, on the ~26M model
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-4x512 --repeats 3 --steps 5
+
+Presets (PRESETS below): grpo-4x4 = 4 built-in math prompts (asking for "#### N") x G 4, <= 64 new tokens, T 1.0,
+beta 0.04, loss grpo; dpo-4x512 = 4 pairs of single-turn dpo_en_demo rows, max_length 512, sigmoid; sft-4x512 = 4
+alpaca_en_demo rows, max_length 512, completion-only loss (both from ../shared/data/llamafactory-demo, truncated
+from the right on both sides). Each side's phases come back too: ours from the scripts' time/* metrics, TRL's from
+TRLPhases (wrappers around its model's forward, accelerator.backward and GRPO's generation). With --cpu every
+measured process is pinned to that core (taskset), and the 1-minute load average is recorded before and after each.
 
 Read the CPU ratios with TRL 1.16's CPU path in mind: its fused LM head compacts to the scored positions only where
 Triton runs (CUDA), so on CPU it pushes every position (prompt and padding too) through the head, through torch
@@ -38,12 +45,49 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# method -> (Setup overrides, measured steps incl. warm-up); sized for a few minutes per method on a shared 2-core CPU
-CONFIGS = {
-    "sft": dict(batch_size=8, learning_rate=2e-5),
-    "dpo": dict(batch_size=4, learning_rate=5e-6),  # 4 pairs = 8 sequences per step
-    "grpo": dict(prompts_per_step=2, group_size=8, max_completion_length=32, learning_rate=1e-4),  # 16 completions
+DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "llamafactory-demo")  # ../shared/data (read-only)
+
+# preset -> (method, Setup overrides, rows). Rows: "builtin" = the harness's built-in math rows (GRPO: prompts that ask
+# for "#### N"); (file, converter) = rows of a LLaMA-Factory demo file (DPO: single-turn conversations only), in file
+# order. The first three are issue #19's configurations; the rest are the first bench's own (smaller) ones.
+PRESETS = {
+    "grpo-4x4": (
+        "grpo",
+        dict(prompts_per_step=4, group_size=4, max_completion_length=64, loss_type="grpo"),
+        "builtin",
+    ),
+    "dpo-4x512": ("dpo", dict(batch_size=4, max_length=512, learning_rate=5e-6), ("dpo_en_demo.json", "sharegpt")),
+    "sft-4x512": ("sft", dict(batch_size=4, max_length=512, learning_rate=2e-5), ("alpaca_en_demo.json", "alpaca")),
+    "sft-8": ("sft", dict(batch_size=8, learning_rate=2e-5), "builtin"),
+    "dpo-4": ("dpo", dict(batch_size=4, learning_rate=5e-6), "builtin"),  # 4 pairs = 8 sequences per step
+    "grpo-2x8": ("grpo", dict(prompts_per_step=2, group_size=8, max_completion_length=32), "builtin"),
 }
+for _method, _over, _ in PRESETS.values():  # GRPO: the harness's 1e-3 is for its tiny model
+    _over.setdefault("learning_rate", 1e-4)
+ISSUE_PRESETS = ("grpo-4x4", "dpo-4x512", "sft-4x512")
+
+
+def preset_rows(preset: str, n: int, tokenizer, target_length: int) -> list[dict]:
+    """The first n rows of the preset's data, rendered to standard strings as the harness's make_rows does (prompt
+    through the chat template's generation prompt, completions = the assistant text), the same on both sides."""
+    from common.data import load_rows
+    from scripts.compare_with_trl import KIND, make_rows
+
+    method, _, source = PRESETS[preset]
+    if source == "builtin":
+        return make_rows(KIND[method], n, tokenizer, target_length=target_length)
+    name, convert = source
+    raw = load_rows(os.path.join(DATA, name), convert=convert)
+    if method == "dpo":  # single-turn: one user message as the prompt
+        raw = [r for r in raw if len(r["prompt"]) == 1]
+    if len(raw) < n:
+        raise ValueError(f"{name}: {len(raw)} usable rows, {n} needed (fewer --steps)")
+
+    def render(prompt):
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+    keys = ("chosen", "rejected") if method == "dpo" else ("completion",)
+    return [{"prompt": render(r["prompt"])} | {k: r[k][0]["content"] for k in keys} for r in raw[:n]]
 
 
 def write_bench_model(out: str, vocab_size: int = 16384, hidden: int = 384, layers: int = 6) -> str:
@@ -80,9 +124,10 @@ def write_bench_model(out: str, vocab_size: int = 16384, hidden: int = 384, laye
     return path
 
 
-def setup_for(args, model: str, adapter: str, method: str):
+def setup_for(args, model: str, adapter: str):
     from scripts.compare_with_trl import Setup
 
+    method, over, _ = PRESETS[args.preset]
     return Setup(
         method=method,
         model=model,
@@ -90,35 +135,80 @@ def setup_for(args, model: str, adapter: str, method: str):
         out=os.path.join(args.out, "runs"),
         steps=args.steps,
         seed=0,
-        **CONFIGS[method],
+        **over,
     )
 
 
+class TRLPhases:
+    """Seconds per phase of TRL's steps, from wrappers around what its trainer calls (no change to its math):
+    generation = GRPOTrainer._generate_single_turn; reference = forwards of the trained model under no_grad outside
+    generation (TRL runs the "ref" adapter under torch.no_grad); forward = forwards with grad; backward =
+    accelerator.backward; other = the rest of the step (optimizer, clipping, data, logging)."""
+
+    def __init__(self, trainer):
+        self.seconds, self.steps, self.in_generation, self.t_forward = {}, [], False, None
+        model = trainer.model
+        model.register_forward_pre_hook(self._pre)
+        model.register_forward_hook(self._post)
+        backward = trainer.accelerator.backward
+        trainer.accelerator.backward = lambda *a, **k: self._timed("backward", backward, *a, **k)
+        if hasattr(trainer, "_generate_single_turn"):
+            generate = trainer._generate_single_turn
+
+            def timed_generate(*a, **k):
+                self.in_generation = True
+                try:
+                    return self._timed("generation", generate, *a, **k)
+                finally:
+                    self.in_generation = False
+
+            trainer._generate_single_turn = timed_generate
+
+    def _timed(self, phase, fn, *a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            self.add(phase, time.perf_counter() - t)
+
+    def add(self, phase, seconds):
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def _pre(self, *_):
+        self.t_forward = time.perf_counter()
+
+    def _post(self, *_):
+        if not self.in_generation:
+            self.add("forward" if torch_grad_enabled() else "reference", time.perf_counter() - self.t_forward)
+
+    def end_step(self, step_seconds: float | None):
+        if step_seconds is not None:  # the step's remainder: optimizer, clipping, data, logging
+            self.steps.append(self.seconds | {"other": step_seconds - sum(self.seconds.values())})
+        self.seconds = {}
+
+
+def torch_grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
 def measure(args) -> dict:
-    """Child process: one run of one side; returns per-step seconds and tokens for steps 2..N, and peak RSS."""
+    """Child process: one run of one side; returns per-step seconds, phases and tokens for steps 2..N, peak RSS."""
     import torch
 
     torch.set_num_threads(1)
     import datasets
 
-    from scripts.compare_with_trl import (
-        KIND,
-        load_tokenizer,
-        make_rows,
-        quiet,
-        run_ours,
-        trl_history,
-        trl_order,
-        trl_trainer,
-        write_jsonl,
-    )
+    from scripts.compare_with_trl import load_tokenizer, quiet, run_ours, trl_history, trl_order, trl_trainer
+    from scripts.compare_with_trl import write_jsonl
 
     datasets.disable_progress_bars()
-    s = setup_for(args, args.model_path, args.adapter, args.method)
+    s = setup_for(args, args.model_path, args.adapter)
     os.makedirs(s.out, exist_ok=True)
     tokenizer = load_tokenizer(s.model)
-    rows = make_rows(KIND[s.method], s.n_rows, tokenizer, target_length=s.max_completion_length // 2)
-    stamps = []
+    rows = preset_rows(args.preset, s.n_rows, tokenizer, target_length=s.max_completion_length // 2)
+    stamps, phases = [], []
     if args.child == "ours":
         import common.run
 
@@ -129,8 +219,9 @@ def measure(args) -> dict:
             return log(self, step, metrics)
 
         common.run.Logger.log = timed_log
-        data = write_jsonl(os.path.join(s.out, f"data_{s.method}.jsonl"), rows)
+        data = write_jsonl(os.path.join(s.out, f"data_{args.preset}.jsonl"), rows)
         history = run_ours(s, data)
+        phases = [{k[len("time/") :]: v for k, v in h.items() if k.startswith("time/")} for h in history]
         if s.method == "grpo":  # attention-mask tokens of the step = tokens_per_s x the step's phases
             tokens = [
                 h["perf/tokens_per_s"]
@@ -142,13 +233,17 @@ def measure(args) -> dict:
     else:
         from transformers import TrainerCallback
 
+        trainer = quiet(trl_trainer(s, [rows[i] for i in trl_order(s)], tokenizer, optim="adamw_torch_fused"))
+        timer = TRLPhases(trainer)
+
         class Stamp(TrainerCallback):
             def on_step_end(self, *_, **__):
                 stamps.append((time.perf_counter(), time.process_time()))
+                timer.end_step(stamps[-1][0] - stamps[-2][0] if len(stamps) > 1 else None)
 
-        trainer = quiet(trl_trainer(s, [rows[i] for i in trl_order(s)], tokenizer, optim="adamw_torch_fused"))
         trainer.add_callback(Stamp())
         trainer.train()
+        phases = [{}] + timer.steps  # step 1 (warm-up) has no start stamp
         cumulative = [h["num_tokens"] for h in trl_history(trainer)]
         tokens = [b - a for a, b in zip([0.0] + cumulative, cumulative)]
     seconds = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])]
@@ -157,19 +252,20 @@ def measure(args) -> dict:
         "side": args.child,
         "seconds": seconds,
         "cpu_seconds": cpu_seconds,
+        "phases": phases[1:],
         "tokens": tokens[1:],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
 
-def run_child(args, side: str, method: str, model: str, adapter: str) -> dict:
+def run_child(args, side: str, preset: str, model: str, adapter: str) -> dict:
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
         "--child",
         side,
-        "--method",
-        method,
+        "--preset",
+        preset,
         "--model-path",
         model,
         "--adapter",
@@ -179,6 +275,8 @@ def run_child(args, side: str, method: str, model: str, adapter: str) -> dict:
         "--out",
         args.out,
     ]
+    if args.cpu is not None:  # pin the measured process to one core (the same one for both sides)
+        cmd = ["taskset", "-c", str(args.cpu), *cmd]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -186,16 +284,19 @@ def run_child(args, side: str, method: str, model: str, adapter: str) -> dict:
         "TOKENIZERS_PARALLELISM": "false",
         "TRL_EXPERIMENTAL_SILENCE": "1",
     }
+    load = os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
-        raise RuntimeError(f"{side} {method} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{side} {preset} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"load": [load, os.getloadavg()[0]]}
 
 
 def summarise(runs: list[dict]) -> dict:
     seconds = [x for r in runs for x in r["seconds"]]
     cpu = [x for r in runs for x in r["cpu_seconds"]]
     tokens = sum(sum(r["tokens"]) for r in runs)
+    steps = [p for r in runs for p in r["phases"]]
+    names = sorted({k for p in steps for k in p})
     return {
         "s_per_step": statistics.median(seconds),
         "cpu_s_per_step": statistics.median(cpu),
@@ -204,51 +305,57 @@ def summarise(runs: list[dict]) -> dict:
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
         "steps_measured": len(seconds),
         "s_per_step_all": seconds,
+        "phases": {k: statistics.median(p.get(k, 0.0) for p in steps) for k in names},
+        "load": [x for r in runs for x in r["load"]],
     }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", choices=[*CONFIGS, "all"], default="all")
-    parser.add_argument("--model", default="bench", help="'bench' (the ~26M model built here) or a path / alias")
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is warm-up)")
+    parser.add_argument("--preset", nargs="+", default=list(ISSUE_PRESETS), help=f"any of {', '.join(PRESETS)}")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="'bench' (the ~26M model built here) or a path / alias; "
+        f"default: smollm2-135m for {', '.join(ISSUE_PRESETS)}, bench for the others",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is warm-up)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
+    parser.add_argument("--cpu", type=int, default=None, help="pin each measured run to this core (taskset -c)")
     parser.add_argument("--out", default="outputs/bench_vs_trl")
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--adapter", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
+        args.preset = args.preset[0]
         print(json.dumps(measure(args)))
         return
+    if unknown := [p for p in args.preset if p not in PRESETS]:
+        parser.error(f"--preset: unknown {unknown}; choose from {', '.join(PRESETS)}")
     from common.embedded import resolve_model
     from scripts.compare_with_trl import make_start_adapter
 
     os.makedirs(args.out, exist_ok=True)
-    model = write_bench_model(args.out) if args.model == "bench" else resolve_model(args.model)
-    adapter = make_start_adapter(model, os.path.join(args.out, f"adapter_{os.path.basename(model)}"))
     results = []
-    for method in CONFIGS if args.method == "all" else (args.method,):
+    for preset in args.preset:
+        name = args.model or ("smollm2-135m" if preset in ISSUE_PRESETS else "bench")
+        model = write_bench_model(args.out) if name == "bench" else resolve_model(name)
+        adapter = make_start_adapter(model, os.path.join(args.out, f"adapter_{os.path.basename(model)}"))
         runs = {"ours": [], "trl": []}
         for _ in range(args.repeats):
             for side in ("ours", "trl"):
-                runs[side].append(run_child(args, side, method, model, adapter))
+                run = run_child(args, side, preset, model, adapter)
+                runs[side].append(run)
                 print(
-                    f"{method} {side}: s/step {[round(x, 3) for x in runs[side][-1]['seconds']]}, CPU s/step "
-                    f"{[round(x, 3) for x in runs[side][-1]['cpu_seconds']]}, peak RSS "
-                    f"{runs[side][-1]['peak_rss_mb']:.0f} MB",
+                    f"{preset} {side}: s/step {[round(x, 3) for x in run['seconds']]}, CPU s/step "
+                    f"{[round(x, 3) for x in run['cpu_seconds']]}, peak RSS {run['peak_rss_mb']:.0f} MB, "
+                    f"load {run['load'][0]:.1f}->{run['load'][1]:.1f}",
                     flush=True,
                 )
-        ours, trl = summarise(runs["ours"]), summarise(runs["trl"])
-        results.append(
-            {
-                "method": method,
-                "model": os.path.basename(model.rstrip("/")),
-                "config": CONFIGS[method],
-                "ours": ours,
-                "trl": trl,
-            }
-        )
+        method, over, _ = PRESETS[preset]
+        row = {"preset": preset, "method": method, "model": os.path.basename(model.rstrip("/")), "config": over}
+        results.append(row | {"ours": summarise(runs["ours"]), "trl": summarise(runs["trl"])})
     command = "OMP_NUM_THREADS=1 python bench/vs_trl.py " + " ".join(sys.argv[1:])
     md = markdown(results, command)
     with open(os.path.join(args.out, "results.md"), "w") as f:
@@ -263,32 +370,36 @@ def markdown(results: list[dict], command: str) -> str:
     import trl
 
     lines = [
-        f"`{command}` ({time.strftime('%Y-%m-%d')}; torch {torch.__version__}, TRL {trl.__version__}, 1 thread, "
+        f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}, TRL {trl.__version__}, 1 thread, "
         f"{os.cpu_count()} vCPU shared)",
         "",
-        "| method | model | config | ours s/step | TRL s/step | time ours/TRL | CPU s/step ours / TRL | CPU "
-        "ours/TRL | ours tok/s | TRL tok/s | ours peak RSS (MB) | TRL peak RSS (MB) | RSS ours/TRL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| preset | model | config | ours s/step | TRL s/step | time ours/TRL | CPU s/step ours / TRL | CPU "
+        "ours/TRL | peak RSS ours / TRL (MB) | RSS ours/TRL | load (1-min, min-max) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         o, t = r["ours"], r["trl"]
         cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items() if k != "learning_rate")
+        load = o["load"] + t["load"]
         cells = [
-            r["method"],
+            r["preset"],
             r["model"],
             cfg,
-            f"{o['s_per_step']:.3f}",
-            f"{t['s_per_step']:.3f}",
+            f"{o['s_per_step']:.2f}",
+            f"{t['s_per_step']:.2f}",
             f"**{o['s_per_step'] / t['s_per_step']:.2f}**",
-            f"{o['cpu_s_per_step']:.3f} / {t['cpu_s_per_step']:.3f}",
+            f"{o['cpu_s_per_step']:.2f} / {t['cpu_s_per_step']:.2f}",
             f"**{o['cpu_s_per_step'] / t['cpu_s_per_step']:.2f}**",
-            f"{o['tokens_per_s']:.0f}",
-            f"{t['tokens_per_s']:.0f}",
-            f"{o['peak_rss_mb']:.0f}",
-            f"{t['peak_rss_mb']:.0f}",
+            f"{o['peak_rss_mb']:,.0f} / {t['peak_rss_mb']:,.0f}",
             f"**{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}**",
+            f"{min(load):.1f}-{max(load):.1f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Phases, median s/step (ours: the script's time/* metrics; TRL: TRLPhases' wrappers):", ""]
+    for r in results:
+        for side in ("ours", "trl"):
+            ph = ", ".join(f"{k} {v:.2f}" for k, v in r[side]["phases"].items())
+            lines.append(f"- {r['preset']} {side}: {ph or 'none logged'}")
     return "\n".join(lines) + "\n"
 
 

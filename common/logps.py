@@ -121,7 +121,20 @@ def sequence_logps(
     input_ids, attention_mask, logps_mask: (B, T). Returns (B, T) fp32 (and entropy (B, T) fp32, detached, same
     layout, when return_entropy). Position 0 and the first real token after left padding have no context: always 0.
     Only the hidden states that predict a masked target go through the head (prompt tokens cost no logits at all).
+    Padded rows run in groups of similar length, each cut to the columns its tokens use (length_groups): padding
+    costs no compute or activation memory, and a group without padding takes SDPA's causal path with no mask.
     """
+    groups = length_groups(attention_mask) if attention_mask is not None and position_ids is None else None
+    if groups and (len(groups) > 1 or groups[0][1:] != (0, input_ids.shape[1])):
+        outs = []
+        for rows, a, b in groups:  # each group's (g, b - a) result back in its columns of the (B, T) layout
+            idx = torch.tensor(rows, device=input_ids.device)
+            cut = [x[idx, a:b] for x in (input_ids, attention_mask, logps_mask)]
+            out = sequence_logps(model, *cut, None, temperature, chunk_size, return_entropy)
+            outs.append([F.pad(x, (a, input_ids.shape[1] - b)) for x in (out if return_entropy else (out,))])
+        order = torch.tensor([r for rows, _, _ in groups for r in rows], device=input_ids.device).argsort()
+        out = [torch.cat(x)[order] for x in zip(*outs)]  # rows back in the caller's order
+        return tuple(out) if return_entropy else out[0]
     lm = unwrap(model)
     if attention_mask is None and position_ids is None:
         raise ValueError("sequence_logps needs attention_mask, or position_ids for packed rows (attention_mask=None)")
@@ -160,6 +173,26 @@ def sequence_logps(
     # Left-pad one zero column for position 0, which has no preceding token to condition on.
     per_token_logps = F.pad(logps, (1, 0))
     return (per_token_logps, F.pad(entropy, (1, 0)).detach()) if return_entropy else per_token_logps
+
+
+def length_groups(attention_mask, slack: float = 1.125) -> list[tuple[list[int], int, int]] | None:
+    """Rows grouped longest first, a row joining the current group while the group's padded size stays within
+    `slack` x its real tokens; each group with the column span [a, b) its rows' tokens occupy (left or right padding).
+    None when a row is empty (the caller keeps the one padded batch)."""
+    m = attention_mask.bool()
+    lengths = m.sum(-1).tolist()
+    if min(lengths) == 0:
+        return None
+    first = m.int().argmax(-1).tolist()  # the first real column of each row
+    last = (m.shape[1] - m.flip(-1).int().argmax(-1)).tolist()  # one past its last real column
+    groups = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        g = groups[-1] if groups else None
+        if g and (len(g) + 1) * lengths[g[0]] <= slack * (sum(lengths[j] for j in g) + lengths[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return [(g, min(first[i] for i in g), max(last[i] for i in g)) for g in groups]
 
 
 def completion_logps(model, batch: dict):

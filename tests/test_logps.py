@@ -15,6 +15,7 @@ from common.logps import (
     group_advantages,
     grouped_completion_logps,
     kl_k3,
+    length_groups,
     masked_mean,
     masked_sum,
     sequence_logps,
@@ -203,6 +204,28 @@ def test_left_padded_equals_unpadded_single_sequence(arch):
         wrong = sequence_logps(model, input_ids, attention_mask, attention_mask, position_ids=arange)
     if arch == "gpt2":
         assert (wrong - padded).abs().max() > 1e-2  # the bug the derivation prevents is real here
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_sequence_logps_runs_padded_rows_in_length_groups(padding_side):
+    """Rows of similar length run together, each group cut to its longest row: the decoder never sees the padding
+    of a short row in a batch with a long one (here 4 x 30 padded tokens become 2 x 30 + 2 x 5), same numbers."""
+    model = tiny_model()
+    input_ids, attention_mask, logps_mask, _ = batch([30, 4, 29, 5], padding_side)
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        logps = sequence_logps(model, input_ids, attention_mask, logps_mask)
+    hook.remove()
+    assert sorted(seen) == [(2, 5), (2, 30)]
+    ref, _ = naive_sequence_logps(model, input_ids, attention_mask, logps_mask)
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_length_groups_spans_and_empty_rows():
+    mask = torch.tensor([[0] * (9 - n) + [1] * n for n in (7, 1, 8)])  # left-padded rows of 7, 1 and 8 tokens
+    assert length_groups(mask) == [([2, 0], 1, 9), ([1], 8, 9)]  # 2 x 8 <= 1.125 x 15; 3 x 8 > 1.125 x 16
+    assert length_groups(torch.tensor([[1, 1], [0, 0]])) is None  # an empty row: the one padded batch is kept
 
 
 def test_sequence_logps_chunk_size_does_not_matter():
