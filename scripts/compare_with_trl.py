@@ -385,10 +385,7 @@ def trl_model(s: Setup):
     kw = {"num_labels": 1} if s.method == "rm" else {}
     model = cls.from_pretrained(s.model, dtype=torch.float32, attn_implementation="sdpa", **kw)
     if s.method == "rm":
-        head = importlib.import_module("rm").new_head(
-            model.config.hidden_size, 1, model.config.initializer_range, s.seed
-        )
-        model.score.weight.data.copy_(head.weight)
+        model.score.weight.data.copy_(importlib.import_module("rm").new_head(model.config, 1, s.seed).weight)
     config = PeftConfig.from_pretrained(s.adapter)
     if s.method == "rm":  # a CAUSAL_LM adapter on a seq-cls model: the plain PeftModel (no generation hooks)
         config.task_type = None

@@ -1,0 +1,306 @@
+"""rm.py and common/reward_model.py: the losses by hand, the head's pooling, end to end on the tiny model (a separable
+set learnt, regression MSE falling, the saved format loading with plain PEFT/transformers, resume), the "reward" slot's
+guard, and a GRPO run whose model reward rises while "reward", "ref" and the base stay bit-identical."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo
+from common.data import DataError
+from common.model import REWARD, load_policy
+from common.reward_model import CONFIG_FILE, HEAD_FILE, load_reward, model_reward, reward_logits, score
+from rm import Args, bradley_terry_loss, main, regression_loss
+from tests.prefs_helpers import assert_base_untouched, preference_rows, run_cli, slot_state, write_jsonl
+from tests.tiny import write_tiny
+
+LOW = 200  # the learnable model's split of the vocabulary, as tests/test_grpo.py
+WORDS = ("red", "blue", "green", "yes", "good", "hello")  # regression rows: both scores follow the last word
+QUESTIONS = ["What is 12 plus 7?", "Say hello", "Tom has 3 apples.", "Name a colour", "Count to 3"]
+
+
+def run(model_dir, dataset, tmp_path, **kw):
+    defaults = dict(
+        model=model_dir,
+        dataset=dataset,
+        output_dir=str(tmp_path / "runs"),
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        max_steps=12,
+        save_steps=0,
+    )
+    return main(Args(**{**defaults, **kw}))
+
+
+def swapped(rows):
+    return [r | {"chosen": r["rejected"], "rejected": r["chosen"]} for r in rows]
+
+
+# ------------------------------------------------------------------------------------------------ losses
+def test_bradley_terry_loss_by_hand():
+    c, r = torch.tensor([0.0, 2.0]), torch.tensor([0.0, -1.0])
+    assert bradley_terry_loss(c, r).item() == pytest.approx((math.log(2) + math.log1p(math.exp(-3))) / 2)
+    margin = torch.tensor([1.0, 0.5])  # -log s(0 - 1), -log s(3 - 0.5)
+    expected = (math.log1p(math.e) + math.log1p(math.exp(-2.5))) / 2
+    assert bradley_terry_loss(c, r, margin).item() == pytest.approx(expected)
+    centred = bradley_terry_loss(c, r, None, 0.1).item()  # + 0.1 mean((c + r)^2) = 0.1 * (0 + 1) / 2
+    assert centred == pytest.approx(bradley_terry_loss(c, r).item() + 0.05)
+
+
+def test_regression_loss_is_the_mean_of_per_attribute_mse():
+    predictions, targets = torch.tensor([[1.0, 0.0], [3.0, 0.0]]), torch.tensor([[0.0, 0.0], [1.0, 2.0]])
+    assert regression_loss(predictions, targets).item() == pytest.approx(((1 + 4) / 2 + (0 + 4) / 2) / 2)
+
+
+def test_head_reads_the_last_real_token_whatever_the_padding(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    head = torch.nn.Linear(model.config.hidden_size, 2, bias=False)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with torch.no_grad():
+        batched = reward_logits(model, head, ids, mask)
+        alone = reward_logits(model, head, ids[1:, :2], mask[1:, :2])
+        last = model.model(input_ids=ids[:1]).last_hidden_state[:, -1]  # the final norm's output
+        padded_last = model.model(input_ids=ids[1:]).last_hidden_state[:, -1]  # would read the padding
+    torch.testing.assert_close(batched[1:], alone)  # the padded row scores as it does alone
+    torch.testing.assert_close(batched[:1], head(last))
+    assert not torch.allclose(batched[1:], head(padded_last))
+
+
+# -------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("rm") / "prefs.jsonl", preference_rows(16))
+
+
+def test_learns_a_separable_preference_set_either_way(tiny_model_dir, prefs, tmp_path):
+    """accuracy >= 0.9 on the pairs as given AND with chosen/rejected swapped: learnt, not the head's luck."""
+    flipped = write_jsonl(tmp_path / "flipped.jsonl", swapped(preference_rows(16)))
+    for data in (prefs, flipped):
+        out = run(tiny_model_dir, data, tmp_path, eval_split="train", eval_steps=12)
+        history = out["history"]
+        assert out["eval/accuracy"] >= 0.9 and out["accuracy"] >= 0.9, history[-1]
+        assert history[-1]["loss"] < history[0]["loss"] - 0.2
+        assert out["eval/margin"] > 0 and out["rewards/chosen"] > out["rewards/rejected"]
+        for key in ("margin", "min_reward", "mean_reward", "max_reward", "grad_norm", "memory/peak_gb"):
+            assert math.isfinite(history[-1][key]), key
+    del out["model"].get_base_model().score  # the head (saved, checked below) is not a base weight
+    assert_base_untouched(out["model"], tiny_model_dir)
+    final = out["final_dir"]
+    assert {"adapter_model.safetensors", "adapter_config.json", HEAD_FILE, CONFIG_FILE} <= set(os.listdir(final))
+    with open(os.path.join(final, CONFIG_FILE)) as f:
+        assert json.load(f) == {"base_model": tiny_model_dir, "loss_type": "bradley_terry", "attributes": ["reward"]}
+
+
+def test_saved_model_loads_with_plain_peft_and_transformers(tiny_model_dir, prefs, tmp_path):
+    """The README recipe (AutoModelForCausalLM + PeftModel + the head on the backbone's last real token) gives the
+    scores common.reward_model.score gives, and the training run's own rewards."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = run(tiny_model_dir, prefs, tmp_path, max_steps=3)
+    final = out["final_dir"]
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), final).eval()
+    weight = load_file(os.path.join(final, HEAD_FILE))["weight"]  # (K, hidden)
+    row = preference_rows(1)[0]
+    text = tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
+    ids = tokenizer(
+        text.removesuffix("\n"), return_tensors="pt", add_special_tokens=False
+    )  # the chat up to and with the end-of-turn token
+    with torch.no_grad():
+        hidden = model.get_base_model().model(**ids).last_hidden_state[:, -1]
+    plain = hidden @ weight.T
+    ours = score(load_reward(final), [row["prompt"]], [row["chosen"]])
+    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_regression_mse_falls_for_every_attribute(tiny_model_dir, tmp_path):
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Question {i}: is {7 * i + 3} good?"}],
+            "completion": [{"role": "assistant", "content": "it is " + WORDS[i % 6]}],
+            "attributes": {"helpful": float(i % 6 >= 3), "verbose": 0.5 * (i % 3)},
+        }
+        for i in range(24)
+    ]
+    data = write_jsonl(tmp_path / "attrs.jsonl", rows)
+    kw = dict(loss_type="regression", learning_rate=3e-3, lr_scheduler_type="constant", per_device_train_batch_size=8)
+    kw |= dict(max_steps=48, eval_split="train", eval_steps=48)
+    out = run(tiny_model_dir, data, tmp_path, **kw)
+    first = out["history"][0]
+    for name, variance in (("helpful", 0.25), ("verbose", 1 / 6)):  # variance = the best constant's MSE
+        assert out[f"eval/mse/{name}"] < min(0.5 * first[f"mse/{name}"], 0.5 * variance), (name, first, out)
+    with open(os.path.join(out["final_dir"], CONFIG_FILE)) as f:
+        assert json.load(f)["attributes"] == ["helpful", "verbose"]
+    reward = load_reward(out["final_dir"])
+    scores = score(reward, [rows[1]["prompt"], rows[3]["prompt"]], [rows[1]["completion"], rows[3]["completion"]])
+    assert (
+        scores.shape == (2, 2) and scores[1, 0] > scores[0, 0] + 0.5
+    )  # row 3 ("yes") is helpful, row 1 not  # "yes" rows are the helpful ones
+    with pytest.raises(ValueError, match=r"name one attribute of \['helpful', 'verbose'\]"):
+        model_reward(f"model:{out['final_dir']}")
+    with pytest.raises(ValueError, match="no attribute 'tone'"):
+        model_reward(f"model:{out['final_dir']}@tone:0.5")
+    name, _, weight = model_reward(f"model:{out['final_dir']}@verbose:-0.5")
+    assert (name, weight) == ("model@verbose", -0.5)
+
+
+def test_resume_restores_adapter_and_head_exactly(tiny_model_dir, prefs, tmp_path):
+    straight = run(tiny_model_dir, prefs, tmp_path / "a", max_steps=4, save_steps=2)
+    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    resumed = run(tiny_model_dir, prefs, tmp_path / "b", max_steps=4, resume_from_checkpoint=ckpt)
+    assert [h["step"] for h in resumed["history"]] == [3, 4]
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"][2:]]
+    a, b = (load_file(os.path.join(o["final_dir"], HEAD_FILE))["weight"] for o in (straight, resumed))
+    assert torch.equal(a, b)
+
+
+def test_bad_rows_fail_before_the_model_loads(tmp_path):
+    rows = [{"prompt": "a", "completion": "b", "attributes": {"x": 1}}, {"prompt": "c", "completion": "d"}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: field 'attributes'"):
+        main(Args(model=str(tmp_path / "no-such-model"), dataset=bad, loss_type="regression"))
+    pairs = preference_rows(2)
+    pairs[0]["margin"] = 1.0
+    with pytest.raises(DataError, match=r"margins\.jsonl:2: field 'margin'"):
+        main(Args(model=str(tmp_path / "no-such-model"), dataset=write_jsonl(tmp_path / "margins.jsonl", pairs)))
+
+
+def test_cli_help_and_one_step(tiny_model_dir, prefs, tmp_path):
+    help_out = run_cli("rm.py", "--help")
+    assert help_out.returncode == 0 and "--center-rewards-coefficient" in help_out.stdout
+    done = run_cli("rm.py", "--model", tiny_model_dir, "--dataset", prefs, "--max-steps", 1, "--output-dir", tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rm: loss" in done.stdout and "accuracy" in done.stdout
+
+
+# --------------------------------------------------------------------------------------- the "reward" slot
+@pytest.fixture(scope="module")
+def learnable(tmp_path_factory):
+    """tests/test_grpo.py's learnable model (token v scored by +-(h . u), + for ids < LOW), and a reward model
+    trained on it to prefer completions of low-id tokens over high-id ones: a reward GRPO can climb."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("learnable")
+    path = write_tiny(root / "model")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden = model.lm_head.weight.shape
+    sign = torch.where(torch.arange(vocab) < LOW, 1.0, -1.0)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(
+            sign[:, None] * torch.randn(hidden, generator=g) * 0.05 + 0.02 * torch.randn(vocab, hidden, generator=g)
+        )
+    model.save_pretrained(path)
+    tokenizer, g = AutoTokenizer.from_pretrained(path), torch.Generator().manual_seed(1)
+
+    def text(lo, hi):
+        return tokenizer.decode(torch.randint(lo, hi, (8,), generator=g).tolist())
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": QUESTIONS[i % 5]}],
+            "chosen": [{"role": "assistant", "content": text(3, LOW)}],
+            "rejected": [{"role": "assistant", "content": text(LOW, vocab)}],
+        }
+        for i in range(64)
+    ]
+    out = run(path, write_jsonl(root / "lowhigh.jsonl", rows), root, per_device_train_batch_size=8, max_steps=16)
+    prompts = [{"prompt": [{"role": "user", "content": q}], "answer": str(i)} for i, q in enumerate(QUESTIONS)]
+    return {"model": path, "rm": out["final_dir"], "prompts": write_jsonl(root / "prompts.jsonl", prompts)}
+
+
+def policy(model_dir):
+    args = Args(model=model_dir, dtype="fp32", attn_implementation="sdpa")
+    return load_policy(args, reference=True)[0]
+
+
+def test_reward_slot_guard_restores_adapter_flags_and_mode_even_on_error(learnable, monkeypatch):
+    model = policy(learnable["model"])
+    reward = load_reward(learnable["rm"], model)
+    assert reward.model is model and REWARD in model.peft_config  # one backbone, a third slot
+    model.train()
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    assert not any(flags[n] for n in flags if f".{REWARD}." in n or ".ref." in n)
+
+    def unchanged():
+        assert model.active_adapter == "default" and model.training
+        assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+
+    prompts, completions = [[{"role": "user", "content": "hi"}]] * 2, ["yes", "no"]
+    scores = score(reward, prompts, completions)
+    assert scores.shape == (2, 1) and not scores.requires_grad
+    unchanged()
+
+    def boom(*a, **k):
+        assert model.active_adapter == REWARD and not model.training and not torch.is_grad_enabled()
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("common.reward_model.reward_logits", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        score(reward, prompts, completions)
+    unchanged()
+
+
+def test_another_base_is_loaded_apart_with_its_memory_printed(learnable, tiny_model_dir, capsys):
+    model = policy(tiny_model_dir)
+    reward = load_reward(learnable["rm"], model)
+    assert reward.model is not model and REWARD not in model.peft_config
+    assert "is not the policy's, loaded apart (" in capsys.readouterr().out
+    assert score(reward, ["a"], ["b"]).shape == (1, 1)
+
+
+def test_grpo_raises_the_model_reward_and_keeps_reward_ref_and_base_bit_identical(learnable, tmp_path, monkeypatch):
+    """Same seeds, lr 1e-3 vs 1e-7: the model reward of the trained run's later steps beats the control's, by far."""
+    seen = {}
+
+    def spy(*a, **k):
+        model, tokenizer = load(*a, **k)
+        seen["model"], seen["before"] = model, {n: p.detach().clone() for n, p in model.named_parameters()}
+        return model, tokenizer
+
+    load = grpo.load_policy
+    monkeypatch.setattr(grpo, "load_policy", spy)
+    runs = {}
+    for lr in (1e-3, 1e-7):
+        runs[lr] = grpo.main(
+            grpo.Args(
+                preset="demo",
+                model=learnable["model"],
+                dataset=learnable["prompts"],
+                output_dir=str(tmp_path / "runs"),
+                rewards=[f"model:{learnable['rm']}"],
+                group_size=8,
+                prompts_per_step=2,
+                max_completion_length=8,
+                groups_per_micro_batch=1,
+                learning_rate=lr,
+                max_steps=12,
+                seed=1,
+                lora_dropout=0.0,
+                breaker_action="warn",
+                save_steps=0,
+            )
+        )
+        if lr == 1e-3:  # the trained run's policy: only "default" moved
+            model, before = seen["model"], seen["before"]
+            params = dict(model.named_parameters())
+            for name, p in params.items():
+                if ".ref." in name:
+                    assert torch.equal(p, before[name.replace(".ref.", ".default.")]), name
+                elif "lora_" not in name:
+                    assert torch.equal(p, before[name]), f"base weight {name} changed"
+            saved = load_file(os.path.join(learnable["rm"], "adapter_model.safetensors"))
+            reward = slot_state(model, REWARD)
+            assert reward.keys() == saved.keys() and all(torch.equal(v, saved[k]) for k, v in reward.items())
+    later = {lr: sum(h["reward"] for h in out["history"][4:]) / 8 for lr, out in runs.items()}
+    assert runs[1e-3]["history"][0]["reward"] == pytest.approx(runs[1e-7]["history"][0]["reward"])
+    assert later[1e-3] > later[1e-7] + 0.3, later
+    assert "rewards/model/mean" in runs[1e-3]["history"][0]
