@@ -2,17 +2,20 @@
 set learnt, regression MSE falling, the saved format loading with plain PEFT/transformers, resume), the "reward" slot's
 guard, and a GRPO run whose model reward rises while "reward", "ref" and the base stay bit-identical."""
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import grpo
 from common.data import DataError
 from common.model import REWARD, load_policy
+from common.run import ResumeError
 from common.reward_model import CONFIG_FILE, HEAD_FILE, load_reward, model_reward, reward_logits, score
 from rm import Args, bradley_terry_loss, main, regression_loss
 from tests.prefs_helpers import assert_base_untouched, preference_rows, run_cli, slot_state, write_jsonl
@@ -304,3 +307,63 @@ def test_grpo_raises_the_model_reward_and_keeps_reward_ref_and_base_bit_identica
     assert runs[1e-3]["history"][0]["reward"] == pytest.approx(runs[1e-7]["history"][0]["reward"])
     assert later[1e-3] > later[1e-7] + 0.3, later
     assert "rewards/model/mean" in runs[1e-3]["history"][0]
+
+
+def grpo_args(learnable, out_dir, **kw) -> grpo.Args:
+    defaults = dict(
+        preset="demo",
+        model=learnable["model"],
+        dataset=learnable["prompts"],
+        output_dir=str(out_dir),
+        rewards=[f"model:{learnable['rm']}"],
+        group_size=4,
+        prompts_per_step=2,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        max_steps=2,
+        seed=1,
+        breaker_action="warn",
+    )
+    return grpo.Args(**{**defaults, **kw})
+
+
+def test_grpo_checkpoints_hash_the_reward_slot_and_refuse_another_reward_model(learnable, tmp_path):
+    rm_dir = shutil.copytree(learnable["rm"], tmp_path / "rm")
+    args = grpo_args({**learnable, "rm": str(rm_dir)}, tmp_path / "runs", save_steps=1)
+    first = grpo.main(args)
+    ckpt = os.path.join(first["run_dir"], "checkpoints", "step-1")
+    with open(os.path.join(ckpt, "checkpoint_complete.json")) as f:
+        meta = json.load(f)
+    assert {"default", "ref", REWARD} == set(meta["adapter_sha256"]) and "reward.head" in meta["identity"]
+    resumed = grpo.main(dataclasses.replace(args, resume_from_checkpoint=ckpt))  # the same reward model: resumes
+    assert [h["step"] for h in resumed["history"]] == [2]
+    head = load_file(rm_dir / HEAD_FILE)
+    save_file({"weight": head["weight"] + 0.01}, rm_dir / HEAD_FILE)  # the reward model changed on disk
+    with pytest.raises(ResumeError, match="reward.head"):
+        grpo.main(dataclasses.replace(args, resume_from_checkpoint=ckpt))
+
+
+def test_raft_keeps_the_best_samples_by_model_reward(learnable, tmp_path):
+    import raft
+
+    out = raft.main(
+        raft.Args(
+            preset="demo",
+            model=learnable["model"],
+            dataset=learnable["prompts"],
+            output_dir=str(tmp_path),
+            rewards=[f"model:{learnable['rm']}"],
+            num_rounds=1,
+            prompts_per_round=2,
+            group_size=4,
+            max_completion_length=6,
+            reward_threshold=None,
+            per_device_train_batch_size=2,
+            eval_limit=0,
+            seed=1,
+        )
+    )
+    with open(os.path.join(out["run_dir"], "round-1", "samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert len(samples) == 8 and len({s["reward"] for s in samples}) > 1  # real, varying model scores
+    assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
