@@ -159,9 +159,13 @@ def bind_model_rewards(funcs, model) -> None:
             fn.rm = loaded[path] = loaded.get(path) or load_reward(path, model)
 
 
-def label_rows(rows: list[dict], path: str) -> list[dict]:
-    """SteerLM labelling: each SFT row with `attributes` = {name: score} from the regression reward model in path."""
+def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ...]:
+    """SteerLM labelling (sft.py --label-with): every SFT row of every list gets `attributes` = {name: score} from the
+    regression reward model in `path` (the row's own attributes are replaced); path None returns the lists as given.
+    The model is loaded once, on its own, and freed before the policy loads."""
+    if path is None:
+        return row_lists
     if (rm := load_reward(path)).config["loss_type"] != "regression":
         raise DataError(f"--label-with {path}: a {rm.config['loss_type']} model; SteerLM labels need a regression one")
-    scores = score_rows(rm, rows)
-    return [row | {"attributes": dict(zip(rm.attributes, s.tolist()))} for row, s in zip(rows, scores)]
+    scores = iter(score_rows(rm, [row for rows in row_lists for row in rows]).tolist())
+    return tuple([row | {"attributes": dict(zip(rm.attributes, next(scores)))} for row in rows] for rows in row_lists)

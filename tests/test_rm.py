@@ -16,7 +16,7 @@ import grpo
 from common.data import DataError
 from common.model import REWARD, load_policy
 from common.run import ResumeError
-from common.reward_model import CONFIG_FILE, HEAD_FILE, load_reward, model_reward, reward_logits, score
+from common.reward_model import CONFIG_FILE, HEAD_FILE, label_rows, load_reward, model_reward, reward_logits, score
 from rm import Args, bradley_terry_loss, main, regression_loss
 from tests.prefs_helpers import assert_base_untouched, preference_rows, run_cli, slot_state, write_jsonl
 from tests.tiny import write_tiny
@@ -367,3 +367,36 @@ def test_raft_keeps_the_best_samples_by_model_reward(learnable, tmp_path):
         samples = [json.loads(line) for line in f]
     assert len(samples) == 8 and len({s["reward"] for s in samples}) > 1  # real, varying model scores
     assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------- SteerLM labelling
+def test_label_with_fills_attributes_from_a_regression_model(tiny_model_dir, prefs, tmp_path, monkeypatch):
+    import sft
+
+    sft_rows = [
+        {"prompt": [{"role": "user", "content": q}], "completion": [{"role": "assistant", "content": w}]}
+        for q, w in zip(QUESTIONS, WORDS)
+    ]
+    attrs = [r | {"attributes": {"helpful": 1.0, "verbose": 0.0}} for r in sft_rows]
+    data = write_jsonl(tmp_path / "attrs.jsonl", attrs)
+    regression = run(tiny_model_dir, data, tmp_path, loss_type="regression", max_steps=1)["final_dir"]
+    labelled, empty = label_rows(regression, sft_rows, [])
+    expected = score(load_reward(regression), [r["prompt"] for r in sft_rows], [r["completion"] for r in sft_rows])
+    assert empty == [] and [list(r["attributes"]) for r in labelled] == [["helpful", "verbose"]] * len(sft_rows)
+    assert torch.tensor([list(r["attributes"].values()) for r in labelled]).equal(expected)
+    assert label_rows(None, sft_rows) == (sft_rows,)
+    with pytest.raises(DataError, match="a bradley_terry model; SteerLM labels need a regression one"):
+        label_rows(run(tiny_model_dir, prefs, tmp_path, max_steps=0)["final_dir"], sft_rows)
+
+    seen = []
+    monkeypatch.setattr(sft, "label_rows", lambda *a: seen.append(label_rows(*a)) or seen[-1])
+    sft.main(
+        sft.Args(
+            model=tiny_model_dir,
+            dataset=write_jsonl(tmp_path / "sft.jsonl", sft_rows),
+            label_with=regression,
+            max_steps=1,
+            output_dir=str(tmp_path / "sft"),
+        )
+    )
+    assert all(set(r["attributes"]) == {"helpful", "verbose"} for r in seen[0][0])  # sft.py trained on these rows
