@@ -101,27 +101,22 @@ def test_learns_a_separable_preference_set_either_way(tiny_model_dir, prefs, tmp
         assert json.load(f) == {"base_model": tiny_model_dir, "loss_type": "bradley_terry", "attributes": ["reward"]}
 
 
-def test_saved_model_loads_with_plain_peft_and_transformers(tiny_model_dir, prefs, tmp_path):
-    """The README recipe (AutoModelForCausalLM + PeftModel + the head on the backbone's last real token) gives the
-    scores common.reward_model.score gives, and the training run's own rewards."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_readme_recipe_scores_as_common_reward_model_does(tiny_model_dir, prefs, tmp_path):
+    """The README's rm-plain block (AutoModelForCausalLM + PeftModel + the head on the backbone's last real token),
+    run as written on a trained model, gives the scores common.reward_model.score gives."""
+    import pathlib
+    import re
 
-    out = run(tiny_model_dir, prefs, tmp_path, max_steps=3)
-    final = out["final_dir"]
-    tokenizer = AutoTokenizer.from_pretrained(final)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), final).eval()
-    weight = load_file(os.path.join(final, HEAD_FILE))["weight"]  # (K, hidden)
-    row = preference_rows(1)[0]
-    text = tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
-    ids = tokenizer(
-        text.removesuffix("\n"), return_tensors="pt", add_special_tokens=False
-    )  # the chat up to and with the end-of-turn token
-    with torch.no_grad():
-        hidden = model.get_base_model().model(**ids).last_hidden_state[:, -1]
-    plain = hidden @ weight.T
-    ours = score(load_reward(final), [row["prompt"]], [row["chosen"]])
-    torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
+    final = run(tiny_model_dir, prefs, tmp_path, max_steps=3)["final_dir"]
+    readme = pathlib.Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    block = readme.split("<!-- rm-plain: tests/test_rm.py runs this block -->")[1].split("```python")[1]
+    code = re.sub(r'rm_dir = ".*"', f"rm_dir = {final!r}", block.split("```")[0])
+    scope = {}
+    exec(code, scope)
+    chat = scope["chat"]
+    ours = score(load_reward(final), [chat[:1]], [chat[1:]])
+    assert list(scope["rewards"]) == ["reward"]
+    assert scope["rewards"]["reward"] == pytest.approx(ours[0, 0].item(), abs=1e-5)
 
 
 def test_regression_mse_falls_for_every_attribute(tiny_model_dir, tmp_path):
