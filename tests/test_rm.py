@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import grpo
 from common.data import DataError
-from common.model import REWARD, load_policy
+from common.model import REWARD, load_policy, trainable_parameters
 from common.run import ResumeError
 from common.reward_model import CONFIG_FILE, HEAD_FILE, label_rows, load_reward, model_reward, reward_logits, score
 from rm import Args, bradley_terry_loss, main, regression_loss
@@ -245,6 +245,9 @@ def test_reward_slot_guard_restores_adapter_flags_and_mode_even_on_error(learnab
     with pytest.raises(RuntimeError, match="boom"):
         score(reward, prompts, completions)
     unchanged()
+    next(p for n, p in model.named_parameters() if f".{REWARD}." in n).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="frozen .* adapter tensors are trainable"):
+        trainable_parameters(model)  # the optimizer would never get a "reward" tensor
 
 
 def test_another_base_is_loaded_apart_with_its_memory_printed(learnable, tiny_model_dir, capsys):
