@@ -433,10 +433,8 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     updates = args.max_steps * args.num_iterations
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, updates)
-    start_step, nonfinite = 0, 0
-    if args.resume_from_checkpoint:
-        state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
-        start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)
+    state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
+    start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)
     logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
     generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by

@@ -11,6 +11,7 @@ import pytest
 
 import grpo
 import sft
+import common.model
 from common.data import DataError, load_rows, looks_local
 from common.model import ModelError, attach_lora, load_model
 from common.rewards import check_reward_fields, load_reward_funcs
@@ -23,13 +24,12 @@ SFT_ROWS = [{"prompt": "Say red", "completion": "red"}, {"prompt": "Say blue", "
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Any load_model call from sft.py / grpo.py fails the test: the check must come before the weights."""
+    """Any load_model call (from the scripts' load_policy) fails the test: the check comes before the weights."""
 
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    for module in (sft, grpo):
-        monkeypatch.setattr(module, "load_model", load_model)
+    monkeypatch.setattr(common.model, "load_model", load_model)
 
 
 # ------------------------------------------------------------------------------------------------ --dataset
