@@ -303,6 +303,7 @@ def test_grpo_raises_the_model_reward_and_keeps_reward_ref_and_base_bit_identica
             assert reward.keys() == saved.keys() and all(torch.equal(v, saved[k]) for k, v in reward.items())
     later = {lr: sum(h["reward"] for h in out["history"][4:]) / 8 for lr, out in runs.items()}
     assert runs[1e-3]["history"][0]["reward"] == pytest.approx(runs[1e-7]["history"][0]["reward"])
+    print(f"mean model reward over steps 5-12: lr 1e-3 {later[1e-3]:.3f}, lr 1e-7 {later[1e-7]:.3f}")
     assert later[1e-3] > later[1e-7] + 0.3, later
     assert "rewards/model/mean" in runs[1e-3]["history"][0]
 
