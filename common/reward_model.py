@@ -83,7 +83,8 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             rm_model = PeftModel.from_pretrained(load_model(config["base_model"], dtype)[0], path, adapter_name=REWARD)
         gb = sum(p.numel() * p.element_size() for p in rm_model.parameters()) / 2**30
-        print(f"reward model {path}: base {config['base_model']!r} is not the policy's, loaded apart ({gb:.2f} GB)")
+        if model is not None:  # the cost a shared backbone would have saved
+            print(f"reward model {path}: base {config['base_model']!r} is not the policy's: loaded apart, {gb:.2f} GB")
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
     head.weight.data.copy_(weight)
     head.requires_grad_(False).to(next(rm_model.parameters()).device)

@@ -254,8 +254,10 @@ def test_another_base_is_loaded_apart_with_its_memory_printed(learnable, tiny_mo
     model = policy(tiny_model_dir)
     reward = load_reward(learnable["rm"], model)
     assert reward.model is not model and REWARD not in model.peft_config
-    assert "is not the policy's, loaded apart (" in capsys.readouterr().out
+    assert "is not the policy's: loaded apart, " in capsys.readouterr().out
     assert score(reward, ["a"], ["b"]).shape == (1, 1)
+    load_reward(learnable["rm"])  # standalone (labelling): nothing to compare with, nothing printed
+    assert "loaded apart" not in capsys.readouterr().out
 
 
 def test_grpo_raises_the_model_reward_and_keeps_reward_ref_and_base_bit_identical(learnable, tmp_path, monkeypatch):
