@@ -40,6 +40,7 @@ from common.data import dataset_label, load_rows, micro_batch, pad_batch, tokeni
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
 from common.memory import check_memory
 from common.model import as_reference, load_policy, pick_device, resolve_dtype, trainable_parameters
+from common.reward_model import bind_model_rewards
 from common.rewards import check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import rollout_engine
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
@@ -98,7 +99,7 @@ class Args:
     """prompts with more tokens are dropped (with one warning)"""
     rewards: list[str] = field(default_factory=lambda: ["math"])
     """reward functions, each optionally :weight (format:0.2): math, code, format, gsm8k_format, json, regex, length,
-    target_length, api (common.rewards.REWARD_FUNCS), or module:function for your own"""
+    target_length, api (common.rewards.REWARD_FUNCS), module:function for your own, or model:<rm.py final/>[@attr]"""
     # algorithm
     group_size: int = 8
     """[algorithm] completions sampled per prompt, G (TRL's num_generations)"""
@@ -429,6 +430,7 @@ def main(args: Args) -> dict:
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_policy(args, reference=args.beta != 0.0)
+    bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
     device, pad_id, G = next(model.parameters()).device, tokenizer.pad_token_id, args.group_size
 
     # ---- 3 data, optimizer (its LR schedule counts updates: max_steps x num_iterations), rollout engine

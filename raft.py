@@ -35,6 +35,7 @@ from common.data import validate_rows
 from common.logps import completion_logps, sequence_logps
 from common.memory import check_memory
 from common.model import as_reference, load_policy, save_weights, snapshot_ref, trainable_parameters
+from common.reward_model import bind_model_rewards
 from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import hf_generate
 from common.run import check_run_identity
@@ -91,7 +92,7 @@ class Args:
     """prompt + completion tokens in the SFT and DPO updates (completions are cut from the right)"""
     rewards: list[str] = field(default_factory=lambda: ["math"])
     """reward functions, each optionally :weight (format:0.2): math, code, format, gsm8k_format, json, regex, length,
-    target_length, api (common.rewards.REWARD_FUNCS), or module:function for your own"""
+    target_length, api (common.rewards.REWARD_FUNCS), module:function for your own, or model:<rm.py final/>[@attr]"""
     # algorithm
     mode: Literal["raft", "spin"] = "raft"
     """[algorithm] raft: reward-ranked SFT (+ DPO on best/worst pairs with --dpo); spin: DPO of truth vs own samples"""
@@ -371,6 +372,7 @@ def main(args: Args) -> dict:
     # With a DPO loss no dropout, as dpo.py: the policy (train mode) and "ref" (eval mode) then agree exactly
     adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else None  # None: --adapter
     model, tokenizer = load_policy(args, no_dropout=use_ref, adapter=adapter)
+    bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
     check_run_identity(run_dir, model, args)  # a resumed run must be the same experiment (model, LoRA, math args)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
     sft_loss_of = functools.partial(sft_step, model, pad_id=pad_id, device=device)

@@ -26,6 +26,7 @@ from common.data import training_steps, validate_rows
 from common.logps import sequence_logps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
+from common.reward_model import label_rows
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import PhaseTimer, print_config, stop_run, training_config
@@ -83,6 +84,8 @@ class Args:
     """concatenate examples into rows of max_length (documents never attend to each other)"""
     completion_only_loss: bool = True
     """loss on completion (assistant) tokens only; off = on every token"""
+    label_with: str | None = None
+    """SteerLM: fill each row's `attributes` with the scores of this regression reward model (rm.py's final/)"""
     # optimisation
     learning_rate: float = 2e-5
     """[optimisation] peak learning rate (TRL's default; LoRA usually likes 1e-4 to 2e-4)"""
@@ -139,6 +142,7 @@ def main(args: Args) -> dict:
     rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
     eval_rows = load_rows(args.dataset, args.eval_split, convert=args.convert) if args.eval_split else []
     eval_rows = validate_rows(eval_rows, "sft") if args.eval_split else []
+    rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute scores from a reward model
 
     # ---- 2 model (policy = base + "default" LoRA, or every weight)
     print_config("sft", args, training_config(args, len(rows)))

@@ -22,6 +22,7 @@ from common.templates import setup_chat_template
 
 REF = "ref"
 DEFAULT = "default"
+REWARD = "reward"  # a reward model's LoRA on the policy's backbone (common.reward_model), never trained
 
 
 class ModelError(ValueError):
@@ -234,20 +235,22 @@ def snapshot_ref(model) -> None:
 
 
 @contextlib.contextmanager
-def as_reference(model):
-    """Run the block as the reference policy: "ref" active, eval mode, no_grad; everything restored on exit.
+def as_reference(model, slot: str = REF):
+    """Run the block as the reference policy (or another frozen slot, e.g. REWARD): `slot` active, eval mode,
+    no_grad; the active adapter, every requires_grad flag and train mode restored on exit, even if the block raises.
     PEFT's set_adapter() also flips requires_grad (the active slot becomes trainable, the other frozen; seen on
-    peft 0.21), so the exact requires_grad of every parameter is saved first and put back, even if the block raises."""
-    if not is_peft(model) or REF not in model.peft_config:
-        raise RuntimeError("no 'ref' adapter: call snapshot_ref(model) before computing reference log-probs")
+    peft 0.21), so the exact requires_grad of every parameter is saved first and put back."""
+    if not is_peft(model) or slot not in model.peft_config:
+        raise RuntimeError(f"no '{slot}' adapter: call snapshot_ref(model) (or load_reward) before using it")
     flags, was_training = {n: p.requires_grad for n, p in model.named_parameters()}, model.training
+    active = model.active_adapter
     try:
-        model.set_adapter(REF)
+        model.set_adapter(slot)
         model.eval()  # LoRA dropout off: the reference must be deterministic
         with torch.no_grad():
             yield model
     finally:
-        model.set_adapter(DEFAULT)
+        model.set_adapter(active)
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
         model.train(was_training)
@@ -262,13 +265,13 @@ def disable_dropout(model) -> None:
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
-    """What the optimizer holds: never a "ref" tensor (checked, since PEFT's adapter switching can flip flags)."""
+    """What the optimizer holds: never a "ref" / "reward" tensor (checked: PEFT's adapter switching flips flags)."""
     if getattr(model, "is_quantized", False) and not is_peft(model):
         # Only LoRA can train on a bitsandbytes base: its int8/NF4 weights take no gradient and no optimizer step.
         raise ValueError("a --quantization base trains only through LoRA: drop --no-use-lora or --quantization")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if leaked := [n for n, _ in params if f".{REF}." in n]:
-        raise RuntimeError(f"'ref' adapter tensors are trainable: {leaked[:3]}")
+    if leaked := [n for n, _ in params if f".{REF}." in n or f".{REWARD}." in n]:
+        raise RuntimeError(f"frozen ('ref' / 'reward') adapter tensors are trainable: {leaked[:3]}")
     if not params:
         raise RuntimeError("the model has no trainable parameters")
     return [p for _, p in params]

@@ -449,10 +449,16 @@ target_length_reward.needs = ("target_length",)
 
 
 def load_reward_funcs(specs: list[str]) -> list[tuple[str, Callable, float]]:
-    """`name`, `name:weight`, `pkg.module:fn` or `pkg.module:fn:weight` -> (name, fn, weight). The weight is the
-    last `:` part if it parses as a float (default 1.0); a name still holding `:` is imported, else a registry key."""
+    """`name`, `name:weight`, `pkg.module:fn`, `pkg.module:fn:weight` or `model:<rm dir>[@attribute][:weight]` (a
+    reward model, common.reward_model) -> (name, fn, weight). The weight is the last `:` part if it parses as a float
+    (default 1.0); a name still holding `:` is imported, else a registry key."""
     funcs = []
     for spec in specs:
+        if spec.startswith("model:"):  # a trained reward model (rm.py's final/): common.reward_model
+            from common.reward_model import model_reward
+
+            funcs.append(model_reward(spec))
+            continue
         name, _, last = spec.rpartition(":")
         try:
             weight = float(last)

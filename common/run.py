@@ -412,6 +412,7 @@ def run_identity(model, args=None) -> dict:
         "lora.dropout": cfg and cfg.lora_dropout,
         "lora.target_modules": targets if isinstance(targets, str | None) else sorted(targets),
     }
+    ident |= getattr(model, "reward_identity", {})  # a model reward's adapter and head (common.reward_model)
     if args is not None:
         fields = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args)
         ident["script"] = pathlib.Path(inspect.getfile(type(args))).stem

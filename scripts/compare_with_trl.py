@@ -7,7 +7,8 @@ hyperparameters; writes both per-step series, the largest per-step difference an
     python scripts/compare_with_trl.py --mapping                       # the hyperparameter mapping table (Markdown)
 
 Methods: sft, dpo (--loss-type sigmoid|ipo|robust), simpo (TRL: trl.experimental.cpo.CPOTrainer, loss_type="simpo"),
-orpo (trl.experimental.orpo.ORPOTrainer), kto, grpo (--loss-type grpo|bnpo|dr_grpo|dapo). Output in --out/<run>/:
+orpo (trl.experimental.orpo.ORPOTrainer), kto, grpo (--loss-type grpo|bnpo|dr_grpo|dapo), rm (RewardTrainer; its
+AutoModelForSequenceClassification gets the LoRA and rm.py's seeded head). Output in --out/<run>/:
 series.json (both series, per-key max |ours - TRL|), overlay.png, and summary.md for the whole invocation.
 
 How the two runs are made identical (each point is checked by the harness, not assumed):
@@ -54,7 +55,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from common.data import concat_prompt_completion, micro_batch, pad_batch, tokenize_dataset  # noqa: E402
 from common.embedded import builtin_rows, resolve_model  # noqa: E402
 
-METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "grpo")
+METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rm")
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "robust"), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
 KIND = {
     "sft": "sft",
@@ -63,8 +64,9 @@ KIND = {
     "orpo": "preference",
     "kto": "binary",
     "grpo": "prompt",
+    "rm": "preference",
 }
-SCRIPT = {"sft": "sft", "dpo": "dpo", "simpo": "dpo", "orpo": "orpo", "kto": "kto", "grpo": "grpo"}
+SCRIPT = {"sft": "sft", "dpo": "dpo", "simpo": "dpo", "orpo": "orpo", "kto": "kto", "grpo": "grpo", "rm": "rm"}
 PREF_KEYS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -80,6 +82,7 @@ KEYS = {  # compared per step; TRL's names, which ours logs too
     "orpo": ("loss", "grad_norm", "nll_loss", "log_odds_ratio", "log_odds_chosen", *PREF_KEYS),
     "kto": ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
     "grpo": ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "completions/mean_length"),
+    "rm": ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward"),
 }
 
 
@@ -111,6 +114,8 @@ class Setup:
     label_smoothing: float = 0.1  # robust DPO only
     cpo_alpha: float = 0.0  # SimPO's NLL weight: TRL cpo_alpha == our rpo_alpha
     chat: bool = False  # keep conversational rows (shows the tokenization difference instead of asserting equality)
+    center_rewards_coefficient: float | None = None  # rm only
+    rm_margin: bool = False  # rm: rows get a `margin` column (0, 0.5, 1.0 in turn)
     # GRPO
     group_size: int = 4
     prompts_per_step: int = 2
@@ -123,6 +128,7 @@ class Setup:
         parts = (
             [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
         )
+        parts += (["margin"] if self.rm_margin else []) + (["center"] if self.center_rewards_coefficient else [])
         return "-".join(parts)
 
     @property
@@ -341,6 +347,8 @@ def our_args(s: Setup, data_path: str) -> dict:
     }
     if s.method == "sft":
         return {**common, "completion_only_loss": True, "packing": False, "lora_dropout": 0.0}
+    if s.method == "rm":
+        return {**common, "loss_type": "bradley_terry", "disable_dropout": True, **_rm_center(s)}
     common |= {"beta": s.run_beta, "disable_dropout": True, "max_prompt_length": None}
     if s.method in ("dpo", "simpo"):
         return {
@@ -363,13 +371,29 @@ def run_ours(s: Setup, data_path: str, bank: FixedRollouts | None = None) -> lis
     return out["history"]
 
 
+def _rm_center(s: Setup) -> dict:
+    return {"center_rewards_coefficient": s.center_rewards_coefficient}
+
+
 # ------------------------------------------------------------------------------------------------- TRL side
 def trl_model(s: Setup):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    """The shared adapter on the base; rm: on AutoModelForSequenceClassification(num_labels=1), whose `score` gets
+    rm.py's seeded head and is made trainable (TRL's advice with PEFT: modules_to_save=["score"])."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32, attn_implementation="sdpa")
-    return PeftModel.from_pretrained(model, s.adapter, is_trainable=True)
+    cls = AutoModelForSequenceClassification if s.method == "rm" else AutoModelForCausalLM
+    kw = {"num_labels": 1} if s.method == "rm" else {}
+    model = cls.from_pretrained(s.model, dtype=torch.float32, attn_implementation="sdpa", **kw)
+    if s.method == "rm":
+        model.score.weight.data.copy_(importlib.import_module("rm").new_head(model.config, 1, s.seed).weight)
+    config = PeftConfig.from_pretrained(s.adapter)
+    if s.method == "rm":  # a CAUSAL_LM adapter on a seq-cls model: the plain PeftModel (no generation hooks)
+        config.task_type = None
+    model = PeftModel.from_pretrained(model, s.adapter, config=config, is_trainable=True)
+    if s.method == "rm":
+        model.base_model.model.score.weight.requires_grad_(True)
+    return model
 
 
 def trl_common(s: Setup, **over) -> dict:
@@ -426,6 +450,11 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
 
         args = SFTConfig(**trl_common(s, **over), max_length=s.max_length, completion_only_loss=True, packing=False)
         return SFTTrainer(args=args, **kw)
+    if s.method == "rm":
+        from trl import RewardConfig, RewardTrainer
+
+        args = RewardConfig(**trl_common(s, **over), max_length=s.max_length, disable_dropout=True, **_rm_center(s))
+        return RewardTrainer(args=args, **kw)
     if s.method == "dpo":
         from trl import DPOConfig, DPOTrainer
 
@@ -530,6 +559,8 @@ def tokenization_report(s: Setup, trainer, examples: list[dict], order: list[int
                 (ours["input_ids"], trl["input_ids"]),
                 ([t if m else -100 for t, m in zip(ours["input_ids"], ours["completion_mask"])], trl["labels"]),
             ]
+        elif s.method == "rm":  # TRL's rows are whole sequences: prompt + completion
+            pairs = [(ours["prompt_ids"] + ours[f"{x}_ids"], trl[f"{x}_ids"]) for x in ("chosen", "rejected")]
         elif s.method in ("dpo", "kto"):
             completions = ("completion_ids",) if s.method == "kto" else ("chosen_ids", "rejected_ids")
             pairs = [(ours[f], trl[f]) for f in ("prompt_ids", *completions)]
@@ -749,6 +780,8 @@ def run_pair(s: Setup, tokenizer) -> dict:
     s = replace(s, out=run_dir)
     kind = KIND[s.method]
     rows = make_rows(kind, s.n_rows, tokenizer, s.chat, target_length=s.max_completion_length // 2)
+    if s.rm_margin:
+        rows = [dict(r, margin=0.5 * (i % 3)) for i, r in enumerate(rows)]
     order = trl_order(s)
     data_path = write_jsonl(os.path.join(run_dir, "data.jsonl"), rows)
     bank = FixedRollouts(tokenizer, s.max_completion_length, s.seed) if s.fixed_rollout else None
@@ -852,6 +885,8 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
                 fixed_rollout=fixed,
                 max_completion_length=args.max_completion_length,
                 rewards=list(args.rewards),
+                center_rewards_coefficient=args.center_rewards_coefficient,
+                rm_margin=args.rm_margin,
             )
             for loss_type in loss_types
             for fixed in fixed_modes
@@ -874,6 +909,8 @@ def main(argv=None):
     parser.add_argument("--rewards", nargs="+", default=list(DEFAULT_REWARDS), help="GRPO, ours' syntax")
     parser.add_argument("--fixed-rollout", action="store_true", help="GRPO: feed the same completions to both")
     parser.add_argument("--chat", action="store_true", help="keep conversational rows (shows the tokenization gap)")
+    parser.add_argument("--center-rewards-coefficient", type=float, default=None, help="rm")
+    parser.add_argument("--rm-margin", action="store_true", help="rm: a margin column (0, 0.5, 1.0 in turn)")
     parser.add_argument("--out", default="outputs/compare_with_trl")
     parser.add_argument("--mapping", action="store_true", help="print the hyperparameter mapping table and exit")
     args = parser.parse_args(argv)
@@ -1019,6 +1056,27 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
         "the paper's NLL is on the response",
     ),
     ("kto", "beta = 0.1, desirable/undesirable_weight = 1.0, lr 1e-6", "the same, lr 5e-6", "the same", ""),
+    (
+        "rm",
+        "RewardTrainer: AutoModelForSequenceClassification (score head), full fine-tuning, lr 1e-4",
+        "rm.py: LoRA + a Linear head on the last real token, lr 1e-4",
+        "the shared adapter on a seq-cls model, its score = rm.py's seeded head, trainable",
+        "single-GPU default",
+    ),
+    (
+        "rm",
+        "pools the last token != pad_token_id; rows over max_length dropped",
+        "pools by the attention mask; rows over max_length cut",
+        "pad != eos, nothing over max_length",
+        "pad == eos (SmolLM2) would move TRL's token",
+    ),
+    (
+        "rm",
+        "center_rewards_coefficient = None; margin column optional",
+        "the same",
+        "tests: None and 0.01 + margin",
+        "",
+    ),
     (
         "kto",
         "rewards/*, logps/* logged as the mean of micro-batch class means",

@@ -44,6 +44,7 @@ NONSENSE = [
     ("grpo", "temperature", 0.0, "finite number > 0"),
     ("raft", "prompts_per_round", 0, "at least 1"),
     ("sft", "max_steps", -2, ">= 0"),
+    ("rm", "per_device_train_batch_size", 0, "at least 1"),
 ]
 
 

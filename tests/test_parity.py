@@ -61,8 +61,10 @@ def assert_series_match(report):
         ("simpo", dict(cpo_alpha=0.5)),  # CPOTrainer(loss_type="simpo", cpo_alpha) == dpo.py simpo + rpo_alpha
         ("orpo", dict()),
         ("kto", dict()),
+        ("rm", dict()),  # RewardTrainer on a seq-cls model holding the same LoRA and rm.py's seeded head
+        ("rm", dict(rm_margin=True, center_rewards_coefficient=0.01)),
     ],
-    ids=["sft-ga2", "dpo-sigmoid", "dpo-ipo", "dpo-robust", "simpo", "orpo", "kto"],
+    ids=["sft-ga2", "dpo-sigmoid", "dpo-ipo", "dpo-robust", "simpo", "orpo", "kto", "rm", "rm-margin-center"],
 )
 def test_per_step_metrics_match_trl(harness, method, kw):
     report = run(harness, method, **kw)

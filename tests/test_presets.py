@@ -15,6 +15,7 @@ import grpo
 import kto
 import orpo
 import raft
+import rm
 import sft
 from common.run import resolve_preset
 
@@ -163,8 +164,9 @@ def test_a_local_train_file_needs_an_eval_file(tmp_path):
         (dpo, "builtin:math_preference", "trl-lib/ultrafeedback_binarized"),
         (orpo, "builtin:math_preference", "trl-lib/ultrafeedback_binarized"),
         (kto, "builtin:math_binary", "trl-lib/kto-mix-14k"),
+        (rm, "builtin:math_preference", "trl-lib/ultrafeedback_binarized"),
     ],
-    ids=["sft", "dpo", "orpo", "kto"],
+    ids=["sft", "dpo", "orpo", "kto", "rm"],
 )
 def test_other_scripts_train_on_real_data_for_a_real_model(module, demo, real):
     """The built-in math sets are demo-sized: any other --model gets the dataset of TRL's own example for it."""
@@ -173,7 +175,7 @@ def test_other_scripts_train_on_real_data_for_a_real_model(module, demo, real):
     assert resolved(module, ["--model", "Qwen/Qwen2.5-1.5B", "--dataset", "mine.jsonl"]).dataset == "mine.jsonl"
 
 
-@pytest.mark.parametrize("module", [sft, dpo, orpo, kto], ids=["sft", "dpo", "orpo", "kto"])
+@pytest.mark.parametrize("module", [sft, dpo, orpo, kto, rm], ids=["sft", "dpo", "orpo", "kto", "rm"])
 def test_every_script_prints_its_resolved_config_before_loading(module, tmp_path, capsys):
     """The block comes before the model loads: here the model does not exist, and the block is printed all the same."""
     data = module.PRESETS["demo"]["dataset"]  # a built-in set: the hub is out of reach here

@@ -1,0 +1,172 @@
+"""A reward model on a causal LM: LoRA on the backbone + a linear head (K outputs) on the final hidden state of each
+sequence's last real token. rm.py trains one; its final/ holds the PEFT adapter, HEAD_FILE {"weight": (K, hidden)},
+the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "regression", "attributes": [K names]}.
+
+`load_reward(dir, policy)` puts the adapter into a third slot "reward" of a policy on the same base (no second
+backbone; scoring runs under as_reference(model, "reward")), else loads the base once more; `score` -> (N, K).
+`--rewards model:<dir>[@attribute][:weight]` (common.rewards) scores rollouts with one; `label_rows` writes the scores
+into rows' `attributes` (sft.py --label-with, SteerLM).
+"""
+
+import hashlib
+import json
+import os
+import warnings
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.data import DataError, collate_sft, tokenize_sft
+from common.model import REWARD, adapter_hash, as_reference, is_peft, load_model, unwrap
+
+HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
+
+
+def reward_logits(model, head, input_ids, attention_mask):
+    """(B, K) = head(h), h = the backbone's final hidden state at each row's last real token. Right padding; the
+    position comes from the attention mask, not from pad ids (transformers' *ForSequenceClassification looks for the
+    last token != pad_token_id, which is wrong when pad == eos). The LM head (B x T x vocab) is never computed."""
+    lm = unwrap(model)
+    out = getattr(lm, lm.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    last = attention_mask.sum(1) - 1  # (B,)
+    return head(out.last_hidden_state[torch.arange(len(last), device=last.device), last].to(head.weight.dtype))
+
+
+def save_reward(final_dir: str, head, base_model: str, loss_type: str, attributes: list[str]) -> None:
+    """The head and reward_config.json next to the adapter save_final wrote."""
+    save_file({"weight": head.weight.detach().float().cpu().contiguous()}, os.path.join(final_dir, HEAD_FILE))
+    with open(os.path.join(final_dir, CONFIG_FILE), "w") as f:
+        json.dump({"base_model": base_model, "loss_type": loss_type, "attributes": list(attributes)}, f, indent=2)
+
+
+def read_config(path: str) -> dict:
+    file = os.path.join(path, CONFIG_FILE)
+    if not (os.path.isfile(file) and os.path.isfile(os.path.join(path, HEAD_FILE))):
+        raise DataError(f"{path}: not a reward model (rm.py's final/ has {CONFIG_FILE} and {HEAD_FILE})")
+    with open(file) as f:
+        return json.load(f)
+
+
+class RewardModel:
+    """A loaded reward model: `model` scores with adapter `slot` active, `head` maps to the K `attributes`."""
+
+    def __init__(self, model, slot: str, head, tokenizer, config: dict):
+        self.model, self.slot, self.head, self.tokenizer, self.config = model, slot, head, tokenizer, config
+        self.attributes, self.last = config["attributes"], (None, None)
+
+
+def _same_base(a: str, b: str) -> bool:
+    from common.embedded import resolve_model
+
+    a, b = resolve_model(a), resolve_model(b)
+    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+
+
+def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> RewardModel:
+    """The reward model in `path`. With `model` (a LoRA policy) on the same base: its adapter becomes the frozen slot
+    "reward" of that model, and the policy records the slot's and the head's hashes (run_identity: a resume with
+    another reward model is refused; the slot is saved in checkpoints and hash-checked like "ref"). Otherwise the
+    base is loaded once more (its memory is printed). `tokenizer` None = the one saved with the reward model."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    config = read_config(path)
+    weight = load_file(os.path.join(path, HEAD_FILE))["weight"]
+    if model is not None and is_peft(model) and _same_base(config["base_model"], unwrap(model).name_or_path):
+        if REWARD in model.peft_config:
+            raise ValueError("the policy already holds a 'reward' adapter: one reward model per run")
+        with torch.random.fork_rng():  # PEFT may draw an init that is then overwritten: leave the RNG stream alone
+            model.load_adapter(path, adapter_name=REWARD, is_trainable=False)
+        rm_model = model
+    else:
+        with warnings.catch_warnings():  # PEFT 0.21 reads a deprecated transformers attribute (see attach_lora)
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            rm_model = PeftModel.from_pretrained(load_model(config["base_model"], dtype)[0], path, adapter_name=REWARD)
+        gb = sum(p.numel() * p.element_size() for p in rm_model.parameters()) / 2**30
+        if model is not None:  # the cost a shared backbone would have saved
+            print(f"reward model {path}: base {config['base_model']!r} is not the policy's: loaded apart, {gb:.2f} GB")
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+    head.weight.data.copy_(weight)
+    head.requires_grad_(False).to(next(rm_model.parameters()).device)
+    if model is not None:
+        digest = hashlib.sha256(weight.numpy().tobytes()).hexdigest()
+        unwrap(model).reward_identity = {"reward.adapter": adapter_hash(rm_model, REWARD), "reward.head": digest}
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+    return RewardModel(rm_model, REWARD, head, tokenizer, config)
+
+
+def score_rows(rm: RewardModel, rows: list[dict], batch_size: int = 16) -> torch.Tensor:
+    """(N, K) float32 on the CPU for SFT-layout rows ({prompt, completion}, {messages} or {text}), tokenized as rm.py
+    trained (completions closed by their end-of-turn/EOS token), under as_reference(model, slot): no_grad, eval,
+    and the policy's active adapter, trainable set and train mode restored afterwards, even on an error."""
+    ids = [tokenize_sft(rm.tokenizer, row, None)["input_ids"] for row in rows]
+    device, out = rm.head.weight.device, []
+    with as_reference(rm.model, rm.slot):
+        for i in range(0, len(ids), batch_size):
+            chunk = [{"input_ids": x, "completion_mask": [1] * len(x)} for x in ids[i : i + batch_size]]
+            batch = collate_sft(chunk, rm.tokenizer.pad_token_id)
+            mask = batch["attention_mask"].to(device)
+            out.append(reward_logits(rm.model, rm.head, batch["input_ids"].to(device), mask).float().cpu())
+    return torch.cat(out)
+
+
+def score(rm: RewardModel, prompts: list, completions: list, batch_size: int = 16) -> torch.Tensor:
+    """(N, K) rewards of N (prompt, completion) pairs: strings, or message lists (conversational; a string completion
+    of a conversational prompt becomes one assistant message)."""
+    chat = [
+        [{"role": "assistant", "content": c}] if isinstance(p, list) and isinstance(c, str) else c
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    return score_rows(rm, [{"prompt": p, "completion": c} for p, c in zip(prompts, chat)], batch_size)
+
+
+def model_reward(spec: str):
+    """`model:<dir>[@attribute][:weight]` -> (name, fn, weight) for common.rewards. The attribute may be left out
+    when the model has one (a Bradley-Terry model's is "reward"). fn scores once bind_model_rewards gave it a model;
+    several specs on one directory share it, and a batch scored for one attribute is reused by the others."""
+    body, _, last = spec.removeprefix("model:").rpartition(":")
+    try:
+        weight = float(last)
+    except ValueError:
+        body, weight = spec.removeprefix("model:"), 1.0
+    path, _, attribute = body.partition("@")
+    attributes = read_config(path)["attributes"]
+    if not attribute and len(attributes) > 1:
+        raise ValueError(f"--rewards {spec}: name one attribute of {attributes} (model:{path}@<name>[:weight])")
+    if (attribute := attribute or attributes[0]) not in attributes:
+        raise ValueError(f"--rewards {spec}: no attribute {attribute!r}; {path} has {attributes}")
+    k = attributes.index(attribute)
+
+    def fn(prompts, completions, **kw):
+        if fn.rm is None:
+            raise RuntimeError(f"reward {spec}: no model bound (call bind_model_rewards after the policy loads)")
+        key = json.dumps([prompts, completions], default=str)
+        if fn.rm.last[0] != key:
+            fn.rm.last = (key, score(fn.rm, prompts, completions))
+        return fn.rm.last[1][:, k].tolist()
+
+    fn.rm, fn.reward_model_dir = None, path
+    return ("model" if len(attributes) == 1 else f"model@{attribute}"), fn, weight
+
+
+def bind_model_rewards(funcs, model) -> None:
+    """Load each model reward among `funcs` (load_reward_funcs' list) onto the policy `model`; call it right after
+    the policy's adapters are made and before a checkpoint is restored (which then restores and checks "reward")."""
+    loaded = {}
+    for _, fn, _ in funcs:
+        if (path := getattr(fn, "reward_model_dir", None)) is not None:
+            if loaded and path not in loaded:
+                raise ValueError("--rewards: model rewards from two directories; one reward model per run")
+            fn.rm = loaded[path] = loaded.get(path) or load_reward(path, model)
+
+
+def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ...]:
+    """SteerLM labelling (sft.py --label-with): every SFT row of every list gets `attributes` = {name: score} from the
+    regression reward model in `path` (the row's own attributes are replaced); path None returns the lists as given.
+    The model is loaded once, on its own, and freed before the policy loads."""
+    if path is None:
+        return row_lists
+    if (rm := load_reward(path)).config["loss_type"] != "regression":
+        raise DataError(f"--label-with {path}: a {rm.config['loss_type']} model; SteerLM labels need a regression one")
+    scores = iter(score_rows(rm, [row for rows in row_lists for row in rows]).tolist())
+    return tuple([row | {"attributes": dict(zip(rm.attributes, next(scores)))} for row in rows] for rows in row_lists)

