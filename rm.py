@@ -232,7 +232,7 @@ def main(args: Args) -> dict:
     # Registered on the model after the LoRA (all-linear would wrap it): clipped with it, checked for NaN. fp32.
     unwrap(model).score = head = new_head(model.config, len(attributes), args.seed).to(device)
 
-    # ---- 3 data, optimizer (LoRA + head), resume (the head's weights travel in the checkpoint's trainer_state)
+    # ---- 3 data, optimizer (LoRA + head), resume (the head's weights travel in the checkpoint's state.pt)
     def prepare(rs, target):  # tokenized rows with their target: [margin] / [] (bradley_terry) or K scores
         return [e | {"target": target[e["_loc"]]} for e in tokenize_dataset(tokenizer, rs, kind, args.max_length)]
 
@@ -244,7 +244,7 @@ def main(args: Args) -> dict:
     state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
     if start_step := state["step"]:
         with torch.no_grad():
-            head.weight.copy_(torch.tensor(state["trainer_state"]["head"], device=device))
+            head.weight.copy_(state["trainer_state"]["head"])  # saved in the hashed state.pt
     logger = Logger(run_dir, args, total_steps, show=("loss", "accuracy"), start_step=start_step)
 
     # ---- 4 loop
@@ -277,7 +277,7 @@ def main(args: Args) -> dict:
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             metrics |= evaluate(model, eval_examples, args, attributes, pad_id, device)
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
-        state = {"head": head.weight.detach().cpu().tolist()}  # exact: fp32 values round-trip through JSON floats
+        state = {"head": head.weight}  # save_checkpoint writes tensors into state.pt (hash-checked), not the JSON
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
         if interrupt.requested:

@@ -480,7 +480,8 @@ def save_checkpoint(
     run_dir, step, model, optimizer=None, scheduler=None, trainer_state=None, keep_last=2, args=None
 ) -> str:
     """Write run_dir/checkpoints/step-N atomically and keep the newest `keep_last` complete ones; the marker records
-    run_identity(model, args), each file's sha256 and each adapter's tensor hash.
+    run_identity(model, args), each file's sha256 and each adapter's tensor hash. Tensors in trainer_state (e.g.
+    rm.py's head) go into state.pt, whose sha256 the marker holds; the rest is JSON in the marker.
     Order matters: the new checkpoint is complete and renamed into place before any old one is deleted, so a
     crash at any moment leaves at least the last good checkpoint."""
     root = os.path.join(run_dir, "checkpoints")
@@ -492,17 +493,20 @@ def save_checkpoint(
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
+    trainer_state = trainer_state or {}
+    tensors = {k: v.detach().cpu() for k, v in trainer_state.items() if torch.is_tensor(v)}
     torch.save(
         {
             "optimizer": optimizer.state_dict() if optimizer else None,
             "rng": rng,
             "scheduler": scheduler.state_dict() if scheduler else None,
+            "tensors": tensors,
         },
         os.path.join(tmp, "state.pt"),
     )
     meta = {
         "step": step,
-        "trainer_state": trainer_state or {},
+        "trainer_state": {k: v for k, v in trainer_state.items() if k not in tensors},
         "identity": run_identity(model, args),
         "files_sha256": _file_hashes(tmp),
     }
@@ -580,7 +584,7 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, args=None, tota
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return {"step": meta["step"], "trainer_state": meta["trainer_state"], "path": ckpt}
+    return {"step": meta["step"], "trainer_state": meta["trainer_state"] | state.get("tensors", {}), "path": ckpt}
 
 
 def _load_verified_weights(ckpt: str, meta: dict, model) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import grpo
 from common.data import DataError
 from common.model import REWARD, load_policy, trainable_parameters
-from common.run import ResumeError
+from common.run import CorruptCheckpointError, ResumeError
 from common.reward_model import CONFIG_FILE, HEAD_FILE, label_rows, load_reward, model_reward, reward_logits, score
 from rm import Args, bradley_terry_loss, main, regression_loss
 from tests.prefs_helpers import assert_base_untouched, preference_rows, run_cli, slot_state, write_jsonl
@@ -158,6 +159,13 @@ def test_resume_restores_adapter_and_head_exactly(tiny_model_dir, prefs, tmp_pat
     assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"][2:]]
     a, b = (load_file(os.path.join(o["final_dir"], HEAD_FILE))["weight"] for o in (straight, resumed))
     assert torch.equal(a, b)
+    # The head travels in state.pt, whose sha256 the marker records: not as JSON floats outside the hashes
+    marker = json.loads(pathlib.Path(ckpt, "checkpoint_complete.json").read_text())
+    assert "head" not in marker["trainer_state"] and "state.pt" in marker["files_sha256"]
+    state = pathlib.Path(ckpt, "state.pt")
+    state.write_bytes(state.read_bytes()[:-64] + bytes(64))  # damage the tail: the head's bytes are in there
+    with pytest.raises(CorruptCheckpointError, match="state.pt"):
+        run(tiny_model_dir, prefs, tmp_path / "c", max_steps=4, resume_from_checkpoint=ckpt)
 
 
 def test_bad_rows_fail_before_the_model_loads(tmp_path):
