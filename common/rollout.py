@@ -15,6 +15,7 @@ any other processor, whatever the model's generation_config.json says.
 """
 
 import contextlib
+import functools
 import os
 import random
 import shutil
@@ -24,7 +25,7 @@ import torch
 
 from common.data import pad_batch
 from common.logps import sequence_logps
-from common.model import DEFAULT, cache_kwarg, require, unwrap
+from common.model import DEFAULT, cache_kwarg, require, resolve_dtype, unwrap
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -281,3 +282,25 @@ class VLLMEngine:
                 "sampling from the policy being trained; stopping instead of training on wrong rollouts."
             )
         return gap
+
+
+def rollout_engine(args, model, tokenizer):
+    """(generate, engine) as --engine says: model.generate on the live policy (engine None), or a colocated vLLM
+    engine that serves (and checks) the starting adapter, e.g. --adapter, from the first rollout on and is synced
+    after every update (engine.sync)."""
+    if args.engine == "hf":
+        return functools.partial(hf_generate, model, tokenizer), None
+    dtype = resolve_dtype(args.dtype, next(model.parameters()).device)
+    max_model_len = args.max_prompt_length + args.max_completion_length
+    engine = VLLMEngine(
+        args.model,
+        model,
+        tokenizer,
+        args.vllm_gpu_memory_utilization,
+        max_model_len,
+        dtype,
+        args.quantization,
+        args.seed,
+        args.vllm_canary_threshold,
+    )
+    return engine.generate, engine

@@ -122,6 +122,19 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+class PhaseTimer:
+    """Wall seconds per named phase of one step; a phase marked twice adds up."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.seconds = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
 class Logger:
     """Every logged step goes to TensorBoard, to metrics.jsonl (one JSON object per step) and to a tqdm bar, or off a
     terminal to one stderr line: step/total, the `show` metrics, s/step and ETA (averaged since the Logger started)."""
@@ -137,9 +150,12 @@ class Logger:
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty())
         self.total, self.start, self.t0 = total_steps, start_step, time.perf_counter()
-        self.history: list[dict] = []
+        self.every, self.history = getattr(args, "logging_steps", 1), []
 
     def log(self, step: int, metrics: dict) -> None:
+        """Log at every --logging-steps-th step and the last (TRL's cadence); other steps are skipped."""
+        if step % self.every and step != self.total:
+            return
         metrics = {k: float(v) for k, v in metrics.items()}
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
@@ -524,7 +540,10 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, args=None, tota
     """Restore weights, optimizer, scheduler and RNG; return {step, trainer_state, path}.
     `path` is a checkpoint dir, or a run dir: then its newest checkpoint whose files and adapter tensors match their
     recorded hashes is used (a damaged one is skipped with a warning). With `args`, a checkpoint of another experiment
-    (run_identity differs) is refused; with `total_steps`, so is one with no steps left."""
+    (run_identity differs) is refused; with `total_steps`, so is one with no steps left. `path` None (no
+    --resume-from-checkpoint): a new run, step 0."""
+    if path is None:
+        return {"step": 0, "trainer_state": {}, "path": None}
     explicit = os.path.isfile(os.path.join(path, COMPLETE))
     candidates = [path] if explicit else list_checkpoints(path)[::-1]
     if not candidates:
