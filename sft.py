@@ -3,7 +3,8 @@
 Loss = -(sum of completion-token log-probs) / (completion tokens in the whole accumulated step), the
 `num_items_in_batch` normalisation TRL uses, so 1 x 4 accumulation equals one batch of 4.
 Paper: Ouyang et al. 2022 (InstructGPT), step 1.  Run: `python sft.py --dataset data.jsonl`
-(no --dataset: the built-in math worked-solution set `builtin:math_sft`).
+(no --dataset: the built-in math worked-solution set `builtin:math_sft`). SteerLM (Dong et al. 2023): rows with
+`attributes` {name: integer level} learn to follow them, written into the prompt as "name:value,..." (--attributes-in).
 
 Differences from TRL's SFTTrainer defaults:
 - LoRA (all-linear, r=16, alpha=32) by default; `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
@@ -22,7 +23,7 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset
-from common.data import training_steps, validate_rows
+from common.data import steer_rows, training_steps, validate_rows
 from common.logps import sequence_logps
 from common.model import load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
@@ -82,6 +83,9 @@ class Args:
     """concatenate examples into rows of max_length (documents never attend to each other)"""
     completion_only_loss: bool = True
     """loss on completion (assistant) tokens only; off = on every token"""
+    attributes_in: Literal["system", "user"] = "system"
+    """SteerLM: where a row's `attributes` go, as "name:value,..." (common.data.steer_prompt): the system turn or the
+    end of each user turn; generate with the same (python -m evals.gsm8k --attributes correct:1)"""
     # optimisation
     learning_rate: float = 2e-5
     """[optimisation] peak learning rate (TRL's default; LoRA usually likes 1e-4 to 2e-4)"""
@@ -134,6 +138,7 @@ def main(args: Args) -> dict:
     rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
     eval_rows = load_rows(args.dataset, args.eval_split, convert=args.convert) if args.eval_split else []
     eval_rows = validate_rows(eval_rows, "sft") if args.eval_split else []
+    rows, eval_rows = steer_rows(rows, args.attributes_in), steer_rows(eval_rows, args.attributes_in)  # SteerLM
 
     # ---- 2 model (policy = base + "default" LoRA, or every weight)
     print_config("sft", args, training_config(args, len(rows)))
