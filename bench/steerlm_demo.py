@@ -1,21 +1,20 @@
 """SteerLM on the embedded model: attribute-conditioned SFT on built-in math rows, then steering by attributes alone.
 
 Training rows are builtin:math_sft's train problems, each written four times with attributes {correct, length}:
-correct 1 keeps the worked answer, correct 0 has a slip in the final result (off by 1 or 2, the way
-builtin:math_preference's rejected side does); length 0 is the bare arithmetic ("5 + 3 = 8" per step), length 1 the
-worked sentences between an opening and a closing line. sft.py trains on them (`--attributes-in`, written into the
-prompt by common.data.steer_rows); then, on held-out builtin:math test prompts, greedy decoding under each of the four
-attribute sets (evals.gsm8k's --attributes path) gives the accuracy and the mean completion length (tokens) for each.
+correct 1 keeps the worked answer, correct 0 has a slip in the final result (one too many; see `slipped`); length 0
+is the bare arithmetic ("5 + 3 = 8" per step), length 1 the worked sentences between an opening and a closing line.
+sft.py trains on them (`--attributes-in`, written into the prompt by common.data.steer_rows); then, on held-out
+builtin:math test prompts, greedy decoding under each of the four attribute sets (evals.gsm8k's --attributes path)
+gives the accuracy and the mean completion length (tokens) for each.
 Not CI; prints measured figures and asserts nothing.
 
-    OMP_NUM_THREADS=1 python bench/steerlm_demo.py                  # defaults: 150 steps x 8 rows, 64 test prompts
+    OMP_NUM_THREADS=1 python bench/steerlm_demo.py                  # defaults: 60 steps x 8 rows, 48 test prompts
     python bench/steerlm_demo.py --steps 2 --limit 4 --model <dir>   # the code path on a small model (smoke test)
 """
 
 import argparse
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -31,10 +30,12 @@ STEP = re.compile(r"(\d+ [-+*/] \d+) = (\d+)")
 CONDITIONS = ["correct:1,length:0", "correct:0,length:0", "correct:1,length:1", "correct:0,length:1"]
 
 
-def slipped(solution: str, rng: random.Random) -> str:
-    """The solution with its final result off by 1 or 2 (never negative), in the last step and after ####."""
+def slipped(solution: str) -> str:
+    """The solution with its final result one too many, in the last step and after ####. One slip, not a random one
+    of -2..+2 as builtin:math_preference's: greedy decoding needs one wrong value to outweigh the right one, and four
+    values share the mass (measured: random slips, 40 steps at lr 5e-4, correct:1 vs correct:0 right 0.64 vs 0.66)."""
     right = int(solution.rsplit("#### ", 1)[1])
-    wrong = rng.choice([x for x in (right - 2, right - 1, right + 1, right + 2) if x >= 0])
+    wrong = right + 1
     lines = solution.split("\n")
     lines[-2] = re.sub(rf"= {right}\b", f"= {wrong}", lines[-2], count=1)
     return "\n".join(lines[:-1] + [f"#### {wrong}"])
@@ -52,12 +53,12 @@ def long(solution: str) -> str:
     return f"Let's work through it step by step.\n{steps}\nSo the final answer is {answer}.\n#### {answer}"
 
 
-def steerlm_rows(split: str = "train", seed: int = 0) -> list[dict]:
-    """Every builtin:math_sft problem under all four {correct, length} attribute sets."""
-    rng, rows = random.Random(seed), []
-    for row in builtin_rows("math_sft", split):
+def steerlm_rows(problems: int | None = None) -> list[dict]:
+    """The first `problems` builtin:math_sft train problems, each under all four {correct, length} attribute sets."""
+    rows = []
+    for row in builtin_rows("math_sft", "train")[:problems]:
         right = row["completion"][0]["content"]
-        wrong = slipped(right, rng)
+        wrong = slipped(right)
         for correct, solution in ((1, right), (0, wrong)):
             for length, write in ((0, short), (1, long)):
                 completion = [{"role": "assistant", "content": write(solution)}]
@@ -74,12 +75,13 @@ def steerlm_rows(split: str = "train", seed: int = 0) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--problems", type=int, default=300, help="train problems (x4 rows); tokenizing all is slow")
     parser.add_argument("--attributes-in", choices=["system", "user"], default="system")
-    parser.add_argument("--limit", type=int, default=64, help="held-out builtin:math test prompts per condition")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=48, help="held-out builtin:math test prompts per condition")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--out", default="outputs/steerlm_demo")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -87,7 +89,7 @@ def main():
     # ---- 1 data: the attribute rows as a JSONL file, read by sft.py like any user's
     data = os.path.join(args.out, "steerlm_math.jsonl")
     with open(data, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in steerlm_rows())
+        f.writelines(json.dumps(r) + "\n" for r in steerlm_rows(args.problems))
 
     # ---- 2 attribute-conditioned SFT through the CLI (its own process: this one only evaluates)
     t0 = time.perf_counter()
