@@ -32,8 +32,8 @@ CONDITIONS = ["correct:1,length:0", "correct:0,length:0", "correct:1,length:1", 
 
 def slipped(solution: str) -> str:
     """The solution with its final result one too many, in the last step and after ####. One slip, not a random one
-    of -2..+2 as builtin:math_preference's: greedy decoding needs one wrong value to outweigh the right one, and four
-    values share the mass (measured: random slips, 40 steps at lr 5e-4, correct:1 vs correct:0 right 0.64 vs 0.66)."""
+    of -2..+2 as builtin:math_preference's: under greedy decoding one wrong value must outweigh the right one, and four
+    would share the mass. Neither moved the accuracy in 40-60 steps (README, SteerLM)."""
     right = int(solution.rsplit("#### ", 1)[1])
     wrong = right + 1
     lines = solution.split("\n")
