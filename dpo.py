@@ -25,6 +25,7 @@ from transformers import get_scheduler
 
 from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
 from common.logps import completion_logps, masked_mean
+from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
@@ -125,6 +126,10 @@ class Args:
     """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+    plan: bool = False
+    """print the memory plan and exit without loading weights"""
+    ignore_memory_plan: bool = False
+    """start even when the memory plan exceeds the device's memory"""
 
 
 # The two sets of defaults: demo = the built-in math set `python dpo.py` trains on offline on a CPU; trl = the
@@ -268,6 +273,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("dpo", args, training_config(args, len(rows)))
+    check_memory(args, "dpo", rows)  # the plan; --plan exits here, before any weight loads
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # TRL's default: no dropout anywhere, a loaded adapter's included; "ref" = the starting policy (base or --adapter)
     model, tokenizer = load_policy(args, reference=use_ref, no_dropout=args.disable_dropout)

@@ -38,6 +38,7 @@ from transformers import get_scheduler
 
 from common.data import dataset_label, load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
+from common.memory import check_memory
 from common.model import as_reference, load_policy, pick_device, resolve_dtype, trainable_parameters
 from common.rewards import check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import rollout_engine
@@ -179,6 +180,10 @@ class Args:
     """checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, step)"""
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+    plan: bool = False
+    """print the memory plan and exit without loading weights"""
+    ignore_memory_plan: bool = False
+    """start even when the memory plan exceeds the device's memory"""
 
 
 # The two sets of defaults. demo: `python grpo.py` on a 2-core CPU in minutes (README command 1). gsm8k: the real
@@ -419,6 +424,7 @@ def main(args: Args) -> dict:
     reward_funcs = load_reward_funcs(args.rewards)
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column
     print_config("grpo", args, config_lines(args, len(rows), len(eval_rows)))
+    check_memory(args, "grpo", rows)  # the plan; --plan exits here, before any weight loads
 
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
@@ -431,10 +437,8 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     updates = args.max_steps * args.num_iterations
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, updates)
-    start_step, nonfinite = 0, 0
-    if args.resume_from_checkpoint:
-        state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
-        start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)
+    state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
+    start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)
     logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
     generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by

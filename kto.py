@@ -27,6 +27,7 @@ from transformers import get_scheduler
 from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, training_steps
 from common.data import validate_rows
 from common.logps import completion_logps
+from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
@@ -116,6 +117,10 @@ class Args:
     """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+    plan: bool = False
+    """print the memory plan and exit without loading weights"""
+    ignore_memory_plan: bool = False
+    """start even when the memory plan exceeds the device's memory"""
 
 
 # The two sets of defaults: demo = the built-in math set `python kto.py` trains on offline on a CPU; trl = the
@@ -182,6 +187,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("kto", args, training_config(args, len(rows)))
+    check_memory(args, "kto", rows)  # the plan; --plan exits here, before any weight loads
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # TRL's default: no dropout anywhere, a loaded adapter's included; "ref" = the starting policy (base or --adapter)
     model, tokenizer = load_policy(args, reference=True, no_dropout=args.disable_dropout)

@@ -26,6 +26,7 @@ from transformers import get_scheduler
 
 from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
 from common.logps import masked_mean, sequence_logps
+from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
@@ -119,6 +120,10 @@ class Args:
     """checkpoint dir or run dir to continue from (adapter, optimizer, scheduler, RNG, data position)"""
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+    plan: bool = False
+    """print the memory plan and exit without loading weights"""
+    ignore_memory_plan: bool = False
+    """start even when the memory plan exceeds the device's memory"""
 
 
 # The two sets of defaults: demo = the built-in math set `python orpo.py` trains on offline on a CPU; trl = the
@@ -162,6 +167,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: the policy only (ORPO has no reference)
     print_config("orpo", args, training_config(args, len(rows)))
+    check_memory(args, "orpo", rows)  # the plan; --plan exits here, before any weight loads
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # TRL's default: no dropout anywhere, a loaded adapter's included
     model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)

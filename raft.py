@@ -33,6 +33,7 @@ import tyro
 from common.data import DataError, collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, tokenize_dataset
 from common.data import validate_rows
 from common.logps import completion_logps, sequence_logps
+from common.memory import check_memory
 from common.model import as_reference, load_policy, save_weights, snapshot_ref, trainable_parameters
 from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import hf_generate
@@ -144,6 +145,10 @@ class Args:
     """eval prompts (the first N); 0 = no eval. None = preset (demo: 100; gsm8k: 500)"""
     eval_batch_size: int = 32
     """prompts per greedy generate() call in the eval"""
+    plan: bool = False
+    """print the memory plan and exit without loading weights"""
+    ignore_memory_plan: bool = False
+    """start even when the memory plan exceeds the device's memory"""
 
 
 # The two sets of defaults. demo: `python raft.py` on a 2-core CPU. gsm8k: GSM8K's train split as prompts and its
@@ -353,6 +358,7 @@ def main(args: Args) -> dict:
     reward_funcs = [] if spin else load_reward_funcs(args.rewards)
     check_reward_fields(rows, reward_funcs)  # e.g. `math` needs an `answer` column
     print_config("raft", args, config_lines(args, len(rows), len(eval_rows), G, use_ref))
+    check_memory(args, "raft", rows)  # the plan; --plan exits here, before any weight loads
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
     done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)

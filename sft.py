@@ -25,6 +25,7 @@ from transformers import get_scheduler
 from common.data import collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset
 from common.data import steer_rows, training_steps, validate_rows
 from common.logps import sequence_logps
+from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
@@ -118,6 +119,10 @@ class Args:
     """checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, data position)"""
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+    plan: bool = False
+    """print the memory plan and exit without loading weights"""
+    ignore_memory_plan: bool = False
+    """start even when the memory plan exceeds the device's memory"""
 
 
 # The two sets of defaults: demo = the built-in math set `python sft.py` trains on offline on a CPU; trl = the
@@ -142,6 +147,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model (policy = base + "default" LoRA, or every weight)
     print_config("sft", args, training_config(args, len(rows)))
+    check_memory(args, "sft", rows)  # the plan; --plan exits here, before any weight loads
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_policy(args)
     device = next(model.parameters()).device

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for the GPU machine this project may be lent: Python 3.12, torch 2.11 (CUDA 13), transformers
 # 5.17, peft, accelerate, tensorboard, tqdm; no tyro, trl, bitsandbytes, flash-attn, vllm, and no network. In at most
-# 8 minutes it
+# 9.5 minutes it
 #   1. installs the wheels in bench/wheels/ (git-ignored): tyro and its dependencies, pytest, and trl with what trl
 #      imports and the image lacks (datasets, pyarrow, pandas, ...); the only ones that are not pure Python are
 #      pyarrow, pandas and xxhash (cp312 manylinux),
@@ -10,7 +10,10 @@
 #      random-init model with Qwen2.5-1.5B's exact shapes (bench/qwen_shapes.py) for 3 steps at full completion
 #      length (random weights never emit EOS, so every completion is full length),
 #   4. runs bench/grpo_gpu.py (ours against TRL 1.16's GRPOTrainer, 512-token completions to fit the budget),
-#   5. writes one Markdown table to $OUT/gpu_check.md (s/step per phase, tokens/s, peak GPU memory, TRL ratio).
+#   5. runs bench/memory_check.py --gpu: the memory planner (common/memory.py) against torch.cuda.max_memory_allocated
+#      for sft / dpo / grpo on a random-init Qwen2.5-1.5B in bf16,
+#   6. writes one Markdown table to $OUT/gpu_check.md (s/step per phase, tokens/s, peak GPU memory, TRL ratio) and
+#      the planner's table after it.
 #
 # Here, with PyPI (fills bench/wheels/, ~55 MiB):   bash bench/gpu_check.sh --download
 # which runs, for each of $PACKAGES below:
@@ -58,13 +61,16 @@ else
 fi
 python -c "import tyro, trl, datasets, pytest" || { echo "tyro/trl/datasets/pytest not importable" >&2; exit 1; }
 
-# ---- 2 pytest -m gpu; 3 the headline path; 4 ours vs TRL. Each stage has its own limit (sum <= 8 min on the GPU).
+# ---- 2 pytest -m gpu; 3 the headline path; 4 ours vs TRL; 5 the memory planner. Each stage has its own limit
+# (sum <= 9.5 min on the GPU).
 if [ "$DRY" = 1 ]; then
-    T_TEST=300 T_HEAD=600 T_TRL=900
+    T_TEST=300 T_HEAD=600 T_TRL=900 T_MEM=600
+    MEMORY=(--gpu --tiny)
     HEADLINE=(--tiny --steps 2 --prompts-per-step 1 --group-size 2 --max-completion-length 16)
     VS_TRL=(--dry-run --steps 2)
 else
-    T_TEST=90 T_HEAD=170 T_TRL=200
+    T_TEST=90 T_HEAD=170 T_TRL=200 T_MEM=100
+    MEMORY=(--gpu)
     HEADLINE=(--steps 3 --prompts-per-step 8 --group-size 4 --max-completion-length 512)
     VS_TRL=(--completion-len 512)
 fi
@@ -75,8 +81,10 @@ timeout "$T_HEAD" python bench/headline_cpu.py "${HEADLINE[@]}" --out "$OUT/head
 echo "headline: exit $? (log $OUT/headline.log)"
 timeout "$T_TRL" python bench/grpo_gpu.py "${VS_TRL[@]}" --out "$OUT/grpo_gpu" > "$OUT/grpo_gpu.log" 2>&1
 echo "grpo_gpu: exit $? (log $OUT/grpo_gpu.log)"
+timeout "$T_MEM" python bench/memory_check.py "${MEMORY[@]}" --md "$OUT/memory_check.md" > "$OUT/memory_check.log" 2>&1
+echo "memory_check: exit $? (log $OUT/memory_check.log)"
 
-# ---- 5 one table from what the stages left (a stage that failed or ran out of time shows as such)
+# ---- 6 one table from what the stages left (a stage that failed or ran out of time shows as such)
 python - "$OUT" "$(( $(date +%s) - start ))" "$MODE" <<'EOF'
 import json, os, sys
 out, seconds, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -107,6 +115,10 @@ for side in ("ours", "trl"):
     lines.append(f"| grpo_gpu.py {side}: 1 x 8 x {r['completion_len']:.0f} tokens | {r['rollout']:.2f} | "
                  f"{r['reward+reference']:.2f} | {r['train']:.2f} | {r['step']:.2f} | {r['tokens_per_s']:.0f} | "
                  f"{r.get(mem, float('nan')):.2f} | {ratio} |")
+mem_md = f"{out}/memory_check.md"
+lines += ["", "Memory planner (bench/memory_check.py " + ("--gpu" if torch.cuda.is_available() else "--gpu --tiny, CPU RSS")
+          + "): estimated tensors vs measured peak", ""]
+lines.append(open(mem_md).read().strip() if os.path.isfile(mem_md) else "failed or timed out: see memory_check.log")
 table = "\n".join(lines) + "\n"
 open(f"{out}/gpu_check.md", "w").write(table)
 print(table)

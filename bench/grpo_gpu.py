@@ -105,16 +105,19 @@ def peak():
 
 
 def run_ours(args, out):
+    import common.model
     import grpo
 
     model, tokenizer, rows = build(args)
-    grpo.load_model = lambda *a, **k: (model, tokenizer)  # the model built on the device above, no disk round trip
+    # the model built on the device above, no disk round trip (grpo.py loads through common.model.load_policy)
+    common.model.load_model = lambda *a, **k: (model, tokenizer)
+    model.config.save_pretrained(os.path.join(out, "random-qwen2.5-1.5b"))  # config.json alone: for the memory plan
     data = os.path.join(out, "prompts.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     result = grpo.main(
         grpo.Args(
-            model="random-qwen2.5-1.5b",
+            model=os.path.join(out, "random-qwen2.5-1.5b"),
             dataset=data,
             output_dir=os.path.join(out, "runs"),
             seed=0,

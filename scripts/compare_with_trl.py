@@ -25,7 +25,7 @@ How the two runs are made identical (each point is checked by the harness, not a
   rotates completions inside consecutive chunks of the batch size, which are now our micro-batches.
 - Hyperparameters: each one that reaches the math is passed to both explicitly; MAPPING lists them with both defaults.
 - GRPO sampling: the two samplers draw different completions, so sampled runs are compared as curves only.
-  --fixed-rollout replaces sampling in both (ours: grpo.hf_generate; TRL: GRPOTrainer._generate_single_turn) by the
+  --fixed-rollout replaces sampling in both (ours: common.rollout.hf_generate; TRL: _generate_single_turn) by the
   same deterministic completions (seeded tokens and lengths, some without EOS), and also calls TRL's
   GRPOTrainer._compute_loss and our grpo_per_token_loss + aggregate_loss on one batch split into two micro-batches,
   on the same model and tensors, comparing the loss and every LoRA gradient for each loss_type.
@@ -253,8 +253,9 @@ class FixedRollouts:
 
 @contextlib.contextmanager
 def our_fixed_generation(bank: FixedRollouts):
-    """grpo.py's rollout replaced by the bank (same return layout as common.rollout.hf_generate)."""
-    grpo = importlib.import_module("grpo")  # the script under test: its rollout is replaced
+    """grpo.py's rollout (common.rollout.hf_generate, which its rollout_engine binds) replaced by the bank, with the
+    same return layout."""
+    rollout = importlib.import_module("common.rollout")
     from common.rollout import cut_at_eos, eos_ids
 
     def fixed_generate(model, tokenizer, prompts, group_size, max_new_tokens=None, **_):
@@ -269,11 +270,11 @@ def our_fixed_generation(bank: FixedRollouts):
             "completions": tokenizer.batch_decode(ids, skip_special_tokens=True),
         }
 
-    saved, grpo.hf_generate = grpo.hf_generate, fixed_generate
+    saved, rollout.hf_generate = rollout.hf_generate, fixed_generate
     try:
         yield
     finally:
-        grpo.hf_generate = saved
+        rollout.hf_generate = saved
 
 
 def fixed_rollout_trainer(bank: FixedRollouts):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import grpo
+import common.model
 from common.logps import aggregate_loss
 from common.run import RunStopped
 from grpo import Args, grpo_per_token_loss, main
@@ -164,8 +165,8 @@ def spy_model(monkeypatch):
         seen["model"], seen["before"] = model, {n: p.detach().clone() for n, p in model.named_parameters()}
         return model
 
-    grpo_attach = grpo.attach_lora
-    monkeypatch.setattr(grpo, "attach_lora", attach)
+    grpo_attach = common.model.attach_lora  # what grpo's load_policy calls
+    monkeypatch.setattr(common.model, "attach_lora", attach)
     return seen
 
 

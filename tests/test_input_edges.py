@@ -11,6 +11,7 @@ import pytest
 
 import grpo
 import sft
+import common.model
 from common.data import DataError, load_rows, looks_local
 from common.model import ModelError, attach_lora, load_model
 from common.rewards import check_reward_fields, load_reward_funcs
@@ -23,13 +24,12 @@ SFT_ROWS = [{"prompt": "Say red", "completion": "red"}, {"prompt": "Say blue", "
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Any load_model call from sft.py / grpo.py fails the test: the check must come before the weights."""
+    """Any load_model call (from the scripts' load_policy) fails the test: the check comes before the weights."""
 
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    for module in (sft, grpo):
-        monkeypatch.setattr(module, "load_model", load_model)
+    monkeypatch.setattr(common.model, "load_model", load_model)
 
 
 # ------------------------------------------------------------------------------------------------ --dataset
@@ -131,21 +131,21 @@ def test_an_adapter_of_another_base_names_both_models(tiny_model_dir, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ --output-dir
-def test_an_unwritable_output_dir_fails_before_the_model_loads(tmp_path, no_model_load):
+def test_an_unwritable_output_dir_fails_before_the_model_loads(tmp_path, no_model_load, tiny_model_dir):
     (tmp_path / "file").write_text("not a directory")
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     with pytest.raises(OutputDirError, match=f"--output-dir {tmp_path / 'file'}: cannot write a run there"):
-        sft.main(sft.Args(model="unused", dataset=data, output_dir=str(tmp_path / "file")))
+        sft.main(sft.Args(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "file")))
 
 
-def test_a_full_output_dir_fails_before_the_model_loads(tmp_path, no_model_load, monkeypatch):
+def test_a_full_output_dir_fails_before_the_model_loads(tmp_path, no_model_load, monkeypatch, tiny_model_dir):
     def full(fd):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)  # what writing the probe file meets on a full disk
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     with pytest.raises(OutputDirError, match="cannot write a run there .*No space left on device"):
-        sft.main(sft.Args(model="unused", dataset=data, output_dir=str(tmp_path / "runs")))
+        sft.main(sft.Args(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "runs")))
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
@@ -156,13 +156,13 @@ def test_a_read_only_output_dir_fails_before_the_model_loads(tmp_path, no_model_
         sft.main(sft.Args(model="unused", dataset=data, output_dir=str(tmp_path / "ro")))
 
 
-def test_a_read_only_mount_fails_before_the_model_loads(tmp_path):
+def test_a_read_only_mount_fails_before_the_model_loads(tmp_path, tiny_model_dir):
     """Root writes into a chmod 555 directory, not into a read-only mount: bind one in a private mount namespace."""
     ro, data = tmp_path / "ro", write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     ro.mkdir()
     if shutil.which("unshare") is None:
         pytest.skip("util-linux unshare not installed")
-    cli = f"{sys.executable} {ROOT}/sft.py --model unused --dataset {data} --output-dir {ro}"
+    cli = f"{sys.executable} {ROOT}/sft.py --model {tiny_model_dir} --dataset {data} --output-dir {ro}"
     res = subprocess.run(
         ["unshare", "-m", "sh", "-c", f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} || exit 99; {cli}"],
         capture_output=True,
@@ -175,10 +175,10 @@ def test_a_read_only_mount_fails_before_the_model_loads(tmp_path):
     assert f"sft.py: error: --output-dir {ro}: cannot write a run there (OSError: Read-only file" in res.stderr
 
 
-def test_the_run_dir_exists_before_the_model_loads(tmp_path, no_model_load):
+def test_the_run_dir_exists_before_the_model_loads(tmp_path, no_model_load, tiny_model_dir):
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     with pytest.raises(AssertionError, match="model was loaded"):
-        sft.main(sft.Args(model="m", dataset=data, output_dir=str(tmp_path / "runs")))
+        sft.main(sft.Args(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "runs")))
     assert len(os.listdir(tmp_path / "runs")) == 1
 
 

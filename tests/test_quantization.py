@@ -13,6 +13,7 @@ import torch
 import dpo
 import grpo
 import sft
+import common.model
 from common.model import REF, load_model, trainable_parameters
 from tests.prefs_helpers import make_sft_adapter, preference_rows, slot_state, write_jsonl
 
@@ -24,7 +25,7 @@ def spy(monkeypatch):
     """The policy each script builds, with copies of its base tensors and of its starting "default" adapter."""
     seen = {}
 
-    def wrap(module):
+    def wrap(module):  # the scripts' load_policy calls common.model.attach_lora
         attach = module.attach_lora
 
         def spying(*args, **kwargs):
@@ -36,8 +37,7 @@ def spy(monkeypatch):
 
         monkeypatch.setattr(module, "attach_lora", spying)
 
-    for module in (sft, dpo, grpo):
-        wrap(module)
+    wrap(common.model)
     return seen
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import raft
+import common.model
 from common.data import load_rows, validate_rows
 from common.model import adapter_hash
 from raft import Args, main, make_pairs, select_best, spin_pairs
@@ -129,8 +129,8 @@ def spy_model(monkeypatch):
         seen["model"], seen["before"] = model, {n: p.detach().clone() for n, p in model.named_parameters()}
         return model
 
-    attach_lora = raft.attach_lora
-    monkeypatch.setattr(raft, "attach_lora", attach)
+    attach_lora = common.model.attach_lora  # what raft's load_policy calls
+    monkeypatch.setattr(common.model, "attach_lora", attach)
     return seen
 
 

@@ -1,0 +1,233 @@
+"""The memory planner (common/memory.py) against measured peaks, CPU fp32: sft / dpo / grpo on three models at two
+batch sizes each, every case in a fresh process.
+
+Measured = peak RSS (VmHWM) minus the RSS after every import and before the model loads (the peak is reset there
+through /proc/self/clear_refs). Estimated = the planner's parts that exist on a CPU: weights, LoRA + AdamW, the step's
+activations, log-prob buffer and reference pass, the rollout's KV cache (not the runtime allowance nor the 10 %
+allocator margin). The rows are long enough that every sequence reaches max_length (GRPO: random models never emit
+EOS; SmolLM2 is asked for long stories), so the planner's worst case is the case that runs. Children run with
+MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight back to the OS when freed, so RSS follows the live tensors
+(glibc's default keeps freed blocks, 2-3 GB on DPO: README, "Where the memory of a small run goes").
+
+    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32]   # ~6 min on 2 busy cores
+
+On a CUDA machine, `--gpu` runs sft / dpo / grpo on a random-init Qwen2.5-1.5B (bench/qwen_shapes.py) in bf16 and
+compares torch.cuda.max_memory_allocated with the planner's tensors (without the CUDA context and the allocator
+margin, which max_memory_allocated does not see); `--gpu --tiny` runs the same cut down on a CPU (a dry run).
+"""
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+WORDS = "the quick brown fox jumps over a lazy dog while Tom counts apples and Mia writes blue stickers".split()
+SMALL_152K = dict(vocab_size=151936, hidden=256, layers=4, intermediate_size=640)  # Qwen2.5's vocabulary, tiny body
+# (script, model) -> (two batch sizes, sequence length): sized so that the larger case stays under ~4 GB
+CASES = {
+    ("sft", "tiny"): ((32, 64), 512),
+    ("dpo", "tiny"): ((16, 32), 512),
+    ("grpo", "tiny"): ((4, 8), 256),
+    ("sft", "v152k"): ((4, 8), 512),
+    ("dpo", "v152k"): ((2, 4), 512),
+    ("grpo", "v152k"): ((1, 2), 256),
+    ("sft", "smollm2"): ((2, 4), 256),
+    ("dpo", "smollm2"): ((1, 2), 256),
+    ("grpo", "smollm2"): ((1, 2), 64),
+}
+
+
+def text(n_words: int, seed: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(n_words))
+
+
+def write_data(folder: str) -> dict[str, str]:
+    """JSONL rows: 3 of 4 completions far longer than any max_length here (cut to it), every 4th short, so batches
+    are padded (sdpa then keeps a mask and all-head k, v: the planner's worst case); DPO: chosen long, rejected
+    short; GRPO prompts of 8-10 words (left padding)."""
+    long = [text(900 if i % 4 else 30, i) for i in range(64)]
+    rows = {
+        "sft": [{"prompt": "Write: " + text(4, i), "completion": long[i]} for i in range(64)],
+        "dpo": [{"prompt": "Say: " + text(4, i), "chosen": text(900, i), "rejected": text(30, i)} for i in range(64)],
+        "grpo": [{"prompt": "Write a very long story about " + text(8 + i % 3, i), "answer": "1"} for i in range(64)],
+    }
+    paths = {}
+    for kind, rs in rows.items():
+        paths[kind] = os.path.join(folder, f"{kind}.jsonl")
+        with open(paths[kind], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rs)
+    return paths
+
+
+def write_v152k(out_dir: str) -> str:
+    """tests/tiny.py's tokenizer (400 ids, all below 151,936) + a random Qwen2 with a 151,936-row vocabulary."""
+    from tests.tiny import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(**SMALL_152K)
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.save_pretrained(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def case_args(script: str, model: str, batch: int, seq: int, data: str, out: str) -> dict:
+    common = dict(model=model, dataset=data, output_dir=out, max_steps=2, save_steps=0, logging_steps=1)
+    if script == "sft":
+        return common | dict(per_device_train_batch_size=batch, max_length=seq)
+    if script == "dpo":
+        return common | dict(per_device_train_batch_size=batch, max_length=seq, max_prompt_length=32)
+    return common | dict(
+        prompts_per_step=batch,
+        groups_per_micro_batch=batch,
+        group_size=4,
+        max_completion_length=seq,
+        eval_steps=0,
+        temperature=1.0,
+        learning_rate=1e-5,
+        torch_threads=1,
+    )
+
+
+GPU_CASES = {"sft": (4, 1024), "dpo": (2, 1024), "grpo": (4, 512)}  # random weights: completions run full length
+# the dry run's: dpo at 4 pairs so that its scored tokens (short rejected rows) still fill a 1,024-row logits chunk
+GPU_TINY = {"sft": (1, 256), "dpo": (4, 256), "grpo": (1, 128)}
+
+
+def rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith(field + ":")))
+
+
+def child(spec: dict) -> None:
+    """Run one case in this process: baseline after imports, peak over the run, and the planner's estimate."""
+    import importlib
+
+    import peft  # noqa: F401  everything the run imports later, so the baseline holds it
+    import torch.utils.tensorboard
+    import transformers  # noqa: F401
+
+    from common.data import load_rows
+    from common.memory import estimate, longest_row, model_config
+    from common.run import resolve_preset
+
+    mod = importlib.import_module(spec["script"])
+    args = mod.Args(**spec["args"])
+    if spec["script"] == "grpo":  # the prompt limit = the longest templated prompt, so the planner's P is what runs
+        from transformers import AutoTokenizer
+
+        from common.data import tokenize_dataset, validate_rows
+        from common.embedded import resolve_model
+        from common.templates import setup_chat_template
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+        setup_chat_template(tokenizer, args.template)
+        examples = tokenize_dataset(
+            tokenizer, validate_rows(load_rows(args.dataset, "train"), "prompt"), "prompt", None
+        )
+        args.max_prompt_length = max(len(e["prompt_ids"]) for e in examples)
+    resolved = resolve_preset(args, mod.PRESETS) if hasattr(mod, "PRESETS") else args
+    longest = longest_row(load_rows(resolved.dataset, "train"))  # as check_memory bounds it in the script
+    import torch
+
+    cuda = torch.cuda.is_available()
+    parts = estimate(model_config(resolved.model), resolved, spec["script"], "cuda" if cuda else "cpu", 0, longest)
+    off_cpu = ("allowance (runtime)", "allocator (10 %)")  # the CUDA-or-runtime allowance and the margin
+    cpu_parts = {k: v for k, v in parts.items() if k not in ("total", *off_cpu)}
+    est = parts["total"] - sum(parts[k] for k in off_cpu)
+    baseline = torch.cuda.memory_allocated() if cuda else rss_kib("VmRSS") * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
+    t0 = time.perf_counter()
+    result = mod.main(args)
+    measured = (torch.cuda.max_memory_allocated() if cuda else rss_kib("VmHWM") * 1024) - baseline
+    lengths = [h.get("completions/mean_length") for h in result.get("history", [])]
+    print(
+        "RESULT "
+        + json.dumps(
+            dict(
+                estimate=est, measured=measured, parts=cpu_parts, seconds=time.perf_counter() - t0, mean_length=lengths
+            )
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="*", help="case names to run (e.g. dpo-smollm2-2)")
+    ap.add_argument("--gpu", action="store_true", help="random Qwen2.5-1.5B in bf16 on CUDA (see above)")
+    ap.add_argument("--tiny", action="store_true", help="with --gpu: cut-down shapes on a CPU (dry run)")
+    ap.add_argument("--md", help="also write the table to this file")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    cli = ap.parse_args()
+    if cli.child:
+        return child(json.loads(cli.child))
+    from tests.tiny import write_tiny
+
+    tmp = tempfile.mkdtemp(prefix="memcheck-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # the models written here take up to ~3 GB (--gpu)
+    data = write_data(tmp)
+    cases = CASES
+    if cli.gpu:  # one batch size per script: the 1.5B's cases take a minute each
+        from bench.qwen_shapes import QWEN25_15B, TINY, write_random_qwen
+
+        name = "qwen-tiny-shapes" if cli.tiny else "qwen2.5-1.5b-random"
+        paths = {name: write_random_qwen(os.path.join(tmp, name), TINY if cli.tiny else QWEN25_15B)}
+        cases = {(s, name): ((b,), n) for s, (b, n) in (GPU_TINY if cli.tiny else GPU_CASES).items()}
+    else:
+        paths = {"tiny": write_tiny(os.path.join(tmp, "tiny")), "smollm2": "smollm2-135m"}
+        paths["v152k"] = write_v152k(os.path.join(tmp, "v152k"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", TOKENIZERS_PARALLELISM="false")
+    rows, worst = [], 0.0
+    for (script, model), (batches, seq) in cases.items():
+        for batch in batches:
+            name = f"{script}-{model}-{batch}"
+            if cli.only and name not in cli.only:
+                continue
+            spec = dict(script=script, args=case_args(script, paths[model], batch, seq, data[script], tmp))
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps(spec)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(line[len("RESULT ") :])
+            err = r["estimate"] / r["measured"] - 1
+            worst = max(worst, abs(err))
+            shape = f"{batch} x {seq}" if script != "grpo" else f"{batch} x G 4 x {seq}"
+            rows.append(
+                f"| {script} | {model} | {shape} | {r['estimate'] / 2**20:,.0f} | {r['measured'] / 2**20:,.0f} "
+                f"| {err:+.1%} |"
+            )
+            print(
+                rows[-1],
+                f"({r['seconds']:.0f} s; parts MiB: "
+                + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in r["parts"].items())
+                + (f"; completions' mean length per step {r['mean_length']}" if script == "grpo" else "")
+                + ")",
+                flush=True,
+            )
+    head = (
+        "| script | model | batch x length | estimate (MiB) | measured (MiB) | error |\n|---|---|---|---:|---:|---:|"
+    )
+    table = "\n".join([head, *rows, "", f"worst relative error: {worst:.1%}"]) + "\n"
+    print("\n" + table)
+    if cli.md:
+        with open(cli.md, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The memory planner: each part on a hand-computed config, LoRA counts equal to PEFT's, --plan and the refusal."""
+
+import importlib
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from common import memory
+from common.memory import CPU_RUNTIME, estimate, lora_params, param_counts
+from common.run import ArgsError
+from tests.conftest import ROOT
+
+# L 2, H 8, intermediate F 16, 2 heads of 4 (Hq 8), 1 kv head (K 4), vocab 32, untied, no attention bias
+CFG = dict(model_type="llama", num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
+           num_key_value_heads=1, vocab_size=32, tie_word_embeddings=False)  # fmt: skip
+SFT = dict(dtype="fp32", use_lora=True, lora_r=2, lora_dropout=0.0, gradient_checkpointing=False,
+           per_device_train_batch_size=2, max_length=4, attn_implementation="sdpa")  # fmt: skip
+
+
+def test_param_counts_by_hand_and_on_a_real_model():
+    # per layer q 8x8 + k, v 2 x 8x4 + o 8x8 + gate, up, down 3 x 8x16 = 576; embed + head 2 x 32x8; 5 norms of 8
+    assert param_counts(CFG) == (2 * 576, 512 + 40)
+    from tests.tiny import build_tiny_model
+
+    model = build_tiny_model(400)  # Qwen2: q/k/v biases count as linear parameters
+    assert sum(param_counts(model.config.to_dict())) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("r", [2, 16])
+def test_lora_count_equals_peft(tiny_model_dir, r):
+    """attach_lora (all-linear) on the tiny model: exactly the trainable parameters PEFT creates."""
+    from transformers import AutoModelForCausalLM
+
+    from common.model import attach_lora
+
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), r=r, alpha=2 * r)
+    peft_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_params(model.config.to_dict(), r) == peft_count
+    # by hand on CFG, r 2: per layer q (8+8) + k, v 2 x (8+4) + o (8+8) + gate, up 2 x (8+16) + down (16+8) = 128
+    assert lora_params(CFG, 2) == 2 * 2 * 128
+
+
+def test_each_part_of_an_sft_plan_by_hand():
+    p = estimate(CFG, SimpleNamespace(**SFT), "sft", "cpu")
+    assert (
+        p["weights"] == 1704 * 4 and p["LoRA + grads + AdamW"] == 512 * 16 and p["allowance (runtime)"] == CPU_RUNTIME
+    )
+    # per token and layer: 2 fp32 norm inputs 2x8x4 + 4 x (2 normed 16 + q, k, v at all heads 24 + attention out 8
+    # + 4 x 16) + lora_B inputs 7 x 2 x 4 = 568; 8 tokens + the float mask 2x4x4x4 = 4,672 per layer, x 2 layers,
+    # + final norm in/out 8x8x8 + the 8 scored rows 8x8x4
+    assert p["step: activations"] == 2 * (568 * 8 + 128) + 512 + 256
+    assert p["step: layer working set"] == 8 * (16 + 48) * 4 + 128  # a layer's grads + the model's own mask
+    assert p["step: log-prob buffer"] == 2 * 8 * 32 * 4 + 8 * 8 * 4  # two (8, 32) fp32 chunks + grad of the rows
+    assert p["allocator (10 %)"] == int(0.1 * (6816 + 8192 + 10112 + 2176 + 2304)) == 2960
+    assert p["total"] == 6816 + 8192 + CPU_RUNTIME + 14592 + 2960
+    ckpt = estimate(CFG, SimpleNamespace(**SFT | dict(gradient_checkpointing=True)), "sft", "cpu")
+    assert ckpt["step: activations"] == 2 * 8 * 8 * 4 + (568 * 8 + 128) + 512 + 256  # layer inputs + one layer
+    drop = estimate(CFG, SimpleNamespace(**SFT | dict(lora_dropout=0.1)), "sft", "cpu")
+    # + a dropped copy of each LoRA module's input (q, k, v, gate, up: 8; o: 8; down: 16) and its bool mask
+    assert drop["step: activations"] - p["step: activations"] == 2 * 8 * (6 * 8 + 16) * 5
+
+
+def test_weights_by_dtype_quantization_and_full_fine_tuning():
+    bf16 = estimate(CFG, SimpleNamespace(**SFT | dict(dtype="bf16")), "sft", "cuda")
+    assert bf16["weights"] == 1704 * 2 and bf16["allowance (runtime)"] == memory.CUDA_CONTEXT
+    assert bf16["step: log-prob buffer"] == 2 * 8 * 32 * 4 + 32 * 8 * 4 + 8 * 8 * 2  # + the head cast to fp32
+    q4 = estimate(CFG, SimpleNamespace(**SFT | dict(dtype="bf16", quantization="4bit")), "sft", "cuda")
+    assert q4["weights"] == int(1152 * (0.5 + 1 / 64 + 4 / 16384) + 552 * 4)  # NF4 linears, the rest in fp32
+    full = estimate(CFG, SimpleNamespace(**SFT | dict(use_lora=False)), "sft", "cpu")
+    assert full["grads + AdamW (full)"] == 1704 * 3 * 4 and "LoRA + grads + AdamW" not in full
+
+
+def test_dpo_reference_and_grpo_rollout_parts():
+    dpo = SimpleNamespace(**SFT | dict(per_device_train_batch_size=1, lora_dropout=0.05, disable_dropout=True))
+    p = estimate(CFG, dpo, "dpo", "cpu")  # 1 pair = 2 rows of 4: the same 8 tokens as the SFT case
+    assert p["LoRA + grads + AdamW"] == 512 * 20  # + the frozen "ref" copy
+    assert p["step: reference pass"] == 8 * (16 + 48) * 4 + 128 + 2 * 8 * 32 * 4  # no grad: working set + chunks
+    assert p["step: activations"] == estimate(CFG, SimpleNamespace(**SFT), "sft", "cpu")["step: activations"]
+    grpo = dict(group_size=2, prompts_per_step=3, max_prompt_length=5, max_completion_length=6, engine="hf")
+    grpo |= dict(beta=0.04, num_iterations=1, groups_per_micro_batch=1, vllm_gpu_memory_utilization=0.3)
+    g = estimate(CFG, SimpleNamespace(**SFT | grpo), "grpo", "cpu", 1000)
+    # 6 rows x 11 positions x 2 layers x k, v of 4 x 4 bytes + prefill 3 x 5 x (16 + 48) x 4 + 6 x 32 x 4 x 2 logits
+    assert g["rollout: KV cache"] == 4224 + 3840 + 1536
+    v = estimate(CFG, SimpleNamespace(**SFT | grpo | dict(engine="vllm")), "grpo", "cuda", 1000)
+    assert v["rollout: vLLM reservation"] == 300 and "rollout: KV cache" not in v
+    assert "reference: no-grad pass" in g and "reference: no-grad pass" not in estimate(
+        CFG, SimpleNamespace(**SFT | grpo | dict(beta=0.0)), "grpo", "cpu"
+    )
+
+
+def test_unknown_script_and_longest_row():
+    with pytest.raises(ValueError, match="unknown script 'ppo'"):
+        estimate(CFG, SimpleNamespace(**SFT), "ppo")
+    rows = [{"prompt": "ab", "completion": "éé"}, {"prompt": [{"role": "user", "content": "abc"}], "chosen": "x"}]
+    assert memory.longest_row(rows) == (2 + 16) + (4 + 16)  # UTF-8 bytes + 16 template tokens per text
+    short = estimate(CFG, SimpleNamespace(**SFT | dict(max_length=1000)), "sft", "cpu", longest=4)
+    assert short == estimate(CFG, SimpleNamespace(**SFT), "sft", "cpu")  # rows of <= 4 tokens cap max_length
+
+
+def test_model_config_reads_config_json_only(tiny_model_dir, tmp_path):
+    from common.model import ModelError
+
+    assert memory.model_config(tiny_model_dir)["hidden_size"] == 64
+    assert memory.model_config("smollm2-135m")["num_hidden_layers"] == 30  # written in the module: no cache build
+    with pytest.raises(ModelError, match="no config.json"):
+        memory.model_config(str(tmp_path))
+
+
+def test_table_states_its_assumptions():
+    out = memory.capability_table([24, 48])
+    assert "Qwen2.5-14B" in out and "2 rows x 1,024 tokens" in out and "gradient checkpointing on" in out
+    assert out.count("| n/a") == 10  # dpo.py and grpo.py have no full fine-tuning, 5 sizes each
+
+
+SCRIPTS = ["sft", "dpo", "orpo", "kto", "grpo", "raft"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_plan_exits_before_loading(script, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    mod = importlib.import_module(script)
+
+    def no_load(*a, **k):
+        raise AssertionError("--plan loaded the model")
+
+    monkeypatch.setattr(mod, "load_policy", no_load)
+    with pytest.raises(SystemExit) as e:
+        mod.main(mod.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), plan=True))
+    assert e.value.code == 0 and "memory plan" in capsys.readouterr().out
+    assert os.listdir(tmp_path) == []  # not even a run directory
+
+
+def test_over_budget_refuses_unless_ignored(tiny_model_dir, tmp_path, monkeypatch):
+    import dpo
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: (2**20, "test budget"))
+    monkeypatch.setattr(dpo, "load_policy", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loaded")))
+    args = dpo.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), per_device_train_batch_size=4)
+    with pytest.raises(ArgsError, match="--ignore-memory-plan") as e:
+        dpo.main(args)
+    assert "--gradient-checkpointing, then --per-device-train-batch-size 2" in str(e.value)
+    with pytest.raises(RuntimeError, match="loaded"):  # past the plan, into the model load
+        dpo.main(dpo.Args(**vars(args) | dict(ignore_memory_plan=True)))
+
+
+def test_cli_plan_subprocess(tiny_model_dir, tmp_path):
+    cmd = [sys.executable, "sft.py", "--plan", "--model", tiny_model_dir, "--preset", "demo"]
+    out = subprocess.run(
+        [*cmd, "--output-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "step: activations" in out.stdout and "physical RAM" in out.stdout and os.listdir(tmp_path) == []
+    table = subprocess.run([sys.executable, "-m", "common.memory", "--table", "--gpu-memory", "24"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert table.returncode == 0 and "Qwen2.5-7B" in table.stdout and "(no)" in table.stdout
