@@ -2,9 +2,8 @@
 
 Loss = -(sum of completion-token log-probs) / (completion tokens in the whole accumulated step), the
 `num_items_in_batch` normalisation TRL uses, so 1 x 4 accumulation equals one batch of 4.
-Paper: Ouyang et al. 2022 (InstructGPT), step 1.  Run: `python sft.py --dataset data.jsonl`
-(no --dataset: the built-in math worked-solution set `builtin:math_sft`). SteerLM (Dong et al. 2023): rows with
-`attributes` {name: integer level} learn to follow them, written into the prompt as "name:value,..." (--attributes-in).
+Paper: Ouyang et al. 2022 (InstructGPT), step 1; SteerLM (Dong et al. 2023) for rows with `attributes` (README).
+Run: `python sft.py --dataset data.jsonl` (no --dataset: the built-in math worked-solution set `builtin:math_sft`).
 
 Differences from TRL's SFTTrainer defaults:
 - LoRA (all-linear, r=16, alpha=32) by default; `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
@@ -85,8 +84,7 @@ class Args:
     completion_only_loss: bool = True
     """loss on completion (assistant) tokens only; off = on every token"""
     attributes_in: Literal["system", "user"] = "system"
-    """SteerLM: where a row's `attributes` go, as "name:value,..." (common.data.steer_prompt): the system turn or the
-    end of each user turn; generate with the same (python -m evals.gsm8k --attributes correct:1)"""
+    """SteerLM: where rows' `attributes` go as "name:value,...": the system turn or the end of each user turn"""
     # optimisation
     learning_rate: float = 2e-5
     """[optimisation] peak learning rate (TRL's default; LoRA usually likes 1e-4 to 2e-4)"""
