@@ -2,8 +2,8 @@
 
 Loss = -(sum of completion-token log-probs) / (completion tokens in the whole accumulated step), the
 `num_items_in_batch` normalisation TRL uses, so 1 x 4 accumulation equals one batch of 4.
-Paper: Ouyang et al. 2022 (InstructGPT), step 1.  Run: `python sft.py --dataset data.jsonl`
-(no --dataset: the built-in math worked-solution set `builtin:math_sft`).
+Paper: Ouyang et al. 2022 (InstructGPT), step 1; SteerLM (Dong et al. 2023) for rows with `attributes` (README).
+Run: `python sft.py --dataset data.jsonl` (no --dataset: the built-in math worked-solution set `builtin:math_sft`).
 
 Differences from TRL's SFTTrainer defaults:
 - LoRA (all-linear, r=16, alpha=32) by default; `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
@@ -22,7 +22,7 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset
-from common.data import training_steps, validate_rows
+from common.data import steer_rows, training_steps, validate_rows
 from common.logps import sequence_logps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
@@ -85,7 +85,9 @@ class Args:
     completion_only_loss: bool = True
     """loss on completion (assistant) tokens only; off = on every token"""
     label_with: str | None = None
-    """SteerLM: fill each row's `attributes` with the scores of this regression reward model (rm.py's final/)"""
+    """SteerLM: fill each row's `attributes` with this regression reward model's scores, rounded (rm.py's final/)"""
+    attributes_in: Literal["system", "user"] = "system"
+    """SteerLM: where rows' `attributes` go as "name:value,...": the system turn or the end of each user turn"""
     # optimisation
     learning_rate: float = 2e-5
     """[optimisation] peak learning rate (TRL's default; LoRA usually likes 1e-4 to 2e-4)"""
@@ -142,7 +144,8 @@ def main(args: Args) -> dict:
     rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
     eval_rows = load_rows(args.dataset, args.eval_split, convert=args.convert) if args.eval_split else []
     eval_rows = validate_rows(eval_rows, "sft") if args.eval_split else []
-    rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute scores from a reward model
+    rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
+    rows, eval_rows = steer_rows(rows, args.attributes_in), steer_rows(eval_rows, args.attributes_in)  # SteerLM
 
     # ---- 2 model (policy = base + "default" LoRA, or every weight)
     print_config("sft", args, training_config(args, len(rows)))

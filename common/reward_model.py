@@ -161,12 +161,14 @@ def bind_model_rewards(funcs, model) -> None:
 
 
 def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ...]:
-    """SteerLM labelling (sft.py --label-with): every SFT row of every list gets `attributes` = {name: score} from the
-    regression reward model in `path` (the row's own attributes are replaced); path None returns the lists as given.
-    The model is loaded once, on its own, and freed before the policy loads."""
+    """SteerLM labelling (sft.py --label-with): every SFT row of every list gets `attributes` = {name: level}, the
+    regression reward model's score in `path` rounded to the nearest integer (SteerLM's attribute values are integer
+    levels, as NeMo-Aligner's attribute_annotate.py rounds them; the row's own attributes are replaced); path None
+    returns the lists as given. The model is loaded once, on its own, and freed before the policy loads."""
     if path is None:
         return row_lists
     if (rm := load_reward(path)).config["loss_type"] != "regression":
         raise DataError(f"--label-with {path}: a {rm.config['loss_type']} model; SteerLM labels need a regression one")
-    scores = iter(score_rows(rm, [row for rows in row_lists for row in rows]).tolist())
-    return tuple([row | {"attributes": dict(zip(rm.attributes, next(scores)))} for row in rows] for rows in row_lists)
+    scores = score_rows(rm, [row for rows in row_lists for row in rows]).tolist()
+    levels = iter([dict(zip(rm.attributes, map(round, s), strict=True)) for s in scores])
+    return tuple([row | {"attributes": next(levels)} for row in rows] for rows in row_lists)

@@ -16,6 +16,7 @@ Differences from lm-eval's gsm8k_cot_zeroshot / TRL: zero-shot chat prompt with 
 plain text by default); lenient extraction (the last number counts when no marked answer is found).
 """
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from common.data import load_rows, question_row, tokenize_prompt, validate_rows
+from common.data import load_rows, parse_attributes, question_row, steer_prompt, tokenize_prompt, validate_rows
 from common.embedded import MATH_INSTRUCTION
 from common.rewards import extract_answer, math_reward
 from common.run import ArgsError, one_line_errors
@@ -53,6 +54,11 @@ class Args:
     """evaluate only the first N examples"""
     instruction: str = MATH_INSTRUCTION
     """appended to each {question} row on a new line ('' for the bare question); builtin:math rows carry their own"""
+    attributes: str | None = None
+    """SteerLM: the attribute levels to ask for, e.g. correct:1,length:0, written into every prompt the way sft.py
+    wrote its rows' `attributes` (common.data.steer_prompt); results are named with them"""
+    attributes_in: Literal["system", "user"] = "system"
+    """where the attribute string goes: the system turn or each user turn; use sft.py's --attributes-in"""
     # generation
     batch_size: int = 16
     """prompts per generate() call"""
@@ -76,10 +82,14 @@ def gsm8k_rows(
     split: str = "test",
     limit: int | None = None,
     instruction: str = MATH_INSTRUCTION,
+    attributes: str | None = None,
+    attributes_in: str = "system",
 ) -> list[dict]:
     """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} through the same mapping as
     training (common.data.question_row: reference = the number after '####'), or prompt-only rows such as
-    builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions."""
+    builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions.
+    attributes ("correct:1,length:0"): SteerLM's attribute string goes into each prompt (steer_prompt)."""
+    label = parse_attributes(attributes) if attributes else None  # a bad spec fails before any row loads
     rows = [
         question_row(r, instruction) if "question" in r and "prompt" not in r else r
         for r in load_rows(dataset, split)[:limit]
@@ -88,9 +98,9 @@ def gsm8k_rows(
     for row in validate_rows(rows, "prompt"):
         # A plain-string prompt becomes one user turn; builtin:math's question is its user turn, instruction included.
         prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        out.append(
-            {"question": row.get("question", prompt[-1]["content"]), "prompt": prompt, "reference": str(row["answer"])}
-        )
+        question = row.get("question", prompt[-1]["content"])
+        prompt = steer_prompt(prompt, label, attributes_in) if label else prompt
+        out.append({"question": question, "prompt": prompt, "reference": str(row["answer"])})
     return out
 
 
@@ -130,7 +140,7 @@ def main(args: Args) -> dict:
     # ---- 1 data (first: a bad path or setting fails before the model loads)
     if args.num_samples < 1 or (args.temperature == 0.0 and args.num_samples != 1):
         raise ArgsError(f"--num-samples {args.num_samples} needs --temperature > 0 (greedy decoding gives 1 sample)")
-    rows = gsm8k_rows(args.dataset, args.split, args.limit, args.instruction)
+    rows = gsm8k_rows(args.dataset, args.split, args.limit, args.instruction, args.attributes, args.attributes_in)
 
     # ---- 2 model: base, base + adapter, or a run's checkpoint
     t0 = time.perf_counter()
@@ -147,6 +157,8 @@ def main(args: Args) -> dict:
 
     # ---- 4 write per-example outputs and the summary
     label, task = args.label or model_label(args.model, args.adapter, args.checkpoint), dataset_tag(args.dataset)
+    if args.attributes and not args.label:  # one file per set of asked-for attributes, not one overwriting the other
+        label += "__" + re.sub(r"[^A-Za-z0-9._+-]+", "-", parse_attributes(args.attributes))
     summary = {
         "task": task,
         "label": label,
@@ -159,6 +171,8 @@ def main(args: Args) -> dict:
         "dataset": args.dataset,
         "split": args.split,
         "limit": args.limit,
+        "attributes": args.attributes,
+        "attributes_in": args.attributes_in,
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "num_samples": args.num_samples,

@@ -392,7 +392,9 @@ def test_label_with_fills_attributes_from_a_regression_model(tiny_model_dir, pre
     labelled, empty = label_rows(regression, sft_rows, [])
     expected = score(load_reward(regression), [r["prompt"] for r in sft_rows], [r["completion"] for r in sft_rows])
     assert empty == [] and [list(r["attributes"]) for r in labelled] == [["helpful", "verbose"]] * len(sft_rows)
-    assert torch.tensor([list(r["attributes"].values()) for r in labelled]).equal(expected)
+    levels = [list(r["attributes"].values()) for r in labelled]  # integer levels, as SteerLM's attribute strings
+    assert all(type(v) is int for row in levels for v in row)
+    assert torch.tensor(levels, dtype=expected.dtype).equal(expected.round())
     assert label_rows(None, sft_rows) == (sft_rows,)
     with pytest.raises(DataError, match="a bradley_terry model; SteerLM labels need a regression one"):
         label_rows(run(tiny_model_dir, prefs, tmp_path, max_steps=0)["final_dir"], sft_rows)
