@@ -27,6 +27,7 @@ from transformers import get_scheduler
 
 from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps
 from common.data import validate_rows
+from common.memory import check_memory
 from common.model import load_policy, trainable_parameters, unwrap
 from common.reward_model import reward_logits, save_reward
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
@@ -70,9 +71,8 @@ class Args:
     """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str | None = None
-    """[data] bradley_terry: {prompt, chosen, rejected[, margin]} rows; regression: {prompt, completion, attributes:
-    {name: score}}: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>. None = preset (demo:
-    builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)"""
+    """[data] {prompt, chosen, rejected[, margin]} rows (regression: {prompt, completion, attributes: {name: score}});
+    file/hub id/builtin:<name>. None = preset (demo: builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)"""
     dataset_split: str = "train"
     """split to train on"""
     eval_split: str | None = None
@@ -120,6 +120,10 @@ class Args:
     """checkpoint dir or run dir to continue from (adapter, head, optimizer, scheduler, RNG, data position)"""
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+    plan: bool = False
+    """print the memory plan and exit without loading weights"""
+    ignore_memory_plan: bool = False
+    """start even when the memory plan exceeds the device's memory"""
 
 
 # demo = the built-in math pairs `python rm.py` trains on offline on a CPU; trl = TRL's reward_modeling example's data.
@@ -140,11 +144,9 @@ def regression_loss(predictions, targets):
 
 
 def new_head(config, k: int, seed: int) -> torch.nn.Linear:
-    """Linear(hidden, K, no bias) ~ N(0, initializer_range): transformers' score head init, from its own generator
-    (so a TRL model can be given the same head)."""
-    head = torch.nn.Linear(config.hidden_size, k, bias=False)
-    weight = torch.randn(k, config.hidden_size, generator=torch.Generator().manual_seed(seed))
-    head.weight.data.copy_(weight * config.initializer_range)
+    """Linear(hidden, K, no bias) ~ N(0, initializer_range) as transformers, from its own seed (TRL gets the same)"""
+    head, generator = torch.nn.Linear(config.hidden_size, k, bias=False), torch.Generator().manual_seed(seed)
+    head.weight.data.copy_(torch.randn(k, config.hidden_size, generator=generator) * config.initializer_range)
     return head
 
 
@@ -183,14 +185,12 @@ def rm_metrics(stats: list[dict], attributes: list[str], prefix: str = "") -> di
     return {prefix + k: v.item() for k, v in values.items()}
 
 
+@torch.no_grad()
 def evaluate(model, eval_examples: list[dict], args: Args, attributes: list[str], pad_id: int, device) -> dict:
     """The training loss and metrics over the eval rows, dropout off, no grad (eval/loss is a mean over rows)."""
     model.eval()
-    with torch.no_grad():
-        bs = args.per_device_train_batch_size
-        out = [
-            rm_batch(model, eval_examples[i : i + bs], args, pad_id, device) for i in range(0, len(eval_examples), bs)
-        ]
+    bs = args.per_device_train_batch_size
+    out = [rm_batch(model, eval_examples[i : i + bs], args, pad_id, device) for i in range(0, len(eval_examples), bs)]
     model.train()
     loss = sum(loss.item() * len(next(iter(s.values()))) for loss, s, _ in out) / len(eval_examples)  # per row
     return {"eval/loss": loss, **rm_metrics([s for _, s, _ in out], attributes, prefix="eval/")}
@@ -226,6 +226,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: base + trainable "default" LoRA (dropout off, as TRL), and the head
     print_config("rm", args, training_config(args, len(rows)) | {"head": f"{args.loss_type}: {attributes}"})
+    check_memory(args, "rm", rows)  # the plan; --plan exits here, before any weight loads
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
@@ -255,9 +256,8 @@ def main(args: Args) -> dict:
         t0 = time.perf_counter()
         loss_sum, tokens, stats = 0.0, 0, []
         for i in range(ga):
-            loss, micro_stats, micro_tokens = rm_batch(
-                model, micro_batch(examples, step * ga + i, bs, args.seed), args, pad_id, device
-            )
+            chunk = micro_batch(examples, step * ga + i, bs, args.seed)
+            loss, micro_stats, micro_tokens = rm_batch(model, chunk, args, pad_id, device)
             (loss / ga).backward()  # each micro loss is a mean over its rows; / GA: the step's mean over all rows
             loss_sum, tokens = loss_sum + loss.item() / ga, tokens + micro_tokens
             stats.append(micro_stats)

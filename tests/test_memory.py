@@ -115,7 +115,7 @@ def test_table_states_its_assumptions():
     assert out.count("| n/a") == 10  # dpo.py and grpo.py have no full fine-tuning, 5 sizes each
 
 
-SCRIPTS = ["sft", "dpo", "orpo", "kto", "grpo", "raft"]
+SCRIPTS = ["sft", "dpo", "orpo", "kto", "grpo", "raft", "rm"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
