@@ -49,9 +49,9 @@ def text(n_words: int, seed: int) -> str:
 
 
 def write_data(folder: str) -> dict[str, str]:
-    """JSONL rows: 3 of 4 completions far longer than any max_length here (cut to it), every 4th short, so batches
-    are padded (sdpa then keeps a mask and all-head k, v: the planner's worst case); DPO: chosen long, rejected
-    short; GRPO prompts of 8-10 words (left padding)."""
+    """JSONL rows: 3 of 4 completions far longer than any max_length here (cut to it), every 4th short (the child
+    lengthens it to ~94 % of max_length: near_full_rows); DPO: chosen long, rejected likewise; GRPO prompts of 8-10
+    words (left padding)."""
     long = [text(900 if i % 4 else 30, i) for i in range(64)]
     rows = {
         "sft": [{"prompt": "Write: " + text(4, i), "completion": long[i]} for i in range(64)],
@@ -102,6 +102,47 @@ GPU_CASES = {"sft": (4, 1024), "dpo": (2, 1024), "grpo": (4, 512)}  # random wei
 GPU_TINY = {"sft": (1, 256), "dpo": (4, 256), "grpo": (1, 128)}
 
 
+def near_full_rows(args, script: str, folder: str) -> str:
+    """The case's rows rewritten so that every batch is the planner's worst case under length grouping
+    (common.logps.length_groups): each short completion (every 4th SFT row, every DPO rejected) is cut to the words
+    that make its row ~94 % of max_length in this model's tokens, so a batch is one group, padded (sdpa keeps a mask
+    and all-head k, v) and ~max_length long; rows far shorter would run as a group of their own and take less."""
+    from transformers import AutoTokenizer
+
+    from common.data import tokenize_dataset, validate_rows
+    from common.embedded import resolve_model
+    from common.templates import setup_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    setup_chat_template(tokenizer, args.template)
+    kind, key = ("sft", "completion") if script == "sft" else ("preference", "rejected")
+    target = int(0.94 * args.max_length)
+
+    def size(row: dict) -> int:
+        kw = {"max_prompt_length": args.max_prompt_length} if script == "dpo" else {}
+        e = tokenize_dataset(tokenizer, validate_rows([row], kind), kind, None, **kw)[0]
+        return len(e["input_ids"]) if script == "sft" else len(e["prompt_ids"]) + len(e["rejected_ids"])
+
+    rows = load_rows_plain(args.dataset)
+    for i, row in enumerate(rows):
+        if script == "sft" and i % 4:
+            continue  # a long row: cut to max_length by the script
+        words, lo, hi = text(900, i).split(), 1, 900  # the most words whose row stays within the target
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if size(row | {key: " ".join(words[:mid])}) <= target else (lo, mid - 1)
+        row[key] = " ".join(words[:lo])
+    path = os.path.join(folder, f"{script}-near-full-{os.getpid()}.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def load_rows_plain(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def rss_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return int(next(line.split()[1] for line in f if line.startswith(field + ":")))
@@ -134,6 +175,8 @@ def child(spec: dict) -> None:
             tokenizer, validate_rows(load_rows(args.dataset, "train"), "prompt"), "prompt", None
         )
         args.max_prompt_length = max(len(e["prompt_ids"]) for e in examples)
+    if spec["script"] in ("sft", "dpo"):
+        args.dataset = near_full_rows(args, spec["script"], os.path.dirname(args.dataset))
     resolved = resolve_preset(args, mod.PRESETS) if hasattr(mod, "PRESETS") else args
     longest = longest_row(load_rows(resolved.dataset, "train"))  # as check_memory bounds it in the script
     import torch

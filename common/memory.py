@@ -134,7 +134,7 @@ def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int
     rows, ref_pass, rollout = getattr(args, "per_device_train_batch_size", 1) * (1 + pairs), 0, {}
     kept, work, head = _pass(c, b, rows, T, rows * T, args, True)
     head *= script != "rm"  # a reward model's head is H -> 1: no vocabulary logits
-    # DPO's and KTO's reference (and KTO's KL rows) run under no_grad while the policy's activations are held
+    # DPO's and KTO's reference (and KTO's KL rows): a no-grad pass over the same rows
     if (script in ("dpo", "kto") or getattr(args, "dpo", 0)) and not getattr(args, "precompute_ref_log_probs", 0):
         ref_pass = sum(_pass(c, b, rows, T, rows * T, args, False)[1:]) if ref.get(script) else 0
     if script in ("grpo", "raft") and getattr(args, "engine", "hf") == "vllm":  # vLLM takes this share of the card
@@ -158,7 +158,10 @@ def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int
     parts |= {"step: activations": kept, "step: layer working set": work, "step: log-prob buffer": head}
     parts |= ({"step: reference pass": ref_pass} if ref_pass else {}) | rollout
     lasting = sum(v for k, v in parts.items() if ":" not in k)
-    peak = max([kept + max(work + head, ref_pass), *rollout.values()])
+    step = kept + max(work + head, ref_pass)  # kto.py, raft.py: the reference pass runs while the graph is held
+    if script == "dpo":  # dpo.py runs it before the policy's forward, so it never coexists with the graph
+        step = max(kept + work + head, ref_pass)
+    peak = max([step, *rollout.values()])
     parts = {k: int(v) for k, v in parts.items()}
     parts["allocator (10 %)"] = int(ALLOCATOR * (lasting - parts["allowance (runtime)"] + peak))
     parts["total"] = int(lasting + peak) + parts["allocator (10 %)"]
