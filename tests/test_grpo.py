@@ -15,6 +15,7 @@ import common.model
 from common.logps import aggregate_loss
 from common.run import RunStopped
 from grpo import Args, grpo_per_token_loss, main
+from tests.tiny import write_learnable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOW = 200  # the rule reward: share of completion tokens with id < LOW
@@ -107,24 +108,9 @@ def test_each_loss_type_end_to_end(loss_type, expected):
 # ---------------------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def learnable_dir(tmp_path_factory):
-    """The tiny model with a head that scores token v by +-(h . u) (+ for ids < LOW): the rule reward is then one
-    direction of the final hidden state, which LoRA learns in a few steps. With the random head the reachable logit
-    gap between the two halves of the vocabulary is ~0.1 nats, so no reward on it could rise."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.tiny import write_tiny
-
-    path = write_tiny(tmp_path_factory.mktemp("grpo_learnable"))
-    model = AutoModelForCausalLM.from_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    vocab, hidden = model.lm_head.weight.shape
-    sign = torch.where(torch.arange(vocab) < LOW, 1.0, -1.0)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(
-            sign[:, None] * torch.randn(hidden, generator=g) * 0.05 + 0.02 * torch.randn(vocab, hidden, generator=g)
-        )
-    model.save_pretrained(path)
-    return path
+    """tests/tiny.py's learnable model: the rule reward (share of ids < LOW) is one direction of the final hidden
+    state."""
+    return write_learnable(tmp_path_factory.mktemp("grpo_learnable"), LOW)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from common.run import CorruptCheckpointError, ResumeError
 from common.reward_model import CONFIG_FILE, HEAD_FILE, label_rows, load_reward, model_reward, reward_logits, score
 from rm import Args, bradley_terry_loss, main, regression_loss
 from tests.prefs_helpers import assert_base_untouched, preference_rows, run_cli, slot_state, write_jsonl
-from tests.tiny import write_tiny
+from tests.tiny import write_learnable
 
 LOW = 200  # the learnable model's split of the vocabulary, as tests/test_grpo.py
 WORDS = ("red", "blue", "green", "yes", "good", "hello")  # regression rows: both scores follow the last word
@@ -190,21 +190,13 @@ def test_cli_help_and_one_step(tiny_model_dir, prefs, tmp_path):
 # --------------------------------------------------------------------------------------- the "reward" slot
 @pytest.fixture(scope="module")
 def learnable(tmp_path_factory):
-    """tests/test_grpo.py's learnable model (token v scored by +-(h . u), + for ids < LOW), and a reward model
-    trained on it to prefer completions of low-id tokens over high-id ones: a reward GRPO can climb."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """tests/tiny.py's learnable model (token v scored by +-(h . u), + for ids < LOW), and a reward model trained
+    on it to prefer completions of low-id tokens over high-id ones: a reward GRPO can climb."""
+    from transformers import AutoConfig, AutoTokenizer
 
     root = tmp_path_factory.mktemp("learnable")
-    path = write_tiny(root / "model")
-    model = AutoModelForCausalLM.from_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    vocab, hidden = model.lm_head.weight.shape
-    sign = torch.where(torch.arange(vocab) < LOW, 1.0, -1.0)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(
-            sign[:, None] * torch.randn(hidden, generator=g) * 0.05 + 0.02 * torch.randn(vocab, hidden, generator=g)
-        )
-    model.save_pretrained(path)
+    path = write_learnable(root / "model", LOW)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
     tokenizer, g = AutoTokenizer.from_pretrained(path), torch.Generator().manual_seed(1)
 
     def text(lo, hi):

@@ -73,3 +73,22 @@ def write_tiny(out_dir, pad_is_eos: bool = False, **model_kwargs) -> str:
 
 if __name__ == "__main__":
     print(write_tiny(sys.argv[1]))
+
+
+def write_learnable(out_dir, low: int = 200) -> str:
+    """The tiny model with a head that scores token v by +-(h . u) (+ for ids < low): a reward on the share of low-id
+    tokens is then one direction of the final hidden state, which LoRA learns in a few steps. With the random head
+    the reachable logit gap between the two halves of the vocabulary is ~0.1 nats, so no reward on it could rise."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_tiny(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden = model.lm_head.weight.shape
+    sign = torch.where(torch.arange(vocab) < low, 1.0, -1.0)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(
+            sign[:, None] * torch.randn(hidden, generator=g) * 0.05 + 0.02 * torch.randn(vocab, hidden, generator=g)
+        )
+    model.save_pretrained(path)
+    return path
