@@ -4,8 +4,8 @@ batch sizes each, every case in a fresh process.
 Measured = peak RSS (VmHWM) minus the RSS after every import and before the model loads (the peak is reset there
 through /proc/self/clear_refs). Estimated = the planner's parts that exist on a CPU: weights, LoRA + AdamW, the step's
 activations, log-prob buffer and reference pass, the rollout's KV cache (not the runtime allowance nor the 10 %
-allocator margin). The rows are long enough that every sequence reaches max_length (GRPO: random models never emit
-EOS; SmolLM2 is asked for long stories), so the planner's worst case is the case that runs. Children run with
+allocator margin). Every sequence reaches ~94-100 % of max_length (near_full_rows; GRPO: random models never emit
+EOS, SmolLM2 is asked for long stories), so the planner's worst case is the case that runs. Children run with
 MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight back to the OS when freed, so RSS follows the live tensors
 (glibc's default keeps freed blocks, 2-3 GB on DPO: README, "Where the memory of a small run goes").
 
