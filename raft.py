@@ -80,8 +80,8 @@ class Args:
     """recompute activations in backward to save memory"""
     # data
     dataset: str | None = None
-    """[data] prompts (raft: extra columns go to the rewards; spin: {prompt, completion} rows, e.g. builtin:math_sft).
-    None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
+    """[data] prompts (extra columns go to the rewards; spin: {prompt, completion} rows). None = preset (demo:
+    builtin:math; gsm8k: openai/gsm8k:main)"""
     dataset_split: str = "train"
     """split to train on"""
     template: str = "auto"
@@ -165,12 +165,6 @@ PRESET_VALUES = {  # field: (demo, gsm8k)
 PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
 
 
-def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> torch.Tensor:
-    """L = -sum_t log p(y_t | y_<t, x) / N over the kept completions' tokens (sft.py's loss, written here so editing
-    sft.py never changes raft.py)."""
-    return -per_token_logps.sum() / num_items
-
-
 def dpo_sigmoid_loss(*, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float):
     """Per-pair -log s(beta [(log pi_c - log ref_c) - (log pi_r - log ref_r)]) of summed completion log-probs (B,)
     (DPO Eq. 7; dpo.py's sigmoid loss, written here on purpose), and the implicit rewards beta h_c, beta h_r."""
@@ -234,11 +228,12 @@ def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dic
 
 
 def sft_step(model, chunk: list[dict], pad_id: int, device):
-    """SFT loss of one batch of kept samples: every completion token through its end-of-turn, token mean."""
+    """SFT loss of one batch of kept samples, L = -sum_t log p(y_t | y_<t, x) / N over its N completion tokens
+    (through each end-of-turn): sft.py's loss, written here so that editing sft.py never changes raft.py."""
     batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
     mask = batch["completion_mask"]
     per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], mask)  # (B, T)
-    return sft_loss(per_token_logps, mask.sum()), {}
+    return -per_token_logps.sum() / mask.sum(), {}
 
 
 def dpo_step(model, chunk: list[dict], pad_id: int, device, beta: float):
@@ -307,16 +302,11 @@ def kept_and_pairs(batch: list[dict], samples: list[dict], scores, args: Args) -
     G = scores.shape[1]
     kept = select_best(scores, args.reward_threshold, args.keep_per_prompt)
     sft_rows = [{k: samples[i * G + j][k] for k in ("prompt", "completion", "reward")} for i, j in kept]
-    pair_rows = [
-        {
-            "prompt": batch[i]["prompt"],
-            "chosen": samples[i * G + c]["completion"],
-            "rejected": samples[i * G + r]["completion"],
-            "score_chosen": scores[i, c].item(),
-            "score_rejected": scores[i, r].item(),
-        }
-        for i, c, r in make_pairs(scores, args.min_margin)
-    ]
+    pair_rows = []
+    for i, c, r in make_pairs(scores, args.min_margin):
+        chosen, rejected = samples[i * G + c]["completion"], samples[i * G + r]["completion"]
+        row = {"prompt": batch[i]["prompt"], "chosen": chosen, "rejected": rejected}
+        pair_rows.append(row | {"score_chosen": scores[i, c].item(), "score_rejected": scores[i, r].item()})
     return sft_rows, pair_rows
 
 
@@ -364,9 +354,8 @@ def main(args: Args) -> dict:
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
     done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
     if args.resume_from and done >= args.num_rounds:  # nothing left to run: say so, do not rewrite final/
-        raise ResumeError(
-            f"--resume-from {run_dir}: round {done} is done, at or past this run's {args.num_rounds} rounds"
-        )
+        why = f"round {done} is done, at or past this run's {args.num_rounds} rounds"
+        raise ResumeError(f"--resume-from {run_dir}: {why}")
 
     # ---- 2 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
     # With a DPO loss no dropout, as dpo.py: the policy (train mode) and "ref" (eval mode) then agree exactly
@@ -433,15 +422,8 @@ def main(args: Args) -> dict:
         t3 = time.perf_counter()
         # (5) held-out eval, then the round's data, metrics and adapter in one atomic rename
         eval_metrics, records = evaluate(model, tokenizer, eval_rows, args)
-        metrics = {
-            **stats,
-            "num_pairs": len(pair_rows),
-            **eval_metrics,
-            "time/rollout": t1 - t0,
-            "time/train": t3 - t2,
-            "time/round": time.perf_counter() - t0,
-            "memory/peak_gb": peak_memory_gb(),
-        }
+        timing = {"time/rollout": t1 - t0, "time/train": t3 - t2, "time/round": time.perf_counter() - t0}
+        metrics = {**stats, "num_pairs": len(pair_rows), **eval_metrics, **timing, "memory/peak_gb": peak_memory_gb()}
         files = {"samples.jsonl": samples, "pairs.jsonl": pair_rows, "eval.jsonl": records}
         write_round(run_dir, rnd, files if spin else {"sft.jsonl": sft_rows, **files}, metrics, model)
         logger.log(rnd, metrics)
@@ -457,10 +439,8 @@ def main(args: Args) -> dict:
         json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text()).get(acc_key, math.nan)
         for n in range(args.num_rounds + 1)
     ]  # from the files: rounds run before a resume included
-    print(
-        f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, "
-        f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, adapter {final_dir}"
-    )
+    took = f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, adapter {final_dir}"
+    print(f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, {took}")
     out = {"run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "accuracy_by_round": accuracy}
     return {**metrics, **out, "model": model}
 
