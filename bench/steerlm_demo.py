@@ -1,15 +1,20 @@
 """SteerLM on the embedded model: attribute-conditioned SFT on built-in math rows, then steering by attributes alone.
 
 Training rows are builtin:math_sft's train problems, each written four times with attributes {correct, length}:
-correct 1 keeps the worked answer, correct 0 has a slip in the final result (one too many; see `slipped`); length 0
-is the bare arithmetic ("5 + 3 = 8" per step), length 1 the worked sentences between an opening and a closing line.
-sft.py trains on them (`--attributes-in`, written into the prompt by common.data.steer_rows); then, on held-out
-builtin:math test prompts, greedy decoding under each of the four attribute sets (evals.gsm8k's --attributes path)
-gives the accuracy and the mean completion length (tokens) for each.
+correct 1 keeps the worked answer, correct 0 has one consistent slip (a 0 appended to the final result; `slipped`);
+length 0 is the bare arithmetic ("5 + 3 = 8" per step), length 1 the worked sentences between an opening and a closing
+line. sft.py trains on them (`--attributes-in`, written into the prompt by common.data.steer_rows): by default every
+weight (not LoRA), packed in file order so each packed row holds one problem's four variants (the rows differ only
+in the attribute string and the answer, so each step sees the contrast), constant lr. Then, on held-out builtin:math
+test prompts, greedy decoding under each of the four attribute sets (evals.gsm8k's --attributes path) gives the
+accuracy and the mean completion length (tokens) for each. README, SteerLM: why these defaults (the LoRA runs
+learned the answers' 50/50 mix and not the attributes).
 Not CI; prints measured figures and asserts nothing.
 
-    OMP_NUM_THREADS=1 python bench/steerlm_demo.py                  # defaults: 60 steps x 8 rows, 48 test prompts
+    OMP_NUM_THREADS=1 python bench/steerlm_demo.py                  # defaults: STEPS steps x 2 packs, 48 test prompts
     python bench/steerlm_demo.py --steps 2 --limit 4 --model <dir>   # the code path on a small model (smoke test)
+    python bench/steerlm_demo.py --lora --pack-length 0 --batch-size 8 --learning-rate 1e-3 --attributes-in system
+                                                                    # ~ the earlier LoRA runs (then: a +1 slip)
 """
 
 import argparse
@@ -31,14 +36,13 @@ CONDITIONS = ["correct:1,length:0", "correct:0,length:0", "correct:1,length:1", 
 
 
 def slipped(solution: str) -> str:
-    """The solution with its final result one too many, in the last step and after ####. One slip, not a random one
-    of -2..+2 as builtin:math_preference's: under greedy decoding one wrong value must outweigh the right one, and four
-    would share the mass. Neither moved the accuracy in 40-60 steps (README, SteerLM)."""
-    right = int(solution.rsplit("#### ", 1)[1])
-    wrong = right + 1
+    """The solution with a 0 appended to its final result, in the last step and after ####: one consistent slip (a
+    wrong result the model can make without knowing the right one's neighbours), not +1 (which needs the carry) nor a
+    random one of -2..+2 as builtin:math_preference's, which would share the probability mass under greedy decoding."""
+    right = solution.rsplit("#### ", 1)[1]
     lines = solution.split("\n")
-    lines[-2] = re.sub(rf"= {right}\b", f"= {wrong}", lines[-2], count=1)
-    return "\n".join(lines[:-1] + [f"#### {wrong}"])
+    lines[-2] = re.sub(rf"= {right}\b", f"= {right}0", lines[-2], count=1)
+    return "\n".join(lines[:-1] + [f"#### {right}0"])
 
 
 def short(solution: str) -> str:
@@ -75,11 +79,13 @@ def steerlm_rows(problems: int | None = None) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=2, help="packed rows per step (~4 documents each)")
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (default: every weight)")
+    parser.add_argument("--pack-length", type=int, default=480, help="sft.py --packing --max-length; 0 = no packing")
     parser.add_argument("--problems", type=int, default=300, help="train problems (x4 rows); tokenizing all is slow")
-    parser.add_argument("--attributes-in", choices=["system", "user"], default="system")
+    parser.add_argument("--attributes-in", choices=["system", "user"], default="user")
     parser.add_argument("--limit", type=int, default=48, help="held-out builtin:math test prompts per condition")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--out", default="outputs/steerlm_demo")
@@ -96,7 +102,9 @@ def main():
     cmd = [sys.executable, os.path.join(ROOT, "sft.py"), "--model", args.model, "--dataset", data]
     cmd += ["--attributes-in", args.attributes_in, "--max-steps", str(args.steps), "--learning-rate"]
     cmd += [str(args.learning_rate), "--per-device-train-batch-size", str(args.batch_size), "--save-steps", "0"]
-    cmd += ["--logging-steps", "10", "--output-dir", os.path.join(args.out, "runs")]
+    cmd += ["--logging-steps", "10", "--output-dir", os.path.join(args.out, "runs"), "--lr-scheduler-type", "constant"]
+    cmd += [] if args.lora else ["--no-use-lora"]
+    cmd += ["--packing", "--max-length", str(args.pack_length)] if args.pack_length else []
     print("$", " ".join(cmd), flush=True)
     log = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     final_dir = re.findall(r"saved (\S+)", log)[-1]

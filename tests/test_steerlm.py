@@ -244,3 +244,35 @@ def test_gsm8k_attributes_name_the_results_and_bad_ones_fail_before_loading(tiny
     assert out["attributes"] == "correct:1" and out["summary"].endswith("__correct-1__builtin-math.json")
     with pytest.raises(DataError, match="--attributes 'correct=1'"):
         gsm8k.main(gsm8k.Args(**{**args, "model": "/nonexistent"}, attributes="correct=1"))
+
+
+@pytest.mark.parametrize("where", ["system", "user"])
+def test_eval_prompt_tokens_are_the_training_prompt_tokens(tiny_model_dir, where):
+    """The token ids evals.gsm8k feeds under --attributes are exactly the prompt ids sft.py trained on for the same
+    question and attributes (the SteerLM demo's diagnosis: no format gap between training and steering)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    (row,) = gsm8k.gsm8k_rows("builtin:math", "test", limit=1, attributes="length:1,correct:0", attributes_in=where)
+    (plain,) = gsm8k.gsm8k_rows("builtin:math", "test", limit=1)
+    trained = steered(
+        [{"prompt": plain["prompt"], "completion": REPLY, "attributes": {"correct": 0, "length": 1}}], where
+    )
+    (ex,) = tokenize_dataset(tok, trained, "sft", None)
+    prompt_ids = ex["input_ids"][: ex["completion_mask"].index(1)]
+    assert tokenize_prompt(tok, row, None)["prompt_ids"] == prompt_ids
+    assert "correct:0,length:1" in tok.decode(prompt_ids)
+
+
+def test_steerlm_demo_rows_four_variants_slip_is_wrong():
+    """bench/steerlm_demo.py's rows: each problem under the four attribute sets, in order (so --packing puts them in
+    one packed row); correct:0 answers score 0 and correct:1 answers 1 under the eval's math_reward."""
+    sys.path.insert(0, ROOT)
+    from bench.steerlm_demo import steerlm_rows
+
+    rows = steerlm_rows(5)
+    assert [tuple(r["attributes"].values()) for r in rows[:4]] == [(1, 0), (1, 1), (0, 0), (0, 1)]
+    answers = [r["completion"][0]["content"].rsplit("#### ", 1)[1] for r in rows[:4]]
+    assert answers[0] == answers[1] and answers[2] == answers[3] == answers[0] + "0"
+    scored = gsm8k.score([r["completion"][0]["content"] for r in rows[:4]], [answers[0]] * 4)
+    assert [s["correct"] for s in scored] == [True, True, False, False]
+    texts = [r["completion"][0]["content"] for r in rows[:2]]
+    assert texts[1].startswith("Let's work through it") and texts[0][0].isdigit()  # length 1 / length 0
