@@ -191,7 +191,7 @@ SCORED = (  # 5 prompts x 6 completions: scores spread over the reward model's r
 )
 
 
-def test_reward_slot_on_a_4bit_base_scores_as_the_unquantised_model(tiny_model_dir, reward_model, monkeypatch):
+def test_reward_slot_on_a_4bit_base_scores_as_the_unquantised_model(tiny_model_dir, reward_model, monkeypatch, capsys):
     """The reward adapter attaches to the NF4 layers (PEFT's bnb LoRA) of the one backbone; scoring restores the
     active adapter, every requires_grad flag and train mode, also on an error, and leaves "reward" as loaded. The
     scores equal (1e-5) those of the unquantised model carrying the dequantised NF4 weights: the slot adds nothing
@@ -202,6 +202,7 @@ def test_reward_slot_on_a_4bit_base_scores_as_the_unquantised_model(tiny_model_d
     fp32, q4 = policy(tiny_model_dir, None), policy(tiny_model_dir, "4bit")
     reward = load_reward(reward_model, q4)
     assert reward.model is q4 and REWARD in q4.peft_config  # a third slot, no second backbone
+    assert "trained on a unquantized base, scored on the policy's 4bit one" in capsys.readouterr().out
     layer = q4.get_base_model().model.layers[0].mlp.up_proj
     assert isinstance(layer.base_layer, bnb.nn.Linear4bit) and REWARD in layer.lora_A  # LoRA on the NF4 layer
     q4.train()
@@ -220,6 +221,7 @@ def test_reward_slot_on_a_4bit_base_scores_as_the_unquantised_model(tiny_model_d
     unchanged()
     assert all(torch.equal(v, base[k]) for k, v in slot_state(q4, REWARD).items())
     unquantised = load_reward(reward_model, fp32)
+    assert "trained on a" not in capsys.readouterr().out  # the base it was trained on: nothing to say
     reference = score(unquantised, prompts, completions)[:, 0]
     q4_layers = dict(q4.named_modules())
     with torch.no_grad():  # the fp32 policy with the NF4 weights, dequantised: the same function in fp32 layers
@@ -237,6 +239,24 @@ def test_reward_slot_on_a_4bit_base_scores_as_the_unquantised_model(tiny_model_d
     )
     print(f"pairs in the same order: {order.float().mean():.3f}")
     assert order.float().mean() >= 0.95
+
+
+def test_a_reward_model_trained_on_a_4bit_base_records_it_and_loads_so(tiny_model_dir, tmp_path, capsys):
+    """rm.py --quantization 4bit writes it into reward_config.json; loaded apart (labelling, another base) the
+    reward model gets the 4-bit base it was trained on, and as the slot of a 4-bit policy it says nothing."""
+    import rm
+
+    data = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(8))
+    kw = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, save_steps=0)
+    final = rm.main(rm.Args(model=tiny_model_dir, dataset=data, quantization="4bit", **kw))["final_dir"]
+    with open(os.path.join(final, "reward_config.json")) as f:
+        assert json.load(f)["quantization"] == "4bit"
+    alone = load_reward(final)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in alone.model.modules()), "loaded apart without its 4 bits"
+    assert torch.isfinite(score(alone, SCORED[0][:1], SCORED[1][:1])).all()
+    capsys.readouterr()
+    assert load_reward(final, policy(tiny_model_dir, "4bit")).model is not alone.model
+    assert "trained on a" not in capsys.readouterr().out
 
 
 def test_grpo_and_raft_with_a_model_reward_on_a_4bit_base(tiny_model_dir, reward_model, tmp_path, spy):
