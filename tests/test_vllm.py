@@ -214,7 +214,7 @@ def test_grpo_with_a_model_reward_through_the_vllm_engine(served, reward_dir, tm
     (tmp := tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))  # run_cli passes the environment on: the engine writes its adapters here
     flags = ["--preset", "demo", "--model", served[0], "--dataset", prompts, "--rewards", f"model:{reward_dir}"]
-    flags += ["--engine", "vllm", "--max-steps", 2, "--save-steps", 1, "--group-size", 4, "--prompts-per-step", 2]
+    flags += ["--engine", "vllm", "--max-steps", 2, "--save-steps", 2, "--group-size", 4, "--prompts-per-step", 2]
     flags += ["--max-completion-length", 8, "--learning-rate", 1e-2, "--torch-threads", 1, "--output-dir", tmp_path]
     result = run_cli("grpo.py", *flags, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
