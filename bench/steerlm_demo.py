@@ -11,7 +11,7 @@ accuracy and the mean completion length (tokens) for each. README, SteerLM: why 
 learned the answers' 50/50 mix and not the attributes).
 Not CI; prints measured figures and asserts nothing.
 
-    OMP_NUM_THREADS=1 python bench/steerlm_demo.py                  # defaults: STEPS steps x 2 packs, 48 test prompts
+    OMP_NUM_THREADS=1 python bench/steerlm_demo.py                  # defaults: 80 steps x 2 packs, 48 test prompts
     python bench/steerlm_demo.py --steps 2 --limit 4 --model <dir>   # the code path on a small model (smoke test)
     python bench/steerlm_demo.py --lora --pack-length 0 --batch-size 8 --learning-rate 1e-3 --attributes-in system
                                                                     # ~ the earlier LoRA runs (then: a +1 slip)
@@ -79,7 +79,7 @@ def steerlm_rows(problems: int | None = None) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--batch-size", type=int, default=2, help="packed rows per step (~4 documents each)")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (default: every weight)")
