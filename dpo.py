@@ -14,7 +14,6 @@ Differences from TRL's DPOTrainer defaults:
 """
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +26,7 @@ from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, 
 from common.logps import completion_logps, masked_mean, pair_completion_logps
 from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
-from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import ArgsError, PhaseTimer, print_config, stop_run, training_config
 
@@ -68,8 +67,8 @@ class Args:
     """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str | None = None
-    """[data] {prompt, chosen, rejected} rows: .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>. None =
-    preset (demo: builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)"""
+    """[data] {prompt, chosen, rejected} rows: file, hub id or builtin:<name>. None = preset (demo:
+    builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)"""
     dataset_split: str = "train"
     """split to train on"""
     eval_split: str | None = None
@@ -82,8 +81,7 @@ class Args:
     """keep only the last N prompt tokens; None = no prompt limit (TRL 1.16)"""
     # algorithm
     loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = "sigmoid"
-    """[algorithm] sigmoid (DPO), ipo, robust (conservative DPO with label_smoothing), simpo (reference-free,
-    length-normalised)"""
+    """[algorithm] sigmoid (DPO), ipo, robust (with label_smoothing), simpo (reference-free, length-normalised)"""
     beta: float = 0.1
     """inverse temperature of the implicit reward (IPO: the regulariser tau; the SimPO paper uses 2 to 10)"""
     label_smoothing: float = 0.0
@@ -132,8 +130,7 @@ class Args:
     """start even when the memory plan exceeds the device's memory"""
 
 
-# The two sets of defaults: demo = the built-in math set `python dpo.py` trains on offline on a CPU; trl = the
-# dataset TRL's own dpo example trains on, for any other --model (a real model deserves real data).
+# demo: the built-in math set, offline on a CPU; trl: TRL's own dpo example's dataset, for any other --model.
 PRESETS = {"demo": dict(dataset="builtin:math_preference"), "trl": dict(dataset="trl-lib/ultrafeedback_binarized")}
 
 
@@ -222,8 +219,7 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, timer
 
 
 def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: int, device) -> None:
-    """One no-grad pass of the "ref" slot over the rows, stored into each as ref_chosen_logps / ref_rejected_logps
-    (Python floats: exact for fp32 values)."""
+    """One no-grad pass of "ref" over the rows, stored in each as ref_chosen_logps / ref_rejected_logps (floats)."""
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         with as_reference(model):
@@ -302,9 +298,7 @@ def main(args: Args) -> dict:
     metrics, nonfinite = {}, 0
     interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
-        t0 = time.perf_counter()
-        loss_sum, tokens, stats = 0.0, 0, []
-        timer = PhaseTimer()
+        loss_sum, tokens, stats, timer = 0.0, 0, [], PhaseTimer()
         for i in range(ga):
             chunk = micro_batch(examples, step * ga + i, bs, args.seed)
             loss, micro_stats, micro_tokens = pair_losses(model, chunk, args, pad_id, device, timer)
@@ -323,9 +317,7 @@ def main(args: Args) -> dict:
             "learning_rate": scheduler.get_last_lr()[0],
             "num_tokens": tokens,
             "epoch": (step + 1) * ga / batches_per_epoch,
-            "memory/peak_gb": peak_memory_gb(),
-            "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
-            **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
+            **timer.metrics(tokens),
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             metrics |= evaluate(model, eval_examples, args, pad_id, device)
@@ -339,11 +331,7 @@ def main(args: Args) -> dict:
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
     final_dir = save_final(run_dir, model, tokenizer)
     logger.close()
-    first = logger.history[0]["loss"] if logger.history else float("nan")
-    print(
-        f"dpo: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, rewards/accuracies "
-        f"{metrics.get('rewards/accuracies', float('nan')):.2f} after {total_steps} steps; saved {final_dir}"
-    )
+    print(f"dpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

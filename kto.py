@@ -15,7 +15,6 @@ Differences from TRL's KTOTrainer defaults:
 """
 
 import os
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -29,7 +28,7 @@ from common.data import validate_rows
 from common.logps import completion_logps
 from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
-from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import Logger, PhaseTimer, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import print_config, stop_run, training_config
 
@@ -220,7 +219,7 @@ def main(args: Args) -> dict:
     metrics, nonfinite = {}, 0
     interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
-        t0 = time.perf_counter()
+        timer = PhaseTimer()
         loss_sum, z0_sum, tokens, labels, rewards, logps_all = 0.0, 0.0, 0, [], [], []
         for i in range(ga):
             chunk = micro_batch(examples, step * ga + i, bs, args.seed)
@@ -264,8 +263,7 @@ def main(args: Args) -> dict:
                 "learning_rate": scheduler.get_last_lr()[0],
                 "num_tokens": tokens,
                 "epoch": (step + 1) * ga / batches_per_epoch,
-                "memory/peak_gb": peak_memory_gb(),
-                "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+                **timer.metrics(tokens),
             }
         )
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
@@ -278,11 +276,7 @@ def main(args: Args) -> dict:
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
     final_dir = save_final(run_dir, model, tokenizer)
     logger.close()
-    first = logger.history[0]["loss"] if logger.history else float("nan")
-    print(
-        f"kto: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, kl "
-        f"{metrics.get('kl', float('nan')):.4f} after {total_steps} steps; saved {final_dir}"
-    )
+    print(f"kto: {logger.trend('loss', 'kl')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -15,7 +15,6 @@ Differences from TRL's ORPOTrainer defaults:
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,7 +27,7 @@ from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, 
 from common.logps import masked_mean, sequence_logps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
-from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import Logger, PhaseTimer, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import print_config, stop_run, training_config
 
@@ -226,8 +225,7 @@ def main(args: Args) -> dict:
     metrics, nonfinite = {}, 0
     interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
-        t0 = time.perf_counter()
-        stats, loss_sum = [], 0.0
+        stats, loss_sum, timer = [], 0.0, PhaseTimer()
         for i in range(ga):
             loss, micro_stats = pair_losses(micro_batch(examples, step * ga + i, bs, args.seed))
             (loss / ga).backward()  # each micro loss is a mean over its pairs (TRL: the Trainer divides by GA)
@@ -242,8 +240,7 @@ def main(args: Args) -> dict:
                 "nonfinite_updates": nonfinite,
                 "learning_rate": scheduler.get_last_lr()[0],
                 "epoch": (step + 1) * ga / batches_per_epoch,
-                "memory/peak_gb": peak_memory_gb(),
-                "perf/tokens_per_s": metrics["num_tokens"] / (time.perf_counter() - t0),
+                **timer.metrics(metrics["num_tokens"]),
             }
         )
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
@@ -262,11 +259,7 @@ def main(args: Args) -> dict:
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = save_final(run_dir, model, tokenizer)
     logger.close()
-    first = logger.history[0]["loss"] if logger.history else float("nan")
-    print(
-        f"orpo: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f}, rewards/accuracies "
-        f"{metrics.get('rewards/accuracies', float('nan')):.2f} after {total_steps} steps; saved {final_dir}"
-    )
+    print(f"orpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -16,7 +16,6 @@ Differences from TRL's RewardTrainer defaults:
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,7 +29,7 @@ from common.data import validate_rows
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters, unwrap
 from common.reward_model import reward_logits, save_reward
-from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import Logger, PhaseTimer, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import print_config, stop_run, training_config
 
@@ -253,8 +252,7 @@ def main(args: Args) -> dict:
     metrics, nonfinite = {}, 0
     interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
-        t0 = time.perf_counter()
-        loss_sum, tokens, stats = 0.0, 0, []
+        loss_sum, tokens, stats, timer = 0.0, 0, [], PhaseTimer()
         for i in range(ga):
             chunk = micro_batch(examples, step * ga + i, bs, args.seed)
             loss, micro_stats, micro_tokens = rm_batch(model, chunk, args, pad_id, device)
@@ -271,8 +269,7 @@ def main(args: Args) -> dict:
             "learning_rate": scheduler.get_last_lr()[0],
             "num_tokens": tokens,
             "epoch": (step + 1) * ga / batches_per_epoch,
-            "memory/peak_gb": peak_memory_gb(),
-            "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
+            **timer.metrics(tokens),
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             metrics |= evaluate(model, eval_examples, args, attributes, pad_id, device)

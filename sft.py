@@ -13,7 +13,6 @@ Differences from TRL's SFTTrainer defaults:
 """
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +26,7 @@ from common.logps import sequence_logps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
 from common.reward_model import label_rows
-from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, peak_memory_gb, save_checkpoint
+from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
 from common.run import PhaseTimer, print_config, stop_run, training_config
 
@@ -68,8 +67,7 @@ class Args:
     """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str | None = None
-    """[data] .json/.jsonl/.parquet file, hub dataset id, or builtin:<name>. None = preset (demo: builtin:math_sft;
-    trl: trl-lib/Capybara)"""
+    """[data] file, hub id or builtin:<name>. None = preset (demo: builtin:math_sft; trl: trl-lib/Capybara)"""
     dataset_split: str = "train"
     """split to train on"""
     eval_split: str | None = None
@@ -184,7 +182,7 @@ def main(args: Args) -> dict:
     metrics, nonfinite = {}, 0
     interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
     for step in range(start_step, total_steps):
-        t0 = time.perf_counter()
+        timer = PhaseTimer()
         micro = [
             collate(micro_batch(examples, step * ga + i, args.per_device_train_batch_size, args.seed))
             for i in range(ga)
@@ -192,7 +190,7 @@ def main(args: Args) -> dict:
         # TRL's num_items_in_batch: normalise by the completion tokens of the WHOLE step, so accumulation is exact.
         num_items = sum(int(b["completion_mask"].sum()) for b in micro)
         loss_sum, tokens = 0.0, 0
-        timer = PhaseTimer()
+        timer.mark("data")
         for batch in micro:
             per_token_logps, batch = forward_logps(batch)
             loss = sft_loss(per_token_logps, num_items)
@@ -213,9 +211,7 @@ def main(args: Args) -> dict:
             "learning_rate": scheduler.get_last_lr()[0],
             "num_tokens": tokens,
             "epoch": (step + 1) * args.gradient_accumulation_steps / batches_per_epoch,
-            "memory/peak_gb": peak_memory_gb(),
-            "perf/tokens_per_s": tokens / (time.perf_counter() - t0),
-            **{f"time/{phase}": seconds for phase, seconds in timer.seconds.items()},
+            **timer.metrics(tokens),
         }
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             metrics["eval/loss"] = evaluate(
@@ -231,11 +227,7 @@ def main(args: Args) -> dict:
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = save_final(run_dir, model, tokenizer)
     logger.close()
-    first = logger.history[0]["loss"] if logger.history else float("nan")
-    print(
-        f"sft: loss {first:.4f} -> {metrics.get('loss', float('nan')):.4f} over {total_steps - start_step} steps; "
-        f"saved {final_dir}"
-    )
+    print(f"sft: {logger.trend('loss')} over {total_steps - start_step} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history}
 
 

@@ -154,6 +154,14 @@ class PhaseTimer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now
 
+    def metrics(self, tokens: int) -> dict:
+        """A step's cost: peak memory so far, tokens per second since the timer started, seconds per phase."""
+        return {
+            "memory/peak_gb": peak_memory_gb(),
+            "perf/tokens_per_s": tokens / (time.perf_counter() - self.start),
+            **{f"time/{phase}": seconds for phase, seconds in self.seconds.items()},
+        }
+
 
 class Logger:
     """Every logged step goes to TensorBoard, to metrics.jsonl (one JSON object per step) and to a tqdm bar, or off a
@@ -193,6 +201,17 @@ class Logger:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def trend(self, *keys: str) -> str:
+        """'key first -> last' for each logged key, each side the mean of the first / last k values logged (k a
+        quarter of them, 1 to 5: single steps are noisy), for the line a script prints at the end."""
+        parts = []
+        for key in keys:
+            values = [h[key] for h in self.history if key in h]
+            k = max(1, min(5, len(values) // 4))
+            mean = f" (mean of first/last {k} steps)" if k > 1 else ""
+            parts += [f"{key} {sum(values[:k]) / k:.4f} -> {sum(values[-k:]) / k:.4f}{mean}"] if values else []
+        return ", ".join(parts) or "no step logged"
 
     def close(self) -> None:
         self.bar.close()

@@ -13,10 +13,36 @@ import sys
 
 from tqdm.auto import tqdm
 
+import torch
+
+from common.data import dataset_label
 from common.model import attach_lora, load_model, load_weights
+from common.rewards import math_reward, score_rollout
 from common.rollout import hf_generate
 from common.run import ArgsError, resolve_checkpoint
 from common.templates import setup_chat_template
+
+
+def eval_source(dataset: str, eval_dataset: str | None) -> str:
+    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set; a file is the train data)."""
+    if eval_dataset or not (os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet"))):
+        return eval_dataset or dataset
+    raise ArgsError(f"--dataset {dataset}: a file has no test split; give --eval-dataset FILE, or --eval-steps 0")
+
+
+@torch.no_grad()
+def reward_eval(generate, examples: list[dict], reward_funcs, max_new_tokens: int, source: str) -> dict:
+    """A training run's held-out eval through its own rollout engine (`generate`, HF or vLLM): one greedy completion
+    per prompt, its mean reward (the run's reward functions) and length and, for rows with an answer, the share whose
+    final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k)."""
+    out = generate([e["prompt_ids"] for e in examples], 1, temperature=0.0, max_new_tokens=max_new_tokens)
+    rewards, _ = score_rollout(examples, out, reward_funcs, max_new_tokens)
+    lengths = [len(c) for c in out["completion_ids"]]
+    metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
+    if all("answer" in e for e in examples):
+        right = math_reward(None, out["completions"], answer=[e["answer"] for e in examples])
+        metrics[f"eval/{dataset_label(source)}/accuracy"] = sum(right) / len(right)
+    return metrics
 
 
 def checkpoint_weights(path: str) -> str:

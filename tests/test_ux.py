@@ -1,5 +1,6 @@
 """What a user watching, exporting and sharing a run sees: log-file output, merged exports, shareable adapters."""
 
+import argparse
 import json
 import os
 import re
@@ -49,6 +50,29 @@ def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_di
     assert steps == ["1", "2"], text[-2000:]
     assert "\r" not in text, text[:2000]
     assert "is_gradient_checkpointing" not in text and "FutureWarning" not in text, text[-2000:]
+
+
+def test_end_of_run_trend_averages_the_first_and_last_quarter_of_logged_values(tmp_path):
+    """The line each script prints at the end: per key, the mean of the first / last k logged values (k = a quarter
+    of them, 1 to 5); a key logged on only some steps (a held-out eval) uses its own values; nothing logged says so."""
+    from common.run import Logger, PhaseTimer
+
+    logger = Logger(str(tmp_path), argparse.Namespace(logging_steps=1), 20)
+    assert logger.trend("loss") == "no step logged"
+    for step in range(1, 21):
+        logger.log(step, {"loss": float(step), **({"eval/x/accuracy": step / 100} if step in (1, 20) else {})})
+    logger.close()
+    # 20 values: k = 5, first five 1..5 (mean 3), last five 16..20 (mean 18); the eval key has 2 values: k = 1
+    assert logger.trend("loss", "eval/x/accuracy", "absent") == (
+        "loss 3.0000 -> 18.0000 (mean of first/last 5 steps), eval/x/accuracy 0.0100 -> 0.2000"
+    )
+    timer = PhaseTimer()
+    timer.mark("forward")
+    timer.mark("backward")
+    timer.mark("forward")  # a phase marked twice adds up
+    metrics = timer.metrics(tokens=100)
+    assert set(metrics) == {"memory/peak_gb", "perf/tokens_per_s", "time/forward", "time/backward"}
+    assert metrics["perf/tokens_per_s"] > 0 and metrics["time/forward"] >= 0
 
 
 # ---- evals: results named by the dataset used, one-line errors, report plots
