@@ -23,7 +23,7 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
-from common.logps import completion_logps, masked_mean, pair_completion_logps
+from common.logps import masked_mean, pair_completion_logps
 from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
@@ -223,7 +223,7 @@ def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: i
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         with as_reference(model):
-            ref_logps = completion_logps(model, concat_pairs(chunk, pad_id, device))[0]
+            ref_logps = pair_completion_logps(model, concat_pairs(chunk, pad_id, device), chunk)[0]
         for e, c, r in zip(chunk, *ref_logps.chunk(2), strict=True):
             e["ref_chosen_logps"], e["ref_rejected_logps"] = c.item(), r.item()
 
