@@ -32,11 +32,13 @@ def reward_logits(model, head, input_ids, attention_mask):
     return head(out.last_hidden_state[torch.arange(len(last), device=last.device), last].to(head.weight.dtype))
 
 
-def save_reward(final_dir: str, head, base_model: str, loss_type: str, attributes: list[str]) -> None:
-    """The head and reward_config.json next to the adapter save_final wrote."""
+def save_reward(final_dir: str, head, base_model: str, loss_type: str, attributes: list[str], quantization=None):
+    """The head and reward_config.json next to the adapter save_final wrote; `quantization` is the base's as trained
+    (None, "4bit", "8bit"): a model loaded apart is loaded so, and a policy base quantized otherwise is named."""
     save_file({"weight": head.weight.detach().float().cpu().contiguous()}, os.path.join(final_dir, HEAD_FILE))
+    config = {"base_model": base_model, "loss_type": loss_type, "attributes": list(attributes)}
     with open(os.path.join(final_dir, CONFIG_FILE), "w") as f:
-        json.dump({"base_model": base_model, "loss_type": loss_type, "attributes": list(attributes)}, f, indent=2)
+        json.dump(config | {"quantization": quantization}, f, indent=2)
 
 
 def read_config(path: str) -> dict:
@@ -78,10 +80,19 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
         with torch.random.fork_rng():  # PEFT may draw an init that is then overwritten: leave the RNG stream alone
             model.load_adapter(path, adapter_name=REWARD, is_trainable=False)
         rm_model = model
+        # Same base, other rounding (an RM trained in fp32 on a 4-bit policy): the slot scores the backbone it is on,
+        # and NF4 moves the scores (README, "Reward models": measured). A dir written before the key existed: no note.
+        ours = getattr(unwrap(model), "base_identity", {}).get("quantization")
+        if (trained := config.get("quantization", ours)) != ours:
+            print(
+                f"reward model {path}: trained on a {trained or 'unquantized'} base, scored on the policy's "
+                f"{ours or 'unquantized'} one: its scores move with the rounding (README: Reward models)"
+            )
     else:
         with warnings.catch_warnings():  # PEFT 0.21 reads a deprecated transformers attribute (see attach_lora)
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            rm_model = PeftModel.from_pretrained(load_model(config["base_model"], dtype)[0], path, adapter_name=REWARD)
+            base = load_model(config["base_model"], dtype, quantization=config.get("quantization"))[0]  # as trained
+            rm_model = PeftModel.from_pretrained(base, path, adapter_name=REWARD)
         gb = sum(p.numel() * p.element_size() for p in rm_model.parameters()) / 2**30
         if model is not None:  # the cost a shared backbone would have saved
             print(f"reward model {path}: base {config['base_model']!r} is not the policy's: loaded apart, {gb:.2f} GB")

@@ -1,20 +1,24 @@
 """QLoRA for real on CPU (bitsandbytes >= 0.48 has CPU kernels): --quantization 4bit / 8bit loads a bitsandbytes
 base on the tiny model, SFT, DPO and GRPO take two steps on a 4-bit base (finite loss, the LoRA moved, the quantized
 base bit-identical, "ref" bit-identical to the starting adapter), a 4-bit run resumes from its checkpoint, and the
-one unsupported combination (full fine-tuning of a quantized base) names itself. Skipped without bitsandbytes."""
+one unsupported combination (full fine-tuning of a quantized base) names itself; a model reward's "reward" slot on a
+4-bit base: the guard, NF4's effect on the scores, GRPO (with resume) and RAFT. Skipped without bitsandbytes."""
 
+import dataclasses
 import json
 import math
 import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import dpo
 import grpo
 import sft
 import common.model
-from common.model import REF, load_model, trainable_parameters
+from common.model import REF, REWARD, load_model, load_policy, trainable_parameters
+from common.reward_model import load_reward, score
 from tests.prefs_helpers import make_sft_adapter, preference_rows, slot_state, write_jsonl
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -163,3 +167,133 @@ def test_grpo_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, spy):
     )
     assert_qlora_step(spy, out["history"], with_ref=True)
     assert all(math.isfinite(h["reward"]) and math.isfinite(h["kl"]) for h in out["history"])
+
+
+# ------------------------------------------------------------- a model reward's "reward" slot on a 4-bit base
+@pytest.fixture(scope="module")
+def reward_model(tiny_model_dir, tmp_path_factory):
+    """rm.py's final/ for the tiny model (trained on the unquantised base, as rm.py does by default)."""
+    import rm
+
+    root = tmp_path_factory.mktemp("q_rm")
+    args = rm.Args(model=tiny_model_dir, dataset=write_jsonl(root / "prefs.jsonl", preference_rows(16)))
+    args = dataclasses.replace(args, output_dir=str(root), per_device_train_batch_size=4, max_steps=12, save_steps=0)
+    return rm.main(dataclasses.replace(args, learning_rate=1e-3))["final_dir"]
+
+
+def policy(model_dir, quantization):
+    return load_policy(grpo.Args(model=model_dir, dtype="fp32", quantization=quantization), reference=True)[0]
+
+
+SCORED = (  # 5 prompts x 6 completions: scores spread over the reward model's range
+    [[{"role": "user", "content": f"Question {i}: is {7 * i + 3} good?"}] for i in range(5)],
+    ["yes it is good", "no it is bad", "red", "hello world", "The answer is 19.", "#### 7"],
+)
+
+
+def test_reward_slot_on_a_4bit_base_scores_as_the_unquantised_model(tiny_model_dir, reward_model, monkeypatch, capsys):
+    """The reward adapter attaches to the NF4 layers (PEFT's bnb LoRA) of the one backbone; scoring restores the
+    active adapter, every requires_grad flag and train mode, also on an error, and leaves "reward" as loaded. The
+    scores equal (1e-5) those of the unquantised model carrying the dequantised NF4 weights: the slot adds nothing
+    to NF4's rounding, which moves them from the fp32 base's by max |diff| 0.087 with the scores' std 0.61 and 99 %
+    of the pairs in the same order (measured here, printed with -s); asserted: < 0.25 std and >= 95 %."""
+    prompts = [p for p in SCORED[0] for _ in SCORED[1]]
+    completions = list(SCORED[1]) * len(SCORED[0])
+    fp32, q4 = policy(tiny_model_dir, None), policy(tiny_model_dir, "4bit")
+    reward = load_reward(reward_model, q4)
+    assert reward.model is q4 and REWARD in q4.peft_config  # a third slot, no second backbone
+    assert "trained on a unquantized base, scored on the policy's 4bit one" in capsys.readouterr().out
+    layer = q4.get_base_model().model.layers[0].mlp.up_proj
+    assert isinstance(layer.base_layer, bnb.nn.Linear4bit) and REWARD in layer.lora_A  # LoRA on the NF4 layer
+    q4.train()
+    flags, base = {n: p.requires_grad for n, p in q4.named_parameters()}, slot_state(q4, REWARD)
+
+    def unchanged():
+        assert q4.active_adapter == "default" and q4.training
+        assert {n: p.requires_grad for n, p in q4.named_parameters()} == flags
+
+    scores = score(reward, prompts, completions)[:, 0]
+    unchanged()
+    with monkeypatch.context() as m:
+        m.setattr("common.reward_model.reward_logits", lambda *a: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            score(reward, prompts, completions)
+    unchanged()
+    assert all(torch.equal(v, base[k]) for k, v in slot_state(q4, REWARD).items())
+    unquantised = load_reward(reward_model, fp32)
+    assert "trained on a" not in capsys.readouterr().out  # the base it was trained on: nothing to say
+    reference = score(unquantised, prompts, completions)[:, 0]
+    q4_layers = dict(q4.named_modules())
+    with torch.no_grad():  # the fp32 policy with the NF4 weights, dequantised: the same function in fp32 layers
+        for name, module in fp32.named_modules():
+            if isinstance(getattr(q4_layers.get(name), "base_layer", None), bnb.nn.Linear4bit):
+                w = q4_layers[name].base_layer.weight
+                module.base_layer.weight.copy_(bnb.functional.dequantize_4bit(w.data, w.quant_state))
+    dequantised = score(unquantised, prompts, completions)[:, 0]
+    print(f"4-bit vs fp32 base: max |diff| {(scores - reference).abs().max():.4f}, scores' std {reference.std():.4f}")
+    torch.testing.assert_close(scores, dequantised, rtol=0, atol=1e-5)
+    assert (scores - reference).abs().max() < 0.25 * reference.std()
+    pairs = torch.combinations(torch.arange(len(scores)))
+    order = torch.sign(scores[pairs[:, 0]] - scores[pairs[:, 1]]) == torch.sign(
+        reference[pairs[:, 0]] - reference[pairs[:, 1]]
+    )
+    print(f"pairs in the same order: {order.float().mean():.3f}")
+    assert order.float().mean() >= 0.95
+
+
+def test_a_reward_model_trained_on_a_4bit_base_records_it_and_loads_so(tiny_model_dir, tmp_path, capsys):
+    """rm.py --quantization 4bit writes it into reward_config.json; loaded apart (labelling, another base) the
+    reward model gets the 4-bit base it was trained on, and as the slot of a 4-bit policy it says nothing."""
+    import rm
+
+    data = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(8))
+    kw = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, save_steps=0)
+    final = rm.main(rm.Args(model=tiny_model_dir, dataset=data, quantization="4bit", **kw))["final_dir"]
+    with open(os.path.join(final, "reward_config.json")) as f:
+        assert json.load(f)["quantization"] == "4bit"
+    alone = load_reward(final)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in alone.model.modules()), "loaded apart without its 4 bits"
+    assert torch.isfinite(score(alone, SCORED[0][:1], SCORED[1][:1])).all()
+    capsys.readouterr()
+    assert load_reward(final, policy(tiny_model_dir, "4bit")).model is not alone.model
+    assert "trained on a" not in capsys.readouterr().out
+
+
+def test_grpo_and_raft_with_a_model_reward_on_a_4bit_base(tiny_model_dir, reward_model, tmp_path, spy):
+    """Two GRPO steps scored by the "reward" slot on the NF4 backbone: base bit-identical, "default" moved, "ref" and
+    "reward" bit-identical to where they started, the policy left active and in train mode; the checkpoint hashes
+    all three slots and a resume from it reproduces step 2. One RAFT round on the same setup keeps "reward" too."""
+    import raft
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in SCORED[0]])
+    kw = dict(preset="demo", model=tiny_model_dir, dataset=prompts, rewards=[f"model:{reward_model}"], seed=1)
+    kw |= dict(group_size=4, max_completion_length=6, quantization="4bit", lora_dropout=0.0)
+    args = grpo.Args(**kw, output_dir=str(tmp_path / "a"), prompts_per_step=2, learning_rate=1e-2, max_steps=2)
+    args = dataclasses.replace(args, breaker_action="warn", save_steps=1)
+    straight = grpo.main(args)
+    model, saved = spy["model"], load_file(os.path.join(reward_model, "adapter_model.safetensors"))
+    assert_qlora_step(spy, straight["history"], with_ref=True)
+    assert "rewards/model/mean" in straight["history"][0] and model.active_adapter == "default" and model.training
+    reward = slot_state(model, REWARD)
+    assert reward.keys() == saved.keys() and all(torch.equal(v, saved[k]) for k, v in reward.items())
+    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-1")
+    with open(os.path.join(ckpt, "checkpoint_complete.json")) as f:
+        assert {"default", REF, REWARD} == set(json.load(f)["adapter_sha256"])
+    resumed = grpo.main(dataclasses.replace(args, output_dir=str(tmp_path / "b"), resume_from_checkpoint=ckpt))
+    assert [(h["step"], h["loss"]) for h in resumed["history"]] == [(2, straight["history"][1]["loss"])]
+
+    out = raft.main(
+        raft.Args(
+            **kw,
+            output_dir=str(tmp_path / "raft"),
+            num_rounds=1,
+            prompts_per_round=2,
+            reward_threshold=None,
+            mask_truncated_completions=False,
+            eval_limit=0,
+        )
+    )
+    assert out["num_kept"] == 2 and math.isfinite(out["sft/loss"])
+    model = spy["model"]
+    assert any(not torch.equal(v, spy["start"][k]) for k, v in slot_state(model, "default").items())
+    assert all(torch.equal(v, saved[k]) for k, v in slot_state(model, REWARD).items())

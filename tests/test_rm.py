@@ -99,7 +99,8 @@ def test_learns_a_separable_preference_set_either_way(tiny_model_dir, prefs, tmp
     final = out["final_dir"]
     assert {"adapter_model.safetensors", "adapter_config.json", HEAD_FILE, CONFIG_FILE} <= set(os.listdir(final))
     with open(os.path.join(final, CONFIG_FILE)) as f:
-        assert json.load(f) == {"base_model": tiny_model_dir, "loss_type": "bradley_terry", "attributes": ["reward"]}
+        config = {"base_model": tiny_model_dir, "loss_type": "bradley_terry", "attributes": ["reward"]}
+        assert json.load(f) == config | {"quantization": None}
 
 
 def test_readme_recipe_scores_as_common_reward_model_does(tiny_model_dir, prefs, tmp_path):

@@ -188,3 +188,69 @@ def test_grpo_three_steps_with_the_vllm_engine(served, tmp_path):
         assert 0.0 <= row["vllm/canary_logp_diff"] < 0.1, row  # grpo.py's default canary threshold
     adapter = load_file(os.path.join(os.path.dirname(metrics), "final", "adapter_model.safetensors"))
     assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k), "the adapter did not change"
+
+
+# ------------------------------------------------------------------ a model reward ("reward" slot) beside vLLM
+@pytest.fixture(scope="module")
+def reward_dir(served, tmp_path_factory):
+    """rm.py's final/ on the served tiny model (trained on its base, so it becomes the policy's "reward" slot)."""
+    import rm
+    from tests.prefs_helpers import preference_rows, write_jsonl
+
+    root = tmp_path_factory.mktemp("vllm_rm")
+    data = write_jsonl(root / "prefs.jsonl", preference_rows(8))
+    kw = dict(max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, save_steps=0)
+    return rm.main(rm.Args(model=served[0], dataset=data, output_dir=str(root), **kw))["final_dir"]
+
+
+def test_grpo_with_a_model_reward_through_the_vllm_engine(served, reward_dir, tmp_path, monkeypatch):
+    """--rewards model:<rm> --engine vllm, two steps in a fresh process: finite loss and reward, the model reward
+    logged, vLLM sampling what the trainer's "default" gives (canary < AGREE, not the "reward" or "ref" adapter),
+    "default" moved, the checkpoint's "reward" slot bit-identical to the reward model's adapter, and the adapters
+    the engine served removed from the temp dir when the run ends (they used to stay, one folder per run)."""
+    prompts = tmp_path / "prompts.jsonl"
+    questions = ["What is 12 plus 7?", "Say hello", "Tom has 3 apples.", "Name a colour"]
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": q}]}) + "\n" for q in questions))
+    (tmp := tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # run_cli passes the environment on: the engine writes its adapters here
+    flags = ["--preset", "demo", "--model", served[0], "--dataset", prompts, "--rewards", f"model:{reward_dir}"]
+    flags += ["--engine", "vllm", "--max-steps", 2, "--save-steps", 2, "--group-size", 4, "--prompts-per-step", 2]
+    flags += ["--max-completion-length", 8, "--learning-rate", 1e-2, "--torch-threads", 1, "--output-dir", tmp_path]
+    result = run_cli("grpo.py", *flags, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (metrics,) = glob.glob(str(tmp_path / "grpo__*" / "metrics.jsonl"))
+    with open(metrics) as f:
+        logged = [json.loads(line) for line in f]
+    assert [row["step"] for row in logged] == [1, 2]
+    for row in logged:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["reward"]) and "rewards/model/mean" in row, row
+        assert row["vllm/canary_logp_diff"] < AGREE, row
+    run_dir = os.path.dirname(metrics)
+    adapter = load_file(os.path.join(run_dir, "final", "adapter_model.safetensors"))
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k), "the policy adapter did not move"
+    rm_adapter = load_file(os.path.join(reward_dir, "adapter_model.safetensors"))
+    slot = load_file(os.path.join(run_dir, "checkpoints", "step-2", "weights", "reward", "adapter_model.safetensors"))
+    assert slot.keys() == rm_adapter.keys() and all(torch.equal(v, rm_adapter[k]) for k, v in slot.items())
+    assert not glob.glob(str(tmp / "onlyone-vllm-lora-*")), "the engine's adapter folder outlived the run"
+
+
+def test_the_engine_serves_only_default_beside_a_reward_slot(served, reward_dir):
+    """With the reward model loaded as the served policy's "reward" slot and scored with, a sync hands vLLM the
+    "default" adapter alone (no reward/ folder, "default"'s tensors exactly) and the canary still passes."""
+    from common.model import REWARD
+    from common.reward_model import load_reward, score
+    from tests.prefs_helpers import slot_state
+
+    _, model, tokenizer, engine = served  # the last test of this module: the shared policy may keep the slot
+    reward = load_reward(reward_dir, model)
+    assert reward.model is model and REWARD in model.peft_config
+    scores = score(reward, [[{"role": "user", "content": "Say hello"}]] * 2, ["hello world", "no it is bad"])
+    assert scores.shape == (2, 1) and model.active_adapter == "default"
+    assert engine.sync(model) < AGREE
+    files = sorted(os.listdir(engine.lora.lora_path))
+    assert all(os.path.isfile(os.path.join(engine.lora.lora_path, f)) for f in files), files  # no reward/ or ref/
+    synced, default = (
+        load_file(os.path.join(engine.lora.lora_path, "adapter_model.safetensors")),
+        slot_state(model, "default"),
+    )
+    assert synced.keys() == default.keys() and all(torch.equal(v, default[k]) for k, v in synced.items())
