@@ -208,10 +208,13 @@ def pair_completion_logps(model, batch: dict, examples: list[dict]):
     prompt keys/values (gradients flow back through both), the rejected one. Each sequence runs unpadded. The same
     numbers to fp32 rounding, for P + C + R tokens a pair instead of 2P + C + R. Falls back to completion_logps
     where sharing is not exact (an empty prompt, or grouped_completion_logps' cases: a head that is not a plain
-    linear layer, activation checkpointing in train mode)."""
+    linear layer, activation checkpointing in train mode) and on CUDA: one sequence at a time pays on a CPU, where
+    cost follows tokens (README, "Speed and memory against TRL"); a GPU wants the one batched forward, and this path
+    has not been measured there."""
     lm = unwrap(model)
     if (
-        not _head_is_plain_linear(lm)
+        batch["input_ids"].is_cuda
+        or not _head_is_plain_linear(lm)
         or (lm.training and is_checkpointing(lm))
         or not all(e["prompt_ids"] for e in examples)
     ):
