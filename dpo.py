@@ -23,7 +23,7 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
-from common.logps import completion_logps, masked_mean
+from common.logps import masked_mean, pair_completion_logps
 from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
 from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
@@ -176,9 +176,9 @@ def dpo_loss(
 
 
 def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, timer: PhaseTimer | None = None):
-    """Loss of one micro-batch of pairs, its per-pair stats and token count. One policy forward scores both halves;
-    the reference (one more no-grad forward of the "ref" slot, or the log-probs precomputed into the rows) runs first,
-    so its activations are freed before the policy's graph is built."""
+    """Loss of one micro-batch of pairs, its per-pair stats and token count. One policy pass scores both halves, each
+    pair's prompt once; the reference (a no-grad pass of the "ref" slot, or the log-probs precomputed into the rows)
+    runs first, so its activations are freed before the policy's graph is built."""
     batch = concat_pairs(chunk, pad_id, device)
     ref_chosen_logps = ref_rejected_logps = None  # SimPO is reference-free
     if args.loss_type != "simpo" and args.precompute_ref_log_probs:
@@ -186,10 +186,10 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, timer
         ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk], device=device)
     elif args.loss_type != "simpo":
         with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
-            ref_chosen_logps, ref_rejected_logps = completion_logps(model, batch)[0].chunk(2)
+            ref_chosen_logps, ref_rejected_logps = pair_completion_logps(model, batch, chunk)[0].chunk(2)
     if timer:
         timer.mark("reference")
-    logps, per_token_logps = completion_logps(model, batch)  # (2B,), (2B, T): [chosen; rejected]
+    logps, per_token_logps = pair_completion_logps(model, batch, chunk)  # (2B,), (2B, T): [chosen; rejected]
     chosen_logps, rejected_logps = logps.chunk(2)
     chosen_lengths, rejected_lengths = batch["completion_mask"].sum(1).chunk(2)
     losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -223,7 +223,7 @@ def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: i
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         with as_reference(model):
-            ref_logps = completion_logps(model, concat_pairs(chunk, pad_id, device))[0]
+            ref_logps = pair_completion_logps(model, concat_pairs(chunk, pad_id, device), chunk)[0]
         for e, c, r in zip(chunk, *ref_logps.chunk(2), strict=True):
             e["ref_chosen_logps"], e["ref_rejected_logps"] = c.item(), r.item()
 

@@ -21,6 +21,9 @@ alpaca_en_demo rows, max_length 512, completion-only loss (both from ../shared/d
 from the right on both sides). Each side's phases come back too: ours from the scripts' time/* metrics, TRL's from
 TRLPhases (wrappers around its model's forward, accelerator.backward and GRPO's generation). With --cpu every
 measured process is pinned to that core (taskset), and the 1-minute load average is recorded before and after each.
+Allocators: --ours-malloc / --trl-malloc preload jemalloc or tcmalloc (LD_PRELOAD) into that side's processes, or
+nothing (system: glibc). Defaults: ours jemalloc when installed, as the scripts' CLI runs on CPU (common.run
+.preload_jemalloc); TRL system, as `trl` runs out of the box.
 
 Read the CPU ratios with TRL 1.16's CPU path in mind: its fused LM head compacts to the scored positions only where
 Triton runs (CUDA), so on CPU it pushes every position (prompt and padding too) through the head, through torch
@@ -45,6 +48,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from common.run import JEMALLOC  # noqa: E402 (after the sys.path line)
+
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "llamafactory-demo")  # ../shared/data (read-only)
 
 # preset -> (method, Setup overrides, rows). Rows: "builtin" = the harness's built-in math rows (GRPO: prompts that ask
@@ -65,6 +70,12 @@ PRESETS = {
 for _method, _over, _ in PRESETS.values():  # GRPO: the harness's 1e-3 is for its tiny model
     _over.setdefault("learning_rate", 1e-4)
 ISSUE_PRESETS = ("grpo-4x4", "dpo-4x512", "sft-4x512")
+# --ours-malloc / --trl-malloc: the child's LD_PRELOAD (system = glibc's malloc, nothing preloaded)
+MALLOCS = {
+    "system": None,
+    "jemalloc": JEMALLOC,  # what the scripts' CLI preloads on CPU-only Linux (common.run.preload_jemalloc)
+    "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+}
 
 
 def preset_rows(preset: str, n: int, tokenizer, target_length: int) -> list[dict]:
@@ -277,8 +288,10 @@ def run_child(args, side: str, preset: str, model: str, adapter: str) -> dict:
     ]
     if args.cpu is not None:  # pin the measured process to one core (the same one for both sides)
         cmd = ["taskset", "-c", str(args.cpu), *cmd]
+    lib = MALLOCS[getattr(args, f"{side}_malloc")]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": lib} if lib else {})
     env = {
-        **os.environ,
+        **env,
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -323,6 +336,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
     parser.add_argument("--cpu", type=int, default=None, help="pin each measured run to this core (taskset -c)")
     parser.add_argument("--out", default="outputs/bench_vs_trl")
+    default = "jemalloc" if os.path.exists(MALLOCS["jemalloc"]) else "system"
+    parser.add_argument(
+        "--ours-malloc",
+        choices=list(MALLOCS),
+        default=default,
+        help=f"our side's allocator (LD_PRELOAD); default {default}: what the scripts' CLI runs under on CPU",
+    )
+    parser.add_argument("--trl-malloc", choices=list(MALLOCS), default="system", help="TRL's side's allocator")
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--adapter", help=argparse.SUPPRESS)
@@ -333,6 +354,9 @@ def main():
         return
     if unknown := [p for p in args.preset if p not in PRESETS]:
         parser.error(f"--preset: unknown {unknown}; choose from {', '.join(PRESETS)}")
+    for side in ("ours", "trl"):
+        if (lib := MALLOCS[getattr(args, f"{side}_malloc")]) and not os.path.exists(lib):
+            parser.error(f"--{side}-malloc: {lib} not found (apt-get install libjemalloc2 / libtcmalloc-minimal4)")
     from common.embedded import resolve_model
     from scripts.compare_with_trl import make_start_adapter
 
@@ -355,6 +379,7 @@ def main():
                 )
         method, over, _ = PRESETS[preset]
         row = {"preset": preset, "method": method, "model": os.path.basename(model.rstrip("/")), "config": over}
+        row["malloc"] = {"ours": args.ours_malloc, "trl": args.trl_malloc}
         results.append(row | {"ours": summarise(runs["ours"]), "trl": summarise(runs["trl"])})
     command = "OMP_NUM_THREADS=1 python bench/vs_trl.py " + " ".join(sys.argv[1:])
     md = markdown(results, command)
@@ -371,7 +396,8 @@ def markdown(results: list[dict], command: str) -> str:
 
     lines = [
         f"`{command}` ({time.strftime('%Y-%m-%d %H:%M')}; torch {torch.__version__}, TRL {trl.__version__}, 1 thread, "
-        f"{os.cpu_count()} vCPU shared)",
+        f"{os.cpu_count()} vCPU shared; malloc ours / TRL: {results[0]['malloc']['ours']} / "
+        f"{results[0]['malloc']['trl']})",
         "",
         "| preset | model | config | ours s/step | TRL s/step | time ours/TRL | CPU s/step ours / TRL | CPU "
         "ours/TRL | peak RSS ours / TRL (MB) | RSS ours/TRL | load (1-min, min-max) |",

@@ -202,6 +202,47 @@ def completion_logps(model, batch: dict):
     return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
 
 
+def pair_completion_logps(model, batch: dict, examples: list[dict]):
+    """completion_logps(model, batch) for a concat_pairs batch ([chosen; rejected] of examples), with each pair's
+    prompt run through the backbone ONCE: its KV cache feeds the chosen completion, then, rebuilt from the same
+    prompt keys/values (gradients flow back through both), the rejected one. Each sequence runs unpadded. The same
+    numbers to fp32 rounding, for P + C + R tokens a pair instead of 2P + C + R. Falls back to completion_logps
+    where sharing is not exact (an empty prompt, or grouped_completion_logps' cases: a head that is not a plain
+    linear layer, activation checkpointing in train mode) and on CUDA: one sequence at a time pays on a CPU, where
+    cost follows tokens (README, "Speed and memory against TRL"); a GPU wants the one batched forward, and this path
+    has not been measured there."""
+    lm = unwrap(model)
+    if (
+        batch["input_ids"].is_cuda
+        or not _head_is_plain_linear(lm)
+        or (lm.training and is_checkpointing(lm))
+        or not all(e["prompt_ids"] for e in examples)
+    ):
+        return completion_logps(model, batch)
+    decoder, head, device = lm.get_decoder(), lm.get_output_embeddings(), batch["input_ids"].device
+    hidden = {"chosen": [], "rejected": []}  # per sequence: (len, H) states, the one at t predicting token t
+    for e in examples:
+        prompt = torch.tensor([e["prompt_ids"]], device=device)  # (1, P)
+        cache = DynamicCache(config=lm.config)
+        out = decoder(input_ids=prompt, use_cache=True, **{cache_kwarg(decoder): cache})
+        kv = [(layer.keys, layer.values) for layer in cache.layers]  # the prompt's, before a completion extends them
+        for side in hidden:
+            ids = torch.tensor([e[f"{side}_ids"]], device=device)  # (1, C)
+            cache = DynamicCache(config=lm.config)
+            for i, (k, v) in enumerate(kv):
+                cache.update(k, v, i)
+            pos = prompt.shape[1] + torch.arange(ids.shape[1], device=device)[None]  # continues the prompt's
+            c_out = decoder(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(decoder): cache})
+            # The prompt's last state predicts the first completion token, then each completion state the next.
+            hidden[side].append(torch.cat([out.last_hidden_state[0, -1:], c_out.last_hidden_state[0, :-1]]))
+    h = torch.cat(hidden["chosen"] + hidden["rejected"])  # batch row order: the completion tokens, row-major
+    mask = batch["completion_mask"].bool()
+    labels = batch["input_ids"][mask]
+    logps = chunked_logps(h, head.weight, labels, chunk_size=1024, bias=head.bias)
+    per_token_logps = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, logps)
+    return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
+
+
 def grouped_completion_logps(
     model, prompt_ids, completion_ids, group_size, pad_id, temperature=1.0, chunk_size=1024, return_entropy=False
 ):

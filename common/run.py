@@ -41,12 +41,32 @@ if not sys.stderr.isatty():
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 
 
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian/Ubuntu's libjemalloc2
+
+
+def preload_jemalloc(lib: str = JEMALLOC) -> None:
+    """On a Linux machine without CUDA, re-runs this process once with LD_PRELOAD=<jemalloc> when the library exists,
+    LD_PRELOAD is unset and ONLYONE_MALLOC is not "system" (the opt-out). glibc's heap keeps GBs resident that a
+    step's changing activation shapes freed (dpo.py's peak 9.4 -> 5.9 GB with jemalloc, README "Speed and memory
+    against TRL"); the allocator changes where tensors live in memory, never their values."""
+    env = os.environ
+    if not sys.platform.startswith("linux") or env.get("LD_PRELOAD") or env.get("ONLYONE_MALLOC") == "system":
+        return
+    if not os.path.exists(lib) or torch.cuda.is_available():  # GPU runs: activations live in CUDA's own allocator
+        return
+    print(f"using jemalloc (LD_PRELOAD={lib}; ONLYONE_MALLOC=system keeps glibc's malloc)", file=sys.stderr)
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**env, "LD_PRELOAD": lib})
+
+
 @contextlib.contextmanager
 def one_line_errors():
     """Wraps a CLI's `main(tyro.cli(Args))`: an error ends the process with one line on stderr and exit status 1
     (a second Ctrl-C: 130), not a traceback. Errors on the user's side (bad data or flags, a missing file or package,
     a file system or the hub out of reach, a stopped run) print their message; any other also names its type and
-    that ONLYONE_DEBUG=1 shows the traceback (the exception is then re-raised as it is)."""
+    that ONLYONE_DEBUG=1 shows the traceback (the exception is then re-raised as it is). First, on CPU-only Linux:
+    preload_jemalloc()."""
+    preload_jemalloc()
     from common.data import DataError
     from common.hub import HubUnavailable
     from common.model import ModelError

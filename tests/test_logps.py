@@ -8,14 +8,17 @@ from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import common.logps as logps_module
+from common.data import concat_pairs
 from common.logps import (
     aggregate_loss,
     chunked_logps,
+    completion_logps,
     entropy_from_logits,
     group_advantages,
     grouped_completion_logps,
     kl_k3,
     length_groups,
+    pair_completion_logps,
     masked_mean,
     masked_sum,
     sequence_logps,
@@ -374,6 +377,40 @@ def test_grouped_completion_logps_fallbacks_match(monkeypatch):
         assert calls, "gradient checkpointing in train mode must take the concatenated-rows path"
         plain.eval()
         torch.testing.assert_close(logps, unshared_logps(plain, prompts, completions, G, 1.0)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gpt2"])
+def test_pair_completion_logps_match_completion_logps(arch):
+    """DPO pairs with each prompt run once (its keys/values reused for chosen and rejected): the same per-token
+    log-probs, sums and adapter gradients as the concatenated [chosen; rejected] batch."""
+    model = lora_model(arch, target_modules=["c_attn", "c_fc"] if arch == "gpt2" else "all-linear")
+    g = torch.Generator().manual_seed(4)
+    ids = lambda n: torch.randint(1, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    examples = [dict(prompt_ids=ids(p), chosen_ids=ids(c), rejected_ids=ids(r)) for p, c, r in [(5, 3, 7), (2, 6, 1)]]
+    batch = concat_pairs(examples, 0, "cpu")
+    sums, per_token = pair_completion_logps(model, batch, examples)
+    ref_sums, ref_per_token = completion_logps(model, batch)
+    torch.testing.assert_close(per_token, ref_per_token, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sums, ref_sums, atol=1e-5, rtol=1e-5)
+    scored = batch["completion_mask"].bool()
+    assert (per_token[scored] < 0).all() and (per_token[~scored] == 0).all()
+    lora = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.tensor([0.3, -1.0, 0.7, 2.0])
+    for a, r in zip(
+        torch.autograd.grad((sums * weights).sum(), lora), torch.autograd.grad((ref_sums * weights).sum(), lora)
+    ):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+
+
+def test_pair_completion_logps_falls_back_on_an_empty_prompt(monkeypatch):
+    model = tiny_model()
+    examples = [dict(prompt_ids=[], chosen_ids=[3, 4, 5], rejected_ids=[6, 7])]
+    batch = concat_pairs(examples, 0, "cpu")
+    calls = []
+    monkeypatch.setattr(logps_module, "completion_logps", lambda *a: calls.append(1) or completion_logps(*a))
+    with torch.no_grad():
+        torch.testing.assert_close(pair_completion_logps(model, batch, examples), completion_logps(model, batch))
+    assert calls
 
 
 # ---------------------------------------------------------------- masked reductions

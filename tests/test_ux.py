@@ -113,6 +113,9 @@ EVAL_CLIS = {
 }
 
 
+NOISE = ("Failed to load CPU gemm_4bit", "using jemalloc")  # bitsandbytes' import note; common.run.preload_jemalloc
+
+
 def test_eval_entry_points_give_one_line_errors_for_missing_inputs(tmp_path):
     for module, argv in EVAL_CLIS.items():
         done = subprocess.run(
@@ -124,7 +127,7 @@ def test_eval_entry_points_give_one_line_errors_for_missing_inputs(tmp_path):
             timeout=300,
             check=False,
         )
-        lines = [line for line in done.stderr.splitlines() if not line.startswith("Failed to load CPU gemm_4bit")]
+        lines = [line for line in done.stderr.splitlines() if not line.startswith(NOISE)]
         assert done.returncode == 1 and len(lines) == 1, (module, done.stderr[-2000:])
         assert lines[0].startswith(f"{module}: error: ") and "no_such" in lines[0], lines
     assert "no_such_run/metrics.jsonl, no_such.json" in lines[0] or module != "evals.report"
@@ -289,7 +292,7 @@ def test_merge_adapter_push_without_a_token_fails_fast_in_one_line(tiny_model_di
         timeout=300,
         check=False,
     )
-    lines = [line for line in done.stderr.splitlines() if not line.startswith("Failed to load CPU gemm_4bit")]
+    lines = [line for line in done.stderr.splitlines() if not line.startswith(NOISE)]
     assert done.returncode == 1 and lines == [
         "merge_adapter.py: error: --push-to-hub needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"
     ], lines
