@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from common.data import DataError, collate_sft, tokenize_sft
 from common.model import REWARD, adapter_hash, as_reference, is_peft, load_model, unwrap
+from common.rewards import split_weight
 
 HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
 
@@ -135,11 +136,7 @@ def model_reward(spec: str):
     """`model:<dir>[@attribute][:weight]` -> (name, fn, weight) for common.rewards. The attribute may be left out
     when the model has one (a Bradley-Terry model's is "reward"). fn scores once bind_model_rewards gave it a model;
     several specs on one directory share it, and a batch scored for one attribute is reused by the others."""
-    body, _, last = spec.removeprefix("model:").rpartition(":")
-    try:
-        weight = float(last)
-    except ValueError:
-        body, weight = spec.removeprefix("model:"), 1.0
+    body, weight = split_weight(spec.removeprefix("model:"))
     path, _, attribute = body.partition("@")
     attributes = read_config(path)["attributes"]
     if not attribute and len(attributes) > 1:

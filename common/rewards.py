@@ -448,6 +448,15 @@ math_reward.needs, code_reward.needs, regex_reward.needs = ("answer",), ("test_c
 target_length_reward.needs = ("target_length",)
 
 
+def split_weight(spec: str) -> tuple[str, float]:
+    """`name:weight` -> (name, weight) when the last `:` part parses as a float, else (spec, 1.0)."""
+    name, _, last = spec.rpartition(":")
+    try:
+        return name, float(last)
+    except ValueError:  # no weight given: the last part belongs to the name (module:function, model:<dir>)
+        return spec, 1.0
+
+
 def load_reward_funcs(specs: list[str]) -> list[tuple[str, Callable, float]]:
     """`name`, `name:weight`, `pkg.module:fn`, `pkg.module:fn:weight` or `model:<rm dir>[@attribute][:weight]` (a
     reward model, common.reward_model) -> (name, fn, weight). The weight is the last `:` part if it parses as a float
@@ -459,11 +468,7 @@ def load_reward_funcs(specs: list[str]) -> list[tuple[str, Callable, float]]:
 
             funcs.append(model_reward(spec))
             continue
-        name, _, last = spec.rpartition(":")
-        try:
-            weight = float(last)
-        except ValueError:
-            name, weight = spec, 1.0
+        name, weight = split_weight(spec)
         if ":" in name:
             module, fn_name = name.split(":", 1)
             funcs.append((fn_name, getattr(importlib.import_module(module), fn_name), weight))

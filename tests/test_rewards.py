@@ -23,6 +23,7 @@ import torch
 
 from common.rewards import (
     ApiJudge,
+    split_weight,
     REWARD_FUNCS,
     _env_judge,
     code_reward,
@@ -685,3 +686,12 @@ def test_compute_rewards_nan_weights_and_warning():
 
     with pytest.raises(ValueError, match="'short' returned 1 rewards for 2"):
         compute_rewards([("short", short, 1.0)], ["p", "q"], ["a", "b"], {})
+
+
+def test_split_weight_takes_only_a_numeric_last_part():
+    """One parser for every --rewards spec (load_reward_funcs and model:<dir> rewards)."""
+    assert split_weight("format:0.2") == ("format", 0.2)
+    assert split_weight("math") == ("math", 1.0)
+    assert split_weight("pkg.mod:fn") == ("pkg.mod:fn", 1.0)
+    assert split_weight("pkg.mod:fn:-0.5") == ("pkg.mod:fn", -0.5)
+    assert split_weight("runs/rm/final@tone:0.5") == ("runs/rm/final@tone", 0.5)
