@@ -10,7 +10,7 @@ Differences from TRL's DPOTrainer defaults:
   command in TRL's scripts/dpo.py). The reference is always the "ref" slot (TRL with PEFT: adapter disabled, or "ref").
 - loss_type is one value (TRL: a weighted list); simpo is TRL CPOTrainer's (loss_type="simpo", cpo_alpha -> rpo_alpha).
 - rpo_alpha (dropped from TRL 1.x's DPOTrainer) is kept: TRL 0.x's NLL on the chosen tokens, token mean per batch.
-- bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
+- bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
 import os
@@ -62,7 +62,7 @@ class Args:
     quantization: Literal["4bit", "8bit"] | None = None
     """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
+    """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
@@ -272,7 +272,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("dpo", args, training_config(args, len(rows)))
-    check_memory(args, "dpo", rows)  # the plan; --plan exits here, before any weight loads
+    args = check_memory(args, "dpo", rows)  # the plan (checkpointing on if it needs it); --plan exits here
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # TRL's default: no dropout anywhere, a loaded adapter's included; "ref" = the starting policy (base or --adapter)
     model, tokenizer = load_policy(args, reference=use_ref, no_dropout=args.disable_dropout)

@@ -75,7 +75,7 @@ class Args:
     quantization: Literal["4bit", "8bit"] | None = None
     """QLoRA base quantization through bitsandbytes (CPU or CUDA; --engine vllm: 4bit on CUDA only)"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory (generation still uses the KV cache)"""
+    """recompute activations in backward (off: on only when the memory plan needs it; generation keeps its KV cache)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
@@ -337,7 +337,7 @@ def main(args: Args) -> dict:
     reward_funcs = load_reward_funcs(args.rewards)
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column
     print_config("grpo", args, config_lines(args, len(rows), len(eval_rows), eval_src))
-    check_memory(args, "grpo", rows)  # the plan; --plan exits here, before any weight loads
+    args = check_memory(args, "grpo", rows)  # the plan (checkpointing on if it needs it); --plan exits here
 
     # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)

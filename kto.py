@@ -11,7 +11,7 @@ Differences from TRL's KTOTrainer defaults:
 - Mismatched pairs rotate completions by one inside each shuffled micro-batch, (x_i, y_{i-1}); TRL rotates the
   same way inside consecutive dataset chunks of the batch size and then needs a sequential sampler. Same estimator.
 - No precompute_ref_log_probs: the mismatched pairs change with every shuffled batch.
-- bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
+- bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
 import os
@@ -64,7 +64,7 @@ class Args:
     quantization: Literal["4bit", "8bit"] | None = None
     """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
+    """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
@@ -186,7 +186,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("kto", args, training_config(args, len(rows)))
-    check_memory(args, "kto", rows)  # the plan; --plan exits here, before any weight loads
+    args = check_memory(args, "kto", rows)  # the plan (checkpointing on if it needs it); --plan exits here
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # TRL's default: no dropout anywhere, a loaded adapter's included; "ref" = the starting policy (base or --adapter)
     model, tokenizer = load_policy(args, reference=True, no_dropout=args.disable_dropout)

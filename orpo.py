@@ -10,7 +10,7 @@ Differences from TRL's ORPOTrainer defaults:
   `--no-completion-only-loss` gives TRL's (position 0, which nothing predicts, is left out by both).
 - LoRA (all-linear, r=16, alpha=32) by default, so learning_rate 5e-6 (TRL: 1e-6 for full fine-tuning);
   `--no-use-lora` for full fine-tuning.
-- bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
+- bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
 import math
@@ -65,7 +65,7 @@ class Args:
     quantization: Literal["4bit", "8bit"] | None = None
     """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
+    """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
@@ -166,7 +166,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: the policy only (ORPO has no reference)
     print_config("orpo", args, training_config(args, len(rows)))
-    check_memory(args, "orpo", rows)  # the plan; --plan exits here, before any weight loads
+    args = check_memory(args, "orpo", rows)  # the plan (checkpointing on if it needs it); --plan exits here
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # TRL's default: no dropout anywhere, a loaded adapter's included
     model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)

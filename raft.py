@@ -77,7 +77,7 @@ class Args:
     quantization: Literal["4bit", "8bit"] | None = None
     """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
+    """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     # data
     dataset: str | None = None
     """[data] prompts (extra columns go to the rewards; spin: {prompt, completion} rows). None = preset (demo:
@@ -123,6 +123,8 @@ class Args:
     """nucleus sampling; 1.0 = off"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
+    generation_batch_size: int = 64
+    """prompts per generate() call, each with its K samples: the round is sampled in slices (bounds the KV cache)"""
     # optimisation
     learning_rate: float = 2e-4
     """[optimisation] AdamW learning rate of the SFT phase (constant)"""
@@ -273,13 +275,9 @@ def evaluate(model, tokenizer, eval_rows: list[dict], args: Args) -> tuple[dict,
     """Greedy held-out accuracy (evals.gsm8k: math_reward on the final answer) and the per-prompt records."""
     if not eval_rows:
         return {}, []
-    t0 = time.perf_counter()
+    t0, key = time.perf_counter(), f"eval/{dataset_label(args.eval_dataset)}/accuracy"
     result = evaluate_gsm8k(model, tokenizer, eval_rows, args.eval_batch_size, args.max_completion_length)
-    metrics = {
-        f"eval/{dataset_label(args.eval_dataset)}/accuracy": result["accuracy"],
-        "time/eval": time.perf_counter() - t0,
-    }
-    return metrics, result["records"]
+    return {key: result["accuracy"], "time/eval": time.perf_counter() - t0}, result["records"]
 
 
 def rollout_samples(batch: list[dict], out: dict, group_size: int, mask_truncated: bool):
@@ -349,7 +347,7 @@ def main(args: Args) -> dict:
     reward_funcs = [] if spin else load_reward_funcs(args.rewards)
     check_reward_fields(rows, reward_funcs)  # e.g. `math` needs an `answer` column
     print_config("raft", args, config_lines(args, len(rows), len(eval_rows), G, use_ref))
-    check_memory(args, "raft", rows)  # the plan; --plan exits here, before any weight loads
+    args = check_memory(args, "raft", rows)  # the plan (checkpointing on if it needs it); --plan exits here
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
     done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
@@ -385,11 +383,12 @@ def main(args: Args) -> dict:
         # Seeded after snapshot_ref, whose first call draws an init: a round depends only on (seed, round, adapter)
         seed_everything(args.seed + rnd)
         batch = micro_batch(examples, rnd - 1, args.prompts_per_round, args.seed)  # epoch-wise shuffled prompts
-        # (1) rollout: K samples per prompt from the live policy, groups contiguous (eval mode, no grad inside)
-        prompts = [e["prompt_ids"] for e in batch]
-        out = hf_generate(
-            model, tokenizer, prompts, G, args.temperature, args.top_p, args.top_k, args.max_completion_length
-        )
+        # (1) rollout: K samples per prompt from the live policy (eval mode, no grad inside), in slices of
+        # --generation-batch-size prompts joined in order, so each prompt's K samples stay contiguous
+        ids, n = [e["prompt_ids"] for e in batch], args.generation_batch_size
+        sampling = (G, args.temperature, args.top_p, args.top_k, args.max_completion_length)
+        outs = [hf_generate(model, tokenizer, ids[i : i + n], *sampling) for i in range(0, len(ids), n)]
+        out = {k: sum((o[k] for o in outs), []) for k in ("completion_ids", "completions", "truncated")}
         t1 = time.perf_counter()
         rows_k, usable, samples = rollout_samples(batch, out, G, args.mask_truncated_completions)
         stats = {
@@ -413,10 +412,8 @@ def main(args: Args) -> dict:
             sft_examples = tokenize_dataset(tokenizer, sft_rows, "sft", args.max_length)
             stats |= run_phase(model, sft_examples, args, args.learning_rate, sft_loss_of, "sft/", args.seed + rnd)
         if use_ref and pair_rows:  # (4) DPO on the pairs against the round-start policy: dpo.py's sigmoid loss
-            pair_examples = tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length)
-            stats |= run_phase(
-                model, pair_examples, args, args.dpo_learning_rate, dpo_loss_of, "dpo/", args.seed + rnd
-            )
+            pairs = tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length)
+            stats |= run_phase(model, pairs, args, args.dpo_learning_rate, dpo_loss_of, "dpo/", args.seed + rnd)
         if spin:
             snapshot_ref(model)  # SPIN: the policy just trained is the next iteration's opponent (Chen et al., Alg. 1)
         t3 = time.perf_counter()

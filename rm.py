@@ -11,7 +11,7 @@ Differences from TRL's RewardTrainer defaults:
 - The head reads the last token by the attention mask (TRL: the last token != pad_token_id, off when pad == eos).
 - Rows over max_length are cut from the right (TRL: dropped). Chat rows end at the end-of-turn token (TRL: the
   template's text to the end, '\\n' after <|im_end|> included). regression is ours (TRL has none).
-- bf16 only on CUDA; gradient checkpointing off; log every step (TRL: bf16, checkpointing on, logging_steps=10).
+- bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
 import math
@@ -65,7 +65,7 @@ class Args:
     quantization: Literal["4bit", "8bit"] | None = None
     """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
+    """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
@@ -225,7 +225,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model: base + trainable "default" LoRA (dropout off, as TRL), and the head
     print_config("rm", args, training_config(args, len(rows)) | {"head": f"{args.loss_type}: {attributes}"})
-    check_memory(args, "rm", rows)  # the plan; --plan exits here, before any weight loads
+    args = check_memory(args, "rm", rows)  # the plan (checkpointing on if it needs it); --plan exits here
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)
     device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id

@@ -8,7 +8,7 @@ Run: `python sft.py --dataset data.jsonl` (no --dataset: the built-in math worke
 Differences from TRL's SFTTrainer defaults:
 - LoRA (all-linear, r=16, alpha=32) by default; `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
 - bf16 only on CUDA; fp32 on CPU (TRL: bf16=True everywhere).
-- Gradient checkpointing off by default (TRL: on); turn it on for long sequences.
+- Gradient checkpointing only when the memory plan needs it to fit (TRL: always on).
 - Packing resets position_ids per document on every attention backend (TRL: "bfd" packing needs flash-attn).
 """
 
@@ -62,7 +62,7 @@ class Args:
     quantization: Literal["4bit", "8bit"] | None = None
     """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
+    """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
     # data
@@ -147,7 +147,7 @@ def main(args: Args) -> dict:
 
     # ---- 2 model (policy = base + "default" LoRA, or every weight)
     print_config("sft", args, training_config(args, len(rows)))
-    check_memory(args, "sft", rows)  # the plan; --plan exits here, before any weight loads
+    args = check_memory(args, "sft", rows)  # the plan (checkpointing on if it needs it); --plan exits here
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_policy(args)
     device = next(model.parameters()).device

@@ -9,7 +9,7 @@ EOS, SmolLM2 is asked for long stories), so the planner's worst case is the case
 MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight back to the OS when freed, so RSS follows the live tensors
 (glibc's default keeps freed blocks, 2-3 GB on DPO: README, "Where the memory of a small run goes").
 
-    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32]   # ~6 min on 2 busy cores
+    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32] [--checkpointing]   # ~6 min on 2 busy cores
 
 On a CUDA machine, `--gpu` runs sft / dpo / grpo on a random-init Qwen2.5-1.5B (bench/qwen_shapes.py) in bf16 and
 compares torch.cuda.max_memory_allocated with the planner's tensors (without the CUDA context and the allocator
@@ -208,6 +208,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="case names to run (e.g. dpo-smollm2-2)")
     ap.add_argument("--gpu", action="store_true", help="random Qwen2.5-1.5B in bf16 on CUDA (see above)")
     ap.add_argument("--tiny", action="store_true", help="with --gpu: cut-down shapes on a CPU (dry run)")
+    ap.add_argument("--checkpointing", action="store_true", help="every case with --gradient-checkpointing")
     ap.add_argument("--md", help="also write the table to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     cli = ap.parse_args()
@@ -235,7 +236,8 @@ def main() -> None:
             name = f"{script}-{model}-{batch}"
             if cli.only and name not in cli.only:
                 continue
-            spec = dict(script=script, args=case_args(script, paths[model], batch, seq, data[script], tmp))
+            spec_args = case_args(script, paths[model], batch, seq, data[script], tmp)
+            spec = dict(script=script, args=spec_args | dict(gradient_checkpointing=cli.checkpointing))
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", json.dumps(spec)],
                 cwd=ROOT,

@@ -140,8 +140,8 @@ def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int
     if script in ("grpo", "raft") and getattr(args, "engine", "hf") == "vllm":  # vLLM takes this share of the card
         rollout["rollout: vLLM reservation"] = int(args.vllm_gpu_memory_utilization * device_bytes)
     elif script in ("grpo", "raft"):  # HF: a KV cache of every row (prompts x G) x (P + C) positions, all layers,
-        # + the prompts' prefill working set and the last position's fp32 logits and scores; raft: a round at once
-        n = args.prompts_per_step if script == "grpo" else args.prompts_per_round
+        # + the prompts' prefill working set and the last position's fp32 logits and scores; raft: a slice of the round
+        n = args.prompts_per_step if script == "grpo" else min(args.prompts_per_round, args.generation_batch_size)
         rollout["rollout: KV cache"] = L * n * args.group_size * (P + C) * 2 * K * b + n * P * (2 * H + 3 * F) * b
         rollout["rollout: KV cache"] += n * args.group_size * c["vocab_size"] * 4 * 2
     if script == "grpo":  # a micro-batch: each prompt once + its G completions attending to it (logps.py)
@@ -185,7 +185,10 @@ def longest_row(rows: list[dict]) -> int:
 def suggestion(args, script: str) -> str:
     """Knobs in order of what they cost the run (speed first, then quality of the experiment)."""
     knobs = [] if getattr(args, "gradient_checkpointing", True) else ["--gradient-checkpointing"]
-    halve = {"per_device_train_batch_size": 1, "groups_per_micro_batch": 1, "quantization": 0}
+    halve = {"generation_batch_size": 1, "per_device_train_batch_size": 1, "groups_per_micro_batch": 1}
+    halve |= {"quantization": 0}
+    if getattr(args, "generation_batch_size", 0) >= getattr(args, "prompts_per_round", 0):  # raft: one call already
+        halve.pop("generation_batch_size")
     halve |= {"max_completion_length": 64, "max_length": 64, "group_size": 2}  # flag: the least worth halving to
     for name, least in halve.items():
         if name == "quantization" and getattr(args, name, 0) is None:
@@ -217,9 +220,13 @@ def format_plan(parts: dict[str, int], budget: int, what: str) -> str:
                       " set take turns):", *rows])  # fmt: skip
 
 
-def check_memory(args, script: str, rows: list[dict] | None = None) -> dict[str, int]:
-    """Print the plan; on --plan exit 0 (no weights loaded); refuse a plan over the device's memory. rows (the
-    training rows, optional) bound the sequence lengths below max_length when they are all shorter."""
+def check_memory(args, script: str, rows: list[dict] | None = None):
+    """Print the plan and return the args the run starts with; on --plan exit 0 (no weights loaded). A plan over the
+    device's memory turns gradient checkpointing on when that makes it fit (TRL's default is on; off is faster where
+    the memory allows it), else it is refused. rows (the training rows, optional) bound the sequence lengths below
+    max_length when they are all shorter."""
+    import dataclasses
+
     import torch
 
     from common.run import ArgsError
@@ -228,15 +235,23 @@ def check_memory(args, script: str, rows: list[dict] | None = None) -> dict[str,
     budget, what = device_memory(device)
     cfg = model_config(args.model, getattr(args, "trust_remote_code", False))
     parts = estimate(cfg, args, script, device, budget, longest_row(rows or []))
+    ignore = getattr(args, "ignore_memory_plan", False)
+    if parts["total"] > budget and not args.gradient_checkpointing and not ignore:
+        checkpointed = dataclasses.replace(args, gradient_checkpointing=True)
+        fits = estimate(cfg, checkpointed, script, device, budget, longest_row(rows or []))
+        if fits["total"] <= budget:
+            print(f"gradient checkpointing turned on: without it the plan needs {parts['total'] / GiB:.1f} GiB of the "
+                  f"{budget / GiB:.1f} GiB {what} (--ignore-memory-plan keeps it off)", flush=True)  # fmt: skip
+            args, parts = checkpointed, fits
     print(format_plan(parts, budget, what), flush=True)
     if getattr(args, "plan", False):
         raise SystemExit(0)
-    if parts["total"] > budget and not getattr(args, "ignore_memory_plan", False):
+    if parts["total"] > budget and not ignore:
         raise ArgsError(
             f"the memory plan needs {parts['total'] / GiB:.1f} GiB but the {what} is {budget / GiB:.1f} GiB: "
             f"{suggestion(args, script)} (or --ignore-memory-plan to start anyway)"
         )
-    return parts
+    return args
 
 
 TABLE_NOTE = (

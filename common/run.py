@@ -236,6 +236,7 @@ _AT_LEAST_ONE = (
     "num_rounds",
     "keep_per_prompt",
     "eval_batch_size",
+    "generation_batch_size",
     "logging_steps",
     "lora_r",
     "max_length",

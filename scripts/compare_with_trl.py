@@ -953,9 +953,9 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
     (
         ALL,
         "gradient_checkpointing = True",
-        "gradient_checkpointing = False",
+        "gradient_checkpointing = False (turned on when the memory plan does not fit without it)",
         "False",
-        "off: small models and short rows; turn it on for long sequences",
+        "off is faster where the memory allows it (every demo); the plan turns it on where it must",
     ),
     (
         ALL,

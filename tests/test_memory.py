@@ -10,6 +10,7 @@ import pytest
 
 from common import memory
 from common.memory import CPU_RUNTIME, estimate, lora_params, param_counts
+from common.data import load_rows
 from common.run import ArgsError
 from tests.conftest import ROOT
 
@@ -143,6 +144,53 @@ def test_over_budget_refuses_unless_ignored(tiny_model_dir, tmp_path, monkeypatc
     assert "--gradient-checkpointing, then --per-device-train-batch-size 2" in str(e.value)
     with pytest.raises(RuntimeError, match="loaded"):  # past the plan, into the model load
         dpo.main(dpo.Args(**vars(args) | dict(ignore_memory_plan=True)))
+
+
+def test_a_plan_over_the_device_turns_checkpointing_on_when_that_alone_fits(tiny_model_dir, tmp_path, monkeypatch):
+    import dpo
+
+    args = dpo.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), per_device_train_batch_size=4)
+    cfg, rows = memory.model_config(tiny_model_dir), memory.longest_row(load_rows(dpo.PRESETS["demo"]["dataset"]))
+    off = estimate(cfg, args, "dpo", "cpu", longest=rows)["total"]
+    on = estimate(cfg, dpo.Args(**vars(args) | dict(gradient_checkpointing=True)), "dpo", "cpu", longest=rows)["total"]
+    assert on < off
+    seen = []
+    monkeypatch.setattr(dpo, "load_policy", lambda a, **k: seen.append(a) or (_ for _ in ()).throw(RuntimeError("x")))
+    monkeypatch.setattr(memory, "device_memory", lambda device: ((on + off) // 2, "test budget"))
+    with pytest.raises(RuntimeError, match="x"):
+        dpo.main(args)
+    assert seen[-1].gradient_checkpointing is True  # the model loads with checkpointing on
+    with pytest.raises(RuntimeError, match="x"):  # --ignore-memory-plan: as asked, checkpointing stays off
+        dpo.main(dpo.Args(**vars(args) | dict(ignore_memory_plan=True)))
+    assert seen[-1].gradient_checkpointing is False
+    monkeypatch.setattr(memory, "device_memory", lambda device: (off, "test budget"))  # fits as it is: left off
+    with pytest.raises(RuntimeError, match="x"):
+        dpo.main(args)
+    assert seen[-1].gradient_checkpointing is False
+
+
+HEADLINE = {"sft": [], "dpo": [], "orpo": [], "kto": [], "rm": [], "grpo": ["--group-size", "4"], "raft": []}
+
+
+@pytest.mark.parametrize("size, card", [("1.5B", 24), ("3B", 24), ("7B", 48)])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_scripts_real_preset_starts_on_a_24_or_48_gib_card(script, size, card, monkeypatch, capsys):
+    """`python <script>.py --model Qwen/Qwen2.5-<size>` (the gsm8k / trl preset, no other flag but grpo's headline
+    --group-size 4) passes the plan on a CUDA card: raft.py's preset planned 84 GiB at 1.5B (a whole round sampled at
+    once), sft/dpo/orpo/rm 45-58 GiB (8 x 1,024 tokens without checkpointing)."""
+    import torch
+    import tyro
+
+    from common.run import resolve_preset
+
+    mod = importlib.import_module(script)
+    args = resolve_preset(tyro.cli(mod.Args, args=["--model", f"Qwen/Qwen2.5-{size}", *HEADLINE[script]]), mod.PRESETS)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (card * memory.GiB, f"{card} GiB card"))
+    monkeypatch.setattr(memory, "model_config", lambda name, trust=False: memory.QWEN25[size])
+    started = memory.check_memory(args, script)
+    total = float(capsys.readouterr().out.split("total")[1].split()[0])
+    assert total <= card and started.model == args.model
 
 
 def test_cli_plan_subprocess(tiny_model_dir, tmp_path):

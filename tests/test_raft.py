@@ -235,6 +235,30 @@ def test_spin_pairs_ground_truth_and_refreshes_the_reference(tiny_model_dir, pro
     assert any(not torch.equal(now[k], start[k]) for k in start)
 
 
+def test_a_round_is_sampled_in_slices_with_each_prompts_samples_together(
+    tiny_model_dir, prompts_jsonl, tmp_path, monkeypatch
+):
+    """--generation-batch-size bounds one generate() call (the KV cache): 4 prompts in slices of 3 and 1, joined in
+    order, so each prompt's K samples are still rows i*K .. i*K+K-1 of the round (scored, kept and paired as such)."""
+    import raft
+
+    calls = []
+
+    def spy(model, tokenizer, prompts, *a, **k):
+        calls.append(len(prompts))
+        return hf_generate(model, tokenizer, prompts, *a, **k)
+
+    hf_generate = raft.hf_generate
+    monkeypatch.setattr(raft, "hf_generate", spy)
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, prompts_per_round=4, group_size=2, generation_batch_size=3,
+              eval_limit=0)  # fmt: skip
+    assert calls == [3, 1]
+    samples = read_jsonl(os.path.join(out["run_dir"], "round-1", "samples.jsonl"))
+    prompts = [json.dumps(s["prompt"]) for s in samples]
+    assert len(samples) == 8 and all(prompts[2 * i] == prompts[2 * i + 1] for i in range(4))
+    assert len(set(prompts)) == 4  # every prompt of the round, each once, as one group
+
+
 def test_spin_needs_completions(tmp_path):
     with pytest.raises(ValueError, match="completion"):
         main(Args(mode="spin", dataset="builtin:math", output_dir=str(tmp_path)))
