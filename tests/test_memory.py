@@ -1,6 +1,8 @@
 """The memory planner: each part on a hand-computed config, LoRA counts equal to PEFT's, --plan and the refusal."""
 
+import dataclasses
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -167,6 +169,43 @@ def test_a_plan_over_the_device_turns_checkpointing_on_when_that_alone_fits(tiny
     with pytest.raises(RuntimeError, match="x"):
         dpo.main(args)
     assert seen[-1].gradient_checkpointing is False
+
+
+QUICK = {  # two steps (raft: one round with an SFT and a DPO phase) on the tiny model, demo data
+    "sft": dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3),
+    "dpo": dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3),
+    "orpo": dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3),
+    "kto": dict(max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3),
+    "rm": dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-3),
+    "grpo": dict(max_steps=2, group_size=4, prompts_per_step=2, max_completion_length=8, learning_rate=1e-2,
+                 lora_dropout=0.0, rewards=["length"], breaker_action="warn"),
+    "raft": dict(num_rounds=1, prompts_per_round=2, group_size=4, max_completion_length=8, eval_limit=0, dpo=True,
+                 reward_threshold=None, min_margin=0.0, mask_truncated_completions=False,
+                 rewards=["tests.test_raft:frac_low_ids"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_trains_the_same_with_checkpointing_on(script, tiny_model_dir, tmp_path, monkeypatch):
+    """The plan may turn gradient checkpointing on in any script: the losses must not move (recomputation is the same
+    arithmetic; grpo.py then scores whole rows instead of sharing each prompt, equal to fp32 rounding)."""
+    from common.model import is_checkpointing, unwrap
+
+    mod, models = importlib.import_module(script), []
+    load_policy = mod.load_policy
+    monkeypatch.setattr(mod, "load_policy", lambda *a, **k: models.append(load_policy(*a, **k)) or models[-1])
+    losses = []
+    for on in (False, True):
+        args = mod.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path / str(on)), **QUICK[script])
+        out = mod.main(dataclasses.replace(args, gradient_checkpointing=on))
+        assert is_checkpointing(unwrap(models[-1][0])) is on
+        keys = ["sft/loss", "dpo/loss"] if script == "raft" else ["loss"]
+        losses.append([h[k] for h in out["history"] for k in keys if k in h])
+    assert len(losses[0]) == 2 and all(map(math.isfinite, losses[0]))  # raft: its SFT and its DPO phase
+    if script == "grpo":
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+    else:
+        assert losses[1] == losses[0]
 
 
 HEADLINE = {"sft": [], "dpo": [], "orpo": [], "kto": [], "rm": [], "grpo": ["--group-size", "4"], "raft": []}
