@@ -105,6 +105,26 @@ def test_each_loss_type_end_to_end(loss_type, expected):
     assert sum(parts).item() == pytest.approx(expected)
 
 
+def test_held_out_accuracy_leaves_out_answers_without_a_number():
+    """reward_eval's accuracy is over rows whose answer has a number: a symbolic or text answer ("p - q", MATH-style)
+    is neither right nor wrong (math_reward's None), and must not crash the eval (it was summed as None)."""
+    from common.rewards import load_reward_funcs
+    from evals.common_eval import reward_eval
+
+    texts = ["The answer is 4", "so p - q", "#### 7"]
+
+    def generate(prompts, group_size, temperature, max_new_tokens):
+        ids = [[5, 6]] * len(prompts)
+        return dict(prompt_ids=prompts, completion_ids=ids, completions=texts, truncated=[False] * 3, logprobs=None)
+
+    examples = [dict(prompt="q", prompt_ids=[1], answer=a) for a in ("4", "p - q", "8")]
+    length = load_reward_funcs(["length"])
+    metrics = reward_eval(generate, examples, length, 8, "data/mathx/test.jsonl")
+    assert metrics["eval/mathx/accuracy"] == 0.5  # 4 right, 7 != 8 wrong; "p - q" not judged
+    examples = [dict(prompt="q", prompt_ids=[1], answer=a) for a in ("x", "p - q", "y")]
+    assert not any(k.endswith("accuracy") for k in reward_eval(generate, examples, length, 8, "d"))  # none to judge
+
+
 # ---------------------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def learnable_dir(tmp_path_factory):
