@@ -234,13 +234,13 @@ def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is
         "entropy": entropy,
         "low": is_low_clipped,
         "high": is_high_clipped,
-        "region": is_low_clipped | is_high_clipped,
         "tokens": torch.ones_like(entropy),
     }
     for key, value in per_token.items():
         stats[key] = stats.get(key, 0.0) + masked_sum(value.float(), mask).item()
+    kept = mask.bool().any(-1)  # TRL's nanmin/nanmax skip a fully masked (cut-off) completion: it has no ratio
     for key, value in (("low_seq", is_low_clipped), ("high_seq", is_high_clipped)):
-        stats.setdefault(key, []).extend(masked_mean(value.float(), mask, dim=-1, empty="zero").tolist())
+        stats.setdefault(key, []).extend(masked_mean(value[kept].float(), mask[kept], dim=-1).tolist())
 
 
 def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.Tensor:
@@ -276,10 +276,10 @@ def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: flo
         **({"kl": stats["kl"] / tokens} if beta != 0.0 else {}),
         "entropy": stats["entropy"] / tokens,
         "clip_ratio/low_mean": stats["low"] / tokens,
-        "clip_ratio/low_min": min(stats["low_seq"]),
+        "clip_ratio/low_min": min(stats["low_seq"], default=math.nan),  # NaN: every completion masked (TRL)
         "clip_ratio/high_mean": stats["high"] / tokens,
-        "clip_ratio/high_max": max(stats["high_seq"]),
-        "clip_ratio/region_mean": stats["region"] / tokens,
+        "clip_ratio/high_max": max(stats["high_seq"], default=math.nan),
+        "clip_ratio/region_mean": (stats["low"] + stats["high"]) / tokens,  # disjoint: low needs A < 0, high A > 0
     }
 
 

@@ -105,6 +105,46 @@ def test_each_loss_type_end_to_end(loss_type, expected):
     assert sum(parts).item() == pytest.approx(expected)
 
 
+def test_held_out_accuracy_leaves_out_answers_without_a_number():
+    """reward_eval's accuracy is over rows whose answer has a number: a symbolic or text answer ("p - q", MATH-style)
+    is neither right nor wrong (math_reward's None), and must not crash the eval (it was summed as None)."""
+    from common.rewards import load_reward_funcs
+    from evals.common_eval import reward_eval
+
+    texts = ["The answer is 4", "so p - q", "#### 7"]
+
+    def generate(prompts, group_size, temperature, max_new_tokens):
+        ids = [[5, 6]] * len(prompts)
+        return dict(prompt_ids=prompts, completion_ids=ids, completions=texts, truncated=[False] * 3, logprobs=None)
+
+    examples = [dict(prompt="q", prompt_ids=[1], answer=a) for a in ("4", "p - q", "8")]
+    length = load_reward_funcs(["length"])
+    metrics = reward_eval(generate, examples, length, 8, "data/mathx/test.jsonl")
+    assert metrics["eval/mathx/accuracy"] == 0.5  # 4 right, 7 != 8 wrong; "p - q" not judged
+    examples = [dict(prompt="q", prompt_ids=[1], answer=a) for a in ("x", "p - q", "y")]
+    assert not any(k.endswith("accuracy") for k in reward_eval(generate, examples, length, 8, "d"))  # none to judge
+
+
+def test_clip_ratio_min_max_skip_fully_masked_completions_as_trl():
+    """mask_truncated_completions leaves a cut-off completion with no tokens: TRL's clip_ratio/low_min and high_max
+    (nanmin / nanmax of per-completion means) skip it (0/0 = NaN); it must not count as a completion clipped 0%."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])  # the last completion was cut off and masked
+    low = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
+    high = torch.zeros_like(low)
+    stats = {}
+    grpo.add_token_stats(stats, mask, None, torch.rand(3, 3), low, high)
+    metrics = grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)
+    per_seq = lambda x: (x.float() * mask).sum(-1) / mask.sum(-1)  # noqa: E731  TRL's masked_seq_mean
+    assert metrics["clip_ratio/low_min"] == nanmin(per_seq(low)).item() == pytest.approx(1 / 3)
+    assert metrics["clip_ratio/high_max"] == nanmax(per_seq(high)).item() == 0.0
+    assert metrics["clip_ratio/low_mean"] == metrics["clip_ratio/region_mean"] == 3 / 5
+    stats = {}
+    grpo.add_token_stats(stats, torch.zeros(2, 2), None, torch.rand(2, 2), low[:2, :2], high[:2, :2])
+    assert math.isnan(grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)["clip_ratio/low_min"])  # TRL: NaN too
+
+
 # ---------------------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def learnable_dir(tmp_path_factory):
