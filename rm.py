@@ -277,7 +277,7 @@ def main(args: Args) -> dict:
         state = {"head": head.weight}  # save_checkpoint writes tensors into state.pt (hash-checked), not the JSON
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        if interrupt.requested:
+        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
             stop_run("rm", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
     interrupt.restore()
 

@@ -184,3 +184,17 @@ def test_ctrl_c_saves_at_the_step_boundary_and_prints_the_resume_command(tiny_mo
     checkpoint = run_dir / "checkpoints" / f"step-{steps[-1]}"  # the last finished step, nothing lost
     assert checkpoint.is_dir() and f"--resume-from-checkpoint {checkpoint}" in err
     assert not (run_dir / "final").exists()
+
+
+@pytest.mark.parametrize("script", ["dpo", "orpo", "rm"])
+def test_ctrl_c_during_the_last_step_finishes_the_run(script, tiny_model_dir, prefs, tmp_path, monkeypatch):
+    """A Ctrl-C in the last step raised RunStopped with a checkpoint at total_steps, which --resume-from-checkpoint
+    refuses (no steps left): the run could neither finish nor resume, and final/ was never written."""
+    from types import SimpleNamespace
+
+    module = importlib.import_module(script)
+    monkeypatch.setattr(module, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, restore=lambda: None))
+    args = module.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=1, save_steps=0)
+    out = module.main(args)
+    assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
+    assert [h["step"] for h in out["history"]] == [1]
