@@ -259,7 +259,7 @@ def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, pre
     """num_train_epochs over the examples with a fresh AdamW (constant lr); each value's mean over the steps."""
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=args.weight_decay)
     bs, totals, skipped = args.per_device_train_batch_size, {}, 0
-    steps = math.ceil(len(examples) * args.num_train_epochs / bs)
+    steps = math.ceil(math.ceil(len(examples) / bs) * args.num_train_epochs)  # each epoch's batches, its last short
     model.train()
     for step in range(steps):
         loss, stats = step_loss(micro_batch(examples, step, bs, seed))
