@@ -85,7 +85,7 @@ class Args:
     beta: float = 0.1
     """inverse temperature of the implicit reward (IPO: the regulariser tau; the SimPO paper uses 2 to 10)"""
     label_smoothing: float = 0.0
-    """robust: probability that a preference label is flipped, in [0, 0.5)"""
+    """robust: probability that a preference label is flipped, in [0, 0.5); refused by the other loss types"""
     simpo_gamma: float = 0.5
     """simpo: target reward margin gamma"""
     rpo_alpha: float = 0.0
@@ -265,8 +265,8 @@ def main(args: Args) -> dict:
     seed_everything(args.seed)
     check_args(args)
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
-    if args.loss_type == "robust" and not 0 <= args.label_smoothing < 0.5:
-        raise ArgsError(f"--label-smoothing {args.label_smoothing}: robust DPO needs 0 <= label_smoothing < 0.5")
+    if not (0 <= args.label_smoothing < 0.5 if args.loss_type == "robust" else args.label_smoothing == 0):
+        raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
     rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
     eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
 
