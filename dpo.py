@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
+from common.data import concat_pairs, load_splits, micro_batch, tokenize_dataset, training_steps
 from common.logps import masked_mean, pair_completion_logps
 from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
@@ -267,8 +267,7 @@ def main(args: Args) -> dict:
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
     if not (0 <= args.label_smoothing < 0.5 if args.loss_type == "robust" else args.label_smoothing == 0):
         raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
-    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
+    rows, eval_rows = load_splits(args, "preference")  # validated; eval_rows [] without --eval-split
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("dpo", args, training_config(args, len(rows)))

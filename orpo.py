@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
+from common.data import concat_pairs, load_splits, micro_batch, tokenize_dataset, training_steps
 from common.logps import masked_mean, sequence_logps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
@@ -161,8 +161,7 @@ def main(args: Args) -> dict:
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
-    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
+    rows, eval_rows = load_splits(args, "preference")  # validated; eval_rows [] without --eval-split
 
     # ---- 2 model: the policy only (ORPO has no reference)
     print_config("orpo", args, training_config(args, len(rows)))

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps
-from common.data import validate_rows
+from common.data import DataError, collate_sft, concat_pairs, load_splits, micro_batch, tokenize_dataset
+from common.data import training_steps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters, unwrap
 from common.reward_model import reward_logits, save_reward
@@ -218,8 +218,7 @@ def main(args: Args) -> dict:
     seed_everything(args.seed)
     check_args(args)
     kind = "sft" if args.loss_type == "regression" else "preference"
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), kind)
-    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), kind) if args.eval_split else []
+    rows, eval_rows = load_splits(args, kind)  # validated; eval_rows [] without --eval-split
     attributes, targets = row_targets(rows, args)
     eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}
 

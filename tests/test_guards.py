@@ -1,6 +1,7 @@
 """Bad numbers and bad stops (issue: fault injection): nonsense flags refused before the model loads, --max-steps 0,
 NaN/Inf updates skipped, non-finite weights never saved, breaker stops and Ctrl-C exit non-zero with a checkpoint."""
 
+import dataclasses
 import importlib
 import json
 import math
@@ -198,3 +199,17 @@ def test_ctrl_c_during_the_last_step_finishes_the_run(script, tiny_model_dir, pr
     out = module.main(args)
     assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
     assert [h["step"] for h in out["history"]] == [1]
+
+
+@pytest.mark.parametrize("script", ["dpo", "orpo", "rm"])
+def test_an_eval_split_of_a_single_file_is_refused(script, prefs, tmp_path):
+    """load_rows reads a whole file whatever the split, so --eval-split test on prefs.jsonl logged eval/* metrics of
+    the training rows themselves as if held out."""
+    module = importlib.import_module(script)
+    args = module.Args(model=str(tmp_path / "no-such-model"), dataset=prefs, eval_split="test", eval_steps=1)
+    with pytest.raises(ArgsError, match=r"^--eval-split test: .*prefs\.jsonl is one file"):
+        module.main(args)
+    # the training rows themselves, asked for by name, are still an eval set
+    with pytest.raises(Exception) as failed:
+        module.main(dataclasses.replace(args, eval_split="train"))
+    assert not isinstance(failed.value, ArgsError)
