@@ -98,6 +98,12 @@ def test_a_math_arg_is_refused_but_logging_output_and_length_are_not(tiny_model_
     assert [h["step"] for h in out["history"]] == [3]
 
 
+def test_a_resume_may_add_ignore_memory_plan(tiny_model_dir, sft_run_dir, memo, tmp_path):
+    """--ignore-memory-plan (what a resume on a busier machine needs) counted as a math arg: the run was refused."""
+    kw = dict(max_steps=3, ignore_memory_plan=True, resume_from_checkpoint=ckpt(sft_run_dir, 2))
+    assert [h["step"] for h in sft_run(tiny_model_dir, memo, tmp_path, **kw)["history"]] == [3]
+
+
 def test_another_scripts_checkpoint_is_refused(tiny_model_dir, memo, tmp_path):
     prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(8))
     d = dpo.main(
