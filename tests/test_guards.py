@@ -213,3 +213,12 @@ def test_an_eval_split_of_a_single_file_is_refused(script, prefs, tmp_path):
     with pytest.raises(Exception) as failed:
         module.main(dataclasses.replace(args, eval_split="train"))
     assert not isinstance(failed.value, ArgsError)
+
+
+@pytest.mark.parametrize("script", ["dpo", "orpo", "rm"])
+def test_eval_steps_without_an_eval_split_is_refused(script, prefs, tmp_path):
+    """--eval-steps with no --eval-split ran no eval at all, silently (TRL refuses eval_strategy without a dataset)."""
+    module = importlib.import_module(script)
+    args = module.Args(model=str(tmp_path / "no-such-model"), dataset=prefs, eval_steps=5)
+    with pytest.raises(ArgsError, match=r"^--eval-steps 5: .*--eval-split"):
+        module.main(args)
