@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
+from common.data import concat_pairs, load_splits, micro_batch, tokenize_dataset, training_steps
 from common.logps import masked_mean, pair_completion_logps
 from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
@@ -85,7 +85,7 @@ class Args:
     beta: float = 0.1
     """inverse temperature of the implicit reward (IPO: the regulariser tau; the SimPO paper uses 2 to 10)"""
     label_smoothing: float = 0.0
-    """robust: probability that a preference label is flipped, in [0, 0.5)"""
+    """robust: probability that a preference label is flipped, in [0, 0.5); refused by the other loss types"""
     simpo_gamma: float = 0.5
     """simpo: target reward margin gamma"""
     rpo_alpha: float = 0.0
@@ -265,10 +265,9 @@ def main(args: Args) -> dict:
     seed_everything(args.seed)
     check_args(args)
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
-    if args.loss_type == "robust" and not 0 <= args.label_smoothing < 0.5:
-        raise ArgsError(f"--label-smoothing {args.label_smoothing}: robust DPO needs 0 <= label_smoothing < 0.5")
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
-    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
+    if not (0 <= args.label_smoothing < 0.5 if args.loss_type == "robust" else args.label_smoothing == 0):
+        raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
+    rows, eval_rows = load_splits(args, "preference")  # validated; eval_rows [] without --eval-split
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("dpo", args, training_config(args, len(rows)))
@@ -324,7 +323,7 @@ def main(args: Args) -> dict:
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
-        if interrupt.requested:
+        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
             stop_run("dpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args, metrics)
     interrupt.restore()
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps, validate_rows
+from common.data import concat_pairs, load_splits, micro_batch, tokenize_dataset, training_steps
 from common.logps import masked_mean, sequence_logps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
@@ -161,8 +161,7 @@ def main(args: Args) -> dict:
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "preference")
-    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), "preference") if args.eval_split else []
+    rows, eval_rows = load_splits(args, "preference")  # validated; eval_rows [] without --eval-split
 
     # ---- 2 model: the policy only (ORPO has no reference)
     print_config("orpo", args, training_config(args, len(rows)))
@@ -252,7 +251,7 @@ def main(args: Args) -> dict:
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
-        if interrupt.requested:
+        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
             stop_run("orpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args, metrics)
     interrupt.restore()
 

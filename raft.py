@@ -259,7 +259,7 @@ def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, pre
     """num_train_epochs over the examples with a fresh AdamW (constant lr); each value's mean over the steps."""
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=args.weight_decay)
     bs, totals, skipped = args.per_device_train_batch_size, {}, 0
-    steps = math.ceil(len(examples) * args.num_train_epochs / bs)
+    steps = math.ceil(math.ceil(len(examples) / bs) * args.num_train_epochs)  # each epoch's batches, its last short
     model.train()
     for step in range(steps):
         loss, stats = step_loss(micro_batch(examples, step, bs, seed))
@@ -351,8 +351,8 @@ def main(args: Args) -> dict:
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
     done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
-    if args.resume_from and done >= args.num_rounds:  # nothing left to run: say so, do not rewrite final/
-        why = f"round {done} is done, at or past this run's {args.num_rounds} rounds"
+    if args.resume_from and not 0 <= done < args.num_rounds:  # nothing to continue, or nothing left to run
+        why = f"round {done} is done, at or past this run's {args.num_rounds} rounds" if done >= 0 else "no round-N/"
         raise ResumeError(f"--resume-from {run_dir}: {why}")
 
     # ---- 2 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import DataError, collate_sft, concat_pairs, load_rows, micro_batch, tokenize_dataset, training_steps
-from common.data import validate_rows
+from common.data import DataError, collate_sft, concat_pairs, load_splits, micro_batch, tokenize_dataset
+from common.data import training_steps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters, unwrap
 from common.reward_model import reward_logits, save_reward
@@ -218,8 +218,7 @@ def main(args: Args) -> dict:
     seed_everything(args.seed)
     check_args(args)
     kind = "sft" if args.loss_type == "regression" else "preference"
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), kind)
-    eval_rows = validate_rows(load_rows(args.dataset, args.eval_split), kind) if args.eval_split else []
+    rows, eval_rows = load_splits(args, kind)  # validated; eval_rows [] without --eval-split
     attributes, targets = row_targets(rows, args)
     eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}
 
@@ -277,7 +276,7 @@ def main(args: Args) -> dict:
         state = {"head": head.weight}  # save_checkpoint writes tensors into state.pt (hash-checked), not the JSON
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        if interrupt.requested:
+        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
             stop_run("rm", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
     interrupt.restore()
 

@@ -162,6 +162,23 @@ def load_rows(
     return rows
 
 
+def load_splits(args, kind: str) -> tuple[list[dict], list[dict]]:
+    """(--dataset-split rows, --eval-split rows or []) of --dataset, validated as `kind`. A local file has no splits
+    (load_rows reads all of it whatever the split): its --eval-split may only be --dataset-split, the training rows.
+    --eval-steps needs an --eval-split (TRL refuses eval_strategy="steps" without an eval_dataset)."""
+    from common.run import ArgsError
+
+    if args.eval_steps and args.eval_split is None:
+        raise ArgsError(f"--eval-steps {args.eval_steps}: there is nothing to evaluate without --eval-split")
+    if args.eval_split not in (None, args.dataset_split) and pathlib.Path(args.dataset).is_file():
+        raise ArgsError(
+            f"--eval-split {args.eval_split}: {args.dataset} is one file with no splits (all of it is the training "
+            f"data); leave --eval-split unset, or pass {args.dataset_split} to evaluate on the training rows"
+        )
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split), kind)
+    return rows, validate_rows(load_rows(args.dataset, args.eval_split), kind) if args.eval_split else []
+
+
 # -------------------------------------------------------------------------------------------------- converters
 def _need(row: dict, field: str, kind: type) -> object:
     if not isinstance(row.get(field), kind):

@@ -427,6 +427,8 @@ NON_MATH_ARGS = {
     "trust_remote_code",
     "engine",
     "groups_per_micro_batch",
+    "plan",
+    "ignore_memory_plan",
 }
 NON_MATH_PREFIXES = ("eval_", "breaker_", "vllm_")
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.data import DataError
+from common.run import ArgsError
 from common.data import concat_pairs, micro_batch
 from dpo import Args, dpo_loss, main
 from tests.prefs_helpers import (
@@ -243,7 +244,7 @@ def test_other_loss_types_train(tiny_model_dir, prefs, tmp_path, loss_type):
         prefs,
         tmp_path,
         loss_type=loss_type,
-        label_smoothing=0.1,
+        label_smoothing=0.1 if loss_type == "robust" else 0.0,
         rpo_alpha=0.5,
         adapter=str(tmp_path / "sft"),
     )
@@ -275,6 +276,13 @@ def test_chosen_equal_rejected_warns_with_its_line_before_loading(tmp_path):
 def test_robust_rejects_label_smoothing_of_one_half():
     with pytest.raises(ValueError, match="label_smoothing"):
         main(Args(loss_type="robust", label_smoothing=0.5))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo"])
+def test_label_smoothing_is_refused_where_the_loss_ignores_it(loss_type, prefs, tmp_path):
+    """It was accepted and silently unused (TRL's CPOTrainer does smooth its simpo loss with it)."""
+    with pytest.raises(ArgsError, match=r"^--label-smoothing 0.1: .*only robust"):
+        main(Args(model=str(tmp_path / "no-such-model"), dataset=prefs, loss_type=loss_type, label_smoothing=0.1))
 
 
 # ------------------------------------------------------------------------------------------------- CLI

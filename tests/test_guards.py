@@ -1,6 +1,7 @@
 """Bad numbers and bad stops (issue: fault injection): nonsense flags refused before the model loads, --max-steps 0,
 NaN/Inf updates skipped, non-finite weights never saved, breaker stops and Ctrl-C exit non-zero with a checkpoint."""
 
+import dataclasses
 import importlib
 import json
 import math
@@ -184,3 +185,40 @@ def test_ctrl_c_saves_at_the_step_boundary_and_prints_the_resume_command(tiny_mo
     checkpoint = run_dir / "checkpoints" / f"step-{steps[-1]}"  # the last finished step, nothing lost
     assert checkpoint.is_dir() and f"--resume-from-checkpoint {checkpoint}" in err
     assert not (run_dir / "final").exists()
+
+
+@pytest.mark.parametrize("script", ["dpo", "orpo", "rm"])
+def test_ctrl_c_during_the_last_step_finishes_the_run(script, tiny_model_dir, prefs, tmp_path, monkeypatch):
+    """A Ctrl-C in the last step raised RunStopped with a checkpoint at total_steps, which --resume-from-checkpoint
+    refuses (no steps left): the run could neither finish nor resume, and final/ was never written."""
+    from types import SimpleNamespace
+
+    module = importlib.import_module(script)
+    monkeypatch.setattr(module, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, restore=lambda: None))
+    args = module.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=1, save_steps=0)
+    out = module.main(args)
+    assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
+    assert [h["step"] for h in out["history"]] == [1]
+
+
+@pytest.mark.parametrize("script", ["dpo", "orpo", "rm"])
+def test_an_eval_split_of_a_single_file_is_refused(script, prefs, tmp_path):
+    """load_rows reads a whole file whatever the split, so --eval-split test on prefs.jsonl logged eval/* metrics of
+    the training rows themselves as if held out."""
+    module = importlib.import_module(script)
+    args = module.Args(model=str(tmp_path / "no-such-model"), dataset=prefs, eval_split="test", eval_steps=1)
+    with pytest.raises(ArgsError, match=r"^--eval-split test: .*prefs\.jsonl is one file"):
+        module.main(args)
+    # the training rows themselves, asked for by name, are still an eval set
+    with pytest.raises(Exception) as failed:
+        module.main(dataclasses.replace(args, eval_split="train"))
+    assert not isinstance(failed.value, ArgsError)
+
+
+@pytest.mark.parametrize("script", ["dpo", "orpo", "rm"])
+def test_eval_steps_without_an_eval_split_is_refused(script, prefs, tmp_path):
+    """--eval-steps with no --eval-split ran no eval at all, silently (TRL refuses eval_strategy without a dataset)."""
+    module = importlib.import_module(script)
+    args = module.Args(model=str(tmp_path / "no-such-model"), dataset=prefs, eval_steps=5)
+    with pytest.raises(ArgsError, match=r"^--eval-steps 5: .*--eval-split"):
+        module.main(args)

@@ -259,6 +259,23 @@ def test_a_round_is_sampled_in_slices_with_each_prompts_samples_together(
     assert len(set(prompts)) == 4  # every prompt of the round, each once, as one group
 
 
+def test_a_phase_makes_num_train_epochs_full_passes_over_its_rows():
+    """run_phase counted ceil(rows * epochs / batch) steps, fewer than the batches of that many epochs when the last
+    batch of an epoch is short: 10 rows in batches of 8 for 2 epochs took 3 steps (8, 2, 8), and 2 rows were seen
+    once."""
+    import raft
+
+    seen, model = [], torch.nn.Linear(2, 1)
+
+    def step_loss(chunk):
+        seen.extend(e["i"] for e in chunk)
+        return model.weight.sum() * 0.0, {}
+
+    args = Args(per_device_train_batch_size=8, num_train_epochs=2.0)
+    out = raft.run_phase(model, [{"i": i} for i in range(10)], args, 1e-3, step_loss, "sft/", seed=0)
+    assert sorted(seen) == sorted(list(range(10)) * 2) and out["sft/steps"] == 4
+
+
 def test_spin_needs_completions(tmp_path):
     with pytest.raises(ValueError, match="completion"):
         main(Args(mode="spin", dataset="builtin:math", output_dir=str(tmp_path)))

@@ -98,6 +98,12 @@ def test_a_math_arg_is_refused_but_logging_output_and_length_are_not(tiny_model_
     assert [h["step"] for h in out["history"]] == [3]
 
 
+def test_a_resume_may_add_ignore_memory_plan(tiny_model_dir, sft_run_dir, memo, tmp_path):
+    """--ignore-memory-plan (what a resume on a busier machine needs) counted as a math arg: the run was refused."""
+    kw = dict(max_steps=3, ignore_memory_plan=True, resume_from_checkpoint=ckpt(sft_run_dir, 2))
+    assert [h["step"] for h in sft_run(tiny_model_dir, memo, tmp_path, **kw)["history"]] == [3]
+
+
 def test_another_scripts_checkpoint_is_refused(tiny_model_dir, memo, tmp_path):
     prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(8))
     d = dpo.main(
@@ -245,3 +251,16 @@ def test_raft_resume_past_its_rounds_is_an_error(tiny_model_dir, tmp_path):
     run_dir = raft.main(raft.Args(**kw))["run_dir"]
     with pytest.raises(ResumeError, match="round 1 is done, at or past this run's 1 rounds"):
         raft.main(raft.Args(**{**kw, "resume_from": run_dir}))
+
+
+def test_raft_resume_from_a_dir_without_a_round_is_an_error(tiny_model_dir, tmp_path):
+    """--resume-from a dir with no round-N/ (a typo'd path, another script's run dir) started a fresh run inside it."""
+    import raft
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Count to {i}", "answer": str(i)} for i in range(4)])
+    elsewhere = tmp_path / "dpo-run"
+    elsewhere.mkdir()
+    kw = dict(model=tiny_model_dir, dataset=prompts, num_rounds=1, prompts_per_round=2, group_size=2, eval_limit=0)
+    with pytest.raises(ResumeError, match=r"--resume-from .*dpo-run: no round-N/$"):
+        raft.main(raft.Args(**kw, max_completion_length=4, resume_from=str(elsewhere)))
+    assert os.listdir(elsewhere) == []
