@@ -183,7 +183,7 @@ def _alpaca(row: dict) -> dict:
     """{instruction, input, output[, system]} -> conversational {prompt: [system?, user], completion: [assistant]}."""
     user, output = _need(row, "instruction", str), _need(row, "output", str)
     if row.get("input"):
-        user += "\n\n" + row["input"]  # Alpaca's layout: the instruction, a blank line, then the input
+        user += "\n\n" + _need(row, "input", str)  # Alpaca's layout: the instruction, a blank line, then the input
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
     return _rest(row, "instruction", "input", "output", "system") | {
         "prompt": system + [{"role": "user", "content": user}],

@@ -283,6 +283,14 @@ def test_kto_demo_messages_label(shared_data, tok):
     assert len(examples) == 300 and sum(e["label"] for e in examples) == 150
 
 
+def test_alpaca_non_string_input_names_file_line_and_field(tmp_path):
+    # "input" was concatenated unchecked: a number or a list raised a bare TypeError with no file, line or field.
+    rows = [{"instruction": "Add", "input": bad, "output": "7"} for bad in (5, ["2", "5"])]
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    with pytest.raises(DataError, match=r"2 bad row.*\n  .*a\.jsonl:1: field 'input': must be a str, got int"):
+        load_rows(path, convert="alpaca")
+
+
 def test_sharegpt_bad_role(tmp_path):
     path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "robot", "value": "hi"}]}])
     with pytest.raises(DataError, match=r"s\.jsonl:1: field 'conversations': expected \{from"):
