@@ -179,14 +179,23 @@ def _rest(row: dict, *drop: str) -> dict:
     return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
 
 
+def _alpaca_history(row: dict) -> list[dict]:
+    """LLaMA-Factory's alpaca `history` ([[instruction, response], ...], earlier rounds) as user/assistant turns."""
+    rounds = row.get("history") or []
+    if not (isinstance(rounds, list) and all(isinstance(r, list) and len(r) == 2 for r in rounds)):
+        _bad(row, "history", f"must be a list of [instruction, response] pairs, got {str(rounds)[:80]}")
+    return [{"role": role, "content": text} for r in rounds for role, text in zip(("user", "assistant"), r)]
+
+
 def _alpaca(row: dict) -> dict:
-    """{instruction, input, output[, system]} -> conversational {prompt: [system?, user], completion: [assistant]}."""
+    """{instruction, input, output[, system][, history]} -> conversational {prompt: [system?, the history's turns,
+    user], completion: [assistant]}."""
     user, output = _need(row, "instruction", str), _need(row, "output", str)
     if row.get("input"):
         user += "\n\n" + _need(row, "input", str)  # Alpaca's layout: the instruction, a blank line, then the input
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    return _rest(row, "instruction", "input", "output", "system") | {
-        "prompt": system + [{"role": "user", "content": user}],
+    return _rest(row, "instruction", "input", "output", "system", "history") | {
+        "prompt": system + _alpaca_history(row) + [{"role": "user", "content": user}],
         "completion": [{"role": "assistant", "content": output}],
     }
 

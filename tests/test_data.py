@@ -291,6 +291,23 @@ def test_alpaca_non_string_input_names_file_line_and_field(tmp_path):
         load_rows(path, convert="alpaca")
 
 
+def test_alpaca_history_becomes_the_earlier_turns(tmp_path):
+    # LLaMA-Factory's alpaca layout keeps earlier rounds in "history" ([[instruction, response], ...]); they were
+    # silently left out, so "Thanks" was trained without the conversation it thanks for.
+    row = {"instruction": "Thanks", "input": "", "output": "You're welcome!", "system": "Be kind."}
+    row["history"] = [["Plan my interview.", "First, read the job post."], ["And then?", "Practise."]]
+    path = write_jsonl(tmp_path / "h.jsonl", [row, row | {"history": [["only the question"]]}, row | {"history": []}])
+    with pytest.raises(DataError, match=r"h\.jsonl:2: field 'history': must be a list of \[instruction, response\]"):
+        load_rows(path, convert="alpaca")
+    path = write_jsonl(tmp_path / "ok.jsonl", [row, row | {"history": []}])
+    with_history, without = validate_rows(load_rows(path, convert="alpaca"), "sft")
+    roles = ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in with_history["prompt"]] == roles and "history" not in with_history
+    assert [m["content"] for m in with_history["prompt"][1:]] == [*row["history"][0], *row["history"][1], "Thanks"]
+    assert with_history["completion"] == [{"role": "assistant", "content": "You're welcome!"}]
+    assert without["prompt"] == with_history["prompt"][:1] + with_history["prompt"][-1:]
+
+
 def test_sharegpt_bad_role(tmp_path):
     path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "robot", "value": "hi"}]}])
     with pytest.raises(DataError, match=r"s\.jsonl:1: field 'conversations': expected \{from"):
