@@ -651,16 +651,20 @@ def dataset_label(spec: str) -> str:
     return path.parent.name if stem in ("train", "test", "validation", "dev") and path.parent.name else stem
 
 
-def micro_batch(examples: list, index: int, batch_size: int, seed: int, drop_last: bool = False) -> list:
+def micro_batch(
+    examples: list, index: int, batch_size: int, seed: int, drop_last: bool = False, min_rows: int = 1
+) -> list:
     """The index-th micro-batch of an endless, epoch-wise reshuffled stream: a pure function of (index, seed), so
     resuming at a step needs no saved iterator, and accumulation 1 x 4 sees the same rows as 4 x 1. drop_last: every
-    batch is full (the epoch's remainder is skipped; fewer rows than batch_size repeat rows)."""
+    batch is full (the epoch's remainder is skipped; fewer rows than batch_size repeat rows). min_rows: an epoch's
+    last batch shorter than that is topped up with the epoch's first rows (KTO's mismatched pairs need two)."""
     per_epoch = max(1, len(examples) // batch_size) if drop_last else math.ceil(len(examples) / batch_size)
     epoch, pos = divmod(index, per_epoch)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     if drop_last:
         return [examples[order[(pos * batch_size + i) % len(examples)]] for i in range(batch_size)]
-    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
+    rows = order[pos * batch_size : (pos + 1) * batch_size]
+    return [examples[i] for i in rows + order[: max(min_rows - len(rows), 0)]]
 
 
 def training_steps(n_examples: int, args) -> tuple[int, int]:
