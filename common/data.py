@@ -274,6 +274,11 @@ def _check_row(row: dict, kind: str) -> dict:
         and type(row.get("rejected")) is type(row["chosen"])
     ):
         row = row | dict(zip(("prompt", "chosen", "rejected"), _extract_prompt(row["chosen"], row["rejected"])))
+        if not (row["chosen"] and row["rejected"]):  # one answer is the other's start: all of it went to the prompt
+            side, other = ("chosen", "rejected") if not row["chosen"] else ("rejected", "chosen")
+            how = f"equals '{other}'" if row[side] == row[other] else f"is the start of '{other}'"
+            why = "so no prompt can be split off their shared start: add a 'prompt' field"
+            _bad(row, side, f"{how} and the row has no 'prompt', {why}")
     if kind == "binary" and "messages" in row and "prompt" not in row and "completion" not in row:
         msgs = row["messages"]
         if not (

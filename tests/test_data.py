@@ -404,6 +404,27 @@ def test_implicit_prompt_is_extracted():
     assert (row["prompt"], row["chosen"], row["rejected"]) == ("The sky is", " blue.", " green.")
 
 
+def test_implicit_prompt_when_one_answer_extends_the_other_names_the_real_problem():
+    # A verbose rejected that starts with the whole chosen left nothing for 'chosen' after the shared start went to
+    # the prompt, and the row failed with "field 'chosen': is empty" although the user's chosen was not empty.
+    chosen, turn = "Q: capital of France? A: Paris.", [{"role": "user", "content": "Capital?"}]
+    rows = [
+        {"chosen": chosen, "rejected": chosen + " Also, it has the Eiffel tower.", "_loc": "p.jsonl:1"},
+        {"chosen": turn + [{"role": "assistant", "content": "Paris."}], "rejected": turn, "_loc": "p.jsonl:2"},
+        {"chosen": chosen, "rejected": chosen, "_loc": "p.jsonl:3"},
+    ]
+    with pytest.raises(DataError) as bad:
+        validate_rows(rows, "preference")
+    assert [line.removesuffix(NO_SPLIT) for line in str(bad.value).splitlines()[1:]] == [
+        "  p.jsonl:1: field 'chosen': is the start of 'rejected' and the row has no 'prompt', ",
+        "  p.jsonl:2: field 'rejected': is the start of 'chosen' and the row has no 'prompt', ",
+        "  p.jsonl:3: field 'chosen': equals 'rejected' and the row has no 'prompt', ",
+    ]
+
+
+NO_SPLIT = "so no prompt can be split off their shared start: add a 'prompt' field"
+
+
 # ----------------------------------------------------------------------------------- tokenization details
 def test_preference_truncation_keeps_prompt_end(tok):
     row = {
