@@ -21,7 +21,7 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset
-from common.data import steer_rows, training_steps, validate_rows
+from common.data import load_eval_rows, steer_rows, training_steps, validate_rows
 from common.logps import sequence_logps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
@@ -140,7 +140,7 @@ def main(args: Args) -> dict:
     seed_everything(args.seed)
     check_args(args)
     rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
-    eval_rows = load_rows(args.dataset, args.eval_split, convert=args.convert) if args.eval_split else []
+    eval_rows = load_eval_rows(args.dataset, args.eval_split, args.dataset_split, args.convert)
     eval_rows = validate_rows(eval_rows, "sft") if args.eval_split else []
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
     rows, eval_rows = steer_rows(rows, args.attributes_in), steer_rows(eval_rows, args.attributes_in)  # SteerLM

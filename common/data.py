@@ -162,6 +162,19 @@ def load_rows(
     return rows
 
 
+def load_eval_rows(spec: str, split: str | None, train_split: str, convert: str | None = None) -> list[dict]:
+    """load_rows for --eval-split ([] when None). A local file holds one split, so any other name would silently
+    evaluate on the training rows: refused (the training split itself evaluates on them knowingly)."""
+    if split is None:
+        return []
+    if pathlib.Path(spec).is_file() and split != train_split:
+        raise DataError(
+            f"{spec}: a file has no {split!r} split (--eval-split would evaluate on the training rows): give "
+            f"--eval-split {train_split} to do that knowingly, or split the file and train on one part"
+        )
+    return load_rows(spec, split, convert=convert)
+
+
 # -------------------------------------------------------------------------------------------------- converters
 def _need(row: dict, field: str, kind: type) -> object:
     if not isinstance(row.get(field), kind):
