@@ -73,7 +73,7 @@ def _read_file(path: pathlib.Path) -> list[dict]:
         return [dict(r, _loc=f"{name}:[{i}]") for i, r in enumerate(pq.read_table(path).to_pylist())]
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"{name}: unsupported file type {path.suffix!r}; use .json, .jsonl or .parquet")
-    raw = path.read_bytes()
+    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Windows editors) is not text
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
