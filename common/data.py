@@ -316,6 +316,10 @@ def _check_row(row: dict, kind: str) -> dict:
         if field not in row:
             hint = "; sft rows need {prompt, completion}, {messages} or {text}" if kind == "sft" else ""
             _bad(row, field, f"missing{hint} (row has: {_columns(row)})")
+        # {messages} is a chat, {text} plain text (TRL's language modelling rows): only prompt/completion may be either
+        if (only := {"messages": list, "text": str}.get(field)) and not isinstance(row[field], only):
+            what = "a list of {role, content} messages" if only is list else "a string"
+            _bad(row, field, f"must be {what}, got {type(row[field]).__name__}")
         if problem := _text_problem(row[field], may_be_empty):
             _bad(row, field, problem)
         first = row[fields[0][0]]

@@ -182,6 +182,20 @@ def test_wrong_type(tmp_path):
     assert "e.jsonl:2: field 'messages': starts with an assistant turn" in str(err.value)
 
 
+def test_messages_must_be_a_list_and_text_a_string(tmp_path):
+    # {messages: "..."} passed the string-or-list check and then crashed with a bare TypeError (no file, no line);
+    # {text: [messages]} passed validation and reached the tokenizer after the model had loaded.
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"messages": "Hi there"}, {"text": chat}, {"messages": chat}]))
+    with pytest.raises(DataError) as bad:
+        validate_rows(rows, "sft")
+    assert [line.split("d.jsonl:", 1)[1] for line in str(bad.value).splitlines()[1:]] == [
+        "1: field 'messages': must be a list of {role, content} messages, got str",
+        "2: field 'text': must be a string, got list",
+    ]
+    assert validate_rows(rows[2:], "sft")[0]["messages"] == chat
+
+
 def test_empty_completion(tmp_path):
     rows = load_rows(
         write_jsonl(
