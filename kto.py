@@ -10,6 +10,7 @@ Differences from TRL's KTOTrainer defaults:
 - LoRA only (all-linear, r=16, alpha=32), so learning_rate 5e-6 (TRL: 1e-6, tuned for full fine-tuning).
 - Mismatched pairs rotate completions by one inside each shuffled micro-batch, (x_i, y_{i-1}); TRL rotates the
   same way inside consecutive dataset chunks of the batch size and then needs a sequential sampler. Same estimator.
+- An epoch's last micro-batch of one row gets a second row (TRL pairs that row with its own completion: z0 = h).
 - No precompute_ref_log_probs: the mismatched pairs change with every shuffled batch.
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
@@ -198,9 +199,8 @@ def main(args: Args) -> dict:
     total_steps, batches_per_epoch = training_steps(len(examples), args)
     # A micro-batch with one class only is trained as TRL does (the loss is the mean over the rows it has, z0 is
     # estimated as usual); that step logs no rewards/margins and only one of rewards/chosen|rejected.
-    one_class = [
-        i for i in range(total_steps * ga) if len({e["label"] for e in micro_batch(examples, i, bs, args.seed)}) < 2
-    ]
+    batches = [micro_batch(examples, i, bs, args.seed, min_rows=2) for i in range(total_steps * ga)]  # KL needs 2
+    one_class = [i for i, chunk in enumerate(batches) if len({e["label"] for e in chunk}) < 2]
     if one_class:
         warnings.warn(
             f"{len(one_class)} of {total_steps * ga} micro-batches hold only desirable or only undesirable "
@@ -222,7 +222,7 @@ def main(args: Args) -> dict:
         timer = PhaseTimer()
         loss_sum, z0_sum, tokens, labels, rewards, logps_all = 0.0, 0.0, 0, [], [], []
         for i in range(ga):
-            chunk = micro_batch(examples, step * ga + i, bs, args.seed)
+            chunk = batches[step * ga + i]
             matched, mismatched = kto_batches(chunk, pad_id, args.max_length, device)
             logps = completion_logps(model, matched)[0]  # (B,) with grad
             with torch.no_grad():  # TRL: the KL estimate takes no gradient, the policy side included

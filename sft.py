@@ -20,8 +20,8 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import collate_packed, collate_sft, load_rows, micro_batch, pack_examples, tokenize_dataset
-from common.data import steer_rows, training_steps, validate_rows
+from common.data import collate_packed, collate_sft, micro_batch, pack_examples, tokenize_dataset
+from common.data import load_splits, steer_rows, training_steps
 from common.logps import sequence_logps
 from common.memory import check_memory
 from common.model import load_policy, trainable_parameters
@@ -139,9 +139,7 @@ def main(args: Args) -> dict:
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split, convert=args.convert), "sft")
-    eval_rows = load_rows(args.dataset, args.eval_split, convert=args.convert) if args.eval_split else []
-    eval_rows = validate_rows(eval_rows, "sft") if args.eval_split else []
+    rows, eval_rows = load_splits(args, "sft")  # validated; eval_rows [] without --eval-split
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
     rows, eval_rows = steer_rows(rows, args.attributes_in), steer_rows(eval_rows, args.attributes_in)  # SteerLM
 

@@ -73,7 +73,7 @@ def _read_file(path: pathlib.Path) -> list[dict]:
         return [dict(r, _loc=f"{name}:[{i}]") for i, r in enumerate(pq.read_table(path).to_pylist())]
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"{name}: unsupported file type {path.suffix!r}; use .json, .jsonl or .parquet")
-    raw = path.read_bytes()
+    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Windows editors) is not text
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -175,8 +175,11 @@ def load_splits(args, kind: str) -> tuple[list[dict], list[dict]]:
             f"--eval-split {args.eval_split}: {args.dataset} is one file with no splits (all of it is the training "
             f"data); leave --eval-split unset, or pass {args.dataset_split} to evaluate on the training rows"
         )
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), kind)
-    return rows, validate_rows(load_rows(args.dataset, args.eval_split), kind) if args.eval_split else []
+    convert = getattr(args, "convert", None)  # sft.py's --convert alpaca / sharegpt
+    rows, eval_rows = (
+        load_rows(args.dataset, s, convert=convert) if s else [] for s in (args.dataset_split, args.eval_split)
+    )
+    return validate_rows(rows, kind), validate_rows(eval_rows, kind) if args.eval_split else []
 
 
 # -------------------------------------------------------------------------------------------------- converters
@@ -196,14 +199,23 @@ def _rest(row: dict, *drop: str) -> dict:
     return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
 
 
+def _alpaca_history(row: dict) -> list[dict]:
+    """LLaMA-Factory's alpaca `history` ([[instruction, response], ...], earlier rounds) as user/assistant turns."""
+    rounds = row.get("history") or []
+    if not (isinstance(rounds, list) and all(isinstance(r, list) and len(r) == 2 for r in rounds)):
+        _bad(row, "history", f"must be a list of [instruction, response] pairs, got {str(rounds)[:80]}")
+    return [{"role": role, "content": text} for r in rounds for role, text in zip(("user", "assistant"), r)]
+
+
 def _alpaca(row: dict) -> dict:
-    """{instruction, input, output[, system]} -> conversational {prompt: [system?, user], completion: [assistant]}."""
+    """{instruction, input, output[, system][, history]} -> conversational {prompt: [system?, the history's turns,
+    user], completion: [assistant]}."""
     user, output = _need(row, "instruction", str), _need(row, "output", str)
     if row.get("input"):
-        user += "\n\n" + row["input"]  # Alpaca's layout: the instruction, a blank line, then the input
+        user += "\n\n" + _need(row, "input", str)  # Alpaca's layout: the instruction, a blank line, then the input
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    return _rest(row, "instruction", "input", "output", "system") | {
-        "prompt": system + [{"role": "user", "content": user}],
+    return _rest(row, "instruction", "input", "output", "system", "history") | {
+        "prompt": system + _alpaca_history(row) + [{"role": "user", "content": user}],
         "completion": [{"role": "assistant", "content": output}],
     }
 
@@ -282,6 +294,11 @@ def _check_row(row: dict, kind: str) -> dict:
         and type(row.get("rejected")) is type(row["chosen"])
     ):
         row = row | dict(zip(("prompt", "chosen", "rejected"), _extract_prompt(row["chosen"], row["rejected"])))
+        if not (row["chosen"] and row["rejected"]):  # one answer is the other's start: all of it went to the prompt
+            side, other = ("chosen", "rejected") if not row["chosen"] else ("rejected", "chosen")
+            how = f"equals '{other}'" if row[side] == row[other] else f"is the start of '{other}'"
+            why = "so no prompt can be split off their shared start: add a 'prompt' field"
+            _bad(row, side, f"{how} and the row has no 'prompt', {why}")
     if kind == "binary" and "messages" in row and "prompt" not in row and "completion" not in row:
         msgs = row["messages"]
         if not (
@@ -306,6 +323,10 @@ def _check_row(row: dict, kind: str) -> dict:
         if field not in row:
             hint = "; sft rows need {prompt, completion}, {messages} or {text}" if kind == "sft" else ""
             _bad(row, field, f"missing{hint} (row has: {_columns(row)})")
+        # {messages} is a chat, {text} plain text (TRL's language modelling rows): only prompt/completion may be either
+        if (only := {"messages": list, "text": str}.get(field)) and not isinstance(row[field], only):
+            what = "a list of {role, content} messages" if only is list else "a string"
+            _bad(row, field, f"must be {what}, got {type(row[field]).__name__}")
         if problem := _text_problem(row[field], may_be_empty):
             _bad(row, field, problem)
         first = row[fields[0][0]]
@@ -659,16 +680,20 @@ def dataset_label(spec: str) -> str:
     return path.parent.name if stem in ("train", "test", "validation", "dev") and path.parent.name else stem
 
 
-def micro_batch(examples: list, index: int, batch_size: int, seed: int, drop_last: bool = False) -> list:
+def micro_batch(
+    examples: list, index: int, batch_size: int, seed: int, drop_last: bool = False, min_rows: int = 1
+) -> list:
     """The index-th micro-batch of an endless, epoch-wise reshuffled stream: a pure function of (index, seed), so
     resuming at a step needs no saved iterator, and accumulation 1 x 4 sees the same rows as 4 x 1. drop_last: every
-    batch is full (the epoch's remainder is skipped; fewer rows than batch_size repeat rows)."""
+    batch is full (the epoch's remainder is skipped; fewer rows than batch_size repeat rows). min_rows: an epoch's
+    last batch shorter than that is topped up with the epoch's first rows (KTO's mismatched pairs need two)."""
     per_epoch = max(1, len(examples) // batch_size) if drop_last else math.ceil(len(examples) / batch_size)
     epoch, pos = divmod(index, per_epoch)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
     if drop_last:
         return [examples[order[(pos * batch_size + i) % len(examples)]] for i in range(batch_size)]
-    return [examples[i] for i in order[pos * batch_size : (pos + 1) * batch_size]]
+    rows = order[pos * batch_size : (pos + 1) * batch_size]
+    return [examples[i] for i in rows + order[: max(min_rows - len(rows), 0)]]
 
 
 def training_steps(n_examples: int, args) -> tuple[int, int]:

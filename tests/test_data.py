@@ -182,6 +182,20 @@ def test_wrong_type(tmp_path):
     assert "e.jsonl:2: field 'messages': starts with an assistant turn" in str(err.value)
 
 
+def test_messages_must_be_a_list_and_text_a_string(tmp_path):
+    # {messages: "..."} passed the string-or-list check and then crashed with a bare TypeError (no file, no line);
+    # {text: [messages]} passed validation and reached the tokenizer after the model had loaded.
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"messages": "Hi there"}, {"text": chat}, {"messages": chat}]))
+    with pytest.raises(DataError) as bad:
+        validate_rows(rows, "sft")
+    assert [line.split("d.jsonl:", 1)[1] for line in str(bad.value).splitlines()[1:]] == [
+        "1: field 'messages': must be a list of {role, content} messages, got str",
+        "2: field 'text': must be a string, got list",
+    ]
+    assert validate_rows(rows[2:], "sft")[0]["messages"] == chat
+
+
 def test_empty_completion(tmp_path):
     rows = load_rows(
         write_jsonl(
@@ -283,6 +297,31 @@ def test_kto_demo_messages_label(shared_data, tok):
     assert len(examples) == 300 and sum(e["label"] for e in examples) == 150
 
 
+def test_alpaca_non_string_input_names_file_line_and_field(tmp_path):
+    # "input" was concatenated unchecked: a number or a list raised a bare TypeError with no file, line or field.
+    rows = [{"instruction": "Add", "input": bad, "output": "7"} for bad in (5, ["2", "5"])]
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    with pytest.raises(DataError, match=r"2 bad row.*\n  .*a\.jsonl:1: field 'input': must be a str, got int"):
+        load_rows(path, convert="alpaca")
+
+
+def test_alpaca_history_becomes_the_earlier_turns(tmp_path):
+    # LLaMA-Factory's alpaca layout keeps earlier rounds in "history" ([[instruction, response], ...]); they were
+    # silently left out, so "Thanks" was trained without the conversation it thanks for.
+    row = {"instruction": "Thanks", "input": "", "output": "You're welcome!", "system": "Be kind."}
+    row["history"] = [["Plan my interview.", "First, read the job post."], ["And then?", "Practise."]]
+    path = write_jsonl(tmp_path / "h.jsonl", [row, row | {"history": [["only the question"]]}, row | {"history": []}])
+    with pytest.raises(DataError, match=r"h\.jsonl:2: field 'history': must be a list of \[instruction, response\]"):
+        load_rows(path, convert="alpaca")
+    path = write_jsonl(tmp_path / "ok.jsonl", [row, row | {"history": []}])
+    with_history, without = validate_rows(load_rows(path, convert="alpaca"), "sft")
+    roles = ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in with_history["prompt"]] == roles and "history" not in with_history
+    assert [m["content"] for m in with_history["prompt"][1:]] == [*row["history"][0], *row["history"][1], "Thanks"]
+    assert with_history["completion"] == [{"role": "assistant", "content": "You're welcome!"}]
+    assert without["prompt"] == with_history["prompt"][:1] + with_history["prompt"][-1:]
+
+
 def test_sharegpt_bad_role(tmp_path):
     path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "robot", "value": "hi"}]}])
     with pytest.raises(DataError, match=r"s\.jsonl:1: field 'conversations': expected \{from"):
@@ -377,6 +416,27 @@ def test_implicit_prompt_is_extracted():
     assert row["prompt"] == chosen[:1] and row["chosen"] == chosen[1:] and row["rejected"] == rejected[1:]
     row = validate_rows([{"chosen": "The sky is blue.", "rejected": "The sky is green."}], "preference")[0]
     assert (row["prompt"], row["chosen"], row["rejected"]) == ("The sky is", " blue.", " green.")
+
+
+def test_implicit_prompt_when_one_answer_extends_the_other_names_the_real_problem():
+    # A verbose rejected that starts with the whole chosen left nothing for 'chosen' after the shared start went to
+    # the prompt, and the row failed with "field 'chosen': is empty" although the user's chosen was not empty.
+    chosen, turn = "Q: capital of France? A: Paris.", [{"role": "user", "content": "Capital?"}]
+    rows = [
+        {"chosen": chosen, "rejected": chosen + " Also, it has the Eiffel tower.", "_loc": "p.jsonl:1"},
+        {"chosen": turn + [{"role": "assistant", "content": "Paris."}], "rejected": turn, "_loc": "p.jsonl:2"},
+        {"chosen": chosen, "rejected": chosen, "_loc": "p.jsonl:3"},
+    ]
+    with pytest.raises(DataError) as bad:
+        validate_rows(rows, "preference")
+    assert [line.removesuffix(NO_SPLIT) for line in str(bad.value).splitlines()[1:]] == [
+        "  p.jsonl:1: field 'chosen': is the start of 'rejected' and the row has no 'prompt', ",
+        "  p.jsonl:2: field 'rejected': is the start of 'chosen' and the row has no 'prompt', ",
+        "  p.jsonl:3: field 'chosen': equals 'rejected' and the row has no 'prompt', ",
+    ]
+
+
+NO_SPLIT = "so no prompt can be split off their shared start: add a 'prompt' field"
 
 
 # ----------------------------------------------------------------------------------- tokenization details

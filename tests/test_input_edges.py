@@ -2,6 +2,7 @@
 no chosen reward can score, empty and non-UTF-8 files, missing local paths, a data folder as --model, an adapter of
 another base, an unwritable --output-dir, and two runs started in the same second."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -70,6 +71,15 @@ def test_non_utf8_bytes_name_the_file_and_line(tmp_path):
     path.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n')
     with pytest.raises(DataError, match=rf"{path}:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
         load_rows(str(path))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_utf8_byte_order_mark_is_not_text(tmp_path, suffix):
+    # Windows editors save UTF-8 with a BOM; datasets.load_dataset("json") reads such files, we said "invalid JSON".
+    row = {"prompt": "café", "completion": "b"}
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(row if suffix == ".jsonl" else [row]).encode() + b"\n")
+    assert load_rows(str(path)) == [row | {"_loc": f"{path}:{1 if suffix == '.jsonl' else '[0]'}"}]
 
 
 @pytest.mark.parametrize("spec", ["./no/such/data", "/no/such/data", "../data", "a/b/c"])

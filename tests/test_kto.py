@@ -180,6 +180,18 @@ def test_one_class_batches_warn_and_train_on_the_class_they_have(tiny_model_dir,
     assert {"rewards/margins" in h for h in out["history"]} == {True, False}  # both kinds of step happened
 
 
+def test_an_epochs_last_row_alone_still_gets_a_mismatched_pair(tiny_model_dir, tmp_path, monkeypatch):
+    # 9 rows, batch 8: the epoch's second micro-batch held one row, whose "mismatched" pair (x_1, y_1) was the matched
+    # one, so z0 = max(0, h) and the row's loss was a constant 0.5 whenever h > 0: the very case batch size 1 refuses.
+    import kto
+
+    seen, build = [], kto.kto_batches
+    monkeypatch.setattr(kto, "kto_batches", lambda ex, *a: seen.append(ex) or build(ex, *a))
+    run(tiny_model_dir, write_jsonl(tmp_path / "nine.jsonl", binary_rows(9)), tmp_path, max_steps=2)
+    assert [len(chunk) for chunk in seen] == [8, 2]
+    assert all(len({e["_loc"] for e in chunk}) == len(chunk) for chunk in seen)  # (x_i, y_{i-1}) from another row
+
+
 def test_non_boolean_label_fails_before_the_model_loads(tmp_path):
     rows = binary_rows(3)
     rows[1]["label"] = "yes"

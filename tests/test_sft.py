@@ -122,6 +122,14 @@ def test_full_finetune_and_packing(tiny_model_dir, memo_jsonl, tmp_path):
     assert packed["loss"] == pytest.approx(unpacked["loss"], rel=1e-5)
 
 
+def test_an_eval_split_of_a_local_file_is_refused_before_the_model_loads(memo_jsonl, tmp_path):
+    # A file has one split: --eval-split test loaded the same rows again, and eval/loss was the training loss.
+    from common.run import ArgsError
+
+    with pytest.raises(ArgsError, match=r"--eval-split test: .*memo\.jsonl is one file with no splits.* pass train"):
+        main(Args(model=str(tmp_path / "no-such-model"), dataset=memo_jsonl, eval_split="test"))
+
+
 def test_cli_help_and_one_step(tiny_model_dir, memo_jsonl, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     help_out = subprocess.run([sys.executable, "sft.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
