@@ -360,7 +360,7 @@ def main(args: Args) -> dict:
 
     # ---- 4 loop: rollout -> rewards -> advantages -> (old, ref) log-probs -> num_iterations clipped updates
     model.train()
-    history, metrics, active, interrupt = [], {}, set(), StopOnCtrlC()  # Ctrl-C: stop after the step, checkpointed
+    history, metrics, active, interrupt = [], {}, set(), StopOnCtrlC()  # Ctrl-C: stop after the step (last: finish)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     for step in range(start_step, args.max_steps):
         timer = PhaseTimer()
@@ -429,8 +429,8 @@ def main(args: Args) -> dict:
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
         active = check_breakers(history, args, active)
-        if interrupt.requested or (active and args.breaker_action == "stop"):
-            why = "Ctrl-C" if interrupt.requested else "circuit breaker " + ", ".join(sorted(active))
+        if (ctrl_c := interrupt.requested and step + 1 < args.max_steps) or (active and args.breaker_action == "stop"):
+            why = "Ctrl-C" if ctrl_c else "circuit breaker " + ", ".join(sorted(active))
             out = {**metrics, "history": history, "run_dir": run_dir, "stopped_by": sorted(active)}
             stop_run("grpo", why, run_dir, step + 1, model, optimizer, scheduler, state, args, out)
     interrupt.restore()

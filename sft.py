@@ -218,7 +218,7 @@ def main(args: Args) -> dict:
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
-        if interrupt.requested:
+        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
             stop_run("sft", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args, metrics)
     interrupt.restore()
 

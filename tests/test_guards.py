@@ -187,7 +187,14 @@ def test_ctrl_c_saves_at_the_step_boundary_and_prints_the_resume_command(tiny_mo
     assert not (run_dir / "final").exists()
 
 
-@pytest.mark.parametrize("script", ["dpo", "orpo", "rm"])
+LAST_STEP = {  # one step on each script's own kind of rows
+    "sft": dict(dataset="builtin:math_sft"),
+    "kto": dict(dataset="builtin:math_binary", per_device_train_batch_size=4),
+    "grpo": dict(dataset="builtin:math", group_size=2, prompts_per_step=1, max_completion_length=4),
+}
+
+
+@pytest.mark.parametrize("script", ["dpo", "orpo", "rm", "sft", "kto", "grpo"])
 def test_ctrl_c_during_the_last_step_finishes_the_run(script, tiny_model_dir, prefs, tmp_path, monkeypatch):
     """A Ctrl-C in the last step raised RunStopped with a checkpoint at total_steps, which --resume-from-checkpoint
     refuses (no steps left): the run could neither finish nor resume, and final/ was never written."""
@@ -195,8 +202,8 @@ def test_ctrl_c_during_the_last_step_finishes_the_run(script, tiny_model_dir, pr
 
     module = importlib.import_module(script)
     monkeypatch.setattr(module, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, restore=lambda: None))
-    args = module.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=1, save_steps=0)
-    out = module.main(args)
+    kw = dict(model=tiny_model_dir, output_dir=str(tmp_path), max_steps=1, save_steps=0, preset="demo")
+    out = module.main(module.Args(**kw | LAST_STEP.get(script, dict(dataset=prefs))))
     assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
     assert [h["step"] for h in out["history"]] == [1]
 
