@@ -252,6 +252,9 @@ _AT_LEAST_ZERO = (
     "rpo_alpha",
     "weight_decay",
     "num_train_epochs",
+    "epsilon",
+    "epsilon_high",
+    "center_rewards_coefficient",
 )
 
 
@@ -270,7 +273,7 @@ def check_args(args, min_group_size: int = 1) -> None:
     for name in (n for n in _AT_LEAST_ONE if n in fields and getattr(args, n) is not None):
         if getattr(args, name) < 1:
             fail(name, "must be at least 1")
-    for name in (n for n in _AT_LEAST_ZERO if n in fields):
+    for name in (n for n in _AT_LEAST_ZERO if n in fields and getattr(args, n) is not None):
         if not getattr(args, name) >= 0:  # also refuses NaN
             fail(name, "must be >= 0")
     if "group_size" in fields and args.group_size < min_group_size:

@@ -46,6 +46,9 @@ NONSENSE = [
     ("raft", "prompts_per_round", 0, "at least 1"),
     ("sft", "max_steps", -2, ">= 0"),
     ("rm", "per_device_train_batch_size", 0, "at least 1"),
+    ("grpo", "epsilon", -0.2, ">= 0"),  # the clip bounds would cross
+    ("grpo", "epsilon_high", -0.1, ">= 0"),
+    ("rm", "center_rewards_coefficient", -0.01, ">= 0"),  # would reward rewards far from 0
 ]
 
 
