@@ -341,10 +341,11 @@ class RunStopped(RuntimeError):
 
 
 def stop_run(script: str, reason: str, run_dir: str, step: int, model, optimizer, scheduler, state, args, result):
-    """Save a checkpoint at this step and raise RunStopped with the command that resumes from it."""
-    path = save_checkpoint(
-        run_dir, step, model, optimizer, scheduler, state, keep_last=args.save_total_limit, args=args
-    )
+    """Save a checkpoint at this step (unless the loop's save of this step just wrote it: saving again would delete it
+    before renaming the new one into place) and raise RunStopped with the command that resumes from it."""
+    path = os.path.join(run_dir, "checkpoints", f"step-{step}")
+    if not (args.save_steps and step % args.save_steps == 0 and os.path.isfile(os.path.join(path, COMPLETE))):
+        path = save_checkpoint(run_dir, step, model, optimizer, scheduler, state, args.save_total_limit, args)
     raise RunStopped(
         f"{script}: stopped at step {step} ({reason}); final/ not written. Checkpoint {path}; resume "
         f"with --resume-from-checkpoint {path}",

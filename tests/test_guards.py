@@ -190,6 +190,24 @@ def test_ctrl_c_saves_at_the_step_boundary_and_prints_the_resume_command(tiny_mo
     assert not (run_dir / "final").exists()
 
 
+def test_ctrl_c_on_a_save_step_keeps_the_checkpoint_it_just_wrote(tiny_model_dir, prefs, tmp_path, monkeypatch):
+    """stop_run saved the step again right after the loop's save of it; save_checkpoint deletes an existing step-N
+    before renaming the new one into place, so with --save-total-limit 1 a kill in between left no checkpoint."""
+    from types import SimpleNamespace
+
+    import common.run
+    import dpo
+
+    again = []
+    monkeypatch.setattr(common.run, "save_checkpoint", lambda *a, **k: again.append(a[1]))  # stop_run's own save
+    monkeypatch.setattr(dpo, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, restore=lambda: None))
+    args = dpo.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=3, save_steps=1)
+    with pytest.raises(common.run.RunStopped) as stopped:
+        dpo.main(dataclasses.replace(args, save_total_limit=1))
+    assert stopped.value.step == 1 and again == []
+    assert os.path.isfile(os.path.join(stopped.value.checkpoint, common.run.COMPLETE))
+
+
 LAST_STEP = {  # one step on each script's own kind of rows
     "sft": dict(dataset="builtin:math_sft"),
     "kto": dict(dataset="builtin:math_binary", per_device_train_batch_size=4),
