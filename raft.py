@@ -308,8 +308,8 @@ def kept_and_pairs(batch: list[dict], samples: list[dict], scores, args: Args) -
     return sft_rows, pair_rows
 
 
-def reward_stats(rewards, per_func, reward_funcs, num_kept: int, args: Args) -> dict:
-    """Reward metrics of a round's samples (TRL's names) and the share kept."""
+def reward_stats(rewards, scores, per_func, reward_funcs, num_kept: int, args: Args) -> dict:
+    """Reward metrics of a round's samples (TRL's names) and the share kept; scores: NaN where a sample is unusable."""
     stats = {
         "reward": rewards.mean().item(),
         "reward_std": rewards.std().nan_to_num().item(),
@@ -317,8 +317,8 @@ def reward_stats(rewards, per_func, reward_funcs, num_kept: int, args: Args) -> 
         "num_kept": num_kept,
     }
     stats |= {f"rewards/{n}/mean": per_func[:, f].nanmean().item() for f, (n, _, _) in enumerate(reward_funcs)}
-    if args.reward_threshold is not None:  # samples good enough to keep, before the best-per-prompt cut
-        stats["pass_rate"] = (rewards >= args.reward_threshold).float().mean().item()
+    if args.reward_threshold is not None:  # usable samples good enough to keep, before the best-per-prompt cut
+        stats["pass_rate"] = (scores >= args.reward_threshold).float().mean().item()  # NaN >= x is False
     return stats
 
 
@@ -406,7 +406,7 @@ def main(args: Args) -> dict:
                 sample |= {"reward": reward, "usable": ok}
             # (3) the kept set: the best of each group above the threshold; (4) best-vs-worst pairs, same groups
             sft_rows, pair_rows = kept_and_pairs(batch, samples, scores, args)
-            stats |= reward_stats(rewards, per_func, reward_funcs, len(sft_rows), args)
+            stats |= reward_stats(rewards, scores, per_func, reward_funcs, len(sft_rows), args)
         t2 = time.perf_counter()
         if sft_rows:  # (3) SFT on the kept samples: sft.py's loss, on the data exactly as written to sft.jsonl
             sft_examples = tokenize_dataset(tokenizer, sft_rows, "sft", args.max_length)

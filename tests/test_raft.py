@@ -276,6 +276,16 @@ def test_a_phase_makes_num_train_epochs_full_passes_over_its_rows():
     assert sorted(seen) == sorted(list(range(10)) * 2) and out["sft/steps"] == 4
 
 
+def test_pass_rate_counts_only_usable_samples(tiny_model_dir, prompts_jsonl, tmp_path):
+    """pass_rate is the share of samples good enough to keep: a truncated completion (never kept or paired) that
+    scores above the threshold used to count as passing."""
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, reward_threshold=0.0, mask_truncated_completions=True,
+              eval_limit=0)  # fmt: skip
+    samples = read_jsonl(os.path.join(out["run_dir"], "round-1", "samples.jsonl"))
+    assert all(s["reward"] >= 0.0 for s in samples) and not all(s["usable"] for s in samples)  # a truncated one
+    assert out["pass_rate"] == sum(s["usable"] for s in samples) / len(samples)
+
+
 def test_spin_needs_completions(tmp_path):
     with pytest.raises(ValueError, match="completion"):
         main(Args(mode="spin", dataset="builtin:math", output_dir=str(tmp_path)))
