@@ -234,11 +234,12 @@ def check_memory(args, script: str, rows: list[dict] | None = None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget, what = device_memory(device)
     cfg = model_config(args.model, getattr(args, "trust_remote_code", False))
-    parts = estimate(cfg, args, script, device, budget, longest_row(rows or []))
+    longest = longest_row(rows or [])
+    parts = estimate(cfg, args, script, device, budget, longest)
     ignore = getattr(args, "ignore_memory_plan", False)
     if parts["total"] > budget and not args.gradient_checkpointing and not ignore:
         checkpointed = dataclasses.replace(args, gradient_checkpointing=True)
-        fits = estimate(cfg, checkpointed, script, device, budget, longest_row(rows or []))
+        fits = estimate(cfg, checkpointed, script, device, budget, longest)
         if fits["total"] <= budget:
             print(f"gradient checkpointing turned on: without it the plan needs {parts['total'] / GiB:.1f} GiB of the "
                   f"{budget / GiB:.1f} GiB {what} (--ignore-memory-plan keeps it off)", flush=True)  # fmt: skip
