@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 
@@ -43,7 +44,7 @@ def _text(x, last_assistant: bool = True) -> str:
 # quantifiers). No signal.alarm timeout: alarms are process-wide and not thread safe (the verl bug that silently
 # zeroed MATH rewards).
 _TAIL = 2000
-_NUM = r"-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?"
+_NUM = r"-?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?%?"  # '.5' whole: not the 5 after its dot
 _FRAC = r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}"
 _PHRASE = re.compile(r"answer(?:\s+is)?[\s:=]*(?:\\?\$)?(" + _NUM + ")", re.IGNORECASE)
 
@@ -73,29 +74,47 @@ def extract_answer(text) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def normalize_number(s: str | None) -> float | None:
-    """'1,234' '$18.00.' '25%' '-3' '3/4' '\\frac{3}{4}' 'x = 5' '12 \\text{cm}' -> float; None without a number.
-    Units-free: whatever follows the leading number is dropped (so '12 cm' is 12)."""
+def exact_number(s: str | None) -> Fraction | None:
+    """'1,234' '$18.00.' '25%' '-3' '3/4' '\\frac{3}{4}' 'x = 5' '12 \\text{cm}' '**18**' -> its exact value (a
+    Fraction: huge integers stay distinct, 1/3 stays 1/3); None without a number. Units-free: whatever follows the
+    leading number is dropped (so '12 cm' is 12)."""
     if s is None:
         return None
     s = re.sub(_FRAC, r"\1/\2", s.rsplit("=", 1)[-1])  # \frac{a}{b} -> a/b
     s = re.sub(r"\\text\{[^{}]*\}|\\boxed|\\[,!%$ ]|[${}()\s,%]", "", s)  # units in \text{}, LaTeX spaces, $ , %
-    m = re.match(r"(-?\d*\.?\d+)(?:/(-?\d*\.?\d+))?", s)
-    if m is None or float(m.group(2) or 1) == 0:  # no number, or x/0
+    m = re.match(r"(-?\d*\.?\d+)(?:/(-?\d*\.?\d+))?", s.lstrip("*_"))  # markdown bold or italics: '#### **18**'
+    if m is None or Fraction(m.group(2) or 1) == 0:  # no number, or x/0
         return None
-    return float(m.group(1)) / float(m.group(2) or 1)
+    return Fraction(m.group(1)) / Fraction(m.group(2) or 1)
+
+
+def normalize_number(s: str | None) -> float | None:
+    """exact_number as a float (+-inf beyond float range)."""
+    if (value := exact_number(s)) is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def same_number(guess: Fraction | None, truth: Fraction) -> bool:
+    """Exactly equal; a non-integer reference (1/3) also takes a decimal within 1e-6 of it relatively (0.3333333).
+    No tolerance on integers: a relative one let 2,880,001 pass for GSM8K's 2,880,000 (math-verify rounds to 6
+    decimal places, an absolute tolerance)."""
+    if guess is None:
+        return False
+    return guess == truth or (truth.denominator != 1 and abs(guess - truth) <= abs(truth) / 10**6)
 
 
 def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
-    """1.0 if the completion's final answer equals the row's `answer` numerically (rel tol 1e-6), else 0.0; None
-    for rows without one. The reference may be a whole GSM8K solution ending `#### 72`: same extraction."""
+    """1.0 if the completion's final answer equals the row's `answer` (same_number), else 0.0; None for rows without
+    one or whose answer has no number. The reference may be a whole GSM8K solution ending `#### 72`: same
+    extraction."""
     rewards = []
     for completion, ref in zip(completions, answer or [None] * len(completions), strict=True):
-        truth = None if ref is None else normalize_number(extract_answer(str(ref)))
-        guess = normalize_number(extract_answer(completion))
-        rewards.append(
-            None if truth is None else float(guess is not None and math.isclose(guess, truth, rel_tol=1e-6))
-        )
+        truth = None if ref is None else exact_number(extract_answer(str(ref)))
+        rewards.append(None if truth is None else float(same_number(exact_number(extract_answer(completion)), truth)))
     return rewards
 
 

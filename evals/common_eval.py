@@ -35,16 +35,19 @@ def reward_eval(generate, examples: list[dict], reward_funcs, max_new_tokens: in
     """A training run's held-out eval through its own rollout engine (`generate`, HF or vLLM): one greedy completion
     per prompt, its mean reward (the run's reward functions) and length and, for rows with an answer, the share whose
     final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k). A row whose answer has
-    no number ("p - q") cannot be judged by math_reward (None): it is left out of the accuracy, not counted wrong."""
+    no number ("p - q") cannot be judged by math_reward (None): it is left out of the accuracy, not counted wrong, and
+    counted in eval/<dataset>/unscored (as evals.gsm8k does)."""
     out = generate([e["prompt_ids"] for e in examples], 1, temperature=0.0, max_new_tokens=max_new_tokens)
     rewards, _ = score_rollout(examples, out, reward_funcs, max_new_tokens)
     lengths = [len(c) for c in out["completion_ids"]]
     metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
     if all("answer" in e for e in examples):
-        right = math_reward(None, out["completions"], answer=[e["answer"] for e in examples])
-        right = [r for r in right if r is not None]  # None: an answer without a number, which no completion matches
+        scores = math_reward(None, out["completions"], answer=[e["answer"] for e in examples])
+        right = [r for r in scores if r is not None]  # None: an answer without a number, which no completion matches
         if right:
             metrics[f"eval/{dataset_label(source)}/accuracy"] = sum(right) / len(right)
+        if len(right) < len(scores):  # only then: a run on numeric answers logs the keys it always did
+            metrics[f"eval/{dataset_label(source)}/unscored"] = len(scores) - len(right)
     return metrics
 
 

@@ -25,7 +25,15 @@ from typing import Literal
 
 import torch
 
-from common.data import load_rows, parse_attributes, question_row, steer_prompt, tokenize_prompt, validate_rows
+from common.data import (
+    DataError,
+    load_rows,
+    parse_attributes,
+    question_row,
+    steer_prompt,
+    tokenize_prompt,
+    validate_rows,
+)
 from common.embedded import MATH_INSTRUCTION
 from common.rewards import extract_answer, math_reward
 from common.run import ArgsError, one_line_errors
@@ -94,6 +102,8 @@ def gsm8k_rows(
         question_row(r, instruction) if "question" in r and "prompt" not in r else r
         for r in load_rows(dataset, split)[:limit]
     ]  # [:None] keeps all
+    if missing := [r.get("_loc", "<row>") for r in rows if r.get("answer") is None]:
+        raise DataError(f"{missing[0]}: field 'answer' is missing: no reference to score ({len(missing)} rows)")
     out = []
     for row in validate_rows(rows, "prompt"):
         # A plain-string prompt becomes one user turn; builtin:math's question is its user turn, instruction included.
@@ -105,9 +115,13 @@ def gsm8k_rows(
 
 
 def score(completions: list[str], references: list[str]) -> list[dict]:
-    """Per completion: the extracted answer and whether math_reward counts it correct (exactly the RL reward)."""
+    """Per completion: the extracted answer and whether math_reward counts it correct (exactly the RL reward);
+    correct is None when the reference has no number ("p - q"): nothing can match it, so it is not judged."""
     rewards = math_reward([None] * len(completions), completions, answer=references)
-    return [{"extracted": extract_answer(c), "correct": r == 1.0} for c, r in zip(completions, rewards, strict=True)]
+    return [
+        {"extracted": extract_answer(c), "correct": None if r is None else r == 1.0}
+        for c, r in zip(completions, rewards, strict=True)
+    ]
 
 
 def evaluate_gsm8k(
@@ -120,7 +134,8 @@ def evaluate_gsm8k(
     num_samples: int = 1,
 ) -> dict:
     """Decode every row of gsm8k_rows() (greedy, or num_samples draws at temperature) and score each completion:
-    {accuracy (mean over all completions), n (completions), records}. Restores the model's mode."""
+    {accuracy (mean over the judged completions), n (judged completions), unscored (completions whose reference has
+    no number: left out, as evals.common_eval.reward_eval does), records}. Restores the model's mode."""
     # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
     prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
     completions = generate_completions(
@@ -132,8 +147,9 @@ def evaluate_gsm8k(
         {"question": row["question"], "reference": extract_answer(row["reference"]), "completion": c, **s}
         for row, c, s in zip(rows, completions, scored, strict=True)
     ]
-    correct = sum(r["correct"] for r in records)
-    return {"accuracy": correct / len(records) if records else float("nan"), "n": len(records), "records": records}
+    judged = [r["correct"] for r in records if r["correct"] is not None]
+    accuracy = sum(judged) / len(judged) if judged else float("nan")  # nan: nothing could be judged
+    return {"accuracy": accuracy, "n": len(judged), "unscored": len(records) - len(judged), "records": records}
 
 
 def main(args: Args) -> dict:
@@ -164,7 +180,8 @@ def main(args: Args) -> dict:
         "label": label,
         "accuracy": result["accuracy"],
         "n": result["n"],
-        "correct": sum(r["correct"] for r in result["records"]),
+        "correct": sum(r["correct"] is True for r in result["records"]),
+        "unscored": result["unscored"],
         "model": args.model,
         "adapter": args.adapter,
         "checkpoint": args.checkpoint,
@@ -184,9 +201,10 @@ def main(args: Args) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     paths = write_results(args.output_dir, f"{label}__{task}", result["records"], summary)
+    unscored = f"; {result['unscored']} left out (reference without a number)" if result["unscored"] else ""
     print(
-        f"{task}: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s; "
-        f"wrote {paths['summary']}"
+        f"{task}: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s"
+        f"{unscored}; wrote {paths['summary']}"
     )
     return {**summary, **paths, "records": result["records"]}
 

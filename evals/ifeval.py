@@ -1,7 +1,8 @@
 """IFEval: does a greedy response follow verifiable instructions ("no commas", "at least 300 words", "wrap in JSON")?
 
 Zhou et al. 2023, arXiv:2311.07911. The 25 checkers are Google's own code as packaged by `if-verifiable` (pip install
-if-verifiable); this file only generates, applies them, and aggregates:
+if-verifiable), with google-research's later fix to letter_frequency (below); this file generates, applies them, and
+aggregates:
   prompt level      a prompt passes when ALL its instructions pass; instruction level: the mean over all instructions
   strict / loose    the response as is / passes if any of the 8 standard variants passes (first line, last line or
                     both removed, each with and without '*' stripped)
@@ -10,9 +11,11 @@ nltk.downloader punkt_tab` installs it) those instructions are NOT EVALUATED: ou
 the prompts holding one out of the prompt-level scores, and their counts in the summary. Never counted as passed.
 Run: `python -m evals.ifeval --dataset google/IFEval --limit 50` (offline: a local copy of IFEval's input_data.jsonl)
 
-Differences from lm-eval's ifeval task: chat template on (lm-eval: off unless --apply_chat_template); langdetect is
-seeded (0) and so is the `random` that fills unusable kwargs, so every verdict is the same on every run (lm-eval:
-unseeded; it changes 2 letter_frequency prompts, keys 1122 and 1129); 1,024 new tokens (lm-eval: 1,280).
+Differences from lm-eval's ifeval task: chat template on (lm-eval: off unless --apply_chat_template); letter_frequency
+counts the character the prompt asks for even when it is no letter, as google-research's current checker does (keys
+1122 and 1129 ask for '#' and '!'; lm-eval and if-verifiable count a random letter instead, unseeded in lm-eval);
+langdetect is seeded (0) and so is the `random` that fills missing kwargs, so every verdict is the same on every run;
+1,024 new tokens (lm-eval: 1,280).
 """
 
 import functools
@@ -112,13 +115,15 @@ def check_instruction(instruction_id: str, kwargs: dict, prompt: str, response: 
     missing = missing_resource(instruction_id)
     if missing:
         return {"strict": None, "loose": None, "not_evaluated": f"NLTK data {missing} not installed"}
-    # Upstream fills unusable kwargs from the global `random`: letter_frequency's target '#' (key 1122) and '!' (1129)
-    # become a random letter, so an unseeded verdict changes from run to run. Seed per instruction, then restore.
+    # Upstream fills missing or unusable kwargs from the global `random`, so an unseeded verdict could change from run
+    # to run. Seed per instruction, then restore.
     state = random.getstate()
     random.seed(f"{instruction_id}|{prompt}")
     try:
         checker = registry[instruction_id](instruction_id)
         checker.build_description(**{k: v for k, v in (kwargs or {}).items() if v is not None})
+        if instruction_id == "keywords:letter_frequency" and len(letter := (kwargs or {}).get("letter") or "") == 1:
+            checker._letter = letter.lower()  # the 2024 copy swaps a non-letter ('#', '!') for a random letter
         if "prompt" in (checker.get_instruction_args() or {}):
             checker.build_description(prompt=prompt)
         strict = bool(response.strip() and checker.check_following(response))

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 import evals.common_eval as common_eval
 import evals.gsm8k as gsm8k
+from common.data import DataError
 from common.rewards import extract_answer, normalize_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,6 +160,35 @@ def test_evaluate_gsm8k_with_known_completions(tiny_model_dir, monkeypatch):
     assert [r["correct"] for r in result["records"]] == [True, True, False, True]
 
 
+def test_references_without_a_number_are_left_out_and_counted(tiny_model_dir, tmp_path, monkeypatch):
+    # evals.gsm8k counted a row whose reference has no number ("p - q") as wrong; reward_eval (grpo.py's held-out
+    # eval) left it out. Both leave it out of the accuracy now, and both say how many they left out.
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in [("2+2?", "#### 4"), ("Name it", "p - q")])
+    )
+    rows = gsm8k.gsm8k_rows(str(data))
+    monkeypatch.setattr(gsm8k, "generate_completions", lambda *a: ["#### 4", "It is p - q"])
+    result = gsm8k.evaluate_gsm8k(None, AutoTokenizer.from_pretrained(tiny_model_dir), rows)
+    assert (result["accuracy"], result["n"], result["unscored"]) == (1.0, 1, 1)
+    assert [r["correct"] for r in result["records"]] == [True, None]
+
+    def generate(prompts, group_size, temperature, max_new_tokens):
+        texts = ["#### 4", "It is p - q"]
+        return dict(prompt_ids=prompts, completion_ids=[[5]] * 2, completions=texts, truncated=[False] * 2)
+
+    examples = [dict(prompt="q", prompt_ids=[1], answer=a) for a in ("4", "p - q")]
+    metrics = common_eval.reward_eval(generate, examples, [], 8, str(data))
+    assert metrics["eval/mixed/accuracy"] == 1.0 and metrics["eval/mixed/unscored"] == 1
+
+
+def test_gsm8k_rows_without_an_answer_fail_naming_the_row(tmp_path):
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n" + json.dumps({"question": "3+3?"}))
+    with pytest.raises(DataError, match=r"test.jsonl:2: field 'answer'"):
+        gsm8k.gsm8k_rows(str(data))
+
+
 def test_generate_completions_returns_prompt_order(monkeypatch):
     calls = []
 
@@ -270,6 +300,17 @@ def test_ifeval_verdicts_do_not_depend_on_the_global_random_state(ifeval):
         verdicts.add(ifeval.check_instruction("keywords:letter_frequency", kwargs, "tweet", response)["strict"])
         assert random.random() == random.Random(seed).random()  # the caller's random state is left as it was
     assert len(verdicts) == 1
+
+
+@pytest.mark.parametrize(
+    "letter, response, strict", [("#", "#a #b #c #d", True), ("#", "abcdefghijklmnopqrstuvwxyz " * 4, False)]
+)
+def test_ifeval_letter_frequency_counts_the_character_asked_for(ifeval, letter, response, strict):
+    # IFEval keys 1122 and 1129 ask for 4 '#' and 6 '!'. if-verifiable (and lm-eval) judge a random letter instead
+    # (the second response has every letter 4 times); google-research's current checker counts any one character.
+    kwargs = {"let_relation": "at least", "letter": letter, "let_frequency": 4}
+    result = ifeval.check_instruction("keywords:letter_frequency", kwargs, "make a tweet", response)
+    assert (result["strict"], result["loose"]) == (strict, strict)
 
 
 def test_ifeval_prompt_and_instruction_level_by_hand(ifeval):

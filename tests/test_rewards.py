@@ -121,6 +121,39 @@ def test_math_reward():
     assert math_reward(None, ["7"]) == [None]  # no answer column
 
 
+def test_math_reward_compares_exactly_not_to_a_relative_tolerance():
+    # A relative tolerance of 1e-6 let an off-by-one pass at GSM8K's largest answers (its test set has 2,880,000), and
+    # numbers past float range all became inf, so any two of them were equal.
+    completions = ["#### 2,880,001", "9" * 400, "#### 2880000.0", "The answer is 1450000.5"]
+    assert math_reward(None, completions, answer=["2880000", "8" * 400, "2,880,000", "1450000"]) == [
+        0.0,
+        0.0,
+        1.0,
+        0.0,
+    ]
+    # A non-integer reference still takes its rounded decimal (what a model writes for 1/3).
+    assert math_reward(None, ["0.3333333", "0.333", "-0.25"], answer=["\\frac{1}{3}", "1/3", "\\frac{-1}{4}"]) == [
+        1.0,
+        0.0,
+        1.0,
+    ]
+
+
+@pytest.mark.parametrize(
+    "completion, reference, reward",
+    [
+        ("The answer is .5", "5", 0.0),  # a leading-dot decimal is not the integer after its dot
+        ("The answer is .5", "0.5", 1.0),
+        ("So it is -.25", "-0.25", 1.0),
+        ("#### **18**", "18", 1.0),  # markdown bold on the answer line
+        ("#### __18__", "18", 1.0),
+        ("**Answer:** 18", "18", 1.0),
+    ],
+)
+def test_math_reward_leading_dot_and_bold_answers(completion, reference, reward):
+    assert math_reward(None, [completion], answer=[reference]) == [reward]
+
+
 # ---------------------------------------------------------------------------------------------------- code sandbox
 def _sandbox_leftovers() -> list[str]:
     """Processes of a sandbox (bwrap's or the fallback's command line names it), and sandbox cgroups still present."""
