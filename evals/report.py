@@ -61,34 +61,49 @@ def read_metrics(run_dir: str) -> list[dict]:
     return rows
 
 
-def eval_table(summaries: list[dict]) -> tuple[list[str], list[tuple[str, dict]]]:
-    """(columns "task/metric", rows (label, {column: value})) from eval summaries, rows in first-seen label order."""
-    columns, rows = [], {}
+# What a score was measured on: a delta between two policies needs the same examples, scored the same way.
+BASIS = "dataset split limit n temperature num_samples n_prompts_evaluated n_instructions_evaluated".split()
+
+
+def eval_table(summaries: list[dict]) -> tuple[list[str], list[tuple[str, dict]], dict]:
+    """(columns "task/metric", rows (label, {column: value}), bases {(label, task): BASIS values}) from eval summaries,
+    rows in first-seen label order. Two summaries of one policy on one task are refused: one would hide the other."""
+    columns, rows, bases = [], {}, {}
     for s in summaries:
-        task = s.get("task", "eval")
+        task, label = s.get("task", "eval"), s.get("label") or s.get("model", "?")
+        if (label, task) in bases:
+            raise ArgsError(f"two summaries for {label!r} on {task}: give each policy's result once (or --label them)")
+        bases[label, task] = tuple(s.get(k) for k in BASIS)
         keys = HEADLINE.get(task) or [k for k in s if re.search(r"(accuracy|_acc)$", k)]
         for k in keys:
             col = f"{task}/{k}"
             columns += [col] if col not in columns else []
-            rows.setdefault(s.get("label") or s.get("model", "?"), {})[col] = s.get(k)
-    return columns, list(rows.items())
+            rows.setdefault(label, {})[col] = s.get(k)
+    return columns, list(rows.items()), bases
 
 
-def _cell(value, base) -> str:
-    """'0.420 (+0.050)': the score and, unless this is the baseline row or a side is missing, its delta."""
+def _cell(value, base, comparable: bool = True) -> str:
+    """'0.420 (+0.050)': the score and, unless this is the baseline row or a side is missing, its delta; no delta
+    when the two were measured on different examples or settings (comparable=False)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     if base is None or (isinstance(base, float) and math.isnan(base)):
         return f"{value:.3f}"
-    return f"{value:.3f} ({value - base:+.3f})"
+    return f"{value:.3f} ({value - base:+.3f})" if comparable else f"{value:.3f} (not comparable)"
 
 
-def table_cells(columns: list[str], rows: list[tuple[str, dict]]) -> list[list[str]]:
-    """Header + one row of strings per policy; deltas are against the first policy's scores."""
+def table_cells(columns: list[str], rows: list[tuple[str, dict]], bases: dict | None = None) -> list[list[str]]:
+    """Header + one row of strings per policy; deltas are against the first policy's scores, where both were
+    measured on the same BASIS (bases from eval_table; None: assume they were)."""
     base = rows[0][1] if rows else {}
     out = [["policy", *columns]]
     for i, (label, scores) in enumerate(rows):
-        out.append([label, *(_cell(scores.get(c), None if i == 0 else base.get(c)) for c in columns)])
+        cells = []
+        for c in columns:
+            task = c.rsplit("/", 1)[0]
+            same = bases is None or bases.get((label, task)) == bases.get((rows[0][0], task))
+            cells.append(_cell(scores.get(c), None if i == 0 else base.get(c), same))
+        out.append([label, *cells])
     return out
 
 
@@ -165,6 +180,10 @@ def plot_curves(histories: dict[str, list[dict]], metric: str, path: str, smooth
     return True
 
 
+DELTAS_NOTE = (
+    "Deltas in parentheses are against the first row; none (not comparable) where the two were measured on a "
+    "different dataset, split, limit, number of scored examples or sampling."
+)
 RUNS_NOTE = "Each metric column is the run's value at its last logged step (the curves below show every step)."
 
 
@@ -179,7 +198,7 @@ def to_markdown(title: str, cells: list[list[str]], finals: list[list[str]], plo
         f"# {title}\n",
         f"Generated {time.strftime('%Y-%m-%d %H:%M')}.\n",
         "## Eval scores\n",
-        "Deltas in parentheses are against the first row.\n",
+        DELTAS_NOTE + "\n",
         table(cells),
         "## Training runs\n",
         RUNS_NOTE + "\n",
@@ -213,7 +232,7 @@ def to_html(title: str, cells: list[list[str]], finals: list[list[str]], plots: 
     return (
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><h2>Eval scores</h2>"
-        f"<p>Deltas in parentheses are against the first row.</p>{table(cells)}<h2>Training runs</h2>"
+        f"<p>{html.escape(DELTAS_NOTE)}</p>{table(cells)}<h2>Training runs</h2>"
         f"<p>{html.escape(RUNS_NOTE)}</p>{table(finals)}{''.join(images)}</body></html>"
     )
 

@@ -432,6 +432,31 @@ def test_report_renders_tables_curves_and_one_html_file(tmp_path):
     assert 'src="http' not in page and '.png"' not in page  # self-contained: no external or file references
 
 
+def test_report_gives_no_delta_between_different_example_sets():
+    from common.run import ArgsError
+    from evals.report import eval_table, table_cells
+
+    def summary(label, accuracy, **basis):
+        return {"task": "gsm8k", "label": label, "accuracy": accuracy, "dataset": "openai/gsm8k:main", **basis}
+
+    # A delta between 100 questions and another policy's first 50 (or a sampled run) compares different tests.
+    summaries = [
+        summary("base", 0.2, limit=100, n=100),
+        summary("grpo", 0.35, limit=100, n=100),
+        summary("sft", 0.3, limit=50, n=50),
+        summary("raft", 0.4, limit=100, n=400, temperature=0.7, num_samples=4),
+    ]
+    cells = table_cells(*eval_table(summaries))
+    assert [row[1] for row in cells[1:]] == [
+        "0.200",
+        "0.350 (+0.150)",
+        "0.300 (not comparable)",
+        "0.400 (not comparable)",
+    ]
+    with pytest.raises(ArgsError, match="two summaries for 'base' on gsm8k"):
+        eval_table([summary("base", 0.2, limit=100, n=100), summary("base", 0.3, limit=100, n=100)])
+
+
 def test_cli_parsing():
     import tyro
 
