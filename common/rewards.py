@@ -312,16 +312,15 @@ def _schema_ok(value, schema: dict) -> bool:
 
 def json_reward(prompts, completions, json_schema=None, **kw) -> list[float]:
     """1.0 if the completion (a ```json fence allowed) parses as JSON and, when the row has `json_schema` (a dict
-    or its JSON string), passes _schema_ok; else 0.0."""
+    or its JSON string), passes _schema_ok; else 0.0 (also for a document nested too deep to parse or check)."""
     rewards = []
     for completion, schema in zip(completions, json_schema or [None] * len(completions), strict=True):
+        schema = json.loads(schema) if isinstance(schema, str) else schema  # a bad schema is the data's error: raise
         try:
             value = json.loads(re.sub(r"^```(?:json)?\s*|\s*```$", "", _text(completion).strip()))
-        except ValueError:
+            rewards.append(float(schema is None or _schema_ok(value, schema)))
+        except (ValueError, RecursionError):  # the completion's fault (json.loads and _schema_ok recurse): not a crash
             rewards.append(0.0)
-            continue
-        schema = json.loads(schema) if isinstance(schema, str) else schema
-        rewards.append(float(schema is None or _schema_ok(value, schema)))
     return rewards
 
 

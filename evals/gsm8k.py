@@ -12,8 +12,11 @@ Results are named by the dataset used (evals.common_eval.dataset_tag: gsm8k, bui
 In a training script: `eval_rows = gsm8k_rows(args.eval_dataset, limit=args.eval_limit)`, then every --eval-steps
 `metrics["eval/gsm8k/accuracy"] = evaluate_gsm8k(model, tokenizer, eval_rows, 16, 256)["accuracy"]`.
 
-Differences from lm-eval's gsm8k_cot_zeroshot / TRL: zero-shot chat prompt with our instruction (lm-eval: 8-shot
-plain text by default); lenient extraction (the last number counts when no marked answer is found).
+Differences from lm-eval: zero-shot chat prompt with our instruction (lm-eval's `gsm8k` is 5-shot plain text
+"Question: ...\nAnswer:", `gsm8k_cot` 8-shot, `gsm8k_cot_zeroshot` 0-shot "Q: ... A: Let's think step by step.", no
+chat template unless asked); one lenient extraction, like lm-eval's flexible-extract (the last number counts when no
+marked answer is found; its strict-match takes only `#### N` / "The answer is N."), compared as numbers, not strings
+("5.00", "$5" and "5" are equal; integers exactly).
 """
 
 import re

@@ -573,6 +573,13 @@ def test_json_reward():
     assert json_reward(None, ['"b"'], json_schema=['{"enum": ["a"]}']) == [0.0]  # schema as a JSON string
 
 
+def test_json_reward_scores_too_deep_nesting_zero_instead_of_crashing_the_run():
+    # json.loads and the schema check recurse: a completion of 100,000 '[' raised RecursionError out of the reward.
+    deep = "[" * 400 + "]" * 400
+    schema = {"type": "array", "items": {"type": "array"}}
+    assert json_reward(None, ["[" * 100_000, deep, "[[]]"], json_schema=[None, schema, schema]) == [0.0, 0.0, 1.0]
+
+
 def test_regex_reward():
     assert regex_reward(None, [" 12-34 ", "12-345", "x"], pattern=[r"\d+-\d\d", r"\d+-\d\d", None]) == [1.0, 0.0, None]
 
