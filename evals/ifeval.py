@@ -29,7 +29,7 @@ import tyro
 from typing import Literal
 
 
-from common.data import load_rows, tokenize_prompt
+from common.data import DataError, load_rows, tokenize_prompt
 from common.model import require
 from common.run import one_line_errors
 from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
@@ -192,10 +192,31 @@ def score(rows: list[dict], responses: list[str]) -> tuple[list[dict], dict]:
     return records, metrics
 
 
+def check_row(row: dict, registry: dict) -> None:
+    """An IFEval row: a prompt, a non-empty instruction_id_list of known ids and one kwargs object per id. Without
+    ids a prompt would pass the prompt level with nothing checked."""
+    where, ids, kwargs = row.get("_loc", "<row>"), row.get("instruction_id_list"), row.get("kwargs")
+    if not isinstance(row.get("prompt"), str):
+        raise DataError(
+            f"{where}: field 'prompt': must be a string (IFEval rows: key, prompt, instruction_id_list, kwargs)"
+        )
+    if not isinstance(ids, list) or not ids:
+        raise DataError(f"{where}: field 'instruction_id_list': must be a non-empty list of IFEval instruction ids")
+    if unknown := [i for i in ids if i not in registry]:
+        known = ", ".join(sorted(registry)[:3])
+        raise DataError(
+            f"{where}: field 'instruction_id_list': unknown IFEval instruction {unknown[0]!r} ({known}, ...)"
+        )
+    if not isinstance(kwargs, list) or len(kwargs) != len(ids):
+        raise DataError(f"{where}: field 'kwargs': must be a list of {len(ids)} objects, one per instruction id")
+
+
 def main(args: Args) -> dict:
-    # ---- 1 data and checkers (first: a missing package or bad path fails before the model loads)
-    _checkers()
+    # ---- 1 data and checkers (first: a missing package, bad path or unknown instruction fails before the model loads)
+    registry, _ = _checkers()
     rows = load_rows(args.dataset, args.split)[: args.limit]
+    for row in rows:
+        check_row(row, registry)
 
     # ---- 2 model: base, base + adapter, or a run's checkpoint
     t0 = time.perf_counter()

@@ -370,6 +370,22 @@ def test_ifeval_unexpected_lookup_error_is_not_evaluated(ifeval, monkeypatch):
     }
 
 
+def test_ifeval_unknown_instruction_fails_before_the_model_loads(ifeval, tmp_path):
+    # It raised KeyError in scoring, after every response had been generated (26 min for 50 prompts on CPU).
+    row = {"key": 7, "prompt": "Hi", "instruction_id_list": ["punctuation:no_comma", "detectable_format:emoji"]}
+    (tmp_path / "input_data.jsonl").write_text(json.dumps({**row, "kwargs": [{}, {}]}) + "\n")
+    args = ifeval.Args(model=str(tmp_path / "no-model-here"), dataset=str(tmp_path / "input_data.jsonl"))
+    with pytest.raises(
+        DataError, match=r"input_data.jsonl:1: field 'instruction_id_list': unknown IFEval instruction"
+    ):
+        ifeval.main(args)
+    for bad, field in (({"instruction_id_list": []}, "instruction_id_list"), ({"kwargs": [{}]}, "kwargs")):
+        good = {**row, "instruction_id_list": ["punctuation:no_comma", "startend:quotation"], "kwargs": [{}, {}]}
+        (tmp_path / "input_data.jsonl").write_text(json.dumps({**good, **bad}) + "\n")
+        with pytest.raises(DataError, match=f"input_data.jsonl:1: field '{field}'"):
+            ifeval.main(args)
+
+
 def test_ifeval_end_to_end_on_the_tiny_model(ifeval, tiny_model_dir, shared_data, tmp_path):
     out = ifeval.main(
         ifeval.Args(
