@@ -1,8 +1,9 @@
-"""QLoRA for real on CPU (bitsandbytes >= 0.48 has CPU kernels): --quantization 4bit / 8bit loads a bitsandbytes
-base on the tiny model, SFT, DPO, GRPO, ORPO and KTO take two steps on a 4-bit base (finite loss, the LoRA moved, the quantized
-base bit-identical, "ref" bit-identical to the starting adapter), a 4-bit run resumes from its checkpoint, and the
-one unsupported combination (full fine-tuning of a quantized base) names itself; a model reward's "reward" slot on a
-4-bit base: the guard, NF4's effect on the scores, GRPO (with resume) and RAFT. Skipped without bitsandbytes."""
+"""QLoRA for real on CPU (bitsandbytes >= 0.48 has CPU kernels): --quantization 4bit / 8bit loads a bitsandbytes base
+on the tiny model, SFT, DPO, GRPO, ORPO and KTO take two steps on a 4-bit base (finite loss, the LoRA moved, the
+quantized base bit-identical, "ref" bit-identical to the starting adapter), a 4-bit run resumes from its checkpoint,
+and the one unsupported combination (full fine-tuning of a quantized base) names itself; a model reward's "reward"
+slot on a 4-bit base: the guard, NF4's effect on the scores, GRPO (with resume) and RAFT. Skipped without
+bitsandbytes."""
 
 import dataclasses
 import json
