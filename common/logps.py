@@ -12,9 +12,19 @@ from common.data import concat_prompt_completion, pad_batch
 
 from common.model import cache_kwarg, is_checkpointing, unwrap
 
-# Config keys of models whose forward transforms the lm_head output (Gemma2/3/4 + nanochat softcapping, Cohere's
-# logit_scale, Granite's logits_scaling, MuSE's output_multiplier): lm_head(hidden) alone would give wrong logps.
-_LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+# Config keys of models whose forward transforms the lm_head input or output (Gemma2/3/4 + nanochat softcapping,
+# Cohere's logit_scale, Granite's logits_scaling, MuSE's output_multiplier, Falcon-H1's lm_head_multiplier,
+# RecurrentGemma's logits_soft_cap, Inkling's hidden-state divisor and vocab cut): lm_head(hidden) alone is wrong.
+_LOGIT_TRANSFORM_KEYS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_soft_cap",
+    "logits_mup_width_multiplier",
+    "unpadded_vocab_size",
+)
 
 
 def _chunk_logits(hidden_chunk, weight, bias, temperature):

@@ -290,6 +290,41 @@ def test_fallback_paths_match_naive(monkeypatch):
         torch.testing.assert_close(logps, naive_sequence_logps(plain, input_ids, attention_mask, logps_mask)[0])
 
 
+def _scaled_head_model(arch):
+    """Tiny models whose forward rescales what lm_head sees or returns, with the config key that says so."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM, RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "falcon_h1":  # logits = lm_head(h) * lm_head_multiplier (a mamba/attention hybrid)
+        mamba = dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8)
+        config = FalconH1Config(**TINY, **mamba, mamba_chunk_size=16, lm_head_multiplier=0.25)
+        return FalconH1ForCausalLM(config).eval()
+    # logits = tanh(lm_head(h) / cap) * cap
+    blocks = dict(block_types=["recurrent", "attention"], lru_width=32)
+    config = RecurrentGemmaConfig(**{**TINY, "num_key_value_heads": 1}, **blocks, logits_soft_cap=2.0)
+    return RecurrentGemmaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1", "recurrent_gemma"])
+def test_heads_scaled_in_the_forward_take_the_naive_path(arch):
+    """Falcon-H1's lm_head_multiplier and RecurrentGemma's logits_soft_cap act after the head: the chunked head on
+    the decoder's states gave other log-probs (0.19 and 0.013 nats off here); they must equal model(...).logits'.
+    Inkling's keys (hidden states divided before the head, padded vocab cut after it) pick the same path."""
+    model = _scaled_head_model(arch)
+    input_ids, attention_mask, logps_mask, _ = batch(LENGTHS, "right")
+    with torch.no_grad():
+        logps, entropy = sequence_logps(model, input_ids, attention_mask, logps_mask, return_entropy=True)
+        ref, ref_entropy = naive_sequence_logps(model, input_ids, attention_mask, logps_mask)
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    plain = tiny_model()
+    assert logps_module._head_is_plain_linear(plain)
+    for key, value in (("logits_mup_width_multiplier", 24.0), ("unpadded_vocab_size", VOCAB - 5)):
+        setattr(plain.config, key, value)
+        assert not logps_module._head_is_plain_linear(plain), key
+        delattr(plain.config, key)
+
+
 def grouped_case(G=3, seed=0):
     """2 prompts (lengths 4 and 7: left padding in the shared pass) x G completions of lengths 1..6."""
     g = torch.Generator().manual_seed(seed)
