@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from common.data import pad_batch
-from common.logps import sequence_logps
+from common.logps import prompt_cache, sequence_logps
 from common.model import DEFAULT, cache_kwarg, require, resolve_dtype, unwrap
 
 
@@ -99,11 +99,9 @@ def hf_generate(
         # The G rows of a prompt share it: prefill each distinct prompt once (all but its last token, backbone only:
         # no logits) and repeat that KV cache G times, so prefill costs B prompts, not B*G rows. generate() then runs
         # the last prompt token and the new ones. Same left padding and positions as the unshared rows.
-        cache = None
-        if group_size > 1 and min(len(p) for p in prompts) > 1:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=lm.config)
+        # (Not for models with recurrent states, whose cache cannot be repeated: prompt_cache gives None.)
+        cache = prompt_cache(lm) if group_size > 1 and min(len(p) for p in prompts) > 1 else None
+        if cache is not None:
             prefix, prefix_mask = input_ids[::group_size, :-1], attention_mask[::group_size, :-1]
             lm.get_decoder()(
                 input_ids=prefix,

@@ -146,6 +146,21 @@ def test_shared_prompt_prefill_gives_the_unshared_completions(policy):
     assert one_token["completion_ids"] == alone["completion_ids"] * 2
 
 
+@pytest.mark.parametrize("arch", ["falcon_h1", "recurrent_gemma"])
+def test_models_with_recurrent_states_sample_without_a_shared_prefill(arch):
+    """Their caches hold conv / recurrent states that batch_repeat_interleave does not repeat: group_size > 1
+    crashed at the first rollout (Falcon-H1: tensor sizes; RecurrentGemma: no batch_repeat_interleave). Each row now
+    gets its own prefill: the greedy completions of a group equal the prompt's alone."""
+    from tests.test_logps import hybrid_model
+    from tests.tiny import build_tokenizer
+
+    model, tokenizer = hybrid_model(arch), build_tokenizer()  # the tokenizer only pads, stops and decodes here
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]  # ids inside the tiny model's vocabulary
+    out = hf_generate(model, tokenizer, prompts, 2, temperature=0.0, max_new_tokens=5)
+    alone = [hf_generate(model, tokenizer, [p], 1, temperature=0.0, max_new_tokens=5) for p in prompts]
+    assert out["completion_ids"] == [a["completion_ids"][0] for a in alone for _ in range(2)]
+
+
 def test_vllm_engine_without_vllm_is_a_one_line_install_hint(policy, monkeypatch):
     model, tokenizer = policy
     find_spec = importlib.util.find_spec
