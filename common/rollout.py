@@ -44,6 +44,15 @@ def cut_at_eos(ids: list[int], eos: list[int]) -> tuple[list[int], bool]:
     return ids, True
 
 
+def check_sampling(top_p: float, top_k: int) -> None:
+    """Refuse what the two engines would read differently: top_p = 0 (HF: silently greedy; vLLM: an error), top_k < 0
+    (vLLM: -1 = off; HF: an error), NaN; the message names the flag."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p {top_p}: must be in (0, 1] (1 = off)")
+    if not top_k >= 0:
+        raise ValueError(f"--top-k {top_k}: must be >= 0 (0 = off)")
+
+
 def _result(prompt_ids, completion_ids, eos, tokenizer, logprobs=None) -> dict:
     cut = [cut_at_eos(list(c), eos) for c in completion_ids]
     ids = [c for c, _ in cut]
@@ -70,6 +79,7 @@ def hf_generate(
     """Sample group_size completions per prompt with `model.generate` (left padding, KV cache, eval, no_grad)."""
     from transformers import GenerationConfig
 
+    check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
     rows = [p for p in prompts for _ in range(group_size)]  # repeat, not num_return_sequences: greedy allows it too
@@ -242,6 +252,7 @@ class VLLMEngine:
         return _result(rows, completions, self.eos, self.tokenizer, logprobs)
 
     def generate(self, prompts, group_size, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256) -> dict:
+        check_sampling(top_p, top_k)
         try:
             return self._sample(prompts, group_size, temperature, top_p, top_k, max_new_tokens)
         finally:
@@ -290,6 +301,7 @@ def rollout_engine(args, model, tokenizer):
     """(generate, engine) as --engine says: model.generate on the live policy (engine None), or a colocated vLLM
     engine that serves (and checks) the starting adapter, e.g. --adapter, from the first rollout on and is synced
     after every update (engine.sync)."""
+    check_sampling(args.top_p, args.top_k)  # before the first rollout (which the step-0 greedy eval precedes)
     if args.engine == "hf":
         return functools.partial(hf_generate, model, tokenizer), None
     dtype = resolve_dtype(args.dtype, next(model.parameters()).device)

@@ -104,6 +104,16 @@ def test_top_k_zero_is_off_and_the_model_generation_config_does_not_leak(policy)
     assert "RepetitionPenaltyLogitsProcessor" not in asked and "MinPLogitsWarper" not in asked
 
 
+@pytest.mark.parametrize("flag, sampling", [("--top-p", dict(top_p=0.0)), ("--top-k", dict(top_k=-1))])
+def test_sampling_values_the_engines_read_differently_are_refused(policy, flag, sampling):
+    """HF took top_p = 0 as greedy (vLLM refuses it) and refused top_k = -1 deep in generate (vLLM: off)."""
+    model, tokenizer = policy
+    with pytest.raises(ValueError, match=f"^{flag} "):
+        hf_generate(model, tokenizer, [ids(tokenizer, "hello")], 2, max_new_tokens=2, **sampling)
+    with pytest.raises(ValueError, match=f"^{flag} "):
+        VLLMEngine.generate(None, [[1]], 2, **sampling)  # checked before the engine is touched
+
+
 def test_eval_mode_and_kv_cache_during_generation_even_with_gradient_checkpointing(policy):
     model, tokenizer = policy
     lm, calls = model.get_base_model(), []
