@@ -372,6 +372,24 @@ def test_grouped_completion_logps_match_unshared_rows(arch):
     assert (logps[mask.bool()] < 0).all() and (logps[~mask.bool()] == 0).all()
 
 
+@pytest.mark.parametrize("G", [1, 2])
+def test_grouped_completion_logps_edge_cases_match_unshared_rows(G):
+    """Groups of one, a 1-token prompt beside a long one (5 left-padding columns), 1-token completions, and DPO pairs
+    with 1-token prompts and completions: the shared-prompt paths give the unshared rows' log-probs."""
+    model, g = tiny_model("gpt2"), torch.Generator().manual_seed(5)  # absolute positions: padding would show
+    ids = lambda n: torch.randint(1, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    prompts, completions = [ids(1), ids(6)], [ids(n) for n in (1, 3, 1, 1)[: 2 * G]]
+    with torch.no_grad():
+        logps, mask, entropy = grouped_completion_logps(model, prompts, completions, G, 0, 0.7, return_entropy=True)
+        ref, ref_entropy = unshared_logps(model, prompts, completions, G, 0.7, entropy=True)
+        examples = [dict(prompt_ids=p, chosen_ids=ids(1), rejected_ids=ids(n)) for p, n in zip(prompts, (1, 2))]
+        batch = concat_pairs(examples, 0, "cpu")
+        torch.testing.assert_close(pair_completion_logps(model, batch, examples), completion_logps(model, batch))
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    assert mask.sum().item() == sum(map(len, completions)) and (logps[mask.bool()] < 0).all()
+
+
 def test_grouped_completion_logps_lora_grads_match_unshared_rows():
     """The gradient reaches the adapter through the shared prompt pass too (the completions' keys/values of the
     prompt): summed over the group, it equals the gradient of the unshared rows."""
