@@ -252,16 +252,16 @@ def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.T
 
 
 def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> dict:
-    """Reward and completion-length metrics of one rollout (TRL's names)."""
+    """Reward and completion-length metrics of one rollout (TRL's names; *_terminated_length: those that hit EOS)."""
     lengths = torch.tensor([len(c) for c in out["completion_ids"]], dtype=torch.float)
+    ended = lengths[~torch.tensor(out["truncated"])]
+    by = (("", lengths), ("_terminated", ended if len(ended) else torch.zeros(1)))  # TRL: 0 when none terminated
     return {
         "reward": rewards.mean().item(),
         "reward_std": rewards.std().item(),
         **{f"rewards/{name}/mean": per_func[:, i].nanmean().item() for i, (name, _, _) in enumerate(reward_funcs)},
         "frac_reward_zero_std": torch.isclose(std_grouped, torch.zeros_like(std_grouped)).float().mean().item(),
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
+        **{f"completions/{f}{k}_length": getattr(v, f)().item() for k, v in by for f in ("mean", "min", "max")},
         "completions/clipped_ratio": torch.tensor(out["truncated"]).float().mean().item(),
     }
 

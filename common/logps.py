@@ -7,14 +7,25 @@ function).
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from common.data import concat_prompt_completion, pad_batch
 
 from common.model import cache_kwarg, is_checkpointing, unwrap
 
-# Config keys of models whose forward transforms the lm_head output (Gemma2/3/4 + nanochat softcapping, Cohere's
-# logit_scale, Granite's logits_scaling, MuSE's output_multiplier): lm_head(hidden) alone would give wrong logps.
-_LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
+# Config keys of models whose forward transforms the lm_head input or output (Gemma2/3/4 + nanochat softcapping,
+# Cohere's logit_scale, Granite's logits_scaling, MuSE's output_multiplier, Falcon-H1's lm_head_multiplier,
+# RecurrentGemma's logits_soft_cap, Inkling's hidden-state divisor and vocab cut): lm_head(hidden) alone is wrong.
+_LOGIT_TRANSFORM_KEYS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_soft_cap",
+    "logits_mup_width_multiplier",
+    "unpadded_vocab_size",
+)
 
 
 def _chunk_logits(hidden_chunk, weight, bias, temperature):
@@ -195,6 +206,14 @@ def length_groups(attention_mask, slack: float = 1.125) -> list[tuple[list[int],
     return [(g, min(first[i] for i in g), max(last[i] for i in g)) for g in groups]
 
 
+def prompt_cache(lm):
+    """An empty DynamicCache for lm, or None when a layer of it would hold more than keys and values (the conv and
+    recurrent states of Falcon-H1, RecurrentGemma, LFM2, Qwen3-Next...): batch_repeat_interleave and a rebuilt cache
+    copy keys and values only, so those models never share a prompt's pass (they crashed or mixed up rows)."""
+    cache = DynamicCache(config=lm.config)
+    return cache if all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers) else None
+
+
 def completion_logps(model, batch: dict):
     """Summed completion log-probs per row (B,) and the per-token ones (B, T), 0 off the completion: the sequence
     score of the preference losses (TRL's concatenated_forward) from a concat_prompt_completion batch."""
@@ -217,6 +236,7 @@ def pair_completion_logps(model, batch: dict, examples: list[dict]):
         or not _head_is_plain_linear(lm)
         or (lm.training and is_checkpointing(lm))
         or not all(e["prompt_ids"] for e in examples)
+        or prompt_cache(lm) is None
     ):
         return completion_logps(model, batch)
     decoder, head, device = lm.get_decoder(), lm.get_output_embeddings(), batch["input_ids"].device
@@ -257,10 +277,11 @@ def grouped_completion_logps(
     lm = unwrap(model)
     device, decoder, head = lm.device, lm.get_decoder(), lm.get_output_embeddings()
     c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)  # (B*G, C), the layout returned
-    if not _head_is_plain_linear(lm) or (lm.training and is_checkpointing(lm)):
+    cache = prompt_cache(lm)
+    if cache is None or not _head_is_plain_linear(lm) or (lm.training and is_checkpointing(lm)):
         # Score the concatenated rows instead (same numbers, no sharing) when the head is not a plain linear layer,
-        # or under activation checkpointing in train mode, where transformers drops the KV cache (the completions
-        # would silently not see their prompt).
+        # the model keeps recurrent states (prompt_cache), or under activation checkpointing in train mode, where
+        # transformers drops the KV cache (the completions would silently not see their prompt).
         rows = [p for p in prompt_ids for _ in range(group_size)]
         seqs = {k: v.to(device) for k, v in concat_prompt_completion(rows, completion_ids, pad_id).items()}
         out = sequence_logps(
@@ -278,7 +299,6 @@ def grouped_completion_logps(
         return (picked[0], c_mask, picked[1]) if return_entropy else (picked[0], c_mask)
     p_ids = pad_batch(prompt_ids, pad_id, "left").to(device)  # (B, P): every prompt ends in the last column
     p_mask = pad_batch([[1] * len(p) for p in prompt_ids], 0, "left").to(device)
-    cache = DynamicCache(config=lm.config)
     cache_kw = {cache_kwarg(decoder): cache}  # "cache" (transformers >= 5.24) or "past_key_values"
     p_out = decoder(
         input_ids=p_ids,

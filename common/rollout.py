@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from common.data import pad_batch
-from common.logps import sequence_logps
+from common.logps import prompt_cache, sequence_logps
 from common.model import DEFAULT, cache_kwarg, require, resolve_dtype, unwrap
 
 
@@ -42,6 +42,15 @@ def cut_at_eos(ids: list[int], eos: list[int]) -> tuple[list[int], bool]:
         if token in eos:
             return ids[: i + 1], False
     return ids, True
+
+
+def check_sampling(top_p: float, top_k: int) -> None:
+    """Refuse what the two engines would read differently: top_p = 0 (HF: silently greedy; vLLM: an error), top_k < 0
+    (vLLM: -1 = off; HF: an error), NaN; the message names the flag."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p {top_p}: must be in (0, 1] (1 = off)")
+    if not top_k >= 0:
+        raise ValueError(f"--top-k {top_k}: must be >= 0 (0 = off)")
 
 
 def _result(prompt_ids, completion_ids, eos, tokenizer, logprobs=None) -> dict:
@@ -70,6 +79,7 @@ def hf_generate(
     """Sample group_size completions per prompt with `model.generate` (left padding, KV cache, eval, no_grad)."""
     from transformers import GenerationConfig
 
+    check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
     rows = [p for p in prompts for _ in range(group_size)]  # repeat, not num_return_sequences: greedy allows it too
@@ -99,11 +109,9 @@ def hf_generate(
         # The G rows of a prompt share it: prefill each distinct prompt once (all but its last token, backbone only:
         # no logits) and repeat that KV cache G times, so prefill costs B prompts, not B*G rows. generate() then runs
         # the last prompt token and the new ones. Same left padding and positions as the unshared rows.
-        cache = None
-        if group_size > 1 and min(len(p) for p in prompts) > 1:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=lm.config)
+        # (Not for models with recurrent states, whose cache cannot be repeated: prompt_cache gives None.)
+        cache = prompt_cache(lm) if group_size > 1 and min(len(p) for p in prompts) > 1 else None
+        if cache is not None:
             prefix, prefix_mask = input_ids[::group_size, :-1], attention_mask[::group_size, :-1]
             lm.get_decoder()(
                 input_ids=prefix,
@@ -244,6 +252,7 @@ class VLLMEngine:
         return _result(rows, completions, self.eos, self.tokenizer, logprobs)
 
     def generate(self, prompts, group_size, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256) -> dict:
+        check_sampling(top_p, top_k)
         try:
             return self._sample(prompts, group_size, temperature, top_p, top_k, max_new_tokens)
         finally:
@@ -292,6 +301,7 @@ def rollout_engine(args, model, tokenizer):
     """(generate, engine) as --engine says: model.generate on the live policy (engine None), or a colocated vLLM
     engine that serves (and checks) the starting adapter, e.g. --adapter, from the first rollout on and is synced
     after every update (engine.sync)."""
+    check_sampling(args.top_p, args.top_k)  # before the first rollout (which the step-0 greedy eval precedes)
     if args.engine == "hf":
         return functools.partial(hf_generate, model, tokenizer), None
     dtype = resolve_dtype(args.dtype, next(model.parameters()).device)

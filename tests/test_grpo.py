@@ -145,6 +145,21 @@ def test_clip_ratio_min_max_skip_fully_masked_completions_as_trl():
     assert math.isnan(grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)["clip_ratio/low_min"])  # TRL: NaN too
 
 
+def test_completion_length_metrics_as_trl():
+    """TRL's completions/* from the lengths (EOS included) and is_truncated (no EOS): mean/min/max over all, the
+    clipped ratio, and mean/min/max_terminated_length over those that stopped at an EOS (0 when none did)."""
+    out = {"completion_ids": [[1, 2, 3], [4] * 5, [5] * 8, [6] * 8], "truncated": [False, False, True, True]}
+    metrics = grpo.rollout_metrics(torch.ones(4), torch.ones(4, 1), [("r", None, None)], torch.zeros(4), out)
+    lengths = {k: metrics[f"completions/{k}"] for k in ("mean_length", "min_length", "max_length")}
+    assert lengths == {"mean_length": 6.0, "min_length": 3.0, "max_length": 8.0}
+    assert metrics["completions/clipped_ratio"] == 0.5
+    ended = {k: metrics[f"completions/{k}_terminated_length"] for k in ("mean", "min", "max")}
+    assert ended == {"mean": 4.0, "min": 3.0, "max": 5.0}
+    out["truncated"] = [True] * 4
+    metrics = grpo.rollout_metrics(torch.ones(4), torch.ones(4, 1), [("r", None, None)], torch.zeros(4), out)
+    assert metrics["completions/clipped_ratio"] == 1.0 and metrics["completions/mean_terminated_length"] == 0.0
+
+
 # ---------------------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def learnable_dir(tmp_path_factory):
@@ -225,6 +240,7 @@ def test_reward_rises_and_only_the_default_adapter_moves(learnable_dir, prompts_
         "completions/min_length",
         "completions/max_length",
         "completions/clipped_ratio",
+        "completions/mean_terminated_length",
         "loss",
         "grad_norm",
         "learning_rate",

@@ -290,6 +290,41 @@ def test_fallback_paths_match_naive(monkeypatch):
         torch.testing.assert_close(logps, naive_sequence_logps(plain, input_ids, attention_mask, logps_mask)[0])
 
 
+def hybrid_model(arch, lm_head_multiplier=0.25):
+    """Tiny models with recurrent layers whose forward rescales what lm_head returns (the config key says so)."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM, RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "falcon_h1":  # logits = lm_head(h) * lm_head_multiplier (a mamba/attention hybrid)
+        mamba = dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8)
+        config = FalconH1Config(**TINY, **mamba, mamba_chunk_size=16, lm_head_multiplier=lm_head_multiplier)
+        return FalconH1ForCausalLM(config).eval()
+    # logits = tanh(lm_head(h) / cap) * cap
+    blocks = dict(block_types=["recurrent", "attention"], lru_width=32)
+    config = RecurrentGemmaConfig(**{**TINY, "num_key_value_heads": 1}, **blocks, logits_soft_cap=2.0)
+    return RecurrentGemmaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1", "recurrent_gemma"])
+def test_heads_scaled_in_the_forward_take_the_naive_path(arch):
+    """Falcon-H1's lm_head_multiplier and RecurrentGemma's logits_soft_cap act after the head: the chunked head on
+    the decoder's states gave other log-probs (0.19 and 0.013 nats off here); they must equal model(...).logits'.
+    Inkling's keys (hidden states divided before the head, padded vocab cut after it) pick the same path."""
+    model = hybrid_model(arch)
+    input_ids, attention_mask, logps_mask, _ = batch(LENGTHS, "right")
+    with torch.no_grad():
+        logps, entropy = sequence_logps(model, input_ids, attention_mask, logps_mask, return_entropy=True)
+        ref, ref_entropy = naive_sequence_logps(model, input_ids, attention_mask, logps_mask)
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    plain = tiny_model()
+    assert logps_module._head_is_plain_linear(plain)
+    for key, value in (("logits_mup_width_multiplier", 24.0), ("unpadded_vocab_size", VOCAB - 5)):
+        setattr(plain.config, key, value)
+        assert not logps_module._head_is_plain_linear(plain), key
+        delattr(plain.config, key)
+
+
 def grouped_case(G=3, seed=0):
     """2 prompts (lengths 4 and 7: left padding in the shared pass) x G completions of lengths 1..6."""
     g = torch.Generator().manual_seed(seed)
@@ -337,6 +372,24 @@ def test_grouped_completion_logps_match_unshared_rows(arch):
     assert (logps[mask.bool()] < 0).all() and (logps[~mask.bool()] == 0).all()
 
 
+@pytest.mark.parametrize("G", [1, 2])
+def test_grouped_completion_logps_edge_cases_match_unshared_rows(G):
+    """Groups of one, a 1-token prompt beside a long one (5 left-padding columns), 1-token completions, and DPO pairs
+    with 1-token prompts and completions: the shared-prompt paths give the unshared rows' log-probs."""
+    model, g = tiny_model("gpt2"), torch.Generator().manual_seed(5)  # absolute positions: padding would show
+    ids = lambda n: torch.randint(1, VOCAB, (n,), generator=g).tolist()  # noqa: E731
+    prompts, completions = [ids(1), ids(6)], [ids(n) for n in (1, 3, 1, 1)[: 2 * G]]
+    with torch.no_grad():
+        logps, mask, entropy = grouped_completion_logps(model, prompts, completions, G, 0, 0.7, return_entropy=True)
+        ref, ref_entropy = unshared_logps(model, prompts, completions, G, 0.7, entropy=True)
+        examples = [dict(prompt_ids=p, chosen_ids=ids(1), rejected_ids=ids(n)) for p, n in zip(prompts, (1, 2))]
+        batch = concat_pairs(examples, 0, "cpu")
+        torch.testing.assert_close(pair_completion_logps(model, batch, examples), completion_logps(model, batch))
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    assert mask.sum().item() == sum(map(len, completions)) and (logps[mask.bool()] < 0).all()
+
+
 def test_grouped_completion_logps_lora_grads_match_unshared_rows():
     """The gradient reaches the adapter through the shared prompt pass too (the completions' keys/values of the
     prompt): summed over the group, it equals the gradient of the unshared rows."""
@@ -377,6 +430,22 @@ def test_grouped_completion_logps_fallbacks_match(monkeypatch):
         assert calls, "gradient checkpointing in train mode must take the concatenated-rows path"
         plain.eval()
         torch.testing.assert_close(logps, unshared_logps(plain, prompts, completions, G, 1.0)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_models_with_recurrent_states_do_not_share_a_prompt_pass():
+    """Falcon-H1's cache holds conv and SSM states that batch_repeat_interleave and a rebuilt cache do not copy: the
+    grouped and pair paths crashed on it (tensor sizes); they now score the concatenated rows (same numbers)."""
+    model = hybrid_model("falcon_h1", lm_head_multiplier=1.0)  # a plain head: only the cache keeps it unshared
+    assert logps_module._head_is_plain_linear(model)
+    prompts, completions = grouped_case(2)
+    examples = [
+        dict(prompt_ids=p, chosen_ids=c, rejected_ids=r) for p, c, r in zip(prompts, completions, completions[2:])
+    ]
+    batch = concat_pairs(examples, 0, "cpu")
+    with torch.no_grad():
+        logps, _ = grouped_completion_logps(model, prompts, completions, 2, pad_id=0, temperature=0.8)
+        torch.testing.assert_close(logps, unshared_logps(model, prompts, completions, 2, 0.8)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pair_completion_logps(model, batch, examples), completion_logps(model, batch))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "gpt2"])

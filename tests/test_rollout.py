@@ -104,6 +104,16 @@ def test_top_k_zero_is_off_and_the_model_generation_config_does_not_leak(policy)
     assert "RepetitionPenaltyLogitsProcessor" not in asked and "MinPLogitsWarper" not in asked
 
 
+@pytest.mark.parametrize("flag, sampling", [("--top-p", dict(top_p=0.0)), ("--top-k", dict(top_k=-1))])
+def test_sampling_values_the_engines_read_differently_are_refused(policy, flag, sampling):
+    """HF took top_p = 0 as greedy (vLLM refuses it) and refused top_k = -1 deep in generate (vLLM: off)."""
+    model, tokenizer = policy
+    with pytest.raises(ValueError, match=f"^{flag} "):
+        hf_generate(model, tokenizer, [ids(tokenizer, "hello")], 2, max_new_tokens=2, **sampling)
+    with pytest.raises(ValueError, match=f"^{flag} "):
+        VLLMEngine.generate(None, [[1]], 2, **sampling)  # checked before the engine is touched
+
+
 def test_eval_mode_and_kv_cache_during_generation_even_with_gradient_checkpointing(policy):
     model, tokenizer = policy
     lm, calls = model.get_base_model(), []
@@ -144,6 +154,21 @@ def test_shared_prompt_prefill_gives_the_unshared_completions(policy):
     alone = hf_generate(model, tokenizer, [one_token], 1, temperature=0.0, max_new_tokens=4)
     one_token = hf_generate(model, tokenizer, [one_token], 2, temperature=0.0, max_new_tokens=4)
     assert one_token["completion_ids"] == alone["completion_ids"] * 2
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1", "recurrent_gemma"])
+def test_models_with_recurrent_states_sample_without_a_shared_prefill(arch):
+    """Their caches hold conv / recurrent states that batch_repeat_interleave does not repeat: group_size > 1
+    crashed at the first rollout (Falcon-H1: tensor sizes; RecurrentGemma: no batch_repeat_interleave). Each row now
+    gets its own prefill: the greedy completions of a group equal the prompt's alone."""
+    from tests.test_logps import hybrid_model
+    from tests.tiny import build_tokenizer
+
+    model, tokenizer = hybrid_model(arch), build_tokenizer()  # the tokenizer only pads, stops and decodes here
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]  # ids inside the tiny model's vocabulary
+    out = hf_generate(model, tokenizer, prompts, 2, temperature=0.0, max_new_tokens=5)
+    alone = [hf_generate(model, tokenizer, [p], 1, temperature=0.0, max_new_tokens=5) for p in prompts]
+    assert out["completion_ids"] == [a["completion_ids"][0] for a in alone for _ in range(2)]
 
 
 def test_vllm_engine_without_vllm_is_a_one_line_install_hint(policy, monkeypatch):
