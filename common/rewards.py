@@ -46,7 +46,8 @@ def _text(x, last_assistant: bool = True) -> str:
 _TAIL = 2000
 _NUM = r"-?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?%?"  # '.5' whole: not the 5 after its dot
 _FRAC = r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}"
-_PHRASE = re.compile(r"answer(?:\s+is)?[\s:=]*(?:\\?\$)?(" + _NUM + ")", re.IGNORECASE)
+# '*': markdown bold around the phrase or the number ("**Answer:** 18", "the answer is **18**")
+_PHRASE = re.compile(r"answer(?:\s+is)?[\s:=*]*(?:\\?\$)?(" + _NUM + ")", re.IGNORECASE)
 
 
 def _boxed(text: str) -> str | None:

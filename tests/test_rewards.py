@@ -148,6 +148,8 @@ def test_math_reward_compares_exactly_not_to_a_relative_tolerance():
         ("#### **18**", "18", 1.0),  # markdown bold on the answer line
         ("#### __18__", "18", 1.0),
         ("**Answer:** 18", "18", 1.0),
+        ("The answer is **18**. Check: 18 / 2 = 9", "18", 1.0),  # a bold answer is still the marked one
+        ("**Answer:** 18, which is 9 * 2.", "18", 1.0),
     ],
 )
 def test_math_reward_leading_dot_and_bold_answers(completion, reference, reward):
