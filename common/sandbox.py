@@ -53,11 +53,12 @@ if cfg["fallback"]:
     if tmp:  # into the private /tmp, which hides the host's
         os.chdir("/tmp")
         open("solution.py", "w").write(src)
-    if tmp and uid == 0 and not os.mkdir(".python"):  # Python's files, read-only, where nobody can read them
-        py = sys.base_prefix.encode()  # (nobody may not reach them where they are, e.g. under /root)
-        check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), "bind")
-        for paths in [sys.path] + [m.__path__ for m in sys.modules.values() if type(vars(m).get("__path__")) is list]:
-            paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]  # import from there
+    if tmp and not os.mkdir(".python"):  # Python's files, read-only, where nobody can read them and where hiding the
+        py = sys.base_prefix.encode()  # host's files below leaves them (nobody may not reach /root; a venv in a home)
+        if check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), "bind"):
+            packages = [m.__path__ for m in sys.modules.values() if type(vars(m).get("__path__")) is list]
+            for paths in [sys.path] + packages:
+                paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]  # import from there
     keep = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "tmp", sys.path[-1].split("/")[1]}
     for d in sorted(set(os.listdir("/")) - keep) if tmp else ():  # the host's files (/etc, /root, /home, the data)
         path = f"/{d}".encode()  # under an empty read-only tmpfs (Python's top directory stays, where it runs from)
