@@ -53,7 +53,7 @@ def _source_id(path: pathlib.Path) -> dict:
 
 def _is_complete(folder: pathlib.Path, source: dict) -> bool:
     """True only if the marker matches this source and every file it lists is whole (sizes, safetensors headers)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         marker = json.loads((folder / MARKER).read_text())
@@ -66,7 +66,7 @@ def _is_complete(folder: pathlib.Path, source: dict) -> bool:
                 with safe_open(str(folder / name), "pt") as f:  # parses the header: catches overwritten bytes
                     f.keys()
         return bool(marker["files"])
-    except Exception:  # missing/garbled marker, missing file, unreadable shard: all mean "rebuild"
+    except (OSError, ValueError, LookupError, TypeError, AttributeError, SafetensorError):  # garbled: rebuild
         return False
 
 

@@ -5,6 +5,8 @@ end-of-turn token becomes `tokenizer.eos_token` (as TRL's `clone_chat_template` 
 generation, closes standard (string) completions, and is part of every completion's loss mask.
 """
 
+import jinja2
+
 # ChatML (OpenAI / Qwen): <|im_start|>role\ncontent<|im_end|>\n
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -50,8 +52,10 @@ def end_of_turn_token(tokenizer, template_name: str) -> str:
     try:
         chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}]
         text = tokenizer.apply_chat_template(chat, tokenize=False)
-    except Exception:  # templates may reject the probe (e.g. demand a system turn): fall back to eos
+    except jinja2.TemplateError:  # the template refuses the probe (raise_exception, e.g. it demands a system turn)
         return tokenizer.eos_token
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a broken template: say so now, not mid-run
+        raise ValueError(f"the tokenizer's chat template fails to render a user/assistant chat: {e}") from None
     if probe not in text:
         return tokenizer.eos_token
     added = set(tokenizer.added_tokens_decoder)

@@ -499,3 +499,14 @@ def test_packed_loss_equals_unpacked(tiny_model_dir, tok, attn):
             packed_loss, packed_n = sum_ce(model, collate_packed(packs, tok.pad_token_id, one_row=one_row))
             assert packed_n == n
             assert torch.allclose(packed_loss / packed_n, loss / n, atol=1e-5, rtol=0)
+
+
+def test_end_of_turn_probe_falls_back_only_when_the_template_refuses_the_chat(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # A template that demands a system turn refuses the probe on purpose (raise_exception): eos is the stop signal.
+    tokenizer.chat_template = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('need system') }}{% endif %}"
+    assert end_of_turn_token(tokenizer, "tokenizer") == tokenizer.eos_token
+    # A template that is broken (a type error while rendering) is not a refusal: it fails now, named, not later.
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}"
+    with pytest.raises(ValueError, match="chat template fails to render"):
+        end_of_turn_token(tokenizer, "tokenizer")

@@ -1,5 +1,5 @@
 """QLoRA for real on CPU (bitsandbytes >= 0.48 has CPU kernels): --quantization 4bit / 8bit loads a bitsandbytes
-base on the tiny model, SFT, DPO and GRPO take two steps on a 4-bit base (finite loss, the LoRA moved, the quantized
+base on the tiny model, SFT, DPO, GRPO, ORPO and KTO take two steps on a 4-bit base (finite loss, the LoRA moved, the quantized
 base bit-identical, "ref" bit-identical to the starting adapter), a 4-bit run resumes from its checkpoint, and the
 one unsupported combination (full fine-tuning of a quantized base) names itself; a model reward's "reward" slot on a
 4-bit base: the guard, NF4's effect on the scores, GRPO (with resume) and RAFT. Skipped without bitsandbytes."""
@@ -19,7 +19,7 @@ import sft
 import common.model
 from common.model import REF, REWARD, load_model, load_policy, trainable_parameters
 from common.reward_model import load_reward, score
-from tests.prefs_helpers import make_sft_adapter, preference_rows, slot_state, write_jsonl
+from tests.prefs_helpers import binary_rows, make_sft_adapter, preference_rows, slot_state, write_jsonl
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -167,6 +167,36 @@ def test_grpo_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, spy):
     )
     assert_qlora_step(spy, out["history"], with_ref=True)
     assert all(math.isfinite(h["reward"]) and math.isfinite(h["kl"]) for h in out["history"])
+
+
+@pytest.mark.parametrize("script", ["orpo", "kto"])
+def test_orpo_and_kto_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, spy, script):
+    """ORPO (no reference) and KTO ("ref" = the SFT adapter it starts from): two steps, the same checks as above."""
+    import kto
+    import orpo
+
+    if script == "orpo":
+        module, rows, start = orpo, preference_rows(16), {}
+    else:
+        make_sft_adapter(tiny_model_dir, tmp_path / "sft")
+        module, rows, start = kto, binary_rows(16), {"adapter": str(tmp_path / "sft")}
+    out = module.main(
+        module.Args(
+            model=tiny_model_dir,
+            dataset=write_jsonl(tmp_path / "data.jsonl", rows),
+            output_dir=str(tmp_path / "runs"),
+            max_length=64,
+            per_device_train_batch_size=4,
+            learning_rate=5e-3,
+            max_steps=2,
+            seed=1,
+            quantization="4bit",
+            **start,
+        )
+    )
+    assert_qlora_step(spy, out["history"], with_ref=script == "kto")
+    if script == "kto":  # policy == ref at step 1: h = 0, z0 = 0, so the loss is exactly 0.5 (as unquantised)
+        assert out["history"][0]["loss"] == pytest.approx(0.5, abs=1e-6)
 
 
 # ------------------------------------------------------------- a model reward's "reward" slot on a 4-bit base
