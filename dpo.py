@@ -286,7 +286,8 @@ def main(args: Args) -> dict:
     total_steps, batches_per_epoch = training_steps(len(examples), args)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)["step"]
+    resumed = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
+    start_step, nonfinite = resumed["step"], resumed["trainer_state"].get("nonfinite_updates", 0)  # skipped so far
     logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
 
     if use_ref and args.precompute_ref_log_probs:  # after a resume: its "ref" is restored (hash-checked) above
@@ -294,9 +295,8 @@ def main(args: Args) -> dict:
 
     # ---- 4 loop
     model.train()
-    metrics, nonfinite = {}, 0
-    interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
-    for step in range(start_step, total_steps):
+    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
+    for step in interrupt.watch(range(start_step, total_steps)):  # any way out restores the old SIGINT handler
         loss_sum, tokens, stats, timer = 0.0, 0, [], PhaseTimer()
         for i in range(ga):
             chunk = micro_batch(examples, step * ga + i, bs, args.seed)
@@ -321,11 +321,11 @@ def main(args: Args) -> dict:
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             metrics |= evaluate(model, eval_examples, args, pad_id, device)
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
+        state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
         if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
-            stop_run("dpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args, metrics)
-    interrupt.restore()
+            stop_run("dpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
     final_dir = save_final(run_dir, model, tokenizer)

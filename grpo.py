@@ -290,9 +290,11 @@ def run_metrics(timer: PhaseTimer, out: dict, nonfinite: int, canary: float | No
     return {"nonfinite_updates": nonfinite, **timer.metrics(n_tokens), **canary}
 
 
-def check_breakers(history: list[dict], args: Args, active: set[str]) -> set[str]:
-    """The breakers holding now (see Args: breaker_*), each printed once, on the step it starts to hold."""
-    recent, start_length = history[-args.breaker_patience :], history[0]["completions/mean_length"]
+def check_breakers(state: dict, entry: dict, args: Args, active: set[str]) -> set[str]:
+    """The breakers holding after this step (see Args: breaker_*), each printed once, on the step it starts to hold.
+    Their memory (the first step's mean length, the last patience steps) is in `state`, which checkpoints keep."""
+    recent = state["recent"] = (state.get("recent", []) + [entry])[-args.breaker_patience :]
+    start_length = state.setdefault("start_length", entry["completions/mean_length"])
     checks = {
         "kl": ("kl", lambda v: v > args.breaker_max_kl),
         "length_pinned": ("completions/clipped_ratio", lambda v: v >= args.breaker_max_clipped_ratio),
@@ -301,11 +303,11 @@ def check_breakers(history: list[dict], args: Args, active: set[str]) -> set[str
     }
     fired = {name: key for name, (key, test) in checks.items() if all(test(h.get(key, math.nan)) for h in recent)}
     fired = fired if len(recent) == args.breaker_patience else {}  # a condition must hold on patience steps in a row
-    if history[-1]["nonfinite_updates"] >= args.breaker_max_nonfinite:
+    if entry["nonfinite_updates"] >= args.breaker_max_nonfinite:
         fired["nonfinite"] = "loss"
     for name in sorted(fired.keys() - active):
         values = [round(h.get(fired[name], math.nan), 4) for h in recent]
-        print(f"grpo: circuit breaker '{name}' fired at step {history[-1]['step']}: recent {fired[name]} = {values}")
+        print(f"grpo: circuit breaker '{name}' fired at step {entry['step']}: recent {fired[name]} = {values}")
     return set(fired)
 
 
@@ -351,8 +353,8 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     updates = args.max_steps * args.num_iterations
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, updates)
-    state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
-    start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)
+    resumed = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
+    start_step, state = resumed["step"], {"nonfinite_updates": 0} | resumed["trainer_state"]  # + breakers' memory
     logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
     generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by
@@ -362,7 +364,7 @@ def main(args: Args) -> dict:
     model.train()
     history, metrics, active, interrupt = [], {}, set(), StopOnCtrlC()  # Ctrl-C: stop after the step (last: finish)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    for step in range(start_step, args.max_steps):
+    for step in interrupt.watch(range(start_step, args.max_steps)):  # any way out restores the old SIGINT handler
         timer = PhaseTimer()
         batch = micro_batch(examples, step, args.prompts_per_step, args.seed, drop_last=True)
         # (1) rollout: G completions per prompt, groups contiguous (eval mode + no_grad inside the engine)
@@ -414,26 +416,24 @@ def main(args: Args) -> dict:
                 add_token_stats(stats, completion_mask[s], per_token_kl, entropy, is_low_clipped, is_high_clipped)
             losses.append(loss_sum)
             grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
-            nonfinite += not stepped
+            state["nonfinite_updates"] += not stepped
         canary = engine.sync(model) if engine else None  # vLLM serves the updated adapter from the next rollout on
         timer.mark("train")
         # (6) log, eval, save, circuit breakers
         metrics = rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out)
         metrics |= update_metrics(stats, args.beta, losses, grad_norm, scheduler.get_last_lr()[0])
-        metrics |= run_metrics(timer, out, nonfinite, canary)
+        metrics |= run_metrics(timer, out, state["nonfinite_updates"], canary)
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == args.max_steps):
             metrics |= reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src)
         history.append({"step": step + 1, **metrics})
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
-        state = {"nonfinite_updates": nonfinite}
+        active = check_breakers(state, history[-1], args, active)  # before the save: the checkpoint has this step
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        active = check_breakers(history, args, active)
         if (ctrl_c := interrupt.requested and step + 1 < args.max_steps) or (active and args.breaker_action == "stop"):
             why = "Ctrl-C" if ctrl_c else "circuit breaker " + ", ".join(sorted(active))
             out = {**metrics, "history": history, "run_dir": run_dir, "stopped_by": sorted(active)}
             stop_run("grpo", why, run_dir, step + 1, model, optimizer, scheduler, state, args, out)
-    interrupt.restore()
 
     # ---- 5 save: the "default" adapter alone, loadable by plain PEFT, with the tokenizer
     final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])

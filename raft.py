@@ -376,7 +376,7 @@ def main(args: Args) -> dict:
 
     # ---- 4 loop: rollout -> scores -> kept set and pairs -> SFT / DPO updates -> eval; each round saved atomically
     metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop after the round being written
-    for rnd in range(max(done, 0) + 1, args.num_rounds + 1):
+    for rnd in interrupt.watch(range(max(done, 0) + 1, args.num_rounds + 1)):  # any way out: old SIGINT handler
         t0 = time.perf_counter()
         if use_ref:
             snapshot_ref(model)  # "ref" = the policy this round starts from (SPIN: the opponent of iteration rnd)
@@ -427,7 +427,6 @@ def main(args: Args) -> dict:
         if interrupt.requested and rnd < args.num_rounds:  # each round is saved whole: resuming needs only the run dir
             why = f"raft: stopped after round {rnd} (Ctrl-C); final/ not written. Resume with --resume-from {run_dir}"
             raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics)
-    interrupt.restore()
 
     # ---- 5 save: the final policy alone in final/ (plain PEFT adapter + tokenizer), as the other scripts
     final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])

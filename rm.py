@@ -241,16 +241,16 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
-    if start_step := state["step"]:
+    start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)  # skipped so far
+    if start_step:
         with torch.no_grad():
             head.weight.copy_(state["trainer_state"]["head"])  # saved in the hashed state.pt
     logger = Logger(run_dir, args, total_steps, show=("loss", "accuracy"), start_step=start_step)
 
     # ---- 4 loop
     model.train()
-    metrics, nonfinite = {}, 0
-    interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
-    for step in range(start_step, total_steps):
+    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
+    for step in interrupt.watch(range(start_step, total_steps)):  # any way out restores the old SIGINT handler
         loss_sum, tokens, stats, timer = 0.0, 0, [], PhaseTimer()
         for i in range(ga):
             chunk = micro_batch(examples, step * ga + i, bs, args.seed)
@@ -273,12 +273,11 @@ def main(args: Args) -> dict:
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
             metrics |= evaluate(model, eval_examples, args, attributes, pad_id, device)
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
-        state = {"head": head.weight}  # save_checkpoint writes tensors into state.pt (hash-checked), not the JSON
+        state = {"head": head.weight, "nonfinite_updates": nonfinite}  # a tensor goes into state.pt, the rest JSON
         if args.save_steps and (step + 1) % args.save_steps == 0:
             save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
         if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
             stop_run("rm", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
-    interrupt.restore()
 
     # ---- 5 save: the adapter at the top of final/ (plain PEFT loads it), the head and reward_config.json beside it
     final_dir = save_final(run_dir, model, tokenizer)

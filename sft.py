@@ -164,7 +164,8 @@ def main(args: Args) -> dict:
     total_steps, batches_per_epoch = training_steps(len(examples), args)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    start_step = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)["step"]
+    resumed = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
+    start_step, nonfinite = resumed["step"], resumed["trainer_state"].get("nonfinite_updates", 0)  # skipped so far
     logger = Logger(run_dir, args, total_steps, show=("loss", "learning_rate"), start_step=start_step)
 
     def forward_logps(batch):
@@ -177,9 +178,8 @@ def main(args: Args) -> dict:
     # ---- 4 loop
     model.train()
     ga = args.gradient_accumulation_steps
-    metrics, nonfinite = {}, 0
-    interrupt = StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
-    for step in range(start_step, total_steps):
+    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
+    for step in interrupt.watch(range(start_step, total_steps)):  # any way out restores the old SIGINT handler
         timer = PhaseTimer()
         micro = [
             collate(micro_batch(examples, step * ga + i, args.per_device_train_batch_size, args.seed))
@@ -216,11 +216,11 @@ def main(args: Args) -> dict:
                 model, eval_examples, collate, forward_logps, args.per_device_train_batch_size
             )
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
+        state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, keep_last=args.save_total_limit, args=args)
+            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
         if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
-            stop_run("sft", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, None, args, metrics)
-    interrupt.restore()
+            stop_run("sft", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = save_final(run_dir, model, tokenizer)

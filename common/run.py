@@ -356,14 +356,14 @@ def stop_run(script: str, reason: str, run_dir: str, step: int, model, optimizer
 
 
 class StopOnCtrlC:
-    """From creation until restore(): Ctrl-C (SIGINT) sets .requested, so the loop stops at the end of its step with
-    a checkpoint and the resume command; a second Ctrl-C aborts at once (KeyboardInterrupt). Python only lets the main
-    thread install a handler: elsewhere Ctrl-C keeps its default."""
+    """While a loop runs over watch(steps): Ctrl-C (SIGINT) sets .requested, so the loop stops at the end of its step
+    with a checkpoint and the resume command; a second Ctrl-C aborts at once (KeyboardInterrupt). However the loop
+    ends (its last step, an exception, RunStopped) the previous handler is back: the generator's `finally` runs when
+    the loop drops it, so an in-process caller's next Ctrl-C is never swallowed as a stop request. Python only lets
+    the main thread install a handler: elsewhere Ctrl-C keeps its default."""
 
     def __init__(self):
-        self.requested, self.previous = False, None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
+        self.requested = False
 
     def _handle(self, signum, frame):
         if self.requested:
@@ -371,9 +371,15 @@ class StopOnCtrlC:
         self.requested = True
         print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
 
-    def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+    def watch(self, steps):
+        """Yield each of `steps` with this handler installed; restore the previous one on every way out."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self._handle) if main else None
+        try:
+            yield from steps
+        finally:
+            if previous is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(signal.SIGINT, previous)
 
 
 class NonFiniteWeightsError(RuntimeError):

@@ -1,12 +1,15 @@
 """The code sandbox: run untrusted Python (a policy's completion), return its stdout. Chosen once, printed once:
 - bubblewrap (`apt-get install bubblewrap`) where it works: --unshare-all (no network; own PIDs, /proc, IPC, UTS),
   --die-with-parent --new-session --clearenv --cap-drop ALL, uid nobody in a user namespace (root's outside, if
-  root: hence) a read-only root with only /usr and Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME;
+  root: hence) a read-only root with only /usr and Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME,
+  a read-only /dev with a 64 MiB /dev/shm;
 - else (or if ONLYONE_SANDBOX=fallback) _BOOT's: new mount, PID, network, IPC, UTS (+ user, if not root)
-  namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm /run/lock, uid nobody (if root), no
-  capabilities, an empty bounding set, no_new_privs; what the kernel refuses is warned about.
-Both: `python -I -S` (stdlib only), env PATH LANG HOME TMPDIR only, rlimits, a pids cgroup as root (RLIMIT_NPROC
-does not bind root), a wall-clock timeout, then SIGKILL to all it started."""
+  namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm /run/lock, every other top directory but the
+  system's programs and libraries (/usr, /lib...) and Python's hidden, uid nobody (if root), no capabilities, an
+  empty bounding set, no_new_privs; what the kernel refuses is warned about.
+Both: `python -I -S` (stdlib only), env PATH LANG HOME TMPDIR only, rlimits, pids and memory cgroups as root
+(RLIMIT_NPROC does not bind root, RLIMIT_AS binds each process alone), a wall-clock timeout, then SIGKILL to all
+it started."""
 
 import contextlib
 import functools
@@ -50,11 +53,17 @@ if cfg["fallback"]:
     if tmp:  # into the private /tmp, which hides the host's
         os.chdir("/tmp")
         open("solution.py", "w").write(src)
-    if tmp and uid == 0 and not os.mkdir(".python"):  # Python's files, read-only, where nobody can read them
-        py = sys.base_prefix.encode()  # (nobody may not reach them where they are, e.g. under /root)
-        check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), "bind")
-        for paths in [sys.path] + [m.__path__ for m in sys.modules.values() if type(vars(m).get("__path__")) is list]:
-            paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]  # import from there
+    if tmp and not os.mkdir(".python"):  # Python's files, read-only, where nobody can read them and where hiding the
+        py = sys.base_prefix.encode()  # host's files below leaves them (nobody may not reach /root; a venv in a home)
+        if check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), "bind"):
+            packages = [m.__path__ for m in sys.modules.values() if type(vars(m).get("__path__")) is list]
+            for paths in [sys.path] + packages:
+                paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]  # import from there
+    keep = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "tmp", sys.path[-1].split("/")[1]}
+    for d in sorted(set(os.listdir("/")) - keep) if tmp else ():  # the host's files (/etc, /root, /home, the data)
+        path = f"/{d}".encode()  # under an empty read-only tmpfs (Python's top directory stays, where it runs from)
+        if os.path.isdir(path) and not os.path.islink(path):
+            check(libc.mount(b"none", path, b"tmpfs", 15, b"size=4k,mode=555"), f"hide /{d}")  # ro nosuid nodev noexec
     for cap in range(64):
         libc.prctl(24, cap)  # PR_CAPBSET_DROP: no capability can come back
     if uid == 0:  # to nobody; leaving uid 0 clears the capabilities
@@ -116,6 +125,10 @@ def _bwrap(tmp: str) -> list[str]:
         "--size",
         str(64 << 20),
         "--tmpfs",
+        "/dev/shm",
+        "--size",
+        str(64 << 20),
+        "--tmpfs",
         "/tmp",
         "--ro-bind",
         f"{tmp}/solution.py",
@@ -125,6 +138,8 @@ def _bwrap(tmp: str) -> list[str]:
         "/tmp/cfg.json",
         "--remount-ro",
         "/",
+        "--remount-ro",  # bwrap's /dev is a tmpfs of half the RAM, else writable: GBs no rlimit counts
+        "/dev",
         "--chdir",
         "/tmp",
         "--setenv",
@@ -157,21 +172,36 @@ def _kind(forced: bool) -> str:
     return "bwrap" if bwrap else "fallback"
 
 
-def _pids_cgroup(max_procs: int) -> str | None:
-    """A new pids cgroup (v1, else v2) capped at max_procs, or None where we may not make one (not root)."""
-    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        path = os.path.join(root, f"onlyone_{uuid.uuid4().hex[:12]}")
-        try:
-            os.mkdir(path)
-            pathlib.Path(path, "pids.max").write_text(str(max_procs))  # fails on v2 without the pids controller
-            return path
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
+def _cgroups(max_procs: int, memory: int) -> list[str]:
+    """New cgroups that cap all the sandbox's processes together: at most max_procs of them (RLIMIT_NPROC does not
+    bind root) and `memory` bytes (RLIMIT_AS binds each process alone; tmpfs pages count here too). cgroup v1's pids
+    and memory hierarchies, else one v2 group; none where we may not make them (not root)."""
+    v1 = [_cgroup("/sys/fs/cgroup/pids", {"pids.max": max_procs})]
+    v1 += [_cgroup("/sys/fs/cgroup/memory", {"memory.limit_in_bytes": memory})]
+    if any(v1):
+        return [c for c in v1 if c]
+    v2 = _cgroup("/sys/fs/cgroup", {"pids.max": max_procs, "memory.max": memory})
+    v2 = v2 or _cgroup("/sys/fs/cgroup", {"pids.max": max_procs})  # the memory controller may not be delegated
+    return [v2] if v2 else []
+
+
+def _cgroup(root: str, limits: dict[str, int]) -> str | None:
+    """A new cgroup under root with these limits, or None (no such hierarchy or controller here, or not root)."""
+    path = os.path.join(root, f"onlyone_{uuid.uuid4().hex[:12]}")
+    try:
+        os.mkdir(path)
+        if not os.path.isfile(os.path.join(path, "cgroup.procs")):  # a plain directory (a tmpfs), not a cgroup
+            raise OSError
+        for name, value in limits.items():
+            pathlib.Path(path, name).write_text(str(value))  # fails where the controller is missing
+        return path
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
     return None
 
 
-def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
+def _kill_all(proc: subprocess.Popen, cgroups: list[str]) -> None:
     """SIGTERM the sandbox (the fallback's waiter kills PID 1; bwrap dies, --die-with-parent takes its PID 1, and
     with PID 1 the kernel kills its namespace), SIGKILL its process group and cgroup members until both are gone."""
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -181,18 +211,19 @@ def _kill_all(proc: subprocess.Popen, cgroup: str | None) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     for _ in range(200):  # a killed process exists until reaped (by its parent, else by init, which may be slow)
-        for pid in pathlib.Path(cgroup, "cgroup.procs").read_text().split() if cgroup else []:
+        for pid in [p for c in cgroups for p in pathlib.Path(c, "cgroup.procs").read_text().split()]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
         try:
             os.killpg(proc.pid, 0)  # raises once every member of the group has been reaped
         except ProcessLookupError:
             with contextlib.suppress(OSError):  # rmdir fails (EBUSY) until the cgroup's last member is reaped too
-                if cgroup:
-                    os.rmdir(cgroup)
+                while cgroups:
+                    os.rmdir(cgroups[-1])
+                    cgroups.pop()
                 return
         time.sleep(0.05)
-    warnings.warn(f"sandbox process group {proc.pid} or cgroup {cgroup} not empty 10 s after SIGKILL")
+    warnings.warn(f"sandbox process group {proc.pid} or cgroups {cgroups} not empty 10 s after SIGKILL")
 
 
 def run_python(
@@ -207,7 +238,8 @@ def run_python(
     """Run `source` with `stdin` in the sandbox; return its stdout (the first max_output bytes), to which each of
     `queries`, evaluated in the solution's globals after it ran, adds a line "\\x1e<i> <repr>".
     rlimits: CPU timeout + 1 s, AS memory_mb, FSIZE max_output (stdout and stderr are files: this caps them),
-    NOFILE 64, NPROC max_procs. stdin, stdout and stderr are unnamed files."""
+    NOFILE 64, NPROC max_procs; as root, cgroups cap all its processes together at max_procs and memory_mb.
+    stdin, stdout and stderr are unnamed files."""
     with _KIND_LOCK:
         kind, cpu, mem = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback"), math.ceil(timeout), memory_mb << 20
     limits = [
@@ -228,22 +260,23 @@ def run_python(
         pathlib.Path(tmp, "cfg.json").write_text(json.dumps(cfg))
         i.write(stdin.encode())
         i.seek(0)
-        cgroup = _pids_cgroup(max_procs)
+        cgroups = _cgroups(max_procs, mem)
         cmd = (_bwrap(tmp) if kind == "bwrap" else []) + [_PYTHON, "-I", "-S", "-c", _BOOT]
-        if cgroup:  # the shell joins the cgroup, then becomes the sandbox: all it starts is counted
-            cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', f"{cgroup}/cgroup.procs", *cmd]
+        if cgroups:  # the shell joins the cgroups, then becomes the sandbox: all it starts is counted
+            join = "".join(f"echo $$ > {c}/cgroup.procs && " for c in cgroups)  # our own paths: no quoting needed
+            cmd = ["/bin/sh", "-c", join + 'exec "$@"', "sh", *cmd]
         env, start = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}, time.monotonic()
         try:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=i, stdout=o, stderr=e, start_new_session=True)
         except OSError:
-            if cgroup:  # else nothing removes it
+            for cgroup in cgroups:  # else nothing removes them
                 os.rmdir(cgroup)
             raise
         try:
             while proc.poll() is None and time.monotonic() < start + timeout:  # (Popen.wait polls up to 50 ms late)
                 time.sleep(0.005)
         finally:  # also after a clean exit: the solution's children may still run
-            _kill_all(proc, cgroup)
+            _kill_all(proc, cgroups)
         for line in os.pread(e.fileno(), 1 << 16, 0).decode(errors="replace").splitlines():
             if line.startswith(("onlyone-sandbox: ", "bwrap: ")):  # an isolation step the kernel refused
                 warnings.warn(f"code sandbox ({kind}): {line}")

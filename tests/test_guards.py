@@ -200,7 +200,7 @@ def test_ctrl_c_on_a_save_step_keeps_the_checkpoint_it_just_wrote(tiny_model_dir
 
     again = []
     monkeypatch.setattr(common.run, "save_checkpoint", lambda *a, **k: again.append(a[1]))  # stop_run's own save
-    monkeypatch.setattr(dpo, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, restore=lambda: None))
+    monkeypatch.setattr(dpo, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, watch=iter))
     args = dpo.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=3, save_steps=1)
     with pytest.raises(common.run.RunStopped) as stopped:
         dpo.main(dataclasses.replace(args, save_total_limit=1))
@@ -222,7 +222,7 @@ def test_ctrl_c_during_the_last_step_finishes_the_run(script, tiny_model_dir, pr
     from types import SimpleNamespace
 
     module = importlib.import_module(script)
-    monkeypatch.setattr(module, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, restore=lambda: None))
+    monkeypatch.setattr(module, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, watch=iter))
     kw = dict(model=tiny_model_dir, output_dir=str(tmp_path), max_steps=1, save_steps=0, preset="demo")
     out = module.main(module.Args(**kw | LAST_STEP.get(script, dict(dataset=prefs))))
     assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))

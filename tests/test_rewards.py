@@ -40,7 +40,7 @@ from common.rewards import (
     soft_overlong_reward,
     target_length_reward,
 )
-from common.sandbox import _kind, _pids_cgroup, run_python
+from common.sandbox import _cgroups, _kind, run_python
 
 GSM8K_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -167,7 +167,7 @@ def _sandbox_leftovers() -> list[str]:
             continue
         if b"onlyone_sandbox_" in cmdline or b"onlyone-sandbox" in cmdline:
             found.append(f"pid {pid}: {cmdline[:80]!r}")
-    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
         if os.path.isdir(root):
             found += [f"cgroup {root}/{d}" for d in os.listdir(root) if d.startswith("onlyone_")]
     return found
@@ -198,10 +198,11 @@ def namespaced(kind) -> bool:
 
 def _has_cgroup() -> bool:
     """Whether the sandbox can make a pids cgroup here (as root on cgroup v1, or v2 with the pids controller)."""
-    cgroup = _pids_cgroup(4)
-    if cgroup:
+    cgroups = _cgroups(4, 1 << 30)
+    pids = any(os.path.isfile(os.path.join(c, "pids.max")) for c in cgroups)
+    for cgroup in cgroups:
         os.rmdir(cgroup)
-    return cgroup is not None
+    return pids
 
 
 def _count_capped() -> bool:
