@@ -10,7 +10,8 @@ Differences from TRL's KTOTrainer defaults:
 - LoRA only (all-linear, r=16, alpha=32), so learning_rate 5e-6 (TRL: 1e-6, tuned for full fine-tuning).
 - Mismatched pairs rotate completions by one inside each shuffled micro-batch, (x_i, y_{i-1}); TRL rotates the
   same way inside consecutive dataset chunks of the batch size and then needs a sequential sampler. Same estimator.
-- An epoch's last micro-batch of one row gets a second row (TRL pairs that row with its own completion: z0 = h).
+- An epoch's last micro-batch of one row gets a second row, and a one-row dataset is refused (TRL pairs such a row
+  with its own completion: z0 = h).
 - No precompute_ref_log_probs: the mismatched pairs change with every shuffled batch.
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
@@ -25,13 +26,13 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, training_steps
-from common.data import validate_rows
+from common.data import DataError, validate_rows
 from common.logps import completion_logps
 from common.memory import check_memory
 from common.model import as_reference, load_policy, trainable_parameters
 from common.run import Logger, PhaseTimer, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
 from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import print_config, stop_run, training_config
+from common.run import ArgsError, print_config, stop_run, training_config
 
 
 @dataclass
@@ -176,14 +177,14 @@ def main(args: Args) -> dict:
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
-    if args.per_device_train_batch_size < 2:
-        raise ValueError(
-            "KTO needs per_device_train_batch_size >= 2: with 1 row the mismatched pair is the row itself"
-        )
+    if args.per_device_train_batch_size < 2:  # the KL term pairs each row's prompt with ANOTHER row's completion
+        raise ArgsError(f"--per-device-train-batch-size {args.per_device_train_batch_size}: KTO needs >= 2 rows")
     rows = load_rows(args.dataset, args.dataset_split)
     if rows and "chosen" in rows[0] and "rejected" in rows[0]:
         rows = unpair(validate_rows(rows, "preference"))
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns
+    if len(rows) < 2:  # (tokenize_dataset's drops are checked again below)
+        raise DataError(f"{args.dataset}: one row; KTO needs >= 2 (its KL pairs take another row's completion)")
 
     # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
     print_config("kto", args, training_config(args, len(rows)))
@@ -195,6 +196,8 @@ def main(args: Args) -> dict:
 
     # ---- 3 data, optimizer, run dir
     examples = tokenize_dataset(tokenizer, rows, "binary", args.max_length, max_prompt_length=args.max_prompt_length)
+    if len(examples) < 2:
+        raise DataError(f"{args.dataset}: one row left after tokenization; KTO needs >= 2 (raise --max-length)")
     bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     total_steps, batches_per_epoch = training_steps(len(examples), args)
     # A micro-batch with one class only is trained as TRL does (the loss is the mean over the rows it has, z0 is

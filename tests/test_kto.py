@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common.data import DataError
+from common.run import ArgsError
 from kto import Args, kto_batches, kto_loss, kto_reference_point, main
 from tests.prefs_helpers import (
     FakeLM,
@@ -210,8 +211,15 @@ def test_single_class_dataset_warns_before_the_model_loads(tmp_path):
 
 
 def test_batch_of_one_is_refused():
-    with pytest.raises(ValueError, match="per_device_train_batch_size >= 2"):
+    with pytest.raises(ArgsError, match="--per-device-train-batch-size 1: KTO needs >= 2 rows"):
         main(Args(per_device_train_batch_size=1))
+
+
+def test_a_single_row_is_refused_before_the_model_loads(tmp_path):
+    """With one row its KL pair is the row itself (z0 = h, a constant loss of 0.5 when h > 0): nothing to learn."""
+    one = write_jsonl(tmp_path / "one.jsonl", binary_rows(1))
+    with pytest.raises(DataError, match=r"one\.jsonl: one row; KTO needs >= 2"):
+        main(Args(model=str(tmp_path / "no-such-model"), dataset=one))
 
 
 def test_cli_help_and_one_step(tiny_model_dir, tmp_path):
