@@ -89,16 +89,6 @@ def exact_number(s: str | None) -> Fraction | None:
     return Fraction(m.group(1)) / Fraction(m.group(2) or 1)
 
 
-def normalize_number(s: str | None) -> float | None:
-    """exact_number as a float (+-inf beyond float range)."""
-    if (value := exact_number(s)) is None:
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        return math.copysign(math.inf, value)
-
-
 def same_number(guess: Fraction | None, truth: Fraction) -> bool:
     """Exactly equal; a non-integer reference (1/3) also takes a decimal within 1e-6 of it relatively (0.3333333).
     No tolerance on integers: a relative one let 2,880,001 pass for GSM8K's 2,880,000 (math-verify rounds to 6

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 from transformers import AutoTokenizer
@@ -13,7 +14,7 @@ from transformers import AutoTokenizer
 import evals.common_eval as common_eval
 import evals.gsm8k as gsm8k
 from common.data import DataError
-from common.rewards import extract_answer, normalize_number
+from common.rewards import extract_answer, exact_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,8 +29,8 @@ def test_reference_answers_extract_to_their_number(shared_data):
     rows = gsm8k_test_rows(shared_data)
     assert len(rows) == 1319
     for i, row in enumerate(rows):  # the whole test set (the first 200 include '2,125'; later ones '-10', '1,450,000')
-        expected = float(re.search(r"####\s*(\S+)\s*$", row["answer"]).group(1).replace(",", ""))
-        assert normalize_number(extract_answer(row["answer"])) == expected, f"row {i}: {row['answer'][-40:]!r}"
+        expected = Fraction(re.search(r"####\s*(\S+)\s*$", row["answer"]).group(1).replace(",", ""))
+        assert exact_number(extract_answer(row["answer"])) == expected, f"row {i}: {row['answer'][-40:]!r}"
     # A reference scores its own solution correct through the exact function evaluate_gsm8k uses.
     assert all(s["correct"] for s in gsm8k.score([r["answer"] for r in rows[:200]], [r["answer"] for r in rows[:200]]))
 

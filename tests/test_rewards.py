@@ -34,7 +34,7 @@ from common.rewards import (
     json_reward,
     load_reward_funcs,
     math_reward,
-    normalize_number,
+    exact_number,
     regex_reward,
     run_code_tests,
     soft_overlong_reward,
@@ -76,7 +76,7 @@ def my_reward(prompts, completions, **kw):
     ],
 )
 def test_extract_and_normalize(text, value):
-    assert normalize_number(extract_answer(text)) == value
+    assert exact_number(extract_answer(text)) == value
 
 
 @pytest.mark.parametrize(
@@ -93,8 +93,8 @@ def test_extract_and_normalize(text, value):
         (None, None),
     ],
 )
-def test_normalize_number(s, value):
-    assert normalize_number(s) == value
+def test_exact_number(s, value):
+    assert exact_number(s) == value
 
 
 def test_extract_answer_is_bounded_on_adversarial_text():
