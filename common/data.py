@@ -515,7 +515,8 @@ def _messages_ids(tokenizer, messages: list[dict], loc: str) -> tuple[list[int],
 
 def tokenize_sft(tokenizer, row: dict, max_length: int | None, completion_only_loss: bool = True) -> dict | None:
     """{input_ids, completion_mask}: the mask is on the completion (prompt/completion rows) or on every assistant turn
-    (messages rows), end-of-turn/EOS token included; all ones for {text} rows or completion_only_loss=False.
+    (messages rows), end-of-turn/EOS token included; all ones for {text} rows or completion_only_loss=False; never
+    on token 0, which no token predicts.
     Right-truncated to max_length; None when no completion token survives (the caller drops the row)."""
     eos = tokenizer.eos_token_id
     if "messages" in row:
@@ -528,9 +529,12 @@ def tokenize_sft(tokenizer, row: dict, max_length: int | None, completion_only_l
         prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], row.get("_loc", "<row>"))
         input_ids, mask = prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
     input_ids, mask = input_ids[:max_length], mask[:max_length]  # [:None] keeps everything
-    if not any(mask):
+    if not any(mask[1:]):
         return None  # the completion was cut away: this row would add a silent zero to the loss
-    return {"input_ids": input_ids, "completion_mask": mask if completion_only_loss else [1] * len(input_ids)}
+    # Token 0 has no context, so it is never a target (the shift drops it): out of the mask, or the step's token count
+    # (the loss's denominator) would count it, once per row padded but not packed (transformers counts labels[1:]).
+    mask = mask if completion_only_loss else [1] * len(input_ids)
+    return {"input_ids": input_ids, "completion_mask": [0] + mask[1:]}
 
 
 def tokenize_preference(
@@ -642,7 +646,7 @@ def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
             packs.append({"input_ids": [], "completion_mask": [], "position_ids": [], "_loc": []})
         packs[-1]["input_ids"] += ex["input_ids"]
         # A document's first token is never a label unpacked (the shift drops it); packed, it would be "predicted"
-        # from the previous document's last token, so it leaves the loss (only {text} rows have it in the mask).
+        # from the previous document's last token, so it leaves the loss (tokenize_sft already leaves it out).
         packs[-1]["completion_mask"] += [0] + ex["completion_mask"][1:]
         packs[-1]["position_ids"] += list(range(n))
         packs[-1]["_loc"].append(ex.get("_loc"))

@@ -122,6 +122,19 @@ def test_full_finetune_and_packing(tiny_model_dir, memo_jsonl, tmp_path):
     assert packed["loss"] == pytest.approx(unpacked["loss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["text", "no_completion_only_loss"])
+def test_packed_equals_padded_when_the_first_token_is_in_the_loss(tiny_model_dir, memo_jsonl, tmp_path, layout):
+    # {text} rows and --no-completion-only-loss put every token in the loss, but token 0 is no target: counting it in
+    # the step's token total (the loss's denominator) made the padded loss smaller than the packed one.
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": f"{w} is a word, {w} {w}."}) + "\n" for w in WORDS))
+    kw = dict(completion_only_loss=False) if layout == "no_completion_only_loss" else {}
+    dataset = memo_jsonl if kw else str(data)
+    packed = run(tiny_model_dir, dataset, tmp_path / "packed", packing=True, max_steps=1, **kw)
+    padded = run(tiny_model_dir, dataset, tmp_path / "padded", per_device_train_batch_size=8, max_steps=1, **kw)
+    assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
+
+
 def test_an_eval_split_of_a_local_file_is_refused_before_the_model_loads(memo_jsonl, tmp_path):
     # A file has one split: --eval-split test loaded the same rows again, and eval/loss was the training loss.
     from common.run import ArgsError
