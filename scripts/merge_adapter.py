@@ -92,6 +92,12 @@ def main(args: Args) -> dict:
         )
 
     # ---- 3 save a plain transformers folder (and upload it)
+    # generate() stops only at generation_config's eos ids: add the trained end-of-turn (the tokenizer's eos, e.g.
+    # ChatML's <|im_end|> on a base model whose eos is <|endoftext|>), as TRL's SFTTrainer does for its eos_token.
+    stops = model.generation_config.eos_token_id
+    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    if tokenizer.eos_token_id not in stops:
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
     model.save_pretrained(out, safe_serialization=True)  # config.json, generation_config.json, model.safetensors
     tokenizer.save_pretrained(out)
     print(f"merge_adapter: {args.adapter} -> {out} (max |logit diff| vs the adapter model {diff:.2g})")

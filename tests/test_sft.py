@@ -135,6 +135,25 @@ def test_packed_equals_padded_when_the_first_token_is_in_the_loss(tiny_model_dir
     assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
 
 
+def test_merged_model_stops_at_the_trained_end_of_turn(memo_jsonl, tmp_path):
+    # A base model whose generation_config stops at <|endoftext|> only, trained with ChatML (end of turn <|im_end|>):
+    # the merged folder must stop generate() at <|im_end|>, or the served model runs on past every answer.
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from scripts import merge_adapter
+    from tests.tiny import write_tiny
+
+    base = write_tiny(tmp_path / "base")
+    tok = AutoTokenizer.from_pretrained(base)
+    config = GenerationConfig.from_pretrained(base)
+    config.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.save_pretrained(base)
+    out = run(base, memo_jsonl, tmp_path, max_steps=0)
+    merged = merge_adapter.main(merge_adapter.Args(adapter=out["final_dir"], out=str(tmp_path / "merged")))
+    stops = GenerationConfig.from_pretrained(merged["out"]).eos_token_id
+    assert stops == [tok.convert_tokens_to_ids("<|im_end|>"), config.eos_token_id]
+
+
 def test_an_eval_split_of_a_local_file_is_refused_before_the_model_loads(memo_jsonl, tmp_path):
     # A file has one split: --eval-split test loaded the same rows again, and eval/loss was the training loss.
     from common.run import ArgsError
