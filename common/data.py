@@ -65,6 +65,25 @@ def _json(text: str, name: str, line: int | None = None):
         raise DataError(f"{name}:{line or e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
 
 
+def _utf8(raw: bytes, name: str, line: int) -> str:
+    """raw as text; else one line naming the file, line and column of the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line += raw.count(b"\n", 0, e.start)
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(
+            f"{name}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); save the file as UTF-8"
+        ) from None
+
+
+def _row(row: object, loc: str) -> dict:
+    if not isinstance(row, dict):
+        raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}: {str(row)[:60]}")
+    row["_loc"] = loc
+    return row
+
+
 def _read_file(path: pathlib.Path) -> list[dict]:
     name = str(path)
     if path.suffix == ".parquet":
@@ -73,31 +92,28 @@ def _read_file(path: pathlib.Path) -> list[dict]:
         return [dict(r, _loc=f"{name}:[{i}]") for i, r in enumerate(pq.read_table(path).to_pylist())]
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"{name}: unsupported file type {path.suffix!r}; use .json, .jsonl or .parquet")
-    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark (Windows editors) is not text
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise DataError(
-            f"{name}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); save the file as UTF-8"
-        ) from None
-    if not text.strip():
+    bom = b"\xef\xbb\xbf"  # a UTF-8 byte order mark (Windows editors) is not text
+    with open(path, "rb") as f:  # the first non-blank byte: "{" starts JSON Lines, "[" a JSON list
+        first = next((line.removeprefix(bom).lstrip()[:1] for line in f if line.removeprefix(bom).strip()), b"")
+    if not first:
         raise DataError(f"{name}: the file is empty")
     # `Dataset.to_json` writes JSON Lines even into files named .json: a .json starting with "{" is read as such.
-    if path.suffix == ".jsonl" or text.lstrip().startswith("{"):
-        lines = enumerate(text.splitlines(), 1)
-        pairs = [(_json(line, name, n), f"{name}:{n}") for n, line in lines if line.strip()]  # skip blank lines
+    if path.suffix == ".jsonl" or first == b"{":
+        # Line by line, so a large file is never held whole in memory, and split at "\n" only: str.splitlines would
+        # also split at U+2028, U+0085 and other characters that JSON allows unescaped inside strings.
+        with open(path, "rb") as f:
+            rows = [
+                _row(_json(text, name, n), f"{name}:{n}")
+                for n, raw in enumerate(f, 1)
+                if (text := _utf8(raw.removeprefix(bom) if n == 1 else raw, name, n)).strip()
+            ]
     else:
-        if not isinstance(data := _json(text, name), list):
+        if not isinstance(data := _json(_utf8(path.read_bytes().removeprefix(bom), name, 1), name), list):
             raise DataError(f"{name}: expected a JSON list of objects, got a {type(data).__name__}")
-        pairs = [(row, f"{name}:[{i}]") for i, row in enumerate(data)]
-    if not pairs:
+        rows = [_row(row, f"{name}:[{i}]") for i, row in enumerate(data)]
+    if not rows:
         raise DataError(f"{name}: no rows in the file")
-    for row, loc in pairs:
-        if not isinstance(row, dict):
-            raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}: {str(row)[:60]}")
-    return [dict(row, _loc=loc) for row, loc in pairs]
+    return rows
 
 
 def looks_local(spec: str) -> bool:

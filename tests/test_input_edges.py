@@ -82,6 +82,29 @@ def test_a_utf8_byte_order_mark_is_not_text(tmp_path, suffix):
     assert load_rows(str(path)) == [row | {"_loc": f"{path}:{1 if suffix == '.jsonl' else '[0]'}"}]
 
 
+def test_line_separators_inside_json_strings_are_text(tmp_path):
+    # JSON allows U+2028, U+2029 and U+0085 unescaped in strings (json.dumps(ensure_ascii=False) writes them so);
+    # splitting the file with str.splitlines cut such a row in two and called it invalid JSON.
+    rows = [{"prompt": "a\u2028b", "completion": "c\x85d"}, {"prompt": "e\u2029f", "completion": "g"}]
+    path = tmp_path / "seps.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert load_rows(str(path)) == [r | {"_loc": f"{path}:{i}"} for i, r in enumerate(rows, 1)]
+
+
+def test_a_jsonl_file_is_not_held_whole_in_memory(tmp_path):
+    # A multi-GB JSONL must cost its rows, not its rows plus the file's bytes, its text and its list of lines (3x the
+    # file more at the peak): the allocations at the peak, beyond the rows kept, stay under a tenth of the file.
+    import tracemalloc
+
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps({"text": f"row {i} " + "word " * 60}) + "\n" for i in range(3000)))
+    tracemalloc.start()
+    rows = load_rows(str(path))
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(rows) == 3000 and peak - kept < path.stat().st_size / 10, (peak - kept, path.stat().st_size)
+
+
 @pytest.mark.parametrize("spec", ["./no/such/data", "/no/such/data", "../data", "a/b/c"])
 def test_a_missing_local_path_is_not_a_hub_lookup(spec):
     with pytest.raises(DataError, match=f"{spec}: file not found"):
