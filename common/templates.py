@@ -5,6 +5,8 @@ end-of-turn token becomes `tokenizer.eos_token` (as TRL's `clone_chat_template` 
 generation, closes standard (string) completions, and is part of every completion's loss mask.
 """
 
+import warnings
+
 import jinja2
 
 # ChatML (OpenAI / Qwen): <|im_start|>role\ncontent<|im_end|>\n
@@ -62,7 +64,14 @@ def end_of_turn_token(tokenizer, template_name: str) -> str:
     for token_id in tokenizer(text.split(probe, 1)[1], add_special_tokens=False)["input_ids"]:
         if token_id in added:
             return tokenizer.convert_ids_to_tokens(token_id)
-    return tokenizer.eos_token  # the template closes turns with plain text: eos is the best stop signal we have
+    # The template closes turns with plain text: eos is the best stop signal we have, but no rendered completion
+    # holds it, so nothing in the loss teaches the model to stop (TRL's SFTTrainer warns about the same case).
+    warnings.warn(
+        "the chat template ends the assistant's turn with plain text, not a special token: completions carry no "
+        "stop token, so the model will not learn to stop (generation runs on to the limit). Pick a template that "
+        f"ends turns with a special token (e.g. --template chatml) or add {tokenizer.eos_token!r} to the template."
+    )
+    return tokenizer.eos_token
 
 
 def setup_chat_template(tokenizer, template: str = "auto") -> str:

@@ -501,6 +501,18 @@ def test_packed_loss_equals_unpacked(tiny_model_dir, tok, attn):
             assert torch.allclose(packed_loss / packed_n, loss / n, atol=1e-5, rtol=0)
 
 
+def test_a_template_that_ends_turns_in_plain_text_warns_that_nothing_teaches_the_stop(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    with pytest.warns(UserWarning, match="model will not learn to stop"):
+        assert setup_chat_template(tokenizer, "auto") == "tokenizer"
+    example = tokenize_sft(tokenizer, {"messages": CHAT[1:3]}, None)
+    assert tokenizer.eos_token_id not in example["input_ids"]  # what the warning is about
+
+
 def test_end_of_turn_probe_falls_back_only_when_the_template_refuses_the_chat(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     # A template that demands a system turn refuses the probe on purpose (raise_exception): eos is the stop signal.
