@@ -10,6 +10,7 @@ Differences from TRL's SFTTrainer defaults:
 - bf16 only on CUDA; fp32 on CPU (TRL: bf16=True everywhere).
 - Gradient checkpointing only when the memory plan needs it to fit (TRL: always on).
 - Packing resets position_ids per document on every attention backend (TRL: "bfd" packing needs flash-attn).
+- Chat completions end at their end-of-turn token (TRL also trains what the template writes after it: ChatML's "\n").
 """
 
 import os
