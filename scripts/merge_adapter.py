@@ -56,6 +56,8 @@ def hub_token() -> str:
 def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
     """(merged transformers model, tokenizer, max |logit diff| against the unmerged adapter model on PROMPT)."""
     config_path = os.path.join(adapter, "adapter_config.json")
+    if not os.path.isfile(config_path) and os.path.isfile(os.path.join(adapter, "config.json")):
+        raise ArgsError(f"--adapter {adapter}: a full model (config.json, no adapter_config.json), nothing to merge")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
     with open(config_path) as f:

@@ -115,6 +115,11 @@ def test_full_finetune_and_packing(tiny_model_dir, memo_jsonl, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(full["final_dir"])  # loadable by plain transformers
+    from common.run import ArgsError
+    from scripts.merge_adapter import merge
+
+    with pytest.raises(ArgsError, match="a full model .* nothing to merge"):  # said as such, not "no adapter_config"
+        merge(full["final_dir"])
     # One step over all 8 rows at the starting weights: the packed rows (documents isolated by position_ids) must
     # give the same completion-token loss as the 8 unpacked rows.
     packed = run(tiny_model_dir, memo_jsonl, tmp_path / "packed", packing=True, max_steps=1)
