@@ -53,6 +53,22 @@ def hub_token() -> str:
     return token
 
 
+def run_tokenizer(adapter: str, base_tokenizer):
+    """The tokenizer (chat template, end-of-turn eos) the adapter trained with: saved beside it (a run's final/), else
+    the base's with the run's --template from args.json (a checkpoints/step-N/weights folder has no tokenizer)."""
+    if os.path.isfile(os.path.join(adapter, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(adapter)
+    run_args = os.path.join(adapter, "..", "..", "..", "args.json")  # <run>/checkpoints/step-N/weights
+    if os.path.isfile(run_args):
+        from common.templates import setup_chat_template
+
+        with open(run_args) as f:
+            setup_chat_template(base_tokenizer, json.load(f).get("template", "auto"))
+    return base_tokenizer
+
+
 def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
     """(merged transformers model, tokenizer, max |logit diff| against the unmerged adapter model on PROMPT)."""
     config_path = os.path.join(adapter, "adapter_config.json")
@@ -65,10 +81,7 @@ def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
     if not base:
         raise ArgsError(f"{config_path} names no base model: give --model")
     policy, tokenizer = load_model(base, dtype)
-    if os.path.isfile(os.path.join(adapter, "tokenizer_config.json")):  # the tokenizer (and template) it trained with
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(adapter)
+    tokenizer = run_tokenizer(adapter, tokenizer)
     policy = attach_lora(policy, adapter).eval()  # PEFT loads the "default" adapter; a saved "ref" is ignored
     ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
         "input_ids"

@@ -159,6 +159,19 @@ def test_merged_model_stops_at_the_trained_end_of_turn(memo_jsonl, tmp_path):
     assert stops == [tok.convert_tokens_to_ids("<|im_end|>"), config.eos_token_id]
 
 
+def test_a_merged_checkpoint_ships_the_template_the_run_trained_with(tiny_model_dir, memo_jsonl, tmp_path):
+    # checkpoints/step-N/weights holds no tokenizer: the merge took the base's (ChatML here), not the run's --template.
+    from transformers import AutoTokenizer
+
+    from common.templates import QWEN
+    from scripts import merge_adapter
+
+    out = run(tiny_model_dir, memo_jsonl, tmp_path, template="qwen", max_length=256, max_steps=1, save_steps=1)
+    weights = os.path.join(out["run_dir"], "checkpoints", "step-1", "weights")
+    merged = merge_adapter.main(merge_adapter.Args(adapter=weights, out=str(tmp_path / "merged")))
+    assert AutoTokenizer.from_pretrained(merged["out"]).chat_template == QWEN
+
+
 def test_an_eval_split_of_a_local_file_is_refused_before_the_model_loads(memo_jsonl, tmp_path):
     # A file has one split: --eval-split test loaded the same rows again, and eval/loss was the training loss.
     from common.run import ArgsError
