@@ -180,15 +180,18 @@ def load_rows(
 
 def load_splits(args, kind: str) -> tuple[list[dict], list[dict]]:
     """(--dataset-split rows, --eval-split rows or []) of --dataset, validated as `kind`. A local file has no splits
-    (load_rows reads all of it whatever the split): its --eval-split may only be --dataset-split, the training rows.
+    or a saved Dataset (load_rows reads all of it whatever the split): its --eval-split may only be --dataset-split.
     --eval-steps needs an --eval-split (TRL refuses eval_strategy="steps" without an eval_dataset)."""
     from common.run import ArgsError
 
     if args.eval_steps and args.eval_split is None:
         raise ArgsError(f"--eval-steps {args.eval_steps}: there is nothing to evaluate without --eval-split")
-    if args.eval_split not in (None, args.dataset_split) and pathlib.Path(args.dataset).is_file():
+    path = pathlib.Path(args.dataset)
+    # A saved Dataset (not a DatasetDict) has no splits either: load_rows returns all of it for any split name.
+    one = "one file" if path.is_file() else "a saved Dataset" if path.is_dir() else None
+    if args.eval_split not in (None, args.dataset_split) and one and not (path / "dataset_dict.json").is_file():
         raise ArgsError(
-            f"--eval-split {args.eval_split}: {args.dataset} is one file with no splits (all of it is the training "
+            f"--eval-split {args.eval_split}: {args.dataset} is {one} with no splits (all of it is the training "
             f"data); leave --eval-split unset, or pass {args.dataset_split} to evaluate on the training rows"
         )
     convert = getattr(args, "convert", None)  # sft.py's --convert alpaca / sharegpt

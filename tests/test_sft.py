@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.data import load_splits
 from sft import Args, main, sft_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,6 +179,23 @@ def test_an_eval_split_of_a_local_file_is_refused_before_the_model_loads(memo_js
 
     with pytest.raises(ArgsError, match=r"--eval-split test: .*memo\.jsonl is one file with no splits.* pass train"):
         main(Args(model=str(tmp_path / "no-such-model"), dataset=memo_jsonl, eval_split="test"))
+
+
+def test_an_eval_split_of_a_saved_dataset_without_splits_is_refused(memo_jsonl, tmp_path):
+    # Dataset.save_to_disk (not a DatasetDict) has no splits: --eval-split test evaluated on the training rows.
+    import datasets
+
+    from common.run import ArgsError
+
+    rows = [json.loads(line) for line in open(memo_jsonl)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_list(rows[:4]), test=datasets.Dataset.from_list(rows[4:])
+    ).save_to_disk(str(tmp_path / "saved_dict"))
+    with pytest.raises(ArgsError, match=r"--eval-split test: .*saved is a saved Dataset with no splits"):
+        main(Args(model=str(tmp_path / "no-such-model"), dataset=str(tmp_path / "saved"), eval_split="test"))
+    args = Args(dataset=str(tmp_path / "saved_dict"), eval_split="test")
+    assert [len(r) for r in load_splits(args, "sft")] == [4, 4]  # a DatasetDict's splits are real
 
 
 def test_cli_help_and_one_step(tiny_model_dir, memo_jsonl, tmp_path):
