@@ -396,10 +396,22 @@ def check_finite(model, run_dir: str) -> None:
         )
 
 
+def stop_at_end_of_turn(model, tokenizer) -> None:
+    """generate() stops only at generation_config's eos ids: put the trained end of turn (the tokenizer's eos, e.g.
+    ChatML's <|im_end|> on a base model whose eos is <|endoftext|>) first among them, as TRL's SFTTrainer does."""
+    stops = model.generation_config.eos_token_id
+    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    if tokenizer.eos_token_id not in stops:
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
+
+
 def save_final(run_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
     """run_dir/final: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as
-    plain PEFT / transformers loads them, plus the tokenizer; refused when a weight is not finite."""
+    plain PEFT / transformers loads them, plus the tokenizer; refused when a weight is not finite. A full model's
+    generation config also stops at the trained end of turn."""
     check_finite(model, run_dir)
+    if not is_peft(model):
+        stop_at_end_of_turn(model, tokenizer)
     final_dir = os.path.join(run_dir, "final")
     save_weights(model, final_dir, adapters)
     tokenizer.save_pretrained(final_dir)

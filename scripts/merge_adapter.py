@@ -21,7 +21,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common/ is at the repo root
 from common.model import attach_lora, load_model
-from common.run import ArgsError, one_line_errors
+from common.run import ArgsError, one_line_errors, stop_at_end_of_turn
 
 PROMPT = [{"role": "user", "content": "What is 12 plus 7? Answer in one line."}]
 
@@ -107,12 +107,7 @@ def main(args: Args) -> dict:
         )
 
     # ---- 3 save a plain transformers folder (and upload it)
-    # generate() stops only at generation_config's eos ids: add the trained end-of-turn (the tokenizer's eos, e.g.
-    # ChatML's <|im_end|> on a base model whose eos is <|endoftext|>), as TRL's SFTTrainer does for its eos_token.
-    stops = model.generation_config.eos_token_id
-    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
-    if tokenizer.eos_token_id not in stops:
-        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
+    stop_at_end_of_turn(model, tokenizer)  # or generate() on the merged model runs on past every answer
     model.save_pretrained(out, safe_serialization=True)  # config.json, generation_config.json, model.safetensors
     tokenizer.save_pretrained(out)
     print(f"merge_adapter: {args.adapter} -> {out} (max |logit diff| vs the adapter model {diff:.2g})")

@@ -160,6 +160,23 @@ def test_merged_model_stops_at_the_trained_end_of_turn(memo_jsonl, tmp_path):
     assert stops == [tok.convert_tokens_to_ids("<|im_end|>"), config.eos_token_id]
 
 
+def test_a_full_fine_tune_stops_at_the_trained_end_of_turn(memo_jsonl, tmp_path):
+    # The same base (generation_config stops at <|endoftext|> only) trained without LoRA: final/ is a full model that
+    # users load with from_pretrained, so its generation config must stop at <|im_end|> too.
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tests.tiny import write_tiny
+
+    base = write_tiny(tmp_path / "base")
+    tok = AutoTokenizer.from_pretrained(base)
+    config = GenerationConfig.from_pretrained(base)
+    config.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.save_pretrained(base)
+    out = run(base, memo_jsonl, tmp_path, use_lora=False, max_steps=0)
+    stops = GenerationConfig.from_pretrained(out["final_dir"]).eos_token_id
+    assert stops == [tok.convert_tokens_to_ids("<|im_end|>"), config.eos_token_id]
+
+
 def test_a_merged_checkpoint_ships_the_template_the_run_trained_with(tiny_model_dir, memo_jsonl, tmp_path):
     # checkpoints/step-N/weights holds no tokenizer: the merge took the base's (ChatML here), not the run's --template.
     from transformers import AutoTokenizer
