@@ -257,11 +257,16 @@ def as_reference(model, slot: str = REF):
 
 
 def disable_dropout(model) -> None:
-    """p = 0 on every nn.Dropout, a loaded adapter's LoRA dropout included (TRL's disable_dropout=True): otherwise
-    the policy (train mode) and the reference (eval mode) differ at step 0 and DPO's first loss is not ln 2."""
+    """p = 0 on every nn.Dropout, a loaded adapter's LoRA dropout included (TRL's disable_dropout=True), and on the
+    float rates modules pass to functional dropout (Llama/Qwen2's attention_dropout from config.json, which no
+    nn.Dropout holds): otherwise the policy (train mode) and the reference (eval mode) differ at step 0 and DPO's
+    first loss is not ln 2."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        for name, value in list(vars(module).items()):  # e.g. attention_dropout, dropout, dropout_p, attn_drop
+            if isinstance(value, float) and ("dropout" in name or name.endswith("_drop")):
+                setattr(module, name, 0.0)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
