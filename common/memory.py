@@ -130,7 +130,8 @@ def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int
     cap, C = longest or 1 << 40, getattr(args, "max_completion_length", 0)
     P = min(getattr(args, "max_prompt_length", None) or 1 << 40, cap)
     T = min(getattr(args, "max_length", 1024), P + C if script == "raft" else cap)  # raft: prompt + a sample
-    pairs = script in ("dpo", "orpo", "rm") or getattr(args, "dpo", 0)  # chosen + rejected in one batch
+    pairs = script in ("dpo", "orpo") or getattr(args, "dpo", 0)  # chosen + rejected in one batch
+    pairs = pairs or (script == "rm" and getattr(args, "loss_type", "") != "regression")  # regression: rows
     rows, ref_pass, rollout = getattr(args, "per_device_train_batch_size", 1) * (1 + pairs), 0, {}
     kept, work, head = _pass(c, b, rows, T, rows * T, args, True)
     head *= script != "rm"  # a reward model's head is H -> 1: no vocabulary logits
@@ -231,15 +232,19 @@ def check_memory(args, script: str, rows: list[dict] | None = None):
 
     from common.run import ArgsError
 
+    from common.model import resolve_dtype
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget, what = device_memory(device)
     cfg = model_config(args.model, getattr(args, "trust_remote_code", False))
     longest = longest_row(rows or [])
-    parts = estimate(cfg, args, script, device, budget, longest)
+    # --dtype auto as load_model resolves it: fp32 on a CUDA card without bf16 (V100, T4) as on a CPU
+    dtype = "fp32" if resolve_dtype(args.dtype, torch.device(device)) == torch.float32 else "bf16"
+    parts = estimate(cfg, dataclasses.replace(args, dtype=dtype), script, device, budget, longest)
     ignore = getattr(args, "ignore_memory_plan", False)
     if parts["total"] > budget and not args.gradient_checkpointing and not ignore:
         checkpointed = dataclasses.replace(args, gradient_checkpointing=True)
-        fits = estimate(cfg, checkpointed, script, device, budget, longest)
+        fits = estimate(cfg, dataclasses.replace(checkpointed, dtype=dtype), script, device, budget, longest)
         if fits["total"] <= budget:
             print(f"gradient checkpointing turned on: without it the plan needs {parts['total'] / GiB:.1f} GiB of the "
                   f"{budget / GiB:.1f} GiB {what} (--ignore-memory-plan keeps it off)", flush=True)  # fmt: skip

@@ -94,6 +94,30 @@ def test_dpo_reference_and_grpo_rollout_parts():
     )
 
 
+def test_rm_regression_batches_rows_not_pairs():
+    """rm.py --loss-type regression puts per_device_train_batch_size rows in a forward (bradley_terry: 2 per pair)."""
+    rows2 = estimate(CFG, SimpleNamespace(**SFT | dict(loss_type="regression")), "rm", "cpu")
+    pair1 = estimate(CFG, SimpleNamespace(**SFT | dict(per_device_train_batch_size=1)), "rm", "cpu")
+    assert rows2["step: activations"] == pair1["step: activations"] > 0
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_dtype_is_planned_as_load_model_resolves_it(bf16, tiny_model_dir, monkeypatch):
+    """--dtype auto on a CUDA card without bf16 (V100, T4) loads fp32 weights: the plan must count 4 bytes each."""
+    import torch
+
+    import sft
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (2**40, "test card"))
+    plans, real = [], memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    memory.check_memory(sft.Args(model=tiny_model_dir, dtype="auto"), "sft")
+    explicit = real(memory.model_config(tiny_model_dir), sft.Args(dtype="bf16" if bf16 else "fp32"), "sft", "cuda")
+    assert plans[0]["weights"] == explicit["weights"] and plans[0]["total"] == explicit["total"]
+
+
 def test_unknown_script_and_longest_row():
     with pytest.raises(ValueError, match="unknown script 'ppo'"):
         estimate(CFG, SimpleNamespace(**SFT), "ppo")
