@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.data import DataError, collate_sft, tokenize_sft
-from common.model import REWARD, adapter_hash, as_reference, is_peft, load_model, unwrap
+from common.model import REWARD, adapter_hash, as_reference, is_peft, load_model, same_base, unwrap
 from common.rewards import split_weight
 
 HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
@@ -59,13 +59,6 @@ class RewardModel:
         self.attributes, self.last = config["attributes"], (None, None)
 
 
-def _same_base(a: str, b: str) -> bool:
-    from common.embedded import resolve_model
-
-    a, b = resolve_model(a), resolve_model(b)
-    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
-
-
 def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> RewardModel:
     """The reward model in `path`. With `model` (a LoRA policy) on the same base: its adapter becomes the frozen slot
     "reward" of that model, and the policy records the slot's and the head's hashes (run_identity: a resume with
@@ -76,7 +69,7 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
 
     config = read_config(path)
     weight = load_file(os.path.join(path, HEAD_FILE))["weight"]
-    if model is not None and is_peft(model) and _same_base(config["base_model"], unwrap(model).name_or_path):
+    if model is not None and is_peft(model) and same_base(config["base_model"], unwrap(model).name_or_path):
         if REWARD in model.peft_config:
             raise ValueError("the policy already holds a 'reward' adapter: one reward model per run")
         was_training = model.training  # PEFT's load_adapter(is_trainable=False) puts the whole policy in eval mode

@@ -182,6 +182,18 @@ def test_disable_dropout_also_zeroes_the_attention_dropout_of_config_json():
         torch.testing.assert_close(logits(model, ids), model.train()(input_ids=ids).logits, rtol=0, atol=0)
 
 
+def test_an_adapter_of_another_base_with_the_same_shapes_is_named(tiny_model_dir, tmp_path, capsys):
+    """PEFT loads an adapter onto any base of the same shapes without a word: the two models are named."""
+    from tests.tiny import write_tiny
+
+    lora_model(tiny_model_dir)[0].save_pretrained(str(tmp_path / "sft"))
+    attach_lora(load_model(tiny_model_dir)[0], adapter=str(tmp_path / "sft"))
+    assert "note:" not in capsys.readouterr().out  # its own base: nothing to say
+    other = write_tiny(tmp_path / "other", seed=1)
+    attach_lora(load_model(other)[0], adapter=str(tmp_path / "sft"))
+    assert f"was trained on {tiny_model_dir!r}, not on --model {other!r} (same shapes)" in capsys.readouterr().out
+
+
 def test_missing_optional_package_gives_install_hint():
     with pytest.raises(ImportError, match="pip install surely_not_installed_pkg"):
         require("surely_not_installed_pkg", "--engine vllm")
