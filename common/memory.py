@@ -76,6 +76,36 @@ def lora_params(c: dict, r: int) -> int:
     return L * r * ((H + Hq) + 2 * (H + K) + (Hq + H) + 2 * (H + F) + (F + H))
 
 
+def weight_bytes(c: dict, quantization: str | None, b: int) -> int:
+    """bitsandbytes NF4: 4 bits + an 8-bit absmax per 64 weights (+ fp32 per 256 absmax, double quant); int8: 1 byte.
+    PEFT's prepare_model_for_kbit_training casts every other (bf16/fp16) parameter to fp32."""
+    linear, other = param_counts(c)
+    per = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}.get(quantization, b)
+    return int(linear * per + other * (4 if quantization else b))
+
+
+def reward_model_bytes(c: dict, args, b: int) -> int:
+    """A `--rewards model:<dir>` (common.reward_model.load_reward): its LoRA as a frozen fp32 slot on the policy's
+    base, or, on another base, that base (dtype auto, quantized as trained) + its LoRA, loaded apart."""
+    specs = [s for s in getattr(args, "rewards", None) or [] if s.startswith("model:")]
+    if not specs:
+        return 0
+    import json
+
+    from common.model import same_base
+    from common.reward_model import read_config
+    from common.rewards import split_weight
+
+    path = split_weight(specs[0].removeprefix("model:"))[0].partition("@")[0]  # one reward-model directory per run
+    config = read_config(path)
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        r = json.load(f)["r"]
+    if same_base(config["base_model"], args.model):
+        return lora_params(c, r) * 4
+    other = model_config(config["base_model"])
+    return weight_bytes(other, config.get("quantization"), b) + lora_params(other, r) * 4
+
+
 def _layer_act(c: dict, b: int, lora: bool, dropout: bool, r: int) -> int:
     """Bytes autograd keeps per token per decoder layer (transformers' Llama/Qwen2 layer, sdpa; checked with
     saved_tensors_hooks): 2 RMSNorm inputs in fp32 (the norm upcasts), 2 normed outputs, q, k, v after RoPE (k, v
@@ -118,14 +148,13 @@ def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int
     b = 4 if args.dtype == "fp32" or (args.dtype == "auto" and device == "cpu") else 2  # auto: bf16 on CUDA only
     ref = {"dpo": getattr(args, "loss_type", "") != "simpo", "kto": True, "grpo": getattr(args, "beta", 0) != 0}
     ref["raft"] = getattr(args, "dpo", False) or getattr(args, "mode", "") == "spin"  # scripts with a "ref" slot
-    # bitsandbytes NF4: 4 bits + an 8-bit absmax per 64 weights (+ fp32 per 256 absmax, double quant); int8: 1 byte.
-    # PEFT's prepare_model_for_kbit_training casts every other (bf16/fp16) parameter to fp32.
-    per = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}.get(q, b)
-    parts = {"weights": int(linear * per + other * (4 if q else b))}
+    parts = {"weights": weight_bytes(c, q, b)}
     if getattr(args, "use_lora", True):  # PEFT keeps adapters in fp32: + fp32 grad, AdamW exp_avg and exp_avg_sq
         parts["LoRA + grads + AdamW"] = lora_params(c, args.lora_r) * (16 + 4 * ref.get(script, False))  # + "ref"
     else:  # full fine-tuning: a gradient and two AdamW states per weight, in the weights' dtype (torch.optim.AdamW)
         parts["grads + AdamW (full)"] = (linear + other) * 3 * b
+    if reward := reward_model_bytes(c, args, 4 if device == "cpu" else 2):  # load_reward's dtype: auto
+        parts["reward model (frozen)"] = reward
     parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
     cap, C = longest or 1 << 40, getattr(args, "max_completion_length", 0)
     P = min(getattr(args, "max_prompt_length", None) or 1 << 40, cap)

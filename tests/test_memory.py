@@ -118,6 +118,27 @@ def test_auto_dtype_is_planned_as_load_model_resolves_it(bf16, tiny_model_dir, m
     assert plans[0]["weights"] == explicit["weights"] and plans[0]["total"] == explicit["total"]
 
 
+def test_a_model_reward_is_in_the_plan(tiny_model_dir, tmp_path):
+    """--rewards model:<dir>: a frozen fp32 LoRA slot on the policy's base, or its own base + LoRA loaded apart."""
+    import rm
+    from tests.prefs_helpers import preference_rows, write_jsonl
+    from tests.tiny import write_tiny
+
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(4))
+    rm_args = rm.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=0, lora_r=4)
+    final, cfg = rm.main(rm_args)["final_dir"], memory.model_config(tiny_model_dir)
+    grpo = dict(group_size=2, prompts_per_step=3, max_prompt_length=5, max_completion_length=6, engine="hf")
+    grpo |= dict(beta=0.04, num_iterations=1, groups_per_micro_batch=1, model=tiny_model_dir)
+    plain = estimate(cfg, SimpleNamespace(**SFT | grpo | dict(rewards=["math"])), "grpo", "cpu")
+    slot = estimate(cfg, SimpleNamespace(**SFT | grpo | dict(rewards=["math", f"model:{final}:0.5"])), "grpo", "cpu")
+    assert "reward model (frozen)" not in plain and slot["reward model (frozen)"] == lora_params(cfg, 4) * 4
+    other = write_tiny(tmp_path / "other", seed=1)  # another base: the reward model's own is loaded apart
+    apart = SimpleNamespace(**SFT | grpo | dict(model=other, rewards=[f"model:{final}@reward"]))
+    apart = estimate(cfg, apart, "grpo", "cpu")  # fp32 on a CPU, as load_reward's dtype auto
+    assert apart["reward model (frozen)"] == 4 * (sum(param_counts(cfg)) + lora_params(cfg, 4))
+    assert apart["total"] > slot["total"] > plain["total"]
+
+
 def test_unknown_script_and_longest_row():
     with pytest.raises(ValueError, match="unknown script 'ppo'"):
         estimate(CFG, SimpleNamespace(**SFT), "ppo")
