@@ -7,6 +7,7 @@ with saved_tensors_hooks; the bench, bench/memory_check.py, checks the sum again
 """
 
 import argparse
+import json
 import os
 
 GiB = 2**30
@@ -90,8 +91,6 @@ def reward_model_bytes(c: dict, args, b: int) -> int:
     specs = [s for s in getattr(args, "rewards", None) or [] if s.startswith("model:")]
     if not specs:
         return 0
-    import json
-
     from common.model import same_base
     from common.reward_model import read_config
     from common.rewards import split_weight
@@ -259,21 +258,25 @@ def check_memory(args, script: str, rows: list[dict] | None = None):
 
     import torch
 
-    from common.run import ArgsError
-
     from common.model import resolve_dtype
+    from common.run import ArgsError
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget, what = device_memory(device)
     cfg = model_config(args.model, getattr(args, "trust_remote_code", False))
     longest = longest_row(rows or [])
-    # --dtype auto as load_model resolves it: fp32 on a CUDA card without bf16 (V100, T4) as on a CPU
-    dtype = "fp32" if resolve_dtype(args.dtype, torch.device(device)) == torch.float32 else "bf16"
-    parts = estimate(cfg, dataclasses.replace(args, dtype=dtype), script, device, budget, longest)
+    # As load_policy builds it: --dtype auto resolved (fp32 on a CPU or a CUDA card without bf16, e.g. V100, T4), and
+    # an --adapter's own rank and dropout (sft.py's r 64 adapter is r 64 in dpo.py, whatever --lora-r says)
+    over = {"dtype": "fp32" if resolve_dtype(args.dtype, torch.device(device)) == torch.float32 else "bf16"}
+    if (path := getattr(args, "adapter", None)) and os.path.isfile(path := os.path.join(path, "adapter_config.json")):
+        with open(path) as f:
+            lora = json.load(f)
+        over |= {"lora_r": lora["r"], "lora_dropout": lora.get("lora_dropout", 0.0)}
+    parts = estimate(cfg, dataclasses.replace(args, **over), script, device, budget, longest)
     ignore = getattr(args, "ignore_memory_plan", False)
     if parts["total"] > budget and not args.gradient_checkpointing and not ignore:
         checkpointed = dataclasses.replace(args, gradient_checkpointing=True)
-        fits = estimate(cfg, dataclasses.replace(checkpointed, dtype=dtype), script, device, budget, longest)
+        fits = estimate(cfg, dataclasses.replace(checkpointed, **over), script, device, budget, longest)
         if fits["total"] <= budget:
             print(f"gradient checkpointing turned on: without it the plan needs {parts['total'] / GiB:.1f} GiB of the "
                   f"{budget / GiB:.1f} GiB {what} (--ignore-memory-plan keeps it off)", flush=True)  # fmt: skip

@@ -118,6 +118,21 @@ def test_auto_dtype_is_planned_as_load_model_resolves_it(bf16, tiny_model_dir, m
     assert plans[0]["weights"] == explicit["weights"] and plans[0]["total"] == explicit["total"]
 
 
+def test_an_adapters_own_rank_is_planned(tiny_model_dir, tmp_path, monkeypatch):
+    """--adapter (sft.py's final/) keeps its own rank and dropout in the run, so the plan counts them, not --lora-r."""
+    import sft
+    from common.model import attach_lora, load_model
+
+    attach_lora(load_model(tiny_model_dir)[0], r=32, alpha=64, dropout=0.1).save_pretrained(str(tmp_path / "sft"))
+    plans, real = [], memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    memory.check_memory(sft.Args(model=tiny_model_dir, adapter=str(tmp_path / "sft"), lora_r=4), "sft")
+    cfg = memory.model_config(tiny_model_dir)
+    assert plans[0]["LoRA + grads + AdamW"] == lora_params(cfg, 32) * 16
+    want = SimpleNamespace(**vars(sft.Args(model=tiny_model_dir)) | dict(lora_r=32, lora_dropout=0.1, dtype="fp32"))
+    assert plans[0]["step: activations"] == real(cfg, want, "sft", "cpu")["step: activations"]
+
+
 def test_a_model_reward_is_in_the_plan(tiny_model_dir, tmp_path):
     """--rewards model:<dir>: a frozen fp32 LoRA slot on the policy's base, or its own base + LoRA loaded apart."""
     import rm
