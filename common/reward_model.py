@@ -1,6 +1,7 @@
 """A reward model on a causal LM: LoRA on the backbone + a linear head (K outputs) on the final hidden state of each
 sequence's last real token. rm.py trains one; its final/ holds the PEFT adapter, HEAD_FILE {"weight": (K, hidden)},
-the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "regression", "attributes": [K names]}.
+the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "regression", "attributes": [K names],
+"quantization", "max_length"} (the last two: how rm.py trained; a directory written before them scores without a cut).
 
 `load_reward(dir, policy)` puts the adapter into a third slot "reward" of a policy on the same base (no second
 backbone; scoring runs under as_reference(model, "reward")), else loads the base once more; `score` -> (N, K).
