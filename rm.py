@@ -281,7 +281,7 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: the adapter at the top of final/ (plain PEFT loads it), the head and reward_config.json beside it
     final_dir = save_final(run_dir, model, tokenizer)
-    save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization)
+    save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization, args.max_length)
     logger.close()
     first, last = (logger.history[0], logger.history[-1]) if logger.history else ({}, {})
     shown = "accuracy" if args.loss_type == "bradley_terry" else f"mse/{attributes[0]}"

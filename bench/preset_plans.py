@@ -27,6 +27,7 @@ EXTRA = {"grpo": ["--group-size", "4"]}
 def main() -> None:
     mods = {s: importlib.import_module(s) for s in SCRIPTS}
     torch.cuda.is_available = lambda: True  # after the imports: bitsandbytes reads CUDA when it is imported
+    torch.cuda.is_bf16_supported = lambda *a, **k: True  # --dtype auto is then planned as bf16, as on these cards
     print("| model, card | " + " | ".join(SCRIPTS) + " |\n|---|" + "---:|" * len(SCRIPTS))
     for size, card in (("1.5B", 24), ("3B", 24), ("7B", 48)):
         memory.device_memory = lambda device, card=card: (card * memory.GiB, f"{card} GiB card")

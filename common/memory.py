@@ -7,6 +7,7 @@ with saved_tensors_hooks; the bench, bench/memory_check.py, checks the sum again
 """
 
 import argparse
+import json
 import os
 
 GiB = 2**30
@@ -76,6 +77,34 @@ def lora_params(c: dict, r: int) -> int:
     return L * r * ((H + Hq) + 2 * (H + K) + (Hq + H) + 2 * (H + F) + (F + H))
 
 
+def weight_bytes(c: dict, quantization: str | None, b: int) -> int:
+    """bitsandbytes NF4: 4 bits + an 8-bit absmax per 64 weights (+ fp32 per 256 absmax, double quant); int8: 1 byte.
+    PEFT's prepare_model_for_kbit_training casts every other (bf16/fp16) parameter to fp32."""
+    linear, other = param_counts(c)
+    per = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}.get(quantization, b)
+    return int(linear * per + other * (4 if quantization else b))
+
+
+def reward_model_bytes(c: dict, args, b: int) -> int:
+    """A `--rewards model:<dir>` (common.reward_model.load_reward): its LoRA as a frozen fp32 slot on the policy's
+    base, or, on another base, that base (dtype auto, quantized as trained) + its LoRA, loaded apart."""
+    specs = [s for s in getattr(args, "rewards", None) or [] if s.startswith("model:")]
+    if not specs:
+        return 0
+    from common.model import same_base
+    from common.reward_model import read_config
+    from common.rewards import split_weight
+
+    path = split_weight(specs[0].removeprefix("model:"))[0].partition("@")[0]  # one reward-model directory per run
+    config = read_config(path)
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        r = json.load(f)["r"]
+    if same_base(config["base_model"], args.model):
+        return lora_params(c, r) * 4
+    other = model_config(config["base_model"])
+    return weight_bytes(other, config.get("quantization"), b) + lora_params(other, r) * 4
+
+
 def _layer_act(c: dict, b: int, lora: bool, dropout: bool, r: int) -> int:
     """Bytes autograd keeps per token per decoder layer (transformers' Llama/Qwen2 layer, sdpa; checked with
     saved_tensors_hooks): 2 RMSNorm inputs in fp32 (the norm upcasts), 2 normed outputs, q, k, v after RoPE (k, v
@@ -118,19 +147,19 @@ def estimate(c: dict, args, script: str, device: str = "cuda", device_bytes: int
     b = 4 if args.dtype == "fp32" or (args.dtype == "auto" and device == "cpu") else 2  # auto: bf16 on CUDA only
     ref = {"dpo": getattr(args, "loss_type", "") != "simpo", "kto": True, "grpo": getattr(args, "beta", 0) != 0}
     ref["raft"] = getattr(args, "dpo", False) or getattr(args, "mode", "") == "spin"  # scripts with a "ref" slot
-    # bitsandbytes NF4: 4 bits + an 8-bit absmax per 64 weights (+ fp32 per 256 absmax, double quant); int8: 1 byte.
-    # PEFT's prepare_model_for_kbit_training casts every other (bf16/fp16) parameter to fp32.
-    per = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}.get(q, b)
-    parts = {"weights": int(linear * per + other * (4 if q else b))}
+    parts = {"weights": weight_bytes(c, q, b)}
     if getattr(args, "use_lora", True):  # PEFT keeps adapters in fp32: + fp32 grad, AdamW exp_avg and exp_avg_sq
         parts["LoRA + grads + AdamW"] = lora_params(c, args.lora_r) * (16 + 4 * ref.get(script, False))  # + "ref"
     else:  # full fine-tuning: a gradient and two AdamW states per weight, in the weights' dtype (torch.optim.AdamW)
         parts["grads + AdamW (full)"] = (linear + other) * 3 * b
+    if reward := reward_model_bytes(c, args, 4 if device == "cpu" else 2):  # load_reward's dtype: auto
+        parts["reward model (frozen)"] = reward
     parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
     cap, C = longest or 1 << 40, getattr(args, "max_completion_length", 0)
     P = min(getattr(args, "max_prompt_length", None) or 1 << 40, cap)
     T = min(getattr(args, "max_length", 1024), P + C if script == "raft" else cap)  # raft: prompt + a sample
-    pairs = script in ("dpo", "orpo", "rm") or getattr(args, "dpo", 0)  # chosen + rejected in one batch
+    pairs = script in ("dpo", "orpo") or getattr(args, "dpo", 0)  # chosen + rejected in one batch
+    pairs = pairs or (script == "rm" and getattr(args, "loss_type", "") != "regression")  # regression: rows
     rows, ref_pass, rollout = getattr(args, "per_device_train_batch_size", 1) * (1 + pairs), 0, {}
     kept, work, head = _pass(c, b, rows, T, rows * T, args, True)
     head *= script != "rm"  # a reward model's head is H -> 1: no vocabulary logits
@@ -229,17 +258,25 @@ def check_memory(args, script: str, rows: list[dict] | None = None):
 
     import torch
 
+    from common.model import resolve_dtype
     from common.run import ArgsError
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget, what = device_memory(device)
     cfg = model_config(args.model, getattr(args, "trust_remote_code", False))
     longest = longest_row(rows or [])
-    parts = estimate(cfg, args, script, device, budget, longest)
+    # As load_policy builds it: --dtype auto resolved (fp32 on a CPU or a CUDA card without bf16, e.g. V100, T4), and
+    # an --adapter's own rank and dropout (sft.py's r 64 adapter is r 64 in dpo.py, whatever --lora-r says)
+    over = {"dtype": "fp32" if resolve_dtype(args.dtype, torch.device(device)) == torch.float32 else "bf16"}
+    if (path := getattr(args, "adapter", None)) and os.path.isfile(path := os.path.join(path, "adapter_config.json")):
+        with open(path) as f:
+            lora = json.load(f)
+        over |= {"lora_r": lora["r"], "lora_dropout": lora.get("lora_dropout", 0.0)}
+    parts = estimate(cfg, dataclasses.replace(args, **over), script, device, budget, longest)
     ignore = getattr(args, "ignore_memory_plan", False)
     if parts["total"] > budget and not args.gradient_checkpointing and not ignore:
         checkpointed = dataclasses.replace(args, gradient_checkpointing=True)
-        fits = estimate(cfg, checkpointed, script, device, budget, longest)
+        fits = estimate(cfg, dataclasses.replace(checkpointed, **over), script, device, budget, longest)
         if fits["total"] <= budget:
             print(f"gradient checkpointing turned on: without it the plan needs {parts['total'] / GiB:.1f} GiB of the "
                   f"{budget / GiB:.1f} GiB {what} (--ignore-memory-plan keeps it off)", flush=True)  # fmt: skip

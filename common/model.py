@@ -167,19 +167,31 @@ def attach_lora(
                     r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
                 ),
             )
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
+            trained_on, name = json.load(f).get("base_model_name_or_path"), model.config._name_or_path
         try:
-            return PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
+            peft_model = PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
         except RuntimeError as e:  # PEFT lists every mismatched tensor (52 lines for a 135M model): name the models
             if "size mismatch" not in str(e):
                 raise
-            with open(os.path.join(adapter, "adapter_config.json")) as f:
-                trained_on = json.load(f).get("base_model_name_or_path")
             first = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
             raise ModelError(
                 f"--adapter {adapter} was trained on {trained_on!r}, whose shapes differ from the base "
-                f"--model {model.config._name_or_path!r} ({str(e).count('size mismatch')} tensors, "
-                f"e.g. {first[:200]})"
+                f"--model {name!r} ({str(e).count('size mismatch')} tensors, e.g. {first[:200]})"
             ) from None
+    if trained_on and name and not same_base(trained_on, name):  # same shapes, so PEFT loads it without a word
+        print(f"note: --adapter {adapter} was trained on {trained_on!r}, not on --model {name!r} (same shapes)")
+    return peft_model
+
+
+def same_base(a: str, b: str) -> bool:
+    """Do two --model names (alias, hub id, local path) name the same model? An alias stands for its cached folder."""
+    from common.embedded import resolve_model
+
+    if a == b:
+        return True
+    a, b = resolve_model(a), resolve_model(b)
+    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
 def load_policy(args, *, reference: bool = False, no_dropout: bool = False, adapter: str | None = None):
@@ -257,11 +269,16 @@ def as_reference(model, slot: str = REF):
 
 
 def disable_dropout(model) -> None:
-    """p = 0 on every nn.Dropout, a loaded adapter's LoRA dropout included (TRL's disable_dropout=True): otherwise
-    the policy (train mode) and the reference (eval mode) differ at step 0 and DPO's first loss is not ln 2."""
+    """p = 0 on every nn.Dropout, a loaded adapter's LoRA dropout included (TRL's disable_dropout=True), and on the
+    float rates modules pass to functional dropout (Llama/Qwen2's attention_dropout from config.json, which no
+    nn.Dropout holds): otherwise the policy (train mode) and the reference (eval mode) differ at step 0 and DPO's
+    first loss is not ln 2."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        for name, value in list(vars(module).items()):  # e.g. attention_dropout, dropout, dropout_p, attn_drop
+            if isinstance(value, float) and ("dropout" in name or name.endswith("_drop")):
+                setattr(module, name, 0.0)
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:

@@ -1,6 +1,7 @@
 """A reward model on a causal LM: LoRA on the backbone + a linear head (K outputs) on the final hidden state of each
 sequence's last real token. rm.py trains one; its final/ holds the PEFT adapter, HEAD_FILE {"weight": (K, hidden)},
-the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "regression", "attributes": [K names]}.
+the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "regression", "attributes": [K names],
+"quantization", "max_length"} (the last two: how rm.py trained; a directory written before them scores without a cut).
 
 `load_reward(dir, policy)` puts the adapter into a third slot "reward" of a policy on the same base (no second
 backbone; scoring runs under as_reference(model, "reward")), else loads the base once more; `score` -> (N, K).
@@ -17,29 +18,30 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.data import DataError, collate_sft, tokenize_sft
-from common.model import REWARD, adapter_hash, as_reference, is_peft, load_model, unwrap
+from common.model import REWARD, adapter_hash, as_reference, is_peft, load_model, same_base, unwrap
 from common.rewards import split_weight
 
 HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
 
 
 def reward_logits(model, head, input_ids, attention_mask):
-    """(B, K) = head(h), h = the backbone's final hidden state at each row's last real token. Right padding; the
-    position comes from the attention mask, not from pad ids (transformers' *ForSequenceClassification looks for the
-    last token != pad_token_id, which is wrong when pad == eos). The LM head (B x T x vocab) is never computed."""
+    """(B, K) = head(h), h = the backbone's final hidden state at each row's last real token: the mask's last 1, so
+    right or left padding (not from pad ids: transformers' *ForSequenceClassification looks for the last token !=
+    pad_token_id, which is wrong when pad == eos). The LM head (B x T x vocab) is never computed."""
     lm = unwrap(model)
     out = getattr(lm, lm.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    last = attention_mask.sum(1) - 1  # (B,)
+    last = (torch.arange(attention_mask.shape[1], device=attention_mask.device) * attention_mask).argmax(1)  # (B,)
     return head(out.last_hidden_state[torch.arange(len(last), device=last.device), last].to(head.weight.dtype))
 
 
-def save_reward(final_dir: str, head, base_model: str, loss_type: str, attributes: list[str], quantization=None):
+def save_reward(final_dir, head, base_model, loss_type, attributes: list[str], quantization=None, max_length=None):
     """The head and reward_config.json next to the adapter save_final wrote; `quantization` is the base's as trained
-    (None, "4bit", "8bit"): a model loaded apart is loaded so, and a policy base quantized otherwise is named."""
+    (None, "4bit", "8bit"): a model loaded apart is loaded so, and a policy base quantized otherwise is named;
+    `max_length` is rm.py's: score_rows cuts a row where training did."""
     save_file({"weight": head.weight.detach().float().cpu().contiguous()}, os.path.join(final_dir, HEAD_FILE))
     config = {"base_model": base_model, "loss_type": loss_type, "attributes": list(attributes)}
     with open(os.path.join(final_dir, CONFIG_FILE), "w") as f:
-        json.dump(config | {"quantization": quantization}, f, indent=2)
+        json.dump(config | {"quantization": quantization, "max_length": max_length}, f, indent=2)
 
 
 def read_config(path: str) -> dict:
@@ -58,13 +60,6 @@ class RewardModel:
         self.attributes, self.last = config["attributes"], (None, None)
 
 
-def _same_base(a: str, b: str) -> bool:
-    from common.embedded import resolve_model
-
-    a, b = resolve_model(a), resolve_model(b)
-    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
-
-
 def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> RewardModel:
     """The reward model in `path`. With `model` (a LoRA policy) on the same base: its adapter becomes the frozen slot
     "reward" of that model, and the policy records the slot's and the head's hashes (run_identity: a resume with
@@ -75,12 +70,13 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
 
     config = read_config(path)
     weight = load_file(os.path.join(path, HEAD_FILE))["weight"]
-    if model is not None and is_peft(model) and _same_base(config["base_model"], unwrap(model).name_or_path):
+    if model is not None and is_peft(model) and same_base(config["base_model"], unwrap(model).name_or_path):
         if REWARD in model.peft_config:
             raise ValueError("the policy already holds a 'reward' adapter: one reward model per run")
+        was_training = model.training  # PEFT's load_adapter(is_trainable=False) puts the whole policy in eval mode
         with torch.random.fork_rng():  # PEFT may draw an init that is then overwritten: leave the RNG stream alone
             model.load_adapter(path, adapter_name=REWARD, is_trainable=False)
-        rm_model = model
+        rm_model = model.train(was_training)
         # Same base, other rounding (an RM trained in fp32 on a 4-bit policy): the slot scores the backbone it is on,
         # and NF4 moves the scores (README, "Reward models": measured). A dir written before the key existed: no note.
         ours = getattr(unwrap(model), "base_identity", {}).get("quantization")
@@ -109,9 +105,10 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
 
 def score_rows(rm: RewardModel, rows: list[dict], batch_size: int = 16) -> torch.Tensor:
     """(N, K) float32 on the CPU for SFT-layout rows ({prompt, completion}, {messages} or {text}), tokenized as rm.py
-    trained (completions closed by their end-of-turn/EOS token), under as_reference(model, slot): no_grad, eval,
-    and the policy's active adapter, trainable set and train mode restored afterwards, even on an error."""
-    ids = [tokenize_sft(rm.tokenizer, row, None)["input_ids"] for row in rows]
+    trained (completions closed by their end-of-turn/EOS token, cut at its max_length), under as_reference(model,
+    slot): no_grad, eval, and the policy's active adapter, trainable set and train mode restored afterwards, even on
+    an error. A row whose prompt alone reaches max_length (rm.py dropped such rows) scores its first max_length."""
+    ids = [tokenize_sft(rm.tokenizer, row, None)["input_ids"][: rm.config.get("max_length")] for row in rows]
     device, out = rm.head.weight.device, []
     with as_reference(rm.model, rm.slot):
         for i in range(0, len(ids), batch_size):

@@ -94,6 +94,66 @@ def test_dpo_reference_and_grpo_rollout_parts():
     )
 
 
+def test_rm_regression_batches_rows_not_pairs():
+    """rm.py --loss-type regression puts per_device_train_batch_size rows in a forward (bradley_terry: 2 per pair)."""
+    rows2 = estimate(CFG, SimpleNamespace(**SFT | dict(loss_type="regression")), "rm", "cpu")
+    pair1 = estimate(CFG, SimpleNamespace(**SFT | dict(per_device_train_batch_size=1)), "rm", "cpu")
+    assert rows2["step: activations"] == pair1["step: activations"] > 0
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_dtype_is_planned_as_load_model_resolves_it(bf16, tiny_model_dir, monkeypatch):
+    """--dtype auto on a CUDA card without bf16 (V100, T4) loads fp32 weights: the plan must count 4 bytes each."""
+    import torch
+
+    import sft
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (2**40, "test card"))
+    plans, real = [], memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    memory.check_memory(sft.Args(model=tiny_model_dir, dtype="auto"), "sft")
+    explicit = real(memory.model_config(tiny_model_dir), sft.Args(dtype="bf16" if bf16 else "fp32"), "sft", "cuda")
+    assert plans[0]["weights"] == explicit["weights"] and plans[0]["total"] == explicit["total"]
+
+
+def test_an_adapters_own_rank_is_planned(tiny_model_dir, tmp_path, monkeypatch):
+    """--adapter (sft.py's final/) keeps its own rank and dropout in the run, so the plan counts them, not --lora-r."""
+    import sft
+    from common.model import attach_lora, load_model
+
+    attach_lora(load_model(tiny_model_dir)[0], r=32, alpha=64, dropout=0.1).save_pretrained(str(tmp_path / "sft"))
+    plans, real = [], memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    memory.check_memory(sft.Args(model=tiny_model_dir, adapter=str(tmp_path / "sft"), lora_r=4), "sft")
+    cfg = memory.model_config(tiny_model_dir)
+    assert plans[0]["LoRA + grads + AdamW"] == lora_params(cfg, 32) * 16
+    want = SimpleNamespace(**vars(sft.Args(model=tiny_model_dir)) | dict(lora_r=32, lora_dropout=0.1, dtype="fp32"))
+    assert plans[0]["step: activations"] == real(cfg, want, "sft", "cpu")["step: activations"]
+
+
+def test_a_model_reward_is_in_the_plan(tiny_model_dir, tmp_path):
+    """--rewards model:<dir>: a frozen fp32 LoRA slot on the policy's base, or its own base + LoRA loaded apart."""
+    import rm
+    from tests.prefs_helpers import preference_rows, write_jsonl
+    from tests.tiny import write_tiny
+
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(4))
+    rm_args = rm.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=0, lora_r=4)
+    final, cfg = rm.main(rm_args)["final_dir"], memory.model_config(tiny_model_dir)
+    grpo = dict(group_size=2, prompts_per_step=3, max_prompt_length=5, max_completion_length=6, engine="hf")
+    grpo |= dict(beta=0.04, num_iterations=1, groups_per_micro_batch=1, model=tiny_model_dir)
+    plain = estimate(cfg, SimpleNamespace(**SFT | grpo | dict(rewards=["math"])), "grpo", "cpu")
+    slot = estimate(cfg, SimpleNamespace(**SFT | grpo | dict(rewards=["math", f"model:{final}:0.5"])), "grpo", "cpu")
+    assert "reward model (frozen)" not in plain and slot["reward model (frozen)"] == lora_params(cfg, 4) * 4
+    other = write_tiny(tmp_path / "other", seed=1)  # another base: the reward model's own is loaded apart
+    apart = SimpleNamespace(**SFT | grpo | dict(model=other, rewards=[f"model:{final}@reward"]))
+    apart = estimate(cfg, apart, "grpo", "cpu")  # fp32 on a CPU, as load_reward's dtype auto
+    assert apart["reward model (frozen)"] == 4 * (sum(param_counts(cfg)) + lora_params(cfg, 4))
+    assert apart["total"] > slot["total"] > plain["total"]
+
+
 def test_unknown_script_and_longest_row():
     with pytest.raises(ValueError, match="unknown script 'ppo'"):
         estimate(CFG, SimpleNamespace(**SFT), "ppo")
@@ -225,6 +285,7 @@ def test_each_scripts_real_preset_starts_on_a_24_or_48_gib_card(script, size, ca
     mod = importlib.import_module(script)
     args = resolve_preset(tyro.cli(mod.Args, args=["--model", f"Qwen/Qwen2.5-{size}", *HEADLINE[script]]), mod.PRESETS)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # a 24 / 48 GiB card of today
     monkeypatch.setattr(memory, "device_memory", lambda device: (card * memory.GiB, f"{card} GiB card"))
     monkeypatch.setattr(memory, "model_config", lambda name, trust=False: memory.QWEN25[size])
     started = memory.check_memory(args, script)

@@ -14,6 +14,7 @@ from common.model import (
     as_reference,
     attach_lora,
     cache_kwarg,
+    disable_dropout,
     is_checkpointing,
     load_model,
     load_weights,
@@ -164,6 +165,33 @@ def test_existing_adapter_becomes_default_and_ref(tiny_model_dir, tmp_path):
     assert adapter_hash(again, REF) == adapter_hash(model, DEFAULT)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         attach_lora(load_model(tiny_model_dir)[0], adapter=str(tmp_path))
+
+
+def test_disable_dropout_also_zeroes_the_attention_dropout_of_config_json():
+    """Qwen2/Llama pass config.attention_dropout to functional dropout (no nn.Dropout holds it): after
+    disable_dropout two forwards in train mode must agree, as they do in eval mode."""
+    from tests.tiny import build_tiny_model
+
+    model = attach_lora(build_tiny_model(300, attention_dropout=0.5, attn_implementation="eager"), dropout=0.3)
+    disable_dropout(model)
+    model.train()
+    ids = torch.randint(3, 300, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(logits(model, ids), logits(model, ids), rtol=0, atol=0)
+        model.eval()
+        torch.testing.assert_close(logits(model, ids), model.train()(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_an_adapter_of_another_base_with_the_same_shapes_is_named(tiny_model_dir, tmp_path, capsys):
+    """PEFT loads an adapter onto any base of the same shapes without a word: the two models are named."""
+    from tests.tiny import write_tiny
+
+    lora_model(tiny_model_dir)[0].save_pretrained(str(tmp_path / "sft"))
+    attach_lora(load_model(tiny_model_dir)[0], adapter=str(tmp_path / "sft"))
+    assert "note:" not in capsys.readouterr().out  # its own base: nothing to say
+    other = write_tiny(tmp_path / "other", seed=1)
+    attach_lora(load_model(other)[0], adapter=str(tmp_path / "sft"))
+    assert f"was trained on {tiny_model_dir!r}, not on --model {other!r} (same shapes)" in capsys.readouterr().out
 
 
 def test_missing_optional_package_gives_install_hint():

@@ -75,6 +75,9 @@ def test_head_reads_the_last_real_token_whatever_the_padding(tiny_model_dir):
     torch.testing.assert_close(batched[1:], alone)  # the padded row scores as it does alone
     torch.testing.assert_close(batched[:1], head(last))
     assert not torch.allclose(batched[1:], head(padded_last))
+    with torch.no_grad():  # left padding: the mask's last 1 is still the last real token (RoPE: relative positions)
+        left = reward_logits(model, head, torch.tensor([[0, 0, 9, 10]]), torch.tensor([[0, 0, 1, 1]]))
+    torch.testing.assert_close(left, alone)
 
 
 # -------------------------------------------------------------------------------------------- end to end
@@ -100,7 +103,7 @@ def test_learns_a_separable_preference_set_either_way(tiny_model_dir, prefs, tmp
     assert {"adapter_model.safetensors", "adapter_config.json", HEAD_FILE, CONFIG_FILE} <= set(os.listdir(final))
     with open(os.path.join(final, CONFIG_FILE)) as f:
         config = {"base_model": tiny_model_dir, "loss_type": "bradley_terry", "attributes": ["reward"]}
-        assert json.load(f) == config | {"quantization": None}
+        assert json.load(f) == config | {"quantization": None, "max_length": 1024}
 
 
 def test_readme_recipe_scores_as_common_reward_model_does(tiny_model_dir, prefs, tmp_path):
@@ -119,6 +122,32 @@ def test_readme_recipe_scores_as_common_reward_model_does(tiny_model_dir, prefs,
     ours = score(load_reward(final), [chat[:1]], [chat[1:]])
     assert list(scope["rewards"]) == ["reward"]
     assert scope["rewards"]["reward"] == pytest.approx(ours[0, 0].item(), abs=1e-5)
+
+
+def test_slot_scores_equal_rm_pys_own_after_training(tiny_model_dir_pad_eos, tmp_path):
+    """pad == eos, LoRA dropout asked for (rm.py turns it off), a chosen cut at max_length: the trained model loaded
+    as the "reward" slot of a policy in training scores every pair as rm.py's model did at its end, and the policy
+    stays in train mode (PEFT's load_adapter puts the whole model in eval mode)."""
+    from transformers import AutoTokenizer
+
+    from common.data import concat_pairs, tokenize_dataset
+    from common.model import unwrap
+
+    rows = preference_rows(8)
+    rows[0]["chosen"] = [{"role": "assistant", "content": "yes it is good " * 30}]
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    out = run(tiny_model_dir_pad_eos, data, tmp_path, max_steps=3, max_length=64, lora_dropout=0.3)
+    tokenizer = AutoTokenizer.from_pretrained(out["final_dir"])
+    examples = tokenize_dataset(tokenizer, [r | {"_loc": str(i)} for i, r in enumerate(rows)], "preference", 64)
+    assert len(examples[0]["prompt_ids"] + examples[0]["chosen_ids"]) == 64  # rm.py trained on the cut row
+    batch, trained = concat_pairs(examples, tokenizer.pad_token_id, "cpu"), out["model"].eval()
+    with torch.no_grad():
+        own = reward_logits(trained, unwrap(trained).score, batch["input_ids"], batch["attention_mask"])
+    model = policy(tiny_model_dir_pad_eos).train()
+    reward = load_reward(out["final_dir"], model)
+    assert model.training and reward.config["max_length"] == 64
+    prompts, chosen, rejected = ([r[k] for r in rows] for k in ("prompt", "chosen", "rejected"))
+    torch.testing.assert_close(score(reward, prompts * 2, chosen + rejected), own, rtol=0, atol=1e-6)
 
 
 def test_regression_mse_falls_for_every_attribute(tiny_model_dir, tmp_path):
