@@ -115,31 +115,26 @@ def test_the_callers_ctrl_c_handler_is_back_after_the_loop_raises(
 
     monkeypatch.setattr(module, "guarded_step", boom)
     _, args = args_for(script, tiny_model_dir, prefs, tmp_path, max_steps=2, save_steps=0)
-
-    def mine(signum, frame):
-        pass
-
-    previous = signal.signal(signal.SIGINT, mine)
-    try:
-        with pytest.raises(ZeroDivisionError):
-            module.main(args)
-        assert signal.getsignal(signal.SIGINT) is mine
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    assert_callers_handler_is_back(lambda: module.main(args), ZeroDivisionError)
 
 
 def test_the_callers_ctrl_c_handler_is_back_after_a_breaker_stop(tiny_model_dir, tmp_path):
     module, args = args_for("grpo", tiny_model_dir, None, tmp_path, max_steps=3, save_steps=0)
     args = dataclasses.replace(args, breaker_action="stop", breaker_patience=1, breaker_max_frac_zero_std=1.0)
     args = dataclasses.replace(args, rewards=["tests.test_grpo:constant"])
+    assert_callers_handler_is_back(lambda: module.main(args), RunStopped)
+
+
+def assert_callers_handler_is_back(run, error) -> None:
+    """run() raises `error`; the SIGINT handler the caller had before is the one it has after."""
 
     def mine(signum, frame):
         pass
 
     previous = signal.signal(signal.SIGINT, mine)
     try:
-        with pytest.raises(RunStopped):
-            module.main(args)
+        with pytest.raises(error):
+            run()
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, previous)

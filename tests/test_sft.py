@@ -141,12 +141,11 @@ def test_packed_equals_padded_when_the_first_token_is_in_the_loss(tiny_model_dir
     assert packed["loss"] == pytest.approx(padded["loss"], rel=1e-5)
 
 
-def test_merged_model_stops_at_the_trained_end_of_turn(memo_jsonl, tmp_path):
-    # A base model whose generation_config stops at <|endoftext|> only, trained with ChatML (end of turn <|im_end|>):
-    # the merged folder must stop generate() at <|im_end|>, or the served model runs on past every answer.
+def base_stopping_at_endoftext(tmp_path):
+    """A base model whose generation_config stops at <|endoftext|> only (trained with ChatML: end of turn <|im_end|>);
+    returns (its dir, [<|im_end|> id, <|endoftext|> id]: the stops a saved model must carry)."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from scripts import merge_adapter
     from tests.tiny import write_tiny
 
     base = write_tiny(tmp_path / "base")
@@ -154,27 +153,28 @@ def test_merged_model_stops_at_the_trained_end_of_turn(memo_jsonl, tmp_path):
     config = GenerationConfig.from_pretrained(base)
     config.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
     config.save_pretrained(base)
+    return base, [tok.convert_tokens_to_ids("<|im_end|>"), config.eos_token_id]
+
+
+def test_merged_model_stops_at_the_trained_end_of_turn(memo_jsonl, tmp_path):
+    # The merged folder must stop generate() at <|im_end|>, or the served model runs on past every answer.
+    from transformers import GenerationConfig
+
+    from scripts import merge_adapter
+
+    base, stops = base_stopping_at_endoftext(tmp_path)
     out = run(base, memo_jsonl, tmp_path, max_steps=0)
     merged = merge_adapter.main(merge_adapter.Args(adapter=out["final_dir"], out=str(tmp_path / "merged")))
-    stops = GenerationConfig.from_pretrained(merged["out"]).eos_token_id
-    assert stops == [tok.convert_tokens_to_ids("<|im_end|>"), config.eos_token_id]
+    assert GenerationConfig.from_pretrained(merged["out"]).eos_token_id == stops
 
 
 def test_a_full_fine_tune_stops_at_the_trained_end_of_turn(memo_jsonl, tmp_path):
-    # The same base (generation_config stops at <|endoftext|> only) trained without LoRA: final/ is a full model that
-    # users load with from_pretrained, so its generation config must stop at <|im_end|> too.
-    from transformers import AutoTokenizer, GenerationConfig
+    # Trained without LoRA, final/ is a full model that users load with from_pretrained: it must stop there too.
+    from transformers import GenerationConfig
 
-    from tests.tiny import write_tiny
-
-    base = write_tiny(tmp_path / "base")
-    tok = AutoTokenizer.from_pretrained(base)
-    config = GenerationConfig.from_pretrained(base)
-    config.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
-    config.save_pretrained(base)
+    base, stops = base_stopping_at_endoftext(tmp_path)
     out = run(base, memo_jsonl, tmp_path, use_lora=False, max_steps=0)
-    stops = GenerationConfig.from_pretrained(out["final_dir"]).eos_token_id
-    assert stops == [tok.convert_tokens_to_ids("<|im_end|>"), config.eos_token_id]
+    assert GenerationConfig.from_pretrained(out["final_dir"]).eos_token_id == stops
 
 
 def test_a_merged_checkpoint_ships_the_template_the_run_trained_with(tiny_model_dir, memo_jsonl, tmp_path):
