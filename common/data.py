@@ -4,6 +4,7 @@ masks, pad and pack. Row formats are TRL's, "standard" (strings) or "conversatio
   prompt rows may also be {question, answer} (GSM8K's layout, hub openai/gsm8k:main or its JSONL files alike):
     validate_rows turns them into {prompt, answer: the number after '####', solution} (question_row)
   preference {prompt, chosen, rejected}; with no prompt, chosen and rejected's shared start becomes it (as TRL)
+  sft and preference rows in ShareGPT's layout ({conversations: [{from, value}]}) go through _sharegpt unasked
   binary {prompt, completion, label: bool}; validate_rows also splits {messages, label} (LLaMA-Factory's and many hub
     KTO sets' layout): the last, assistant, message becomes the completion
 Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages.
@@ -305,7 +306,10 @@ def _extract_prompt(chosen, rejected):
 
 
 def _check_row(row: dict, kind: str) -> dict:
-    # Normalise first: implicit-prompt preference rows and {messages, label} binary rows into prompt/completion form.
+    # Normalise first: ShareGPT rows (LLaMA-Factory's layout; dpo/orpo/rm have no --convert), implicit-prompt
+    # preference rows and {messages, label} binary rows into TRL's form.
+    if kind in ("sft", "preference") and "conversations" in row and not {"prompt", "messages", "text"} & row.keys():
+        row = _sharegpt(row)
     if (
         kind == "preference"
         and "prompt" not in row

@@ -289,6 +289,18 @@ def test_sharegpt_dpo_demo(shared_data, tok):
     assert len(examples) == 300 and all(e["chosen_ids"][-1] == tok.eos_token_id for e in examples)
 
 
+def test_sharegpt_rows_need_no_convert_flag(shared_data, tmp_path):
+    # dpo.py, orpo.py and rm.py have no --convert: LLaMA-Factory's ShareGPT pairs (and SFT conversations) are read as
+    # they are, to the same rows as --convert sharegpt gives.
+    path = str(shared_data / "llamafactory-demo/dpo_en_demo.json")
+    assert validate_rows(load_rows(path), "preference") == validate_rows(
+        load_rows(path, convert="sharegpt"), "preference"
+    )
+    chat = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]
+    rows = validate_rows(load_rows(write_jsonl(tmp_path / "c.jsonl", [{"conversations": chat}])), "sft")
+    assert rows[0]["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
 def test_kto_demo_messages_label(shared_data, tok):
     rows = validate_rows(load_rows(str(shared_data / "llamafactory-demo/kto_en_demo.json")), "binary")
     assert len(rows) == 300 and sum(r["label"] for r in rows) == 150
