@@ -117,22 +117,18 @@ def test_sft_two_steps_on_a_quantized_base(tiny_model_dir, sft_jsonl, tmp_path, 
         assert any(not torch.equal(moved[k], spy["start"][k]) for k in moved), "'default' adapter did not change"
 
 
+# Two steps of a preference / binary script on the tiny model's 4-bit base (DPO, ORPO, KTO below)
+TWO_4BIT_STEPS = dict(
+    max_length=64, per_device_train_batch_size=4, learning_rate=5e-3, max_steps=2, seed=1, quantization="4bit"
+)
+
+
 def test_dpo_two_steps_on_a_4bit_base_and_resume(tiny_model_dir, tmp_path, spy):
     """Two steps from an SFT adapter (ref = that adapter), then a run resumed from the step-1 checkpoint ends with
     the same adapters as the straight run (the 'ref' hash is verified on load)."""
     prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(16))
     make_sft_adapter(tiny_model_dir, tmp_path / "sft")
-    kw = dict(
-        model=tiny_model_dir,
-        dataset=prefs,
-        max_length=64,
-        per_device_train_batch_size=4,
-        learning_rate=5e-3,
-        max_steps=2,
-        seed=1,
-        quantization="4bit",
-        adapter=str(tmp_path / "sft"),
-    )
+    kw = dict(model=tiny_model_dir, dataset=prefs, adapter=str(tmp_path / "sft"), **TWO_4BIT_STEPS)
     straight = dpo.main(dpo.Args(output_dir=str(tmp_path / "a"), save_steps=1, **kw))
     assert straight["history"][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == ref at step 1
     assert_qlora_step(spy, straight["history"], with_ref=True)
@@ -186,12 +182,7 @@ def test_orpo_and_kto_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, spy, sc
             model=tiny_model_dir,
             dataset=write_jsonl(tmp_path / "data.jsonl", rows),
             output_dir=str(tmp_path / "runs"),
-            max_length=64,
-            per_device_train_batch_size=4,
-            learning_rate=5e-3,
-            max_steps=2,
-            seed=1,
-            quantization="4bit",
+            **TWO_4BIT_STEPS,
             **start,
         )
     )
