@@ -13,6 +13,8 @@ Differences from TRL's DPOTrainer defaults:
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -20,15 +22,22 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 import tyro
-from transformers import get_scheduler
+from transformers import DynamicCache, get_scheduler
 
-from common.data import concat_pairs, load_splits, micro_batch, tokenize_dataset, training_steps
-from common.logps import masked_mean, pair_completion_logps
-from common.memory import check_memory
-from common.model import as_reference, load_policy, trainable_parameters
-from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import ArgsError, PhaseTimer, print_config, stop_run, training_config
+from common.data import concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset, training_steps
+from common.errors import ArgsError
+from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, completion_logps, disable_dropout
+from common.model import head_is_plain_linear, is_checkpointing, load_model, masked_mean, masked_sum, prompt_cache
+from common.model import save_final, seed_everything, snapshot_ref, trainable_parameters, unwrap
+
+# The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
+# that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
+from harness.checkpoints import Checkpoints, run_identity
+from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.hub import check_dataset, locate_model
+from harness.memory import Pass, Trained, longest_row, plan_memory
+from harness.run import Logger, PhaseTimer, make_run_dir
+from plugins.builtin_math import builtin_rows
 
 
 @dataclass
@@ -175,21 +184,64 @@ def dpo_loss(
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
-def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, timer: PhaseTimer | None = None):
-    """Loss of one micro-batch of pairs, its per-pair stats and token count. One policy pass scores both halves, each
-    pair's prompt once; the reference (a no-grad pass of the "ref" slot, or the log-probs precomputed into the rows)
-    runs first, so its activations are freed before the policy's graph is built."""
+def pair_completion_logps(model, batch: dict, examples: list[dict]):
+    """completion_logps(model, batch) for a concat_pairs batch ([chosen; rejected] of examples), with each pair's
+    prompt run through the backbone ONCE: its KV cache feeds the chosen completion, then, rebuilt from the same
+    prompt keys/values (gradients flow back through both), the rejected one. Each sequence runs unpadded. The same
+    numbers to fp32 rounding, for P + C + R tokens a pair instead of 2P + C + R. Falls back to completion_logps
+    where sharing is not exact: an empty prompt, a head that is not a plain linear layer, a model whose cache holds
+    more than keys and values (prompt_cache), activation checkpointing in train mode (no KV cache then)."""
+    lm = unwrap(model)
+    if (
+        not head_is_plain_linear(lm)
+        or (lm.training and is_checkpointing(lm))
+        or not all(e["prompt_ids"] for e in examples)
+        or prompt_cache(lm) is None
+    ):
+        return completion_logps(model, batch)
+    decoder = lm.get_decoder()
+    head = lm.get_output_embeddings()
+    device = batch["input_ids"].device
+    hidden = {"chosen": [], "rejected": []}  # per sequence: (len, H) states, the one at t predicting token t
+    for e in examples:
+        prompt = torch.tensor([e["prompt_ids"]], device=device)  # (1, P)
+        cache = DynamicCache(config=lm.config)
+        out = decoder(input_ids=prompt, use_cache=True, **{cache_kwarg(decoder): cache})
+        kv = [(layer.keys, layer.values) for layer in cache.layers]  # the prompt's, before a completion extends them
+        for side in hidden:
+            ids = torch.tensor([e[f"{side}_ids"]], device=device)  # (1, C)
+            cache = DynamicCache(config=lm.config)
+            for i, (k, v) in enumerate(kv):
+                cache.update(k, v, i)
+            pos = prompt.shape[1] + torch.arange(ids.shape[1], device=device)[None]  # continues the prompt's
+            c_out = decoder(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(decoder): cache})
+            # The prompt's last state predicts the first completion token, then each completion state the next.
+            hidden[side].append(torch.cat([out.last_hidden_state[0, -1:], c_out.last_hidden_state[0, :-1]]))
+    h = torch.cat(hidden["chosen"] + hidden["rejected"])  # batch row order: the completion tokens, row-major
+    mask = batch["completion_mask"].bool()
+    labels = batch["input_ids"][mask]
+    logps = chunked_logps(h, head.weight, labels, chunk_size=1024, bias=head.bias)
+    per_token_logps = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_scatter(mask, logps)
+    return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
+
+
+def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, logps_of, timer: PhaseTimer | None = None):
+    """Loss of one micro-batch of pairs, its per-pair stats and token count. One policy pass scores both halves
+    (logps_of: pair_completion_logps, each pair's prompt once, or completion_logps); the reference (a no-grad pass
+    of the "ref" slot, or the log-probs precomputed into the rows) runs first, so its activations are freed before
+    the policy's graph is built."""
     batch = concat_pairs(chunk, pad_id, device)
-    ref_chosen_logps = ref_rejected_logps = None  # SimPO is reference-free
+    ref_chosen_logps = None  # SimPO is reference-free
+    ref_rejected_logps = None
     if args.loss_type != "simpo" and args.precompute_ref_log_probs:
         ref_chosen_logps = torch.tensor([e["ref_chosen_logps"] for e in chunk], device=device)
         ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk], device=device)
     elif args.loss_type != "simpo":
         with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
-            ref_chosen_logps, ref_rejected_logps = pair_completion_logps(model, batch, chunk)[0].chunk(2)
+            ref_chosen_logps, ref_rejected_logps = logps_of(model, batch, chunk)[0].chunk(2)
     if timer:
         timer.mark("reference")
-    logps, per_token_logps = pair_completion_logps(model, batch, chunk)  # (2B,), (2B, T): [chosen; rejected]
+    logps, per_token_logps = logps_of(model, batch, chunk)  # (2B,), (2B, T): [chosen; rejected]
     chosen_logps, rejected_logps = logps.chunk(2)
     chosen_lengths, rejected_lengths = batch["completion_mask"].sum(1).chunk(2)
     losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -218,14 +270,15 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, timer
     return loss, stats, int(batch["attention_mask"].sum())
 
 
-def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: int, device) -> None:
+def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: int, device, logps_of) -> None:
     """One no-grad pass of "ref" over the rows, stored in each as ref_chosen_logps / ref_rejected_logps (floats)."""
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         with as_reference(model):
-            ref_logps = pair_completion_logps(model, concat_pairs(chunk, pad_id, device), chunk)[0]
+            ref_logps = logps_of(model, concat_pairs(chunk, pad_id, device), chunk)[0]
         for e, c, r in zip(chunk, *ref_logps.chunk(2), strict=True):
-            e["ref_chosen_logps"], e["ref_rejected_logps"] = c.item(), r.item()
+            e["ref_chosen_logps"] = c.item()
+            e["ref_rejected_logps"] = r.item()
 
 
 def reward_metrics(*, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, prefix: str = "") -> dict:
@@ -247,67 +300,168 @@ def cat_stats(stats: list[dict]) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, eval_examples: list[dict], args: Args, pad_id: int, device) -> dict:
+def evaluate(model, eval_examples: list[dict], args: Args, pad_id: int, device, logps_of) -> dict:
     """The training loss and reward metrics over the eval pairs, dropout off (eval/loss is a mean over pairs)."""
     model.eval()
     bs = args.per_device_train_batch_size
-    out = [
-        pair_losses(model, eval_examples[i : i + bs], args, pad_id, device) for i in range(0, len(eval_examples), bs)
-    ]
+    out = []
+    for i in range(0, len(eval_examples), bs):
+        out.append(pair_losses(model, eval_examples[i : i + bs], args, pad_id, device, logps_of))
     model.train()
     loss = sum(loss.item() * len(s["chosen_rewards"]) for loss, s, _ in out) / len(eval_examples)
     return {"eval/loss": loss, **reward_metrics(**cat_stats([s for _, s, _ in out]), prefix="eval/")}
 
 
+# ------------------------------------------------------------------------------- what the harness reads
+def check_args(args: Args) -> None:
+    """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
+    positive(args, "learning_rate", "max_grad_norm")
+    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "lora_r")
+    at_least(args, 1, "max_length")
+    at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "beta", "rpo_alpha")
+    at_least(args, 0, "weight_decay", "num_train_epochs")
+    if args.max_steps < -1:
+        raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
+    robust = args.loss_type == "robust"
+    if not (0 <= args.label_smoothing < 0.5 if robust else args.label_smoothing == 0):
+        raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
+
+
+def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
+    """The memory plan of one micro-batch of pairs (harness.memory): the reference's no-grad pass, then the policy's
+    forward and backward over the [chosen; rejected] rows. Returns (plan, gradient checkpointing)."""
+    use_ref = args.loss_type != "simpo"
+    rows_n = 2 * args.per_device_train_batch_size  # chosen + rejected
+    T = min(args.max_length, longest_row(rows) or args.max_length)
+    step = [Pass(rows_n, T, rows_n * T, grad=True)]
+    if use_ref and not args.precompute_ref_log_probs:  # before the policy's pass: never beside its graph
+        step = [Pass(rows_n, T, rows_n * T, name="reference pass")] + step
+    trained = Trained(
+        args.dtype,
+        args.quantization,
+        args.lora_r,
+        dropout=args.lora_dropout > 0 and not args.disable_dropout,
+        frozen_copies=int(use_ref),
+        flash_attention=args.attn_implementation == "flash_attention_2",
+    )
+    bs = args.per_device_train_batch_size
+    return plan_memory(
+        args.model,
+        trained,
+        {"step": step},
+        checkpointing=args.gradient_checkpointing,
+        adapter=args.adapter,
+        disable_dropout=args.disable_dropout,
+        knobs=[
+            ("per_device_train_batch_size", bs, 1),
+            ("quantization", args.quantization, "4bit"),
+            ("max_length", args.max_length, 64),
+        ],
+        ignore=args.ignore_memory_plan,
+        refuse=not args.plan,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def config_lines(args: Args, n_rows: int) -> dict[str, str]:
+    """What this run will do, for the start-up block."""
+    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
+        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
+        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), "
+        f"LoRA r {args.lora_r}",
+        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
+        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
+    }
+
+
 def main(args: Args) -> dict:
-    # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    # ---- 1 setup
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
-    if not (0 <= args.label_smoothing < 0.5 if args.loss_type == "robust" else args.label_smoothing == 0):
-        raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
-    rows, eval_rows = load_splits(args, "preference")  # validated; eval_rows [] without --eval-split
 
-    # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
-    print_config("dpo", args, training_config(args, len(rows)))
-    args = check_memory(args, "dpo", rows)  # the plan (checkpointing on if it needs it); --plan exits here
+    # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
+    check_dataset(args.dataset)
+    rows, eval_rows = load_splits(
+        args.dataset, args.dataset_split, args.eval_split, "preference", args.eval_steps, builtin=builtin_rows
+    )  # eval_rows [] without --eval-split
+    print_config("dpo", args.preset, args.model, config_lines(args, len(rows)))
+    plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
+    if args.plan:
+        return {"memory_plan": plan}
+
+    # ---- 3 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (same backbone)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    # TRL's default: no dropout anywhere, a loaded adapter's included; "ref" = the starting policy (base or --adapter)
-    model, tokenizer = load_policy(args, reference=use_ref, no_dropout=args.disable_dropout)
-    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+    model, tokenizer = load_model(
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        checkpointing,
+        args.trust_remote_code,
+        path=locate_model(args.model),
+    )
+    setup_chat_template(tokenizer, args.template)
+    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
+        disable_dropout(model)
+    if use_ref:
+        snapshot_ref(model)  # "ref" = the starting policy (the base, or --adapter), taken before any update
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    # One prompt pass per pair pays on a CPU, where cost follows tokens; a GPU wants the one batched forward (the
+    # shared pass is not measured there). Both are tested equal (tests/test_dpo.py).
+    logps_of = pair_completion_logps if device.type == "cpu" else completion_logps
 
-    # ---- 3 data, optimizer, run dir
     def prepare(rs):
         return tokenize_dataset(tokenizer, rs, "preference", args.max_length, max_prompt_length=args.max_prompt_length)
 
-    examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
-    bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), args)
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    examples = prepare(rows)
+    eval_examples = prepare(eval_rows) if eval_rows else []
+    bs = args.per_device_train_batch_size
+    ga = args.gradient_accumulation_steps
+    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    resumed = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
-    start_step, nonfinite = resumed["step"], resumed["trainer_state"].get("nonfinite_updates", 0)  # skipped so far
-    logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
-
+    checkpoints = Checkpoints(run_dir, run_identity(model, args), keep=args.save_total_limit)
+    start_step, state = checkpoints.resume(  # restores "ref" too, checked against the hash saved with it
+        args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
+    )
+    nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
+    show = ("loss", "rewards/accuracies")
+    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
     if use_ref and args.precompute_ref_log_probs:  # after a resume: its "ref" is restored (hash-checked) above
-        precompute_ref_logps(model, examples + eval_examples, bs, pad_id, device)
+        precompute_ref_logps(model, examples + eval_examples, bs, pad_id, device, logps_of)
 
     # ---- 4 loop
     model.train()
-    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
-    for step in interrupt.watch(range(start_step, total_steps)):  # any way out restores the old SIGINT handler
-        loss_sum, tokens, stats, timer = 0.0, 0, [], PhaseTimer()
+    metrics = {}
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
+    for step in interrupt.watch(range(start_step, total_steps)):
+        loss_sum = 0.0
+        tokens = 0
+        stats = []
+        timer = PhaseTimer()
         for i in range(ga):
             chunk = micro_batch(examples, step * ga + i, bs, args.seed)
-            loss, micro_stats, micro_tokens = pair_losses(model, chunk, args, pad_id, device, timer)
+            loss, micro_stats, micro_tokens = pair_losses(model, chunk, args, pad_id, device, logps_of, timer)
             timer.mark("forward")
             (loss / ga).backward()  # each micro loss is a mean over its pairs; / GA: the step's mean over all pairs
             timer.mark("backward")
-            loss_sum, tokens = loss_sum + loss.item() / ga, tokens + micro_tokens
+            loss_sum += loss.item() / ga
+            tokens += micro_tokens
             stats.append(micro_stats)
-        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
-        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
+            optimizer.step()
+            scheduler.step()
+        else:
+            nonfinite += 1
+        optimizer.zero_grad(set_to_none=True)
         metrics = {
             "loss": loss_sum,
             **reward_metrics(**cat_stats(stats)),
@@ -318,17 +472,18 @@ def main(args: Args) -> dict:
             "epoch": (step + 1) * ga / batches_per_epoch,
             **timer.metrics(tokens),
         }
-        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
-            metrics |= evaluate(model, eval_examples, args, pad_id, device)
-        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
+        last = step + 1 == total_steps
+        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or last):
+            metrics |= evaluate(model, eval_examples, args, pad_id, device, logps_of)
+        logger.log(step + 1, metrics)
         state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
-            stop_run("dpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
+            checkpoints.save(step + 1, model, optimizer, scheduler, state)
+        if interrupt.requested and not last:
+            raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
-    final_dir = save_final(run_dir, model, tokenizer)
+    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     print(f"dpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}

@@ -2,7 +2,7 @@
 that beat their group's mean reward (PPO's clipped surrogate with group-normalised advantages, no value model).
 
 Per token: l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta k3(pi, pi_ref), rho = pi / pi_old,
-A_i = (r_i - mean_group r) / (std_group r + 1e-4), aggregated over tokens as `loss_type` says (common.logps).
+A_i = (r_i - mean_group r) / (std_group r + 1e-4), aggregated over tokens as `loss_type` says (aggregate_loss).
 Paper: Shao et al. 2024 (DeepSeekMath), arXiv:2402.03300.  Run: `python grpo.py` (the CPU demo on built-in math);
 `python grpo.py --model Qwen/Qwen2.5-1.5B --group-size 4` (the gsm8k preset: GSM8K, held-out accuracy every 50 steps).
 
@@ -20,6 +20,7 @@ Differences from TRL's GRPOTrainer defaults:
 - Circuit breakers (KL, completion length, reward-variance collapse, NaN/Inf) warn or stop (TRL: none).
 """
 
+import dataclasses
 import functools
 import math
 import os
@@ -32,16 +33,35 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import load_rows, micro_batch, pad_batch, tokenize_dataset, validate_rows
-from common.logps import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3, masked_mean, masked_sum
-from common.memory import check_memory
-from common.model import as_reference, load_policy, pick_device, resolve_dtype, trainable_parameters
-from common.reward_model import bind_model_rewards
-from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
-from common.rollout import rollout_engine
-from common.run import Logger, StopOnCtrlC, check_args, guarded_step, make_run_dir, print_config, save_final, stop_run
-from common.run import PhaseTimer, load_checkpoint, one_line_errors, resolve_preset, save_checkpoint, seed_everything
-from evals.common_eval import eval_source, reward_eval
+from common.data import (
+    concat_prompt_completion,
+    dataset_label,
+    load_rows,
+    micro_batch,
+    pad_batch,
+    setup_chat_template,
+    tokenize_dataset,
+)
+from common.data import validate_rows
+from common.errors import ArgsError
+from common.model import as_reference, attach_lora, chunked_logps, head_is_plain_linear, is_checkpointing, load_model
+from common.model import masked_mean, masked_sum, prompt_cache, sequence_logps, unwrap, cache_kwarg
+from common.model import pick_device, resolve_dtype, save_final, seed_everything, snapshot_ref, trainable_parameters
+from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
+from common.rollout import check_sampling, hf_generate
+
+# The optional harness (plumbing: presets, memory plan, checkpoints, breakers, logging) and plug-ins; a copy of this
+# script that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
+from harness.checkpoints import Checkpoints, run_identity
+from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.hub import check_dataset, locate_model
+from harness.memory import Generate, Pass, Trained, longest_row, plan_memory
+from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
+from plugins.builtin_math import builtin_rows
+from plugins.code import code_reward
+from plugins.judge import api_reward
+from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
+from plugins.vllm_engine import VLLMEngine
 
 
 @dataclass
@@ -109,7 +129,7 @@ class Args:
     epsilon_high: float | None = None
     """upper clip: rho <= 1 + epsilon_high; None = epsilon (DAPO recommends 0.28)"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """token aggregation (see common.logps.aggregate_loss): dapo = token mean over the step (TRL's default)"""
+    """token aggregation (aggregate_loss below): dapo = token mean over the step (TRL's default)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)"""
     mask_truncated_completions: bool = False
@@ -195,6 +215,45 @@ PRESET_VALUES = {  # field: (demo, gsm8k)
     "save_steps": (10, 50),
 }
 PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
+# --rewards names: the rule rewards, the sandboxed code tests and the API judge (model:<dir> is read by model_reward)
+REWARDS = REWARD_FUNCS | {"code": code_reward, "api": api_reward}
+
+
+# ---------------------------------------------------------------------------------------------------- the math
+def group_advantages(rewards, group_size: int, scale_rewards: str = "group"):
+    """A_i = (r_i - mean_g(r)) / (std + 1e-4) over contiguous groups of group_size completions of one prompt.
+
+    std is the unbiased (Bessel) std of the group ("group"), of the whole batch ("batch"), or no division ("none").
+    Returns (advantages (B,), std_grouped (B,)): std_grouped is each sample's group std (for frac_reward_zero_std).
+    As TRL 1.16's _generate_and_score_completions: grouped mean, std with Bessel's correction,
+    `advantages / (std_rewards + 1e-4)` unless "none". Differences: rewards must be finite (TRL zeroes all-None
+    rows), and under "batch" TRL logs frac_reward_zero_std from the batch std while std_grouped is always per group.
+    "batch" is over the rewards passed in: pass the whole generation batch.
+    """
+    if group_size < 2:
+        raise ValueError(f"GRPO needs group_size >= 2 (the std of one sample is undefined), got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards must be finite (a NaN/inf reward would poison its whole group)")
+    grouped = rewards.view(-1, group_size)  # (n_prompts, G): completions of one prompt are contiguous
+    mean = grouped.mean(1).repeat_interleave(group_size)
+    std_grouped = grouped.std(1).repeat_interleave(group_size)  # torch.std is unbiased, like TRL's nanstd
+    advantages = rewards - mean
+    if scale_rewards == "group":
+        advantages = advantages / (std_grouped + 1e-4)  # +1e-4: an all-equal group gives 0, not 0/0
+    elif scale_rewards == "batch":
+        advantages = advantages / (rewards.std() + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    return advantages, std_grouped
+
+
+def kl_k3(logps, ref_logps):
+    """k3 = exp(ref - logp) - (ref - logp) - 1 >= 0, 0 where pi = pi_ref: unbiased and low-variance (Schulman's
+    estimator; TRL GRPOTrainer's per_token_kl)."""
+    log_ratio = ref_logps - logps
+    return torch.exp(log_ratio) - log_ratio - 1
 
 
 def grpo_per_token_loss(
@@ -209,22 +268,144 @@ def grpo_per_token_loss(
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # exactly 1 when old = logps.detach()
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
-    per_token_kl = kl_k3(per_token_logps, ref_per_token_logps) if beta != 0.0 else None  # >= 0, 0 at pi = pi_ref
-    if per_token_kl is not None:
+    per_token_kl = None
+    if beta != 0.0:
+        per_token_kl = kl_k3(per_token_logps, ref_per_token_logps)
         per_token_loss = per_token_loss + beta * per_token_kl
     is_low_clipped = (ratio < 1 - epsilon) & (advantages < 0)
     is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)
     return per_token_loss, per_token_kl, is_low_clipped, is_high_clipped
 
 
+def aggregate_loss(
+    per_token_loss, completion_mask, loss_type, max_completion_length=None, num_items=None, num_sequences=None
+):
+    """Reduce per_token_loss (B, T) under completion_mask (B, T) to the scalar GRPO loss, as TRL 1.16 does.
+
+    With m the mask, S = num_sequences (default B), N = num_items (default m.sum()), L = max_completion_length:
+      "grpo":    sum_i [sum_t m_it l_it / max(1, sum_t m_it)] / S   (mean over sequences of token means)
+      "bnpo":    sum_it m_it l_it / max(1, N)                         (token mean over the batch)
+      "dr_grpo": sum_it m_it l_it / (S * L)                           (Dr. GRPO's constant normaliser)
+      "dapo":    sum_it m_it l_it / max(1, N)                         (token mean over the whole optimizer step)
+    With the defaults this is TRL's GRPOTrainer._compute_loss on one batch.
+
+    Micro-batching: when one optimizer step is split into micro-batches whose losses are summed by backward(), pass
+    num_sequences = sequences in the whole step and num_items = completion tokens in the whole step (every loss
+    type); the summed gradient then equals the one-big-batch gradient exactly. TRL under gradient accumulation (GA):
+    grpo and dr_grpo divide each micro-batch loss by GA, identical to ours for equal-size micro-batches; dapo divides
+    by num_items_in_batch of the generation batch * GA / steps_per_generation, identical when steps_per_generation
+    == GA (its default); bnpo divides by the micro-batch's own token count and by GA (a mean of micro-batch means,
+    so bnpo == dapo only at GA=1); reproduce that with num_items = completion_mask.sum() * GA.
+    """
+    B = per_token_loss.shape[0]
+    num_sequences = B if num_sequences is None else num_sequences
+    if loss_type == "grpo":
+        # empty="zero": a fully masked (e.g. truncated) completion adds 0 but still counts in S, as in TRL
+        return masked_mean(per_token_loss, completion_mask, dim=-1, empty="zero").sum() / num_sequences
+    total = masked_sum(per_token_loss, completion_mask)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser is S * L)")
+        return total / (num_sequences * max_completion_length)
+    if loss_type in ("bnpo", "dapo"):
+        num_items = completion_mask.sum() if num_items is None else num_items
+        # clamp(min=1) as TRL: an all-masked batch (every completion truncated) gives zero loss, not NaN
+        return total / torch.as_tensor(num_items, dtype=total.dtype, device=total.device).clamp(min=1)
+    raise ValueError(f"loss_type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', got {loss_type!r}")
+
+
+# --------------------------------------------------------------------------------------- rollouts and metrics
+def grouped_completion_logps(
+    model, prompt_ids, completion_ids, group_size, pad_id, temperature=1.0, chunk_size=1024, return_entropy=False
+):
+    """per_token_logps[r, t] = log p(completion_ids[r][t] | prompt_ids[r // G], completion_ids[r][:t]), (B*G, C)
+    fp32, 0 past each completion's end; each of the B prompts runs through the backbone ONCE for its G completions.
+
+    The prompt pass (left-padded, B rows) fills a KV cache that is repeated G times (repeat_interleave: gradients
+    flow back into the prompt pass), then the completions (right-padded, B*G rows) attend to it. The same numbers
+    as sequence_logps on the concatenated rows (to fp32 rounding), for B*P + B*G*C tokens instead of B*G*(P + C).
+    Returns (logps, completion_mask[, entropy]).
+    """
+    lm = unwrap(model)
+    device = lm.device
+    decoder = lm.get_decoder()
+    head = lm.get_output_embeddings()
+    c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)  # (B*G, C), the layout returned
+    cache = prompt_cache(lm)
+    if cache is None or not head_is_plain_linear(lm) or (lm.training and is_checkpointing(lm)):
+        # Score the concatenated rows instead (same numbers, no sharing) when the head is not a plain linear layer,
+        # the model keeps recurrent states (prompt_cache), or under activation checkpointing in train mode, where
+        # transformers drops the KV cache (the completions would silently not see their prompt).
+        rows = [p for p in prompt_ids for _ in range(group_size)]
+        seqs = {k: v.to(device) for k, v in concat_prompt_completion(rows, completion_ids, pad_id).items()}
+        out = sequence_logps(
+            model,
+            seqs["input_ids"],
+            seqs["attention_mask"],
+            seqs["completion_mask"],
+            temperature=temperature,
+            chunk_size=chunk_size,
+            return_entropy=return_entropy,
+        )
+        out = out if return_entropy else (out,)
+        scored = seqs["completion_mask"].bool()
+        # Row-major, both masks list each row's completion tokens in order: move them to the (B*G, C) layout.
+        picked = [torch.zeros(c_mask.shape, device=device).masked_scatter(c_mask.bool(), x[scored]) for x in out]
+        return (picked[0], c_mask, picked[1]) if return_entropy else (picked[0], c_mask)
+    p_ids = pad_batch(prompt_ids, pad_id, "left").to(device)  # (B, P): every prompt ends in the last column
+    p_mask = pad_batch([[1] * len(p) for p in prompt_ids], 0, "left").to(device)
+    cache_kw = {cache_kwarg(decoder): cache}
+    p_out = decoder(
+        input_ids=p_ids,
+        attention_mask=p_mask,
+        position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        **cache_kw,
+    )
+    cache.batch_repeat_interleave(group_size)  # (B*G, ...) views of one computation: its gradient sums the group
+    c_ids = pad_batch(completion_ids, pad_id).to(device)  # (B*G, C)
+    # Completion positions continue each prompt's real length (left padding does not count), as in generation.
+    c_pos = p_mask.sum(-1).repeat_interleave(group_size)[:, None] + torch.arange(c_ids.shape[1], device=device)
+    c_out = decoder(
+        input_ids=c_ids,
+        attention_mask=torch.cat([p_mask.repeat_interleave(group_size, 0), c_mask], 1),
+        position_ids=c_pos,
+        use_cache=True,
+        **cache_kw,
+    )
+    # The state before token t predicts it: the prompt's last one for t = 0, then the completion's own.
+    first = p_out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
+    hidden = torch.cat([first, c_out.last_hidden_state[:, :-1]], 1)  # (B*G, C, H)
+    scored = c_mask.bool()
+    out = chunked_logps(hidden[scored], head.weight, c_ids[scored], temperature, chunk_size, head.bias, return_entropy)
+    logps, entropy = out if return_entropy else (out, None)
+    zeros = torch.zeros(scored.shape, dtype=torch.float32, device=device)
+    logps = zeros.masked_scatter(scored, logps)
+    if return_entropy:
+        return logps, c_mask, zeros.masked_scatter(scored, entropy)
+    return logps, c_mask
+
+
 def rollout_logps(model, out: dict, rows: slice, group_size, pad_id, temperature, width, return_entropy=False):
-    """(n, width) per-token log-probs and entropies (or None) of the completions `rows` under logits / temperature."""
-    prompts, completions = out["prompt_ids"][rows][::group_size], out["completion_ids"][rows]  # one prompt per group
+    """(n, width) per-token log-probs and entropies (or None) of the completions `rows` under logits / temperature;
+    each prompt goes through the backbone once for its group (grouped_completion_logps)."""
+    prompts = out["prompt_ids"][rows][::group_size]  # one prompt per group
+    completions = out["completion_ids"][rows]
     logps, _, *entropy = grouped_completion_logps(
         model, prompts, completions, group_size, pad_id, temperature, return_entropy=return_entropy
     )
     pad = (0, width - logps.shape[1])  # to the step's width, so the step's completion_mask[rows] fits
-    return F.pad(logps, pad), F.pad(entropy[0], pad) if entropy else None
+    if not entropy:
+        return F.pad(logps, pad), None
+    return F.pad(logps, pad), F.pad(entropy[0], pad)
+
+
+def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.Tensor:
+    """(n, C) 1 through each completion's EOS (an action the policy took), 0 on padding and, if masked, cut-offs."""
+    completion_mask = pad_batch([[1] * len(c) for c in out["completion_ids"]], 0).to(device)
+    if mask_truncated_completions:
+        completion_mask = completion_mask * ~torch.tensor(out["truncated"], device=device)[:, None]
+    return completion_mask
 
 
 def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped) -> None:
@@ -243,37 +424,33 @@ def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is
         stats.setdefault(key, []).extend(masked_mean(value[kept].float(), mask[kept], dim=-1).tolist())
 
 
-def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.Tensor:
-    """(n, C) 1 through each completion's EOS (an action the policy took), 0 on padding and, if masked, cut-offs."""
-    completion_mask = pad_batch([[1] * len(c) for c in out["completion_ids"]], 0).to(device)
-    if mask_truncated_completions:
-        completion_mask = completion_mask * ~torch.tensor(out["truncated"], device=device)[:, None]
-    return completion_mask
-
-
 def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> dict:
     """Reward and completion-length metrics of one rollout (TRL's names; *_terminated_length: those that hit EOS)."""
     lengths = torch.tensor([len(c) for c in out["completion_ids"]], dtype=torch.float)
-    ended = lengths[~torch.tensor(out["truncated"])]
-    by = (("", lengths), ("_terminated", ended if len(ended) else torch.zeros(1)))  # TRL: 0 when none terminated
-    return {
-        "reward": rewards.mean().item(),
-        "reward_std": rewards.std().item(),
-        **{f"rewards/{name}/mean": per_func[:, i].nanmean().item() for i, (name, _, _) in enumerate(reward_funcs)},
-        "frac_reward_zero_std": torch.isclose(std_grouped, torch.zeros_like(std_grouped)).float().mean().item(),
-        **{f"completions/{f}{k}_length": getattr(v, f)().item() for k, v in by for f in ("mean", "min", "max")},
-        "completions/clipped_ratio": torch.tensor(out["truncated"]).float().mean().item(),
-    }
+    truncated = torch.tensor(out["truncated"])
+    ended = lengths[~truncated]
+    if len(ended) == 0:
+        ended = torch.zeros(1)  # TRL: 0 when none terminated
+    metrics = {"reward": rewards.mean().item(), "reward_std": rewards.std().item()}
+    for i, (name, _, _) in enumerate(reward_funcs):
+        metrics[f"rewards/{name}/mean"] = per_func[:, i].nanmean().item()
+    zero_std = torch.isclose(std_grouped, torch.zeros_like(std_grouped))
+    metrics["frac_reward_zero_std"] = zero_std.float().mean().item()
+    for which, values in (("", lengths), ("_terminated", ended)):
+        metrics[f"completions/mean{which}_length"] = values.mean().item()
+        metrics[f"completions/min{which}_length"] = values.min().item()
+        metrics[f"completions/max{which}_length"] = values.max().item()
+    metrics["completions/clipped_ratio"] = truncated.float().mean().item()
+    return metrics
 
 
 def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: float, learning_rate: float) -> dict:
     """Mean loss of the step's updates, the last one's grad norm and LR, token means over all of them (TRL's names)."""
     tokens = max(stats["tokens"], 1.0)
-    return {
-        "loss": sum(losses) / len(losses),
-        "grad_norm": grad_norm,
-        "learning_rate": learning_rate,
-        **({"kl": stats["kl"] / tokens} if beta != 0.0 else {}),
+    metrics = {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, "learning_rate": learning_rate}
+    if beta != 0.0:
+        metrics["kl"] = stats["kl"] / tokens
+    metrics |= {
         "entropy": stats["entropy"] / tokens,
         "clip_ratio/low_mean": stats["low"] / tokens,
         "clip_ratio/low_min": min(stats["low_seq"], default=math.nan),  # NaN: every completion masked (TRL)
@@ -281,34 +458,94 @@ def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: flo
         "clip_ratio/high_max": max(stats["high_seq"], default=math.nan),
         "clip_ratio/region_mean": (stats["low"] + stats["high"]) / tokens,  # disjoint: low needs A < 0, high A > 0
     }
+    return metrics
 
 
-def run_metrics(timer: PhaseTimer, out: dict, nonfinite: int, canary: float | None) -> dict:
-    """Skipped updates, the step's cost (PhaseTimer.metrics) and (vLLM) the canary's log-prob gap."""
-    n_tokens = sum(map(len, out["prompt_ids"] + out["completion_ids"]))  # as if unshared, comparable with TRL's
-    canary = {"vllm/canary_logp_diff": canary} if canary is not None else {}
-    return {"nonfinite_updates": nonfinite, **timer.metrics(n_tokens), **canary}
+@torch.no_grad()
+def reward_eval(generate, examples: list[dict], reward_funcs, max_new_tokens: int, source: str) -> dict:
+    """The held-out eval through the run's own rollout engine (`generate`, HF or vLLM): one greedy completion per
+    prompt, its mean reward (the run's reward functions) and length and, for rows with an answer, the share whose
+    final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k). A row whose answer has
+    no number ("p - q") cannot be judged by math_reward (None): it is left out of the accuracy and counted in
+    eval/<dataset>/unscored (as evals.gsm8k does)."""
+    out = generate([e["prompt_ids"] for e in examples], 1, temperature=0.0, max_new_tokens=max_new_tokens)
+    rewards, _ = score_rollout(examples, out, reward_funcs, max_new_tokens)
+    lengths = [len(c) for c in out["completion_ids"]]
+    metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
+    if all("answer" in e for e in examples):
+        scores = math_reward(None, out["completions"], answer=[e["answer"] for e in examples])
+        right = [r for r in scores if r is not None]  # None: an answer without a number, which nothing matches
+        if right:
+            metrics[f"eval/{dataset_label(source)}/accuracy"] = sum(right) / len(right)
+        if len(right) < len(scores):  # only then: a run on numeric answers logs the keys it always did
+            metrics[f"eval/{dataset_label(source)}/unscored"] = len(scores) - len(right)
+    return metrics
 
 
-def check_breakers(state: dict, entry: dict, args: Args, active: set[str]) -> set[str]:
-    """The breakers holding after this step (see Args: breaker_*), each printed once, on the step it starts to hold.
-    Their memory (the first step's mean length, the last patience steps) is in `state`, which checkpoints keep."""
-    recent = state["recent"] = (state.get("recent", []) + [entry])[-args.breaker_patience :]
-    start_length = state.setdefault("start_length", entry["completions/mean_length"])
-    checks = {
-        "kl": ("kl", lambda v: v > args.breaker_max_kl),
-        "length_pinned": ("completions/clipped_ratio", lambda v: v >= args.breaker_max_clipped_ratio),
-        "length_exploding": ("completions/mean_length", lambda v: v > args.breaker_max_length_growth * start_length),
-        "reward_std_zero": ("frac_reward_zero_std", lambda v: v >= args.breaker_max_frac_zero_std),
-    }
-    fired = {name: key for name, (key, test) in checks.items() if all(test(h.get(key, math.nan)) for h in recent)}
-    fired = fired if len(recent) == args.breaker_patience else {}  # a condition must hold on patience steps in a row
-    if entry["nonfinite_updates"] >= args.breaker_max_nonfinite:
-        fired["nonfinite"] = "loss"
-    for name in sorted(fired.keys() - active):
-        values = [round(h.get(fired[name], math.nan), 4) for h in recent]
-        print(f"grpo: circuit breaker '{name}' fired at step {entry['step']}: recent {fired[name]} = {values}")
-    return set(fired)
+def eval_source(dataset: str, eval_dataset: str | None) -> str:
+    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set; a file is the train data)."""
+    if eval_dataset:
+        return eval_dataset
+    if not (os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet"))):
+        return dataset
+    raise ArgsError(f"--dataset {dataset}: a file has no test split; give --eval-dataset FILE, or --eval-steps 0")
+
+
+# ------------------------------------------------------------------------------- what the harness reads
+def check_args(args: Args) -> None:
+    """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
+    positive(args, "learning_rate", "max_grad_norm", "temperature")
+    at_least(args, 1, "prompts_per_step", "group_size", "groups_per_micro_batch", "num_iterations")
+    at_least(args, 1, "max_completion_length", "logging_steps", "lora_r", "breaker_patience")
+    at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "eval_limit", "beta")
+    at_least(args, 0, "weight_decay", "epsilon", "epsilon_high")
+    if args.group_size < 2:  # G = 1 would make every advantage 0
+        raise ArgsError(f"--group-size {args.group_size}: must be at least 2 (advantages compare samples in a group)")
+    if args.max_steps < -1:
+        raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
+    check_sampling(args.top_p, args.top_k)
+
+
+def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
+    """The memory plan of what a step runs (harness.memory): the rollout, the reference / old-policy no-grad pass,
+    and a micro-batch's policy pass (each prompt once, its G completions attending to its cache; under gradient
+    checkpointing grouped_completion_logps scores whole rows instead). Returns (plan, gradient checkpointing)."""
+    g, G, C = args.groups_per_micro_batch, args.group_size, args.max_completion_length
+    P = min(args.max_prompt_length, longest_row(rows) or args.max_prompt_length)
+    vllm_share = args.vllm_gpu_memory_utilization if args.engine == "vllm" else None
+    rollout = [Generate(args.prompts_per_step, G, P, C, vllm_share)]
+    reference = []
+    if args.beta != 0.0 or args.num_iterations > 1:
+        reference = [Pass(g * G, P + C, g * G * C, kv_cache=True)]
+    shared = [Pass(g, P, grad=True), Pass(g * G, C, g * G * C, grad=True, entropy=True, context=P)]
+    whole = [Pass(g * G, P + C, g * G * C, grad=True, entropy=True)]
+    trained = Trained(
+        args.dtype,
+        args.quantization,
+        args.lora_r,
+        dropout=args.lora_dropout > 0,
+        frozen_copies=int(args.beta != 0.0),
+        flash_attention=args.attn_implementation == "flash_attention_2",
+    )
+    phases = {"step": shared, "rollout": rollout, "reference": reference}
+    return plan_memory(
+        args.model,
+        trained,
+        phases,
+        phases_checkpointed=phases | {"step": whole},
+        checkpointing=args.gradient_checkpointing,
+        adapter=args.adapter,
+        knobs=[
+            ("groups_per_micro_batch", g, 1),
+            ("quantization", args.quantization, "4bit"),
+            ("max_completion_length", C, 64),
+            ("group_size", G, 2),
+        ],
+        extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
+        ignore=args.ignore_memory_plan,
+        refuse=not args.plan,
+        trust_remote_code=args.trust_remote_code,
+    )
 
 
 def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> dict[str, str]:
@@ -326,45 +563,112 @@ def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> 
     }
 
 
+# Fields a resumed run may change besides the harness's own (harness.checkpoints.FREE_ON_RESUME): speed knobs with
+# the same math, the vLLM engine's settings and the circuit breakers' rules.
+FREE_ON_RESUME = ("torch_threads", "engine", "groups_per_micro_batch") + tuple(
+    f.name for f in dataclasses.fields(Args) if f.name.startswith(("vllm_", "breaker_"))
+)
+
+
 def main(args: Args) -> dict:
-    # ---- 1 setup: the preset, data and rewards, all checked before any weights load
-    t_start, args = time.perf_counter(), resolve_preset(args, PRESETS)
-    check_args(args, min_group_size=2)  # G = 1 would make every advantage 0
+    # ---- 1 setup: the preset, flags checked before any weights load, threads, seed
+    t_start = time.perf_counter()
+    args = resolve_preset(args, PRESETS)
+    check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "prompt")
+
+    # ---- 2 data and rewards, checked before any weights load (a bad row fails in seconds, naming its line)
+    check_dataset(args.dataset)
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split, builtin=builtin_rows), "prompt")
     eval_src = eval_source(args.dataset, args.eval_dataset) if args.eval_steps else None
-    eval_rows = load_rows(eval_src, args.eval_split)[: args.eval_limit] if eval_src else []
-    eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
-    reward_funcs = load_reward_funcs(args.rewards)
+    eval_rows = []
+    if eval_src:
+        check_dataset(eval_src)
+        eval_rows = load_rows(eval_src, args.eval_split, builtin=builtin_rows)[: args.eval_limit]
+        eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
+    reward_funcs = load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column
-    print_config("grpo", args, config_lines(args, len(rows), len(eval_rows), eval_src))
-    args = check_memory(args, "grpo", rows)  # the plan (checkpointing on if it needs it); --plan exits here
+    print_config("grpo", args.preset, args.model, config_lines(args, len(rows), len(eval_rows), eval_src))
+    plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
+    if args.plan:
+        return {"memory_plan": plan}
 
-    # ---- 2 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
+    # ---- 3 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_policy(args, reference=args.beta != 0.0)
+    model, tokenizer = load_model(
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        checkpointing,
+        args.trust_remote_code,
+        path=locate_model(args.model),
+    )
+    setup_chat_template(tokenizer, args.template)
+    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.beta != 0.0:
+        snapshot_ref(model)  # the reference is the starting policy, taken before any update
     bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
-    device, pad_id, G = next(model.parameters()).device, tokenizer.pad_token_id, args.group_size
-
-    # ---- 3 data, optimizer (its LR schedule counts updates: max_steps x num_iterations), rollout engine
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
+    G = args.group_size
     examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
     eval_examples = tokenize_dataset(tokenizer, eval_rows, "prompt", args.max_prompt_length) if eval_rows else []
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
-    updates = args.max_steps * args.num_iterations
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, updates)
-    resumed = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, args.max_steps)
-    start_step, state = resumed["step"], {"nonfinite_updates": 0} | resumed["trainer_state"]  # + breakers' memory
-    logger = Logger(run_dir, args, args.max_steps, show=("reward", "kl", "loss"), start_step=start_step)
-    generate, engine = rollout_engine(args, model, tokenizer)
+    # The optimizer's LR schedule counts updates: max_steps x num_iterations
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps * args.num_iterations
+    )
+    checkpoints = Checkpoints(run_dir, run_identity(model, args, FREE_ON_RESUME), keep=args.save_total_limit)
+    start_step, resumed = checkpoints.resume(
+        args.resume_from_checkpoint, model, optimizer, scheduler, args.max_steps, args.resume_ignore_mismatch
+    )
+    state = {"nonfinite_updates": 0} | resumed  # + the breakers' memory, which checkpoints keep
+    show = ("reward", "kl", "loss")
+    logger = Logger(run_dir, dataclasses.asdict(args), args.max_steps, show, start_step, args.logging_steps)
+    breakers = Breakers(
+        {
+            "kl": ("kl", lambda v: v > args.breaker_max_kl),
+            "length_pinned": ("completions/clipped_ratio", lambda v: v >= args.breaker_max_clipped_ratio),
+            "length_exploding": (
+                "completions/mean_length",
+                lambda v: v > args.breaker_max_length_growth * state["start_length"],
+            ),
+            "reward_std_zero": ("frac_reward_zero_std", lambda v: v >= args.breaker_max_frac_zero_std),
+        },
+        args.breaker_patience,
+        state,
+        at_once={"nonfinite": ("nonfinite_updates", lambda v: v >= args.breaker_max_nonfinite)},
+        prefix="grpo: ",
+    )
+    engine = None
+    generate = functools.partial(hf_generate, model, tokenizer)  # model.generate on the live policy
+    if args.engine == "vllm":  # a colocated vLLM serving the starting adapter, synced after every update
+        engine = VLLMEngine(
+            args.model,
+            model,
+            tokenizer,
+            args.vllm_gpu_memory_utilization,
+            args.max_prompt_length + args.max_completion_length,
+            resolve_dtype(args.dtype, device),
+            args.quantization,
+            args.seed,
+            args.vllm_canary_threshold,
+        )
+        generate = engine.generate
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by
         logger.log(0, reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src))
 
     # ---- 4 loop: rollout -> rewards -> advantages -> (old, ref) log-probs -> num_iterations clipped updates
     model.train()
-    history, metrics, active, interrupt = [], {}, set(), StopOnCtrlC()  # Ctrl-C: stop after the step (last: finish)
+    history = []
+    metrics = {}
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    for step in interrupt.watch(range(start_step, args.max_steps)):  # any way out restores the old SIGINT handler
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    for step in interrupt.watch(range(start_step, args.max_steps)):
         timer = PhaseTimer()
         batch = micro_batch(examples, step, args.prompts_per_step, args.seed, drop_last=True)
         # (1) rollout: G completions per prompt, groups contiguous (eval mode + no_grad inside the engine)
@@ -374,18 +678,22 @@ def main(args: Args) -> dict:
         sample_rows = [row for row in batch for _ in range(G)]  # each prompt's row once per sample of its group
         rewards, per_func = score_rollout(sample_rows, out, reward_funcs, args.max_completion_length)
         advantages, std_grouped = group_advantages(rewards, G, args.scale_rewards)
+        advantages = advantages.to(device)
         timer.mark("reward")
         completion_mask = rollout_mask(out, args.mask_truncated_completions, device)  # (n, C)
         n, width = completion_mask.shape
         # Micro-batches hold whole groups: each prompt then goes through the backbone once for its G completions.
-        micro = [slice(i, i + args.groups_per_micro_batch * G) for i in range(0, n, args.groups_per_micro_batch * G)]
+        size = args.groups_per_micro_batch * G
+        micro = [slice(i, i + size) for i in range(0, n, size)]
         logps_of = functools.partial(
             rollout_logps, model, out, group_size=G, pad_id=pad_id, temperature=args.temperature, width=width
         )
         # (3) pi_old: with one update per rollout pi_old = pi_theta, so old = logps.detach() (ratio exactly 1, as
         # TRL); with several, the sampling policy's log-probs are frozen here once, before the first update.
-        with torch.no_grad():
-            old = [logps_of(s)[0] for s in micro] if args.num_iterations > 1 else None
+        old = None
+        if args.num_iterations > 1:
+            with torch.no_grad():
+                old = [logps_of(s)[0] for s in micro]
         timer.mark("train")
         # (4) reference log-probs ("ref" adapter, eval, no grad); none when the KL term is off
         ref = None
@@ -393,52 +701,70 @@ def main(args: Args) -> dict:
             with as_reference(model):
                 ref = [logps_of(s)[0] for s in micro]
         timer.mark("reference")
-        # (5) num_iterations updates over all micro-batches, with the step's token normaliser fixed first: exact sums
-        num_items, advantages, stats, losses = completion_mask.sum(), advantages.to(device), {}, []
+        # (5) num_iterations updates over all micro-batches, the step's token count fixed first: exact sums
+        num_items = completion_mask.sum()
+        stats = {}
+        losses = []
         for _ in range(args.num_iterations):
             loss_sum = 0.0
-            for j, s in enumerate(micro):
-                per_token_logps, entropy = logps_of(s, return_entropy=True)
+            for j, rows_j in enumerate(micro):
+                per_token_logps, entropy = logps_of(rows_j, return_entropy=True)
                 per_token_loss, per_token_kl, is_low_clipped, is_high_clipped = grpo_per_token_loss(
                     per_token_logps=per_token_logps,
                     old_per_token_logps=per_token_logps.detach() if old is None else old[j],
                     ref_per_token_logps=None if ref is None else ref[j],
-                    advantages=advantages[s],
+                    advantages=advantages[rows_j],
                     epsilon=args.epsilon,
-                    epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+                    epsilon_high=epsilon_high,
                     beta=args.beta,
                 )
-                loss = aggregate_loss(
-                    per_token_loss, completion_mask[s], args.loss_type, args.max_completion_length, num_items, n
-                )
+                mask = completion_mask[rows_j]
+                loss = aggregate_loss(per_token_loss, mask, args.loss_type, args.max_completion_length, num_items, n)
                 loss.backward()
                 loss_sum += loss.item()
-                add_token_stats(stats, completion_mask[s], per_token_kl, entropy, is_low_clipped, is_high_clipped)
+                add_token_stats(stats, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped)
             losses.append(loss_sum)
-            grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
-            state["nonfinite_updates"] += not stepped
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+            if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
+                optimizer.step()
+                scheduler.step()
+            else:
+                state["nonfinite_updates"] += 1
+            optimizer.zero_grad(set_to_none=True)
         canary = engine.sync(model) if engine else None  # vLLM serves the updated adapter from the next rollout on
         timer.mark("train")
-        # (6) log, eval, save, circuit breakers
+        # (6) log, eval, save, stop
         metrics = rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out)
         metrics |= update_metrics(stats, args.beta, losses, grad_norm, scheduler.get_last_lr()[0])
-        metrics |= run_metrics(timer, out, state["nonfinite_updates"], canary)
-        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == args.max_steps):
+        metrics["nonfinite_updates"] = state["nonfinite_updates"]
+        # the step's cost; tokens as if unshared, comparable with TRL's
+        metrics |= timer.metrics(sum(map(len, out["prompt_ids"] + out["completion_ids"])))
+        if canary is not None:
+            metrics["vllm/canary_logp_diff"] = canary
+        last = step + 1 == args.max_steps
+        if eval_examples and args.eval_steps and ((step + 1) % args.eval_steps == 0 or last):
             metrics |= reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src)
         history.append({"step": step + 1, **metrics})
-        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
-        active = check_breakers(state, history[-1], args, active)  # before the save: the checkpoint has this step
+        logger.log(step + 1, metrics)
+        state.setdefault("start_length", metrics["completions/mean_length"])  # the first step's, for the breaker
+        fired = breakers.update(step + 1, metrics)  # before the save: the checkpoint has this step
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        if (ctrl_c := interrupt.requested and step + 1 < args.max_steps) or (active and args.breaker_action == "stop"):
-            why = "Ctrl-C" if ctrl_c else "circuit breaker " + ", ".join(sorted(active))
-            out = {**metrics, "history": history, "run_dir": run_dir, "stopped_by": sorted(active)}
-            stop_run("grpo", why, run_dir, step + 1, model, optimizer, scheduler, state, args, out)
+            checkpoints.save(step + 1, model, optimizer, scheduler, state)
+        stop = None
+        if interrupt.requested and not last:
+            stop = "Ctrl-C"
+        elif fired and args.breaker_action == "stop":
+            stop = "circuit breaker " + ", ".join(sorted(fired))
+        if stop:
+            result = {**metrics, "history": history, "run_dir": run_dir, "stopped_by": sorted(fired)}
+            raise checkpoints.stop(stop, step + 1, model, optimizer, scheduler, state, result)
 
     # ---- 5 save: the "default" adapter alone, loadable by plain PEFT, with the tokenizer
-    final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])
+    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
     logger.close()
-    keys = ["reward"] + [f"rewards/{name}/mean" for name, _, _ in reward_funcs if len(reward_funcs) > 1]
+    keys = ["reward"]
+    if len(reward_funcs) > 1:
+        keys += [f"rewards/{name}/mean" for name, _, _ in reward_funcs]
     keys += sorted({k for h in logger.history for k in h if k.endswith("/accuracy")})  # held-out: before -> after
     took = f"{time.perf_counter() - t_start:.0f} s for {args.max_steps - start_step} steps; run dir {run_dir}"
     print(f"grpo: {logger.trend(*keys)}, kl {metrics.get('kl', 0.0):.4f}, {took}, adapter {final_dir}")

@@ -16,6 +16,8 @@ Differences from TRL's KTOTrainer defaults:
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
+import dataclasses
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -25,14 +27,20 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_prompt_completion, load_rows, micro_batch, tokenize_dataset, training_steps
-from common.data import DataError, validate_rows
-from common.logps import completion_logps
-from common.memory import check_memory
-from common.model import as_reference, load_policy, trainable_parameters
-from common.run import Logger, PhaseTimer, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import ArgsError, print_config, stop_run, training_config
+from common.data import concat_prompt_completion, load_rows, micro_batch, setup_chat_template, tokenize_dataset
+from common.data import training_steps, validate_rows
+from common.errors import ArgsError, DataError
+from common.model import as_reference, attach_lora, completion_logps, disable_dropout, load_model, save_final
+from common.model import seed_everything, snapshot_ref, trainable_parameters
+
+# The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
+# that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
+from harness.checkpoints import Checkpoints, run_identity
+from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.hub import check_dataset, locate_model
+from harness.memory import Pass, Trained, longest_row, plan_memory
+from harness.run import Logger, PhaseTimer, make_run_dir
+from plugins.builtin_math import builtin_rows
 
 
 @dataclass
@@ -172,34 +180,107 @@ def kto_batches(examples: list[dict], pad_id: int, max_length: int, device):
     ]
 
 
+# ------------------------------------------------------------------------------- what the harness reads
+def check_args(args: Args) -> None:
+    """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
+    positive(args, "learning_rate", "max_grad_norm")
+    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "lora_r")
+    at_least(args, 1, "max_length")
+    at_least(args, 0, "save_steps", "warmup_steps", "save_total_limit", "beta", "weight_decay", "num_train_epochs")
+    if args.max_steps < -1:
+        raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
+    if args.per_device_train_batch_size < 2:  # the KL term pairs each row's prompt with ANOTHER row's completion
+        raise ArgsError(f"--per-device-train-batch-size {args.per_device_train_batch_size}: KTO needs >= 2 rows")
+
+
+def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
+    """The memory plan of one micro-batch (harness.memory): the policy's forward and backward, then the no-grad
+    passes (mismatched pairs, the reference) while its graph is held. Returns (plan, gradient checkpointing)."""
+    bs = args.per_device_train_batch_size
+    T = min(args.max_length, longest_row(rows) or args.max_length)
+    step = [Pass(bs, T, bs * T, grad=True), Pass(bs, T, bs * T, name="reference pass")]
+    trained = Trained(
+        args.dtype,
+        args.quantization,
+        args.lora_r,
+        dropout=args.lora_dropout > 0 and not args.disable_dropout,
+        frozen_copies=1,
+        flash_attention=args.attn_implementation == "flash_attention_2",
+    )
+    return plan_memory(
+        args.model,
+        trained,
+        {"step": step},
+        checkpointing=args.gradient_checkpointing,
+        adapter=args.adapter,
+        disable_dropout=args.disable_dropout,
+        knobs=[
+            ("per_device_train_batch_size", bs, 1),
+            ("quantization", args.quantization, "4bit"),
+            ("max_length", args.max_length, 64),
+        ],
+        ignore=args.ignore_memory_plan,
+        refuse=not args.plan,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def config_lines(args: Args, n_rows: int) -> dict[str, str]:
+    """What this run will do, for the start-up block."""
+    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
+        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
+        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), "
+        f"LoRA r {args.lora_r}",
+        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
+        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
+    }
+
+
 def main(args: Args) -> dict:
-    # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    # ---- 1 setup
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
-    if args.per_device_train_batch_size < 2:  # the KL term pairs each row's prompt with ANOTHER row's completion
-        raise ArgsError(f"--per-device-train-batch-size {args.per_device_train_batch_size}: KTO needs >= 2 rows")
-    rows = load_rows(args.dataset, args.dataset_split)
+
+    # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
+    check_dataset(args.dataset)
+    rows = load_rows(args.dataset, args.dataset_split, builtin=builtin_rows)
     if rows and "chosen" in rows[0] and "rejected" in rows[0]:
         rows = unpair(validate_rows(rows, "preference"))
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns
     if len(rows) < 2:  # (tokenize_dataset's drops are checked again below)
         raise DataError(f"{args.dataset}: one row; KTO needs >= 2 (its KL pairs take another row's completion)")
+    print_config("kto", args.preset, args.model, config_lines(args, len(rows)))
+    plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
+    if args.plan:
+        return {"memory_plan": plan}
 
-    # ---- 2 model: policy = base + "default" LoRA; reference = frozen copy of it in "ref" (same backbone)
-    print_config("kto", args, training_config(args, len(rows)))
-    args = check_memory(args, "kto", rows)  # the plan (checkpointing on if it needs it); --plan exits here
+    # ---- 3 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (same backbone)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    # TRL's default: no dropout anywhere, a loaded adapter's included; "ref" = the starting policy (base or --adapter)
-    model, tokenizer = load_policy(args, reference=True, no_dropout=args.disable_dropout)
-    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
-
-    # ---- 3 data, optimizer, run dir
+    model, tokenizer = load_model(
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        checkpointing,
+        args.trust_remote_code,
+        path=locate_model(args.model),
+    )
+    setup_chat_template(tokenizer, args.template)
+    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
+        disable_dropout(model)
+    snapshot_ref(model)  # "ref" = the starting policy (the base, or --adapter), taken before any update
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
     examples = tokenize_dataset(tokenizer, rows, "binary", args.max_length, max_prompt_length=args.max_prompt_length)
     if len(examples) < 2:
         raise DataError(f"{args.dataset}: one row left after tokenization; KTO needs >= 2 (raise --max-length)")
-    bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), args)
+    bs = args.per_device_train_batch_size
+    ga = args.gradient_accumulation_steps
+    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
     # A micro-batch with one class only is trained as TRL does (the loss is the mean over the rows it has, z0 is
     # estimated as usual); that step logs no rewards/margins and only one of rewards/chosen|rejected.
     batches = [micro_batch(examples, i, bs, args.seed, min_rows=2) for i in range(total_steps * ga)]  # KL needs 2
@@ -211,19 +292,29 @@ def main(args: Args) -> dict:
             "A larger --per-device-train-batch-size makes them rarer.",
             stacklevel=2,
         )
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    # restores "ref" too, checked against the hash saved with it
-    resumed = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
-    start_step, nonfinite = resumed["step"], resumed["trainer_state"].get("nonfinite_updates", 0)  # skipped so far
-    logger = Logger(run_dir, args, total_steps, show=("loss", "kl"), start_step=start_step)
+    checkpoints = Checkpoints(run_dir, run_identity(model, args), keep=args.save_total_limit)
+    start_step, state = checkpoints.resume(  # restores "ref" too, checked against the hash saved with it
+        args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
+    )
+    nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
+    show = ("loss", "kl")
+    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
 
     # ---- 4 loop
     model.train()
-    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
-    for step in interrupt.watch(range(start_step, total_steps)):  # any way out restores the old SIGINT handler
+    metrics = {}
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
+    for step in interrupt.watch(range(start_step, total_steps)):
         timer = PhaseTimer()
-        loss_sum, z0_sum, tokens, labels, rewards, logps_all = 0.0, 0.0, 0, [], [], []
+        loss_sum = 0.0
+        z0_sum = 0.0
+        tokens = 0
+        labels = []
+        rewards = []
+        logps_all = []
         for i in range(ga):
             chunk = batches[step * ga + i]
             matched, mismatched = kto_batches(chunk, pad_id, args.max_length, device)
@@ -231,7 +322,8 @@ def main(args: Args) -> dict:
             with torch.no_grad():  # TRL: the KL estimate takes no gradient, the policy side included
                 kl_logps = completion_logps(model, mismatched)[0]
             with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
-                ref_logps, ref_kl_logps = completion_logps(model, matched)[0], completion_logps(model, mismatched)[0]
+                ref_logps = completion_logps(model, matched)[0]
+                ref_kl_logps = completion_logps(model, mismatched)[0]
             z0 = kto_reference_point(kl_logps, ref_kl_logps)
             label = torch.tensor([e["label"] for e in chunk], device=device)
             losses, reward = kto_loss(
@@ -245,15 +337,23 @@ def main(args: Args) -> dict:
             )
             loss = losses.mean()  # TRL: weighted per-class sums / B
             (loss / ga).backward()  # / GA: the step's loss is the mean of its micro-batch losses, as TRL's Trainer
-            loss_sum, z0_sum = loss_sum + loss.item() / ga, z0_sum + z0.item() / ga
+            loss_sum += loss.item() / ga
+            z0_sum += z0.item() / ga
             tokens += int(matched["attention_mask"].sum())
             labels.append(label)
             rewards.append(reward)
             logps_all.append(logps.detach())
-        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
-        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
+            optimizer.step()
+            scheduler.step()
+        else:
+            nonfinite += 1
+        optimizer.zero_grad(set_to_none=True)
         metrics = {"loss": loss_sum, "kl": z0_sum, "nonfinite_updates": nonfinite}
-        label, reward, logps = torch.cat(labels), torch.cat(rewards), torch.cat(logps_all)
+        label = torch.cat(labels)
+        reward = torch.cat(rewards)
+        logps = torch.cat(logps_all)
         for name, rows_of_class in (("chosen", label), ("rejected", ~label)):
             if rows_of_class.any():  # TRL's names; a class absent from the step is not logged (as TRL)
                 metrics[f"rewards/{name}"] = reward[rows_of_class].mean().item()
@@ -272,12 +372,12 @@ def main(args: Args) -> dict:
         logger.log(step + 1, metrics)  # every --logging-steps steps and the last
         state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
+            checkpoints.save(step + 1, model, optimizer, scheduler, state)
         if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
-            stop_run("kto", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
+            raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
-    final_dir = save_final(run_dir, model, tokenizer)
+    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     print(f"kto: {logger.trend('loss', 'kl')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}

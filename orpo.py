@@ -13,6 +13,7 @@ Differences from TRL's ORPOTrainer defaults:
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -23,13 +24,19 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_pairs, load_splits, micro_batch, tokenize_dataset, training_steps
-from common.logps import masked_mean, sequence_logps
-from common.memory import check_memory
-from common.model import load_policy, trainable_parameters
-from common.run import Logger, PhaseTimer, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import print_config, stop_run, training_config
+from common.data import concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset, training_steps
+from common.errors import ArgsError
+from common.model import attach_lora, disable_dropout, load_model, masked_mean, save_final, seed_everything
+from common.model import sequence_logps, trainable_parameters
+
+# The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
+# that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
+from harness.checkpoints import Checkpoints, run_identity
+from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.hub import check_dataset, locate_model
+from harness.memory import Pass, Trained, longest_row, plan_memory
+from harness.run import Logger, PhaseTimer, make_run_dir
+from plugins.builtin_math import builtin_rows
 
 
 @dataclass
@@ -156,37 +163,120 @@ def orpo_loss(*, nll_loss, chosen_logps, rejected_logps, beta=0.1):
     return nll_loss - beta * F.logsigmoid(log_odds).mean(), log_odds
 
 
+# ------------------------------------------------------------------------------- what the harness reads
+def check_args(args: Args) -> None:
+    """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
+    positive(args, "learning_rate", "max_grad_norm")
+    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "lora_r")
+    at_least(args, 1, "max_length")
+    at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "beta", "weight_decay")
+    at_least(args, 0, "num_train_epochs")
+    if args.max_steps < -1:
+        raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
+
+
+def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
+    """The memory plan of one micro-batch of pairs (harness.memory): one forward and backward over its [chosen;
+    rejected] rows; ORPO has no reference. Returns (plan, gradient checkpointing)."""
+    rows_n = 2 * args.per_device_train_batch_size  # chosen + rejected
+    T = min(args.max_length, longest_row(rows) or args.max_length)
+    trained = Trained(
+        args.dtype,
+        args.quantization,
+        args.lora_r if args.use_lora else None,
+        dropout=args.lora_dropout > 0 and not args.disable_dropout,
+        flash_attention=args.attn_implementation == "flash_attention_2",
+    )
+    bs = args.per_device_train_batch_size
+    return plan_memory(
+        args.model,
+        trained,
+        {"step": [Pass(rows_n, T, rows_n * T, grad=True)]},
+        checkpointing=args.gradient_checkpointing,
+        adapter=args.adapter,
+        disable_dropout=args.disable_dropout,
+        knobs=[
+            ("per_device_train_batch_size", bs, 1),
+            ("quantization", args.quantization, "4bit"),
+            ("max_length", args.max_length, 64),
+        ],
+        ignore=args.ignore_memory_plan,
+        refuse=not args.plan,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def config_lines(args: Args, n_rows: int) -> dict[str, str]:
+    """What this run will do, for the start-up block."""
+    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
+    lora = f"LoRA r {args.lora_r}" if args.use_lora else "full fine-tuning"
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
+        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
+        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), {lora}",
+        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
+        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
+    }
+
+
 def main(args: Args) -> dict:
-    # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    # ---- 1 setup
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
-    rows, eval_rows = load_splits(args, "preference")  # validated; eval_rows [] without --eval-split
 
-    # ---- 2 model: the policy only (ORPO has no reference)
-    print_config("orpo", args, training_config(args, len(rows)))
-    args = check_memory(args, "orpo", rows)  # the plan (checkpointing on if it needs it); --plan exits here
+    # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
+    check_dataset(args.dataset)
+    rows, eval_rows = load_splits(
+        args.dataset, args.dataset_split, args.eval_split, "preference", args.eval_steps, builtin=builtin_rows
+    )  # eval_rows [] without --eval-split
+    print_config("orpo", args.preset, args.model, config_lines(args, len(rows)))
+    plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
+    if args.plan:
+        return {"memory_plan": plan}
+
+    # ---- 3 model: the policy only (ORPO has no reference)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    # TRL's default: no dropout anywhere, a loaded adapter's included
-    model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)
-    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+    model, tokenizer = load_model(
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        checkpointing,
+        args.trust_remote_code,
+        path=locate_model(args.model),
+    )
+    setup_chat_template(tokenizer, args.template)
+    if args.use_lora:
+        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
+        disable_dropout(model)
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
 
-    # ---- 3 data, optimizer, run dir
     def prepare(rs):
         return tokenize_dataset(tokenizer, rs, "preference", args.max_length, max_prompt_length=args.max_prompt_length)
 
-    examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
-    bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), args)
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    examples = prepare(rows)
+    eval_examples = prepare(eval_rows) if eval_rows else []
+    bs = args.per_device_train_batch_size
+    ga = args.gradient_accumulation_steps
+    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    resumed = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
-    start_step, nonfinite = resumed["step"], resumed["trainer_state"].get("nonfinite_updates", 0)  # skipped so far
-    logger = Logger(run_dir, args, total_steps, show=("loss", "rewards/accuracies"), start_step=start_step)
+    checkpoints = Checkpoints(run_dir, run_identity(model, args), keep=args.save_total_limit)
+    start_step, state = checkpoints.resume(
+        args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
+    )
+    nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
+    show = ("loss", "rewards/accuracies")
+    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
 
     def pair_losses(chunk):
         """ORPO loss of one micro-batch and its metrics; one forward scores chosen and rejected together."""
-        batch, half = concat_pairs(chunk, pad_id, device), len(chunk)
+        batch = concat_pairs(chunk, pad_id, device)
+        half = len(chunk)
         mask = batch["completion_mask"]
         nll_mask = mask.clone()
         if not args.completion_only_loss:
@@ -200,7 +290,8 @@ def main(args: Args) -> dict:
         loss, log_odds = orpo_loss(
             nll_loss=nll_loss, chosen_logps=chosen_logps, rejected_logps=rejected_logps, beta=args.beta
         )
-        chosen, rejected = args.beta * chosen_logps.detach(), args.beta * rejected_logps.detach()  # TRL's rewards
+        chosen = args.beta * chosen_logps.detach()  # TRL's rewards
+        rejected = args.beta * rejected_logps.detach()
         return loss, {
             "loss": loss.item(),
             "nll_loss": nll_loss.item(),
@@ -222,41 +313,46 @@ def main(args: Args) -> dict:
 
     # ---- 4 loop
     model.train()
-    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
-    for step in interrupt.watch(range(start_step, total_steps)):  # any way out restores the old SIGINT handler
-        stats, loss_sum, timer = [], 0.0, PhaseTimer()
+    metrics = {}
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
+    for step in interrupt.watch(range(start_step, total_steps)):
+        stats = []
+        loss_sum = 0.0
+        timer = PhaseTimer()
         for i in range(ga):
             loss, micro_stats = pair_losses(micro_batch(examples, step * ga + i, bs, args.seed))
             (loss / ga).backward()  # each micro loss is a mean over its pairs (TRL: the Trainer divides by GA)
             stats.append(micro_stats)
             loss_sum += loss.item() / ga
-        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
-        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
+            optimizer.step()
+            scheduler.step()
+        else:
+            nonfinite += 1
+        optimizer.zero_grad(set_to_none=True)
         metrics = mean_of(stats)
-        metrics.update(
-            {
-                "grad_norm": grad_norm,
-                "nonfinite_updates": nonfinite,
-                "learning_rate": scheduler.get_last_lr()[0],
-                "epoch": (step + 1) * ga / batches_per_epoch,
-                **timer.metrics(metrics["num_tokens"]),
-            }
-        )
-        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
+        metrics["grad_norm"] = grad_norm
+        metrics["nonfinite_updates"] = nonfinite
+        metrics["learning_rate"] = scheduler.get_last_lr()[0]
+        metrics["epoch"] = (step + 1) * ga / batches_per_epoch
+        metrics |= timer.metrics(metrics["num_tokens"])
+        last = step + 1 == total_steps
+        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or last):
             model.eval()  # the same loss and metrics over the eval pairs, without grad (equal-weight batches)
             with torch.no_grad():
                 out = mean_of([pair_losses(eval_examples[i : i + bs])[1] for i in range(0, len(eval_examples), bs)])
             model.train()
-            metrics.update({f"eval/{k}": v for k, v in out.items() if k != "num_tokens"})
-        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
+            metrics |= {f"eval/{k}": v for k, v in out.items() if k != "num_tokens"}
+        logger.log(step + 1, metrics)
         state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
-            stop_run("orpo", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
+            checkpoints.save(step + 1, model, optimizer, scheduler, state)
+        if interrupt.requested and not last:
+            raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
-    final_dir = save_final(run_dir, model, tokenizer)
+    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     print(f"orpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}

@@ -16,6 +16,7 @@ Differences from the reference implementations (TRL has no RAFT/SPIN trainer; LM
 - SPIN: prompts_per_round prompts an iteration (NeMo-Aligner: all); no mixing in of iteration t-1's data (the paper's).
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -30,18 +31,26 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common.data import DataError, collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, tokenize_dataset
-from common.data import validate_rows
-from common.logps import completion_logps, sequence_logps
-from common.memory import check_memory
-from common.model import as_reference, load_policy, save_weights, snapshot_ref, trainable_parameters
-from common.reward_model import bind_model_rewards
-from common.rewards import check_reward_fields, load_reward_funcs, score_rollout
-from common.rollout import hf_generate
-from common.run import check_run_identity
-from common.run import Logger, guarded_step, make_run_dir, peak_memory_gb, print_config, resolve_preset, save_final
-from common.run import ResumeError, RunStopped, StopOnCtrlC, check_args, one_line_errors, check_finite, seed_everything
-from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
+from common.data import collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, setup_chat_template
+from common.data import tokenize_dataset, validate_rows
+from common.errors import DataError, ResumeError, RunStopped
+from common.model import as_reference, attach_lora, check_finite, completion_logps, disable_dropout, load_model
+from common.model import save_final, save_weights, seed_everything, sequence_logps, snapshot_ref, trainable_parameters
+from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
+from common.rollout import check_sampling, hf_generate
+from evals.common_eval import evaluate_gsm8k, gsm8k_rows
+
+# The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
+# that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
+from harness.checkpoints import check_run_dir_identity, run_identity
+from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.hub import check_dataset, locate_model
+from harness.memory import Generate, Pass, Trained, longest_row, plan_memory
+from harness.run import Logger, make_run_dir, peak_memory_gb
+from plugins.builtin_math import builtin_rows
+from plugins.code import code_reward
+from plugins.judge import api_reward
+from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
 
 
 @dataclass
@@ -165,6 +174,8 @@ PRESET_VALUES = {  # field: (demo, gsm8k)
     "eval_limit": (100, 500),
 }
 PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
+# --rewards names: the rule rewards, the sandboxed code tests and the API judge (model:<dir> is read by model_reward)
+REWARDS = REWARD_FUNCS | {"code": code_reward, "api": api_reward}
 
 
 def dpo_sigmoid_loss(*, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float):
@@ -216,7 +227,8 @@ def spin_pairs(rows: list[dict], generations: list[str | None]) -> list[dict]:
 def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dict, model=None) -> str:
     """Write run_dir/round-n atomically: the JSONL files, metrics.json and the "default" adapter go into a temp dir
     that is renamed into place last, so a round dir exists only when it is complete."""
-    final, tmp = os.path.join(run_dir, f"round-{n}"), os.path.join(run_dir, f".tmp-round-{n}")
+    final = os.path.join(run_dir, f"round-{n}")
+    tmp = os.path.join(run_dir, f".tmp-round-{n}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash inside this round
     os.makedirs(tmp)
     for name, rows in files.items():
@@ -251,21 +263,30 @@ def dpo_step(model, chunk: list[dict], pad_id: int, device, beta: float):
         ref_rejected_logps=ref_rejected_logps,
         beta=beta,
     )
-    accuracy, margin = (chosen > rejected).float().mean().item(), (chosen - rejected).mean().item()
+    accuracy = (chosen > rejected).float().mean().item()
+    margin = (chosen - rejected).mean().item()
     return losses.mean(), {"rewards/accuracies": accuracy, "rewards/margins": margin}
 
 
 def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, prefix: str, seed: int) -> dict:
     """num_train_epochs over the examples with a fresh AdamW (constant lr); each value's mean over the steps."""
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr, weight_decay=args.weight_decay)
-    bs, totals, skipped = args.per_device_train_batch_size, {}, 0
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
+    bs = args.per_device_train_batch_size
+    totals = {}
+    skipped = 0
     steps = math.ceil(math.ceil(len(examples) / bs) * args.num_train_epochs)  # each epoch's batches, its last short
     model.train()
     for step in range(steps):
         loss, stats = step_loss(micro_batch(examples, step, bs, seed))
         loss.backward()
-        stats["grad_norm"], stepped = guarded_step(model, optimizer, None, loss.item(), args.max_grad_norm)
-        skipped += not stepped  # a NaN/Inf loss or gradient: that update is skipped
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        if math.isfinite(loss.item()) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
+            optimizer.step()
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        stats["grad_norm"] = grad_norm
         for k, v in {"loss": loss.item(), **stats}.items():
             totals[prefix + k] = totals.get(prefix + k, 0.0) + v / steps
     return {**totals, prefix + "steps": steps, prefix + "nonfinite_updates": skipped}
@@ -275,7 +296,8 @@ def evaluate(model, tokenizer, eval_rows: list[dict], args: Args) -> tuple[dict,
     """Greedy held-out accuracy (evals.gsm8k: math_reward on the final answer) and the per-prompt records."""
     if not eval_rows:
         return {}, []
-    t0, key = time.perf_counter(), f"eval/{dataset_label(args.eval_dataset)}/accuracy"
+    t0 = time.perf_counter()
+    key = f"eval/{dataset_label(args.eval_dataset)}/accuracy"
     result = evaluate_gsm8k(model, tokenizer, eval_rows, args.eval_batch_size, args.max_completion_length)
     return {key: result["accuracy"], "time/eval": time.perf_counter() - t0}, result["records"]
 
@@ -302,8 +324,11 @@ def kept_and_pairs(batch: list[dict], samples: list[dict], scores, args: Args) -
     sft_rows = [{k: samples[i * G + j][k] for k in ("prompt", "completion", "reward")} for i, j in kept]
     pair_rows = []
     for i, c, r in make_pairs(scores, args.min_margin):
-        chosen, rejected = samples[i * G + c]["completion"], samples[i * G + r]["completion"]
-        row = {"prompt": batch[i]["prompt"], "chosen": chosen, "rejected": rejected}
+        row = {
+            "prompt": batch[i]["prompt"],
+            "chosen": samples[i * G + c]["completion"],
+            "rejected": samples[i * G + r]["completion"],
+        }
         pair_rows.append(row | {"score_chosen": scores[i, c].item(), "score_rejected": scores[i, r].item()})
     return sft_rows, pair_rows
 
@@ -334,49 +359,131 @@ def config_lines(args: Args, n_rows: int, n_eval: int, group_size: int, use_ref:
     }
 
 
+# ------------------------------------------------------------------------------- what the harness reads
+def check_args(args: Args) -> None:
+    """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
+    positive(args, "learning_rate", "dpo_learning_rate", "max_grad_norm", "temperature")
+    at_least(args, 1, "group_size", "max_completion_length", "prompts_per_round", "num_rounds", "keep_per_prompt")
+    at_least(
+        args, 1, "eval_batch_size", "generation_batch_size", "lora_r", "max_length", "per_device_train_batch_size"
+    )
+    at_least(args, 0, "eval_limit", "beta", "weight_decay", "num_train_epochs")
+    check_sampling(args.top_p, args.top_k)
+
+
+def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
+    """The memory plan of a round (harness.memory): sampling a slice of --generation-batch-size prompts, and an
+    update step (SFT rows, or with a DPO loss [chosen; rejected] pairs and the reference's no-grad pass while the
+    policy's graph is held). Returns (plan, gradient checkpointing)."""
+    use_ref = args.mode == "spin" or args.dpo
+    G = 1 if args.mode == "spin" else args.group_size
+    P = min(args.max_prompt_length, longest_row(rows) or args.max_prompt_length)
+    C = args.max_completion_length
+    T = min(args.max_length, P + C)  # a prompt and one sample
+    n = 2 * args.per_device_train_batch_size if use_ref else args.per_device_train_batch_size
+    step = [Pass(n, T, n * T, grad=True)]
+    if use_ref:
+        step.append(Pass(n, T, n * T, name="reference pass"))
+    prompts = min(args.prompts_per_round, args.generation_batch_size)
+    trained = Trained(
+        args.dtype,
+        args.quantization,
+        args.lora_r,
+        dropout=args.lora_dropout > 0 and not use_ref,  # a DPO loss runs with dropout off
+        frozen_copies=int(use_ref),
+        flash_attention=args.attn_implementation == "flash_attention_2",
+    )
+    knobs = [
+        ("per_device_train_batch_size", args.per_device_train_batch_size, 1),
+        ("quantization", args.quantization, "4bit"),
+        ("max_completion_length", C, 64),
+        ("max_length", args.max_length, 64),
+        ("group_size", args.group_size, 2),
+    ]
+    if args.generation_batch_size < args.prompts_per_round:  # one generate() call per round already: no knob
+        knobs.insert(0, ("generation_batch_size", args.generation_batch_size, 1))
+    return plan_memory(
+        args.model,
+        trained,
+        {"step": step, "rollout": [Generate(prompts, G, P, C)]},
+        checkpointing=args.gradient_checkpointing,
+        adapter=args.adapter,
+        disable_dropout=use_ref,
+        knobs=knobs,
+        extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
+        ignore=args.ignore_memory_plan,
+        refuse=not args.plan,
+    )
+
+
 def main(args: Args) -> dict:
-    # ---- 1 setup: data, rewards and the run dir, all checked before any weights load
-    t_start, args, spin = time.perf_counter(), resolve_preset(args, PRESETS), args.mode == "spin"
+    # ---- 1 setup
+    t_start = time.perf_counter()
+    args = resolve_preset(args, PRESETS)
+    spin = args.mode == "spin"
     seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
     check_args(args)
-    G, use_ref = (1 if spin else args.group_size), spin or args.dpo  # "ref" exists only when a DPO loss runs
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split), "sft" if spin else "prompt")
-    if spin and (bad := [r["_loc"] for r in rows if not {"prompt", "completion"} <= r.keys()]):
+    G = 1 if spin else args.group_size
+    use_ref = spin or args.dpo  # "ref" exists only when a DPO loss runs
+
+    # ---- 2 data, rewards and the run dir, all checked before any weights load
+    check_dataset(args.dataset)
+    rows = validate_rows(
+        load_rows(args.dataset, args.dataset_split, builtin=builtin_rows), "supervised" if spin else "prompt"
+    )
+    bad = [r["_loc"] for r in rows if spin and not {"prompt", "completion"} <= r.keys()]
+    if bad:
         raise DataError(f"--mode spin needs {{prompt, completion}} rows (e.g. builtin:math_sft); {bad[0]} is not one")
     eval_rows = gsm8k_rows(args.eval_dataset, args.eval_split, args.eval_limit) if args.eval_limit else []
-    reward_funcs = [] if spin else load_reward_funcs(args.rewards)
+    reward_funcs = [] if spin else load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})
     check_reward_fields(rows, reward_funcs)  # e.g. `math` needs an `answer` column
-    print_config("raft", args, config_lines(args, len(rows), len(eval_rows), G, use_ref))
-    args = check_memory(args, "raft", rows)  # the plan (checkpointing on if it needs it); --plan exits here
+    print_config("raft", args.preset, args.model, config_lines(args, len(rows), len(eval_rows), G, use_ref))
+    plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
+    if args.plan:
+        return {"memory_plan": plan}
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
-    done = max([int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()], default=-1)
+    rounds = [int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()]
+    done = max(rounds, default=-1)
     if args.resume_from and not 0 <= done < args.num_rounds:  # nothing to continue, or nothing left to run
         why = f"round {done} is done, at or past this run's {args.num_rounds} rounds" if done >= 0 else "no round-N/"
         raise ResumeError(f"--resume-from {run_dir}: {why}")
 
-    # ---- 2 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
-    # With a DPO loss no dropout, as dpo.py: the policy (train mode) and "ref" (eval mode) then agree exactly
-    adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else None  # None: --adapter
-    model, tokenizer = load_policy(args, no_dropout=use_ref, adapter=adapter)
+    # ---- 3 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
+    model, tokenizer = load_model(
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        checkpointing,
+        path=locate_model(args.model),
+    )
+    setup_chat_template(tokenizer, args.template)
+    adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else args.adapter
+    model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if use_ref:  # with a DPO loss no dropout, as dpo.py: the policy (train mode) and "ref" (eval mode) then agree
+        disable_dropout(model)
     bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
-    check_run_identity(run_dir, model, args)  # a resumed run must be the same experiment (model, LoRA, math args)
-    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+    # A resumed run must be the same experiment (model, LoRA, math args); how many rounds may change
+    identity = run_identity(model, args, free=("num_rounds", "resume_from"))
+    check_run_dir_identity(run_dir, identity, args.resume_ignore_mismatch)
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
     sft_loss_of = functools.partial(sft_step, model, pad_id=pad_id, device=device)
     dpo_loss_of = functools.partial(dpo_step, model, pad_id=pad_id, device=device, beta=args.beta)
-
-    # ---- 3 data, eval of the starting policy
     examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
     acc_key = f"eval/{dataset_label(args.eval_dataset)}/accuracy"
-    logger = Logger(run_dir, args, args.num_rounds, show=("reward", "kept_fraction", acc_key), start_step=max(done, 0))
+    show = ("reward", "kept_fraction", acc_key)
+    logger = Logger(run_dir, dataclasses.asdict(args), args.num_rounds, show, start_step=max(done, 0))
     if done < 0:  # round 0: the starting policy's held-out accuracy, the baseline every round is compared to
         metrics, records = evaluate(model, tokenizer, eval_rows, args)
         write_round(run_dir, 0, {"eval.jsonl": records}, metrics)
         logger.log(0, metrics)
 
     # ---- 4 loop: rollout -> scores -> kept set and pairs -> SFT / DPO updates -> eval; each round saved atomically
-    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop after the round being written
-    for rnd in interrupt.watch(range(max(done, 0) + 1, args.num_rounds + 1)):  # any way out: old SIGINT handler
+    metrics = {}
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop after the round being written
+    for rnd in interrupt.watch(range(max(done, 0) + 1, args.num_rounds + 1)):
         t0 = time.perf_counter()
         if use_ref:
             snapshot_ref(model)  # "ref" = the policy this round starts from (SPIN: the opponent of iteration rnd)
@@ -385,7 +492,8 @@ def main(args: Args) -> dict:
         batch = micro_batch(examples, rnd - 1, args.prompts_per_round, args.seed)  # epoch-wise shuffled prompts
         # (1) rollout: K samples per prompt from the live policy (eval mode, no grad inside), in slices of
         # --generation-batch-size prompts joined in order, so each prompt's K samples stay contiguous
-        ids, n = [e["prompt_ids"] for e in batch], args.generation_batch_size
+        ids = [e["prompt_ids"] for e in batch]
+        n = args.generation_batch_size
         sampling = (G, args.temperature, args.top_p, args.top_k, args.max_completion_length)
         outs = [hf_generate(model, tokenizer, ids[i : i + n], *sampling) for i in range(0, len(ids), n)]
         out = {k: sum((o[k] for o in outs), []) for k in ("completion_ids", "completions", "truncated")}
@@ -409,7 +517,7 @@ def main(args: Args) -> dict:
             stats |= reward_stats(rewards, scores, per_func, reward_funcs, len(sft_rows), args)
         t2 = time.perf_counter()
         if sft_rows:  # (3) SFT on the kept samples: sft.py's loss, on the data exactly as written to sft.jsonl
-            sft_examples = tokenize_dataset(tokenizer, sft_rows, "sft", args.max_length)
+            sft_examples = tokenize_dataset(tokenizer, sft_rows, "supervised", args.max_length)
             stats |= run_phase(model, sft_examples, args, args.learning_rate, sft_loss_of, "sft/", args.seed + rnd)
         if use_ref and pair_rows:  # (4) DPO on the pairs against the round-start policy: dpo.py's sigmoid loss
             pairs = tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length)
@@ -429,12 +537,12 @@ def main(args: Args) -> dict:
             raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics)
 
     # ---- 5 save: the final policy alone in final/ (plain PEFT adapter + tokenizer), as the other scripts
-    final_dir = save_final(run_dir, model, tokenizer, adapters=["default"])
+    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
     logger.close()
-    accuracy = [
-        json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text()).get(acc_key, math.nan)
-        for n in range(args.num_rounds + 1)
-    ]  # from the files: rounds run before a resume included
+    accuracy = []  # from the files: rounds run before a resume included
+    for n in range(args.num_rounds + 1):
+        round_metrics = json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text())
+        accuracy.append(round_metrics.get(acc_key, math.nan))
     took = f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, adapter {final_dir}"
     print(f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, {took}")
     out = {"run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "accuracy_by_round": accuracy}

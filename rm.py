@@ -14,6 +14,7 @@ Differences from TRL's RewardTrainer defaults:
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -24,14 +25,21 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import DataError, collate_sft, concat_pairs, load_splits, micro_batch, tokenize_dataset
+from common.data import collate_sft, concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset
 from common.data import training_steps
-from common.memory import check_memory
-from common.model import load_policy, trainable_parameters, unwrap
-from common.reward_model import reward_logits, save_reward
-from common.run import Logger, PhaseTimer, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import print_config, stop_run, training_config
+from common.errors import ArgsError, DataError
+from common.model import attach_lora, disable_dropout, load_model, save_final, seed_everything, trainable_parameters
+from common.model import unwrap
+
+# The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
+# that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
+from harness.checkpoints import Checkpoints, run_identity
+from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.hub import check_dataset, locate_model
+from harness.memory import Pass, Trained, longest_row, plan_memory
+from harness.run import Logger, PhaseTimer, make_run_dir
+from plugins.builtin_math import builtin_rows
+from plugins.reward_model import reward_logits, save_reward
 
 
 @dataclass
@@ -144,7 +152,8 @@ def regression_loss(predictions, targets):
 
 def new_head(config, k: int, seed: int) -> torch.nn.Linear:
     """Linear(hidden, K, no bias) ~ N(0, initializer_range) as transformers, from its own seed (TRL gets the same)"""
-    head, generator = torch.nn.Linear(config.hidden_size, k, bias=False), torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(config.hidden_size, k, bias=False)
+    generator = torch.Generator().manual_seed(seed)
     head.weight.data.copy_(torch.randn(k, config.hidden_size, generator=generator) * config.initializer_range)
     return head
 
@@ -200,10 +209,12 @@ def row_targets(rows: list[dict], args: Args, names: list[str] | None = None) ->
     one (TRL decides by the first row too), else []; regression: the finite scores of `names` (default --attributes,
     else the first row's keys)."""
     if args.loss_type == "bradley_terry":
-        names, field = ["reward"], "margin"
+        names = ["reward"]
+        field = "margin"
         values = [[r.get(field)] if field in rows[0] else [] for r in rows]
     else:
-        names, field = names or args.attributes or list(rows[0].get("attributes") or {}), "attributes"
+        names = names or args.attributes or list(rows[0].get("attributes") or {})
+        field = "attributes"
         values = [[r[field].get(n) if isinstance(r.get(field), dict) else None for n in names] for r in rows]
     for r, v in zip(rows, values):
         if not names or not all(isinstance(x, int | float) and math.isfinite(x) for x in v):
@@ -212,54 +223,148 @@ def row_targets(rows: list[dict], args: Args, names: list[str] | None = None) ->
     return names, {r["_loc"]: [float(x) for x in v] for r, v in zip(rows, values)}
 
 
+# ------------------------------------------------------------------------------- what the harness reads
+def check_args(args: Args) -> None:
+    """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
+    positive(args, "learning_rate", "max_grad_norm")
+    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "lora_r")
+    at_least(args, 1, "max_length")
+    at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "weight_decay")
+    at_least(args, 0, "num_train_epochs", "center_rewards_coefficient")
+    if args.max_steps < -1:
+        raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
+
+
+def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
+    """The memory plan of one micro-batch (harness.memory): one forward and backward over its rows ([chosen;
+    rejected], or the regression rows), through the small reward head only. Returns (plan, checkpointing)."""
+    bs = args.per_device_train_batch_size
+    rows_n = bs if args.loss_type == "regression" else 2 * bs
+    T = min(args.max_length, longest_row(rows) or args.max_length)
+    trained = Trained(
+        args.dtype,
+        args.quantization,
+        args.lora_r,
+        dropout=args.lora_dropout > 0 and not args.disable_dropout,
+        flash_attention=args.attn_implementation == "flash_attention_2",
+    )
+    return plan_memory(
+        args.model,
+        trained,
+        {"step": [Pass(rows_n, T, rows_n * T, grad=True, vocab=False)]},
+        checkpointing=args.gradient_checkpointing,
+        adapter=args.adapter,
+        disable_dropout=args.disable_dropout,
+        knobs=[
+            ("per_device_train_batch_size", bs, 1),
+            ("quantization", args.quantization, "4bit"),
+            ("max_length", args.max_length, 64),
+        ],
+        ignore=args.ignore_memory_plan,
+        refuse=not args.plan,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def config_lines(args: Args, n_rows: int, attributes: list[str]) -> dict[str, str]:
+    """What this run will do, for the start-up block."""
+    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
+        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
+        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), "
+        f"LoRA r {args.lora_r}",
+        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
+        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
+        "head": f"{args.loss_type}: {attributes}",
+    }
+
+
 def main(args: Args) -> dict:
-    # ---- 1 setup: check the data before any weights load, so a bad row fails in seconds with its file:line
+    # ---- 1 setup
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
-    kind = "sft" if args.loss_type == "regression" else "preference"
-    rows, eval_rows = load_splits(args, kind)  # validated; eval_rows [] without --eval-split
+
+    # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
+    kind = "supervised" if args.loss_type == "regression" else "preference"
+    check_dataset(args.dataset)
+    rows, eval_rows = load_splits(
+        args.dataset, args.dataset_split, args.eval_split, kind, args.eval_steps, builtin=builtin_rows
+    )  # eval_rows [] without --eval-split
     attributes, targets = row_targets(rows, args)
     eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}
+    print_config("rm", args.preset, args.model, config_lines(args, len(rows), attributes))
+    plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
+    if args.plan:
+        return {"memory_plan": plan}
 
-    # ---- 2 model: base + trainable "default" LoRA (dropout off, as TRL), and the head
-    print_config("rm", args, training_config(args, len(rows)) | {"head": f"{args.loss_type}: {attributes}"})
-    args = check_memory(args, "rm", rows)  # the plan (checkpointing on if it needs it); --plan exits here
+    # ---- 3 model: base + trainable "default" LoRA (dropout off, as TRL), and the head
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_policy(args, no_dropout=args.disable_dropout)
-    device, pad_id = next(model.parameters()).device, tokenizer.pad_token_id
+    model, tokenizer = load_model(
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        checkpointing,
+        args.trust_remote_code,
+        path=locate_model(args.model),
+    )
+    setup_chat_template(tokenizer, args.template)
+    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.disable_dropout:
+        disable_dropout(model)
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
     # Registered on the model after the LoRA (all-linear would wrap it): clipped with it, checked for NaN. fp32.
-    unwrap(model).score = head = new_head(model.config, len(attributes), args.seed).to(device)
+    head = new_head(model.config, len(attributes), args.seed).to(device)
+    unwrap(model).score = head
 
-    # ---- 3 data, optimizer (LoRA + head), resume (the head's weights travel in the checkpoint's state.pt)
     def prepare(rs, target):  # tokenized rows with their target: [margin] / [] (bradley_terry) or K scores
         return [e | {"target": target[e["_loc"]]} for e in tokenize_dataset(tokenizer, rs, kind, args.max_length)]
 
-    examples, eval_examples = prepare(rows, targets), prepare(eval_rows, eval_targets) if eval_rows else []
-    bs, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), args)
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+    examples = prepare(rows, targets)
+    eval_examples = prepare(eval_rows, eval_targets) if eval_rows else []
+    bs = args.per_device_train_batch_size
+    ga = args.gradient_accumulation_steps
+    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    params = trainable_parameters(model)  # the LoRA and the head
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    state = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
-    start_step, nonfinite = state["step"], state["trainer_state"].get("nonfinite_updates", 0)  # skipped so far
+    checkpoints = Checkpoints(run_dir, run_identity(model, args), keep=args.save_total_limit)
+    start_step, state = checkpoints.resume(
+        args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
+    )
+    nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     if start_step:
         with torch.no_grad():
-            head.weight.copy_(state["trainer_state"]["head"])  # saved in the hashed state.pt
-    logger = Logger(run_dir, args, total_steps, show=("loss", "accuracy"), start_step=start_step)
+            head.weight.copy_(state["head"])  # saved in the hashed state.pt
+    show = ("loss", "accuracy")
+    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
 
     # ---- 4 loop
     model.train()
-    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
-    for step in interrupt.watch(range(start_step, total_steps)):  # any way out restores the old SIGINT handler
-        loss_sum, tokens, stats, timer = 0.0, 0, [], PhaseTimer()
+    metrics = {}
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
+    for step in interrupt.watch(range(start_step, total_steps)):
+        loss_sum = 0.0
+        tokens = 0
+        stats = []
+        timer = PhaseTimer()
         for i in range(ga):
             chunk = micro_batch(examples, step * ga + i, bs, args.seed)
             loss, micro_stats, micro_tokens = rm_batch(model, chunk, args, pad_id, device)
             (loss / ga).backward()  # each micro loss is a mean over its rows; / GA: the step's mean over all rows
-            loss_sum, tokens = loss_sum + loss.item() / ga, tokens + micro_tokens
+            loss_sum += loss.item() / ga
+            tokens += micro_tokens
             stats.append(micro_stats)
-        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
-        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
+            optimizer.step()
+            scheduler.step()
+        else:
+            nonfinite += 1
+        optimizer.zero_grad(set_to_none=True)
         metrics = {
             "loss": loss_sum,
             **rm_metrics(stats, attributes),
@@ -270,23 +375,25 @@ def main(args: Args) -> dict:
             "epoch": (step + 1) * ga / batches_per_epoch,
             **timer.metrics(tokens),
         }
-        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
+        last = step + 1 == total_steps
+        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or last):
             metrics |= evaluate(model, eval_examples, args, attributes, pad_id, device)
-        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
+        logger.log(step + 1, metrics)
         state = {"head": head.weight, "nonfinite_updates": nonfinite}  # a tensor goes into state.pt, the rest JSON
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
-            stop_run("rm", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
+            checkpoints.save(step + 1, model, optimizer, scheduler, state)
+        if interrupt.requested and not last:
+            raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: the adapter at the top of final/ (plain PEFT loads it), the head and reward_config.json beside it
-    final_dir = save_final(run_dir, model, tokenizer)
+    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization, args.max_length)
     logger.close()
-    first, last = (logger.history[0], logger.history[-1]) if logger.history else ({}, {})
+    first = logger.history[0] if logger.history else {}
+    last_logged = logger.history[-1] if logger.history else {}
     shown = "accuracy" if args.loss_type == "bradley_terry" else f"mse/{attributes[0]}"
-    print(f"rm: loss {first.get('loss', math.nan):.4f} -> {last.get('loss', math.nan):.4f}, {shown} ", end="")
-    print(f"{last.get(shown, math.nan):.3f} after {total_steps} steps; saved {final_dir}")
+    print(f"rm: loss {first.get('loss', math.nan):.4f} -> {last_logged.get('loss', math.nan):.4f}, {shown} ", end="")
+    print(f"{last_logged.get(shown, math.nan):.3f} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -2,8 +2,9 @@
 
 Loss = -(sum of completion-token log-probs) / (completion tokens in the whole accumulated step), the
 `num_items_in_batch` normalisation TRL uses, so 1 x 4 accumulation equals one batch of 4.
-Paper: Ouyang et al. 2022 (InstructGPT), step 1; SteerLM (Dong et al. 2023) for rows with `attributes` (README).
-Run: `python sft.py --dataset data.jsonl` (no --dataset: the built-in math worked-solution set `builtin:math_sft`).
+Paper: Ouyang et al. 2022 (InstructGPT), step 1; SteerLM (Dong et al. 2023) for rows with `attributes`
+(docs/reward-models.md). Run: `python sft.py --dataset data.jsonl` (no --dataset: the built-in math worked-solution
+set `builtin:math_sft`).
 
 Differences from TRL's SFTTrainer defaults:
 - LoRA (all-linear, r=16, alpha=32) by default; `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
@@ -13,6 +14,8 @@ Differences from TRL's SFTTrainer defaults:
 - Chat completions end at their end-of-turn token (TRL also trains what the template writes after it: ChatML's "\n").
 """
 
+import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -21,15 +24,21 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import collate_packed, collate_sft, micro_batch, pack_examples, tokenize_dataset
-from common.data import load_splits, steer_rows, training_steps
-from common.logps import sequence_logps
-from common.memory import check_memory
-from common.model import load_policy, trainable_parameters
-from common.reward_model import label_rows
-from common.run import Logger, guarded_step, load_checkpoint, make_run_dir, save_checkpoint
-from common.run import StopOnCtrlC, check_args, one_line_errors, resolve_preset, save_final, seed_everything
-from common.run import PhaseTimer, print_config, stop_run, training_config
+from common.data import collate_sft, load_splits, micro_batch, pad_batch, setup_chat_template, tokenize_dataset
+from common.data import training_steps
+from common.errors import ArgsError
+from common.model import attach_lora, load_model, save_final, seed_everything, sequence_logps, trainable_parameters
+
+# The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
+# that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
+from harness.checkpoints import Checkpoints, run_identity
+from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.hub import check_dataset, locate_model
+from harness.memory import Pass, Trained, longest_row, plan_memory
+from harness.run import Logger, PhaseTimer, make_run_dir
+from plugins.builtin_math import builtin_rows
+from plugins.reward_model import label_rows
+from plugins.steerlm import steer_rows
 
 
 @dataclass
@@ -126,6 +135,9 @@ class Args:
 
 
 # The two sets of defaults: demo = the built-in math set `python sft.py` trains on offline on a CPU; trl = the
+
+
+# The two sets of defaults: demo = the built-in math set `python sft.py` trains on offline on a CPU; trl = the
 # dataset TRL's own sft example trains on, for any other --model (a real model deserves real data).
 PRESETS = {"demo": dict(dataset="builtin:math_sft"), "trl": dict(dataset="trl-lib/Capybara")}
 
@@ -135,60 +147,198 @@ def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> to
     return -per_token_logps.sum() / num_items
 
 
+def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
+    """Greedily concatenate tokenized examples, in order, into rows of at most max_length tokens, with position_ids
+    restarting at 0 for each document (which is what keeps documents from attending to each other)."""
+    packs: list[dict] = []
+    for ex in examples:
+        n = len(ex["input_ids"])
+        if n > max_length:
+            raise ValueError(f"{ex.get('_loc')}: {n} tokens > max_length={max_length}; tokenize with the same limit")
+        if not packs or len(packs[-1]["input_ids"]) + n > max_length:
+            packs.append({"input_ids": [], "completion_mask": [], "position_ids": [], "_loc": []})
+        packs[-1]["input_ids"] += ex["input_ids"]
+        # A document's first token is never a label unpacked (the shift drops it); packed, it would be "predicted"
+        # from the previous document's last token, so it leaves the loss (tokenize_sft already leaves it out).
+        packs[-1]["completion_mask"] += [0] + ex["completion_mask"][1:]
+        packs[-1]["position_ids"] += list(range(n))
+        packs[-1]["_loc"].append(ex.get("_loc"))
+    return packs
+
+
+def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False) -> dict:
+    """input_ids, position_ids, completion_mask (B, T) for packed rows, and deliberately NO attention_mask (pad_id is
+    cosmetic: padding is its own loss-masked block).
+    transformers turns restarting position_ids into a block-diagonal causal mask for sdpa/eager, but only when
+    attention_mask is None AND there is no KV cache: call `model(input_ids=..., position_ids=..., use_cache=False)`
+    (sequence_logps does); with use_cache=True the model builds a cache and the documents silently attend to each
+    other. Flash-attention reads the same position_ids as varlen boundaries, but only at batch size 1: pass
+    one_row=True there (the batch's documents end to end in one row). sdpa/eager keep one_row=False, whose mask
+    costs B*T^2 instead of (B*T)^2."""
+    if one_row:
+        keys = ("input_ids", "position_ids", "completion_mask")
+        examples = [{k: sum((e[k] for e in examples), []) for k in keys}]
+    width = max(len(e["input_ids"]) for e in examples)
+    # Padding positions restart at 0 too, so the padding is one more (loss-masked) document, never part of a real one.
+    positions = [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples]
+    return {
+        "input_ids": pad_batch([e["input_ids"] for e in examples], pad_id),
+        "position_ids": pad_batch(positions, 0),
+        "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0),
+    }
+
+
+@torch.no_grad()
+def evaluate(model, examples, collate, forward_logps, batch_size) -> float:
+    """Token-mean NLL over the eval completions (dropout off), the same quantity as the train loss."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    count = 0
+    for i in range(0, len(examples), batch_size):
+        per_token_logps, batch = forward_logps(collate(examples[i : i + batch_size]))
+        total -= per_token_logps.sum().item()
+        count += int(batch["completion_mask"].sum())
+    model.train(was_training)
+    return total / count
+
+
+# ------------------------------------------------------------------------------- what the harness reads
+def check_args(args: Args) -> None:
+    """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
+    positive(args, "learning_rate", "max_grad_norm")
+    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "lora_r")
+    at_least(args, 1, "max_length")
+    at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "weight_decay")
+    at_least(args, 0, "num_train_epochs")
+    if args.max_steps < -1:
+        raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
+
+
+def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
+    """The memory plan of one micro-batch (harness.memory): one forward and backward over its rows, every token
+    through the head. Returns (plan, gradient checkpointing)."""
+    T = min(args.max_length, longest_row(rows) or args.max_length)
+    bs = args.per_device_train_batch_size
+    lora_r = args.lora_r if args.use_lora else None
+    flash = args.attn_implementation == "flash_attention_2"
+    trained = Trained(args.dtype, args.quantization, lora_r, args.lora_dropout > 0, flash_attention=flash)
+    return plan_memory(
+        args.model,
+        trained,
+        {"step": [Pass(bs, T, bs * T, grad=True)]},
+        checkpointing=args.gradient_checkpointing,
+        adapter=args.adapter,
+        knobs=[
+            ("per_device_train_batch_size", bs, 1),
+            ("quantization", args.quantization, "4bit"),
+            ("max_length", args.max_length, 64),
+        ],
+        ignore=args.ignore_memory_plan,
+        refuse=not args.plan,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def config_lines(args: Args, n_rows: int) -> dict[str, str]:
+    """What this run will do, for the start-up block."""
+    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
+    lora = f"LoRA r {args.lora_r}" if args.use_lora else "full fine-tuning"
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
+        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
+        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), {lora}",
+        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
+        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
+    }
+
+
 def main(args: Args) -> dict:
     # ---- 1 setup
     args = resolve_preset(args, PRESETS)
     seed_everything(args.seed)
     check_args(args)
-    rows, eval_rows = load_splits(args, "sft")  # validated; eval_rows [] without --eval-split
+
+    # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
+    check_dataset(args.dataset)
+    rows, eval_rows = load_splits(
+        args.dataset, args.dataset_split, args.eval_split, "supervised", args.eval_steps, args.convert, builtin_rows
+    )  # eval_rows [] without --eval-split
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
-    rows, eval_rows = steer_rows(rows, args.attributes_in), steer_rows(eval_rows, args.attributes_in)  # SteerLM
+    rows = steer_rows(rows, args.attributes_in)  # SteerLM: rows' attributes written into their prompts
+    eval_rows = steer_rows(eval_rows, args.attributes_in)
+    print_config("sft", args.preset, args.model, config_lines(args, len(rows)))
+    plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
+    if args.plan:
+        return {"memory_plan": plan}
 
-    # ---- 2 model (policy = base + "default" LoRA, or every weight)
-    print_config("sft", args, training_config(args, len(rows)))
-    args = check_memory(args, "sft", rows)  # the plan (checkpointing on if it needs it); --plan exits here
+    # ---- 3 model: policy = base + "default" LoRA (or every weight), optimizer
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    model, tokenizer = load_policy(args)
+    model, tokenizer = load_model(
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        checkpointing,
+        args.trust_remote_code,
+        path=locate_model(args.model),
+    )
+    setup_chat_template(tokenizer, args.template)
+    if args.use_lora:
+        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id
 
-    # ---- 3 data: tokenize (drop rows whose completion would be truncated away), optionally pack
+    # Tokenize (rows whose completion would be truncated away are dropped), optionally pack
     def prepare(rs):
-        ex = tokenize_dataset(tokenizer, rs, "sft", args.max_length, completion_only_loss=args.completion_only_loss)
-        return pack_examples(ex, args.max_length) if args.packing else ex
+        kw = dict(completion_only_loss=args.completion_only_loss)
+        examples = tokenize_dataset(tokenizer, rs, "supervised", args.max_length, **kw)
+        return pack_examples(examples, args.max_length) if args.packing else examples
 
-    examples, eval_examples = prepare(rows), prepare(eval_rows) if eval_rows else []
+    examples = prepare(rows)
+    eval_examples = prepare(eval_rows) if eval_rows else []
     # flash-attn only switches to varlen (per-document) attention for a single packed row; sdpa/eager get a
     # block-diagonal mask from the restarting position_ids, which is cheaper per row (B*T^2, not (B*T)^2).
     one_row = getattr(model.config, "_attn_implementation", "") == "flash_attention_2"
-    pad_id = tokenizer.pad_token_id
-    collate = (lambda b: collate_packed(b, pad_id, one_row)) if args.packing else (lambda b: collate_sft(b, pad_id))
-    total_steps, batches_per_epoch = training_steps(len(examples), args)
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.learning_rate, weight_decay=args.weight_decay)
+
+    def collate(batch):
+        return collate_packed(batch, pad_id, one_row) if args.packing else collate_sft(batch, pad_id)
+
+    bs = args.per_device_train_batch_size
+    ga = args.gradient_accumulation_steps
+    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    resumed = load_checkpoint(args.resume_from_checkpoint, model, optimizer, scheduler, args, total_steps)
-    start_step, nonfinite = resumed["step"], resumed["trainer_state"].get("nonfinite_updates", 0)  # skipped so far
-    logger = Logger(run_dir, args, total_steps, show=("loss", "learning_rate"), start_step=start_step)
+    checkpoints = Checkpoints(run_dir, run_identity(model, args), keep=args.save_total_limit)
+    start_step, state = checkpoints.resume(
+        args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
+    )
+    nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
+    show = ("loss", "learning_rate")
+    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
 
     def forward_logps(batch):
         batch = {k: v.to(device) for k, v in batch.items()}
         # The completion mask marks the target tokens whose log-prob enters the loss (EOS included).
-        return sequence_logps(
-            model, batch["input_ids"], batch.get("attention_mask"), batch["completion_mask"], batch.get("position_ids")
-        ), batch
+        input_ids = batch["input_ids"]
+        mask = batch["completion_mask"]
+        per_token_logps = sequence_logps(
+            model, input_ids, batch.get("attention_mask"), mask, batch.get("position_ids")
+        )
+        return per_token_logps, batch
 
     # ---- 4 loop
     model.train()
-    ga = args.gradient_accumulation_steps
-    metrics, interrupt = {}, StopOnCtrlC()  # Ctrl-C: stop at the end of the step, with a checkpoint
-    for step in interrupt.watch(range(start_step, total_steps)):  # any way out restores the old SIGINT handler
+    metrics = {}
+    interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
+    for step in interrupt.watch(range(start_step, total_steps)):
         timer = PhaseTimer()
-        micro = [
-            collate(micro_batch(examples, step * ga + i, args.per_device_train_batch_size, args.seed))
-            for i in range(ga)
-        ]
+        micro = [collate(micro_batch(examples, step * ga + i, bs, args.seed)) for i in range(ga)]
         # TRL's num_items_in_batch: normalise by the completion tokens of the WHOLE step, so accumulation is exact.
         num_items = sum(int(b["completion_mask"].sum()) for b in micro)
-        loss_sum, tokens = 0.0, 0
+        loss_sum = 0.0
+        tokens = 0
         timer.mark("data")
         for batch in micro:
             per_token_logps, batch = forward_logps(batch)
@@ -197,51 +347,39 @@ def main(args: Args) -> dict:
             loss.backward()
             timer.mark("backward")
             loss_sum += loss.item()
-            tokens += int(
-                batch["input_ids"].numel() if "attention_mask" not in batch else batch["attention_mask"].sum()
-            )
-        grad_norm, stepped = guarded_step(model, optimizer, scheduler, loss_sum, args.max_grad_norm)
-        nonfinite += not stepped  # a NaN/Inf loss or gradient: the update is skipped and counted
-
+            packed = "attention_mask" not in batch
+            tokens += int(batch["input_ids"].numel() if packed else batch["attention_mask"].sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
+            optimizer.step()
+            scheduler.step()
+        else:
+            nonfinite += 1
+        optimizer.zero_grad(set_to_none=True)
         metrics = {
             "loss": loss_sum,
             "grad_norm": grad_norm,
             "nonfinite_updates": nonfinite,
             "learning_rate": scheduler.get_last_lr()[0],
             "num_tokens": tokens,
-            "epoch": (step + 1) * args.gradient_accumulation_steps / batches_per_epoch,
+            "epoch": (step + 1) * ga / batches_per_epoch,
             **timer.metrics(tokens),
         }
-        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or step + 1 == total_steps):
-            metrics["eval/loss"] = evaluate(
-                model, eval_examples, collate, forward_logps, args.per_device_train_batch_size
-            )
-        logger.log(step + 1, metrics)  # every --logging-steps steps and the last
+        last = step + 1 == total_steps
+        if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or last):
+            metrics["eval/loss"] = evaluate(model, eval_examples, collate, forward_logps, bs)
+        logger.log(step + 1, metrics)
         state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
-            save_checkpoint(run_dir, step + 1, model, optimizer, scheduler, state, args.save_total_limit, args)
-        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
-            stop_run("sft", "Ctrl-C", run_dir, step + 1, model, optimizer, scheduler, state, args, metrics)
+            checkpoints.save(step + 1, model, optimizer, scheduler, state)
+        if interrupt.requested and not last:
+            raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
-    final_dir = save_final(run_dir, model, tokenizer)
+    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     print(f"sft: {logger.trend('loss')} over {total_steps - start_step} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history}
-
-
-@torch.no_grad()
-def evaluate(model, examples, collate, forward_logps, batch_size) -> float:
-    """Token-mean NLL over the eval completions (dropout off), the same quantity as the train loss."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(examples), batch_size):
-        per_token_logps, batch = forward_logps(collate(examples[i : i + batch_size]))
-        total -= per_token_logps.sum().item()
-        count += int(batch["completion_mask"].sum())
-    model.train(was_training)
-    return total / count
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
-"""Data for every script: load rows, convert common layouts, validate before any model loads, tokenize with loss
-masks, pad and pack. Row formats are TRL's, "standard" (strings) or "conversational" (lists of {role, content}):
-  sft {prompt, completion} | {messages} | {text};  prompt {prompt, ...extra fields such as answer}
+"""Data for every script: load rows, convert common layouts, validate before any model loads, render chat
+templates, tokenize with loss masks, pad and pack. Row formats are TRL's, "standard" (strings) or "conversational"
+(lists of {role, content}):
+  supervised {prompt, completion} | {messages} | {text};  prompt {prompt, ...extra fields such as answer}
   prompt rows may also be {question, answer} (GSM8K's layout, hub openai/gsm8k:main or its JSONL files alike):
     validate_rows turns them into {prompt, answer: the number after '####', solution} (question_row)
   preference {prompt, chosen, rejected}; with no prompt, chosen and rejected's shared start becomes it (as TRL)
-  sft and preference rows in ShareGPT's layout ({conversations: [{from, value}]}) go through _sharegpt unasked
-  binary {prompt, completion, label: bool}; validate_rows also splits {messages, label} (LLaMA-Factory's and many hub
-    KTO sets' layout): the last, assistant, message becomes the completion
+  supervised and preference rows in ShareGPT's layout ({conversations: [{from, value}]}) go through _sharegpt unasked
+  binary {prompt, completion, label: bool}; validate_rows also splits {messages, label} (LLaMA-Factory's and many
+    hub KTO sets' layout): the last, assistant, message becomes the completion
 Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages.
-Truncation: sft keeps the start (TRL's "keep_start"). preference/binary keep the END of the prompt (max_prompt_length,
-TRL < 1.0's "keep_end"), then cut completions from the right to fit max_length (max_prompt_length=None: TRL 1.16's
-DPO/KTO default). A row whose completion would be cut away is dropped, never trained as a silent zero loss. Prompt-only
-rows over max_prompt_length are DROPPED, not left-truncated: that would cut the question and the chat header, and
-rewards would score answers to a question the model never saw (TRL 1.16's GRPO does not truncate prompts; older TRL
-cut them from the left). Drops get one warning: count + first locations."""
+Truncation: supervised rows keep the start (TRL's "keep_start"). preference/binary keep the END of the prompt
+(max_prompt_length, TRL < 1.0's "keep_end"), then cut completions from the right to fit max_length
+(max_prompt_length=None: TRL 1.16's default). A row whose completion would be cut away is dropped, never trained as a
+silent zero loss. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated: that would cut the question
+and the chat header, and rewards would score answers to a question the model never saw (TRL 1.16's GRPO does not
+truncate prompts). Drops get one warning: count + first locations.
+Chat templates: `setup_chat_template` keeps a tokenizer's own template or installs a built-in one (ChatML, Qwen,
+Llama 3), and makes the template's end-of-turn token the tokenizer's eos (as TRL's clone_chat_template does), so one
+id means "stop" for generation, closes standard completions, and is in every completion's loss mask.
+"""
 
 import json
 import math
@@ -21,20 +26,19 @@ import os
 import pathlib
 import warnings
 
+import jinja2
 import torch
 
+from common.errors import ArgsError, DataError
+
 MAX_SHOWN = 5  # bad rows listed in one error, and locations listed in one warning
-
-
-class DataError(ValueError):
-    """A problem in the user's data; the message names the file and line (or index) of each bad row."""
 
 
 def _first(locs: list) -> str:
     return ", ".join(str(x) for x in locs[:MAX_SHOWN]) + (", ..." if len(locs) > MAX_SHOWN else "")
 
 
-def _bad(row: dict, field: str, problem: str):
+def bad_field(row: dict, field: str, problem: str):
     raise DataError(f"{row.get('_loc', '<row>')}: field '{field}': {problem}")
 
 
@@ -42,7 +46,7 @@ def _columns(row: dict) -> str:
     return ", ".join(k for k in row if k != "_loc") or "nothing"
 
 
-def _map_rows(rows: list[dict], fn, what: str) -> list[dict]:
+def map_rows(rows: list[dict], fn, what: str) -> list[dict]:
     """fn over every row; all bad rows' DataErrors become one error: a file is fixed in one pass, not one per run."""
     out, errors = [], []
     for row in rows:
@@ -102,14 +106,15 @@ def _read_file(path: pathlib.Path) -> list[dict]:
     if path.suffix == ".jsonl" or first == b"{":
         # Line by line, so a large file is never held whole in memory, and split at "\n" only: str.splitlines would
         # also split at U+2028, U+0085 and other characters that JSON allows unescaped inside strings.
+        rows = []
         with open(path, "rb") as f:
-            rows = [
-                _row(_json(text, name, n), f"{name}:{n}")
-                for n, raw in enumerate(f, 1)
-                if (text := _utf8(raw.removeprefix(bom) if n == 1 else raw, name, n)).strip()
-            ]
+            for n, raw in enumerate(f, 1):
+                text = _utf8(raw.removeprefix(bom) if n == 1 else raw, name, n)
+                if text.strip():
+                    rows.append(_row(_json(text, name, n), f"{name}:{n}"))
     else:
-        if not isinstance(data := _json(_utf8(path.read_bytes().removeprefix(bom), name, 1), name), list):
+        data = _json(_utf8(path.read_bytes().removeprefix(bom), name, 1), name)
+        if not isinstance(data, list):
             raise DataError(f"{name}: expected a JSON list of objects, got a {type(data).__name__}")
         rows = [_row(row, f"{name}:[{i}]") for i, row in enumerate(data)]
     if not rows:
@@ -141,16 +146,15 @@ def _load_saved_dataset(path: pathlib.Path, split: str) -> list[dict]:
     return [dict(r, _loc=f"{path}:[{i}]") for i, r in enumerate(data.to_list())]
 
 
-def load_rows(
-    spec: str, split: str = "train", convert: str | None = None, field_map: dict[str, str] | None = None
-) -> list[dict]:
-    """Rows from a local .json/.jsonl/.parquet file, `builtin:<name>`, or a hub id ("org/name" or "org/name:config").
-    `field_map` renames columns first ({"question": "prompt"}); then `convert` (a CONVERTERS key) rewrites each row."""
+def load_rows(spec: str, split: str = "train", convert: str | None = None, builtin=None) -> list[dict]:
+    """Rows from a local .json/.jsonl/.parquet file, a saved HF dataset folder, a hub id ("org/name" or
+    "org/name:config"), or `builtin:<name>`, served by the `builtin(name, split)` function given (e.g.
+    plugins.builtin_math.builtin_rows); `convert` (a CONVERTERS key) rewrites each row."""
     path = pathlib.Path(spec)
     if spec.startswith("builtin:"):
-        from common.embedded import builtin_rows
-
-        rows = [dict(r) for r in builtin_rows(spec.removeprefix("builtin:"), split)]
+        if builtin is None:
+            raise DataError(f"{spec}: no built-in datasets here (load_rows was not given a builtin= source)")
+        rows = [dict(r) for r in builtin(spec.removeprefix("builtin:"), split)]
     elif path.is_file():
         rows = _read_file(path)
     elif path.is_dir():
@@ -159,53 +163,51 @@ def load_rows(
         # a mistyped path must not turn into a hub lookup
         raise DataError(f"{spec}: file not found (no such file or directory)")
     else:
-        import datasets
-
-        from common.hub import check_hub
+        import datasets  # imported here: a run on local files never pays for it
 
         name, _, config = spec.partition(":")  # hub sets with several configs, e.g. "openai/gsm8k:main"
-        check_hub(name, "dataset")  # not cached and the hub unreachable: one line now, not a traceback after retries
         rows = datasets.load_dataset(name, config or None, split=split).to_list()
     for i, row in enumerate(rows):
         row.setdefault("_loc", f"{spec}:[{i}]")
-    if field_map and rows:
-        if missing := [k for k in field_map if k not in rows[0]]:
-            raise DataError(f"{rows[0]['_loc']}: field_map names {missing}, not among the columns {_columns(rows[0])}")
-        rows = [{field_map.get(k, k): v for k, v in row.items()} for row in rows]
     if convert is not None:
         if convert not in CONVERTERS:
             raise DataError(f"unknown convert={convert!r}; choose from {sorted(CONVERTERS)}")
-        rows = _map_rows(rows, CONVERTERS[convert], f"convert={convert!r}")
+        rows = map_rows(rows, CONVERTERS[convert], f"convert={convert!r}")
     return rows
 
 
-def load_splits(args, kind: str) -> tuple[list[dict], list[dict]]:
-    """(--dataset-split rows, --eval-split rows or []) of --dataset, validated as `kind`. A local file has no splits
-    or a saved Dataset (load_rows reads all of it whatever the split): its --eval-split may only be --dataset-split.
-    --eval-steps needs an --eval-split (TRL refuses eval_strategy="steps" without an eval_dataset)."""
-    from common.run import ArgsError
-
-    if args.eval_steps and args.eval_split is None:
-        raise ArgsError(f"--eval-steps {args.eval_steps}: there is nothing to evaluate without --eval-split")
-    path = pathlib.Path(args.dataset)
-    # A saved Dataset (not a DatasetDict) has no splits either: load_rows returns all of it for any split name.
+def load_splits(
+    dataset: str,
+    dataset_split: str,
+    eval_split: str | None,
+    kind: str,
+    eval_steps: int = 0,
+    convert: str | None = None,
+    builtin=None,
+) -> tuple[list[dict], list[dict]]:
+    """(dataset_split rows, eval_split rows or []) of `dataset`, validated as `kind`. A local file or a saved
+    Dataset has no splits (load_rows reads all of it whatever the split): its eval_split may only be dataset_split.
+    eval_steps > 0 needs an eval_split (TRL refuses eval_strategy="steps" without an eval_dataset)."""
+    if eval_steps and eval_split is None:
+        raise ArgsError(f"--eval-steps {eval_steps}: there is nothing to evaluate without --eval-split")
+    path = pathlib.Path(dataset)
     one = "one file" if path.is_file() else "a saved Dataset" if path.is_dir() else None
-    if args.eval_split not in (None, args.dataset_split) and one and not (path / "dataset_dict.json").is_file():
+    has_splits = (path / "dataset_dict.json").is_file()
+    if eval_split not in (None, dataset_split) and one and not has_splits:
         raise ArgsError(
-            f"--eval-split {args.eval_split}: {args.dataset} is {one} with no splits (all of it is the training "
-            f"data); leave --eval-split unset, or pass {args.dataset_split} to evaluate on the training rows"
+            f"--eval-split {eval_split}: {dataset} is {one} with no splits (all of it is the training "
+            f"data); leave --eval-split unset, or pass {dataset_split} to evaluate on the training rows"
         )
-    convert = getattr(args, "convert", None)  # sft.py's --convert alpaca / sharegpt
-    rows, eval_rows = (
-        load_rows(args.dataset, s, convert=convert) if s else [] for s in (args.dataset_split, args.eval_split)
-    )
-    return validate_rows(rows, kind), validate_rows(eval_rows, kind) if args.eval_split else []
+    rows = validate_rows(load_rows(dataset, dataset_split, convert=convert, builtin=builtin), kind)
+    if eval_split is None:
+        return rows, []
+    return rows, validate_rows(load_rows(dataset, eval_split, convert=convert, builtin=builtin), kind)
 
 
 # -------------------------------------------------------------------------------------------------- converters
 def _need(row: dict, field: str, kind: type) -> object:
     if not isinstance(row.get(field), kind):
-        _bad(
+        bad_field(
             row,
             field,
             f"must be a {kind.__name__}, got {type(row[field]).__name__}"
@@ -215,7 +217,7 @@ def _need(row: dict, field: str, kind: type) -> object:
     return row[field]
 
 
-def _rest(row: dict, *drop: str) -> dict:
+def without(row: dict, *drop: str) -> dict:
     return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
 
 
@@ -223,7 +225,7 @@ def _alpaca_history(row: dict) -> list[dict]:
     """LLaMA-Factory's alpaca `history` ([[instruction, response], ...], earlier rounds) as user/assistant turns."""
     rounds = row.get("history") or []
     if not (isinstance(rounds, list) and all(isinstance(r, list) and len(r) == 2 for r in rounds)):
-        _bad(row, "history", f"must be a list of [instruction, response] pairs, got {str(rounds)[:80]}")
+        bad_field(row, "history", f"must be a list of [instruction, response] pairs, got {str(rounds)[:80]}")
     return [{"role": role, "content": text} for r in rounds for role, text in zip(("user", "assistant"), r)]
 
 
@@ -234,7 +236,7 @@ def _alpaca(row: dict) -> dict:
     if row.get("input"):
         user += "\n\n" + _need(row, "input", str)  # Alpaca's layout: the instruction, a blank line, then the input
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    return _rest(row, "instruction", "input", "output", "system", "history") | {
+    return without(row, "instruction", "input", "output", "system", "history") | {
         "prompt": system + _alpaca_history(row) + [{"role": "user", "content": user}],
         "completion": [{"role": "assistant", "content": output}],
     }
@@ -245,7 +247,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 
 def _sharegpt_message(row: dict, field: str, turn: object) -> dict:
     if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
-        _bad(row, field, f"expected {{from: one of {sorted(SHAREGPT_ROLES)}, value: str}}, got {str(turn)[:80]}")
+        bad_field(row, field, f"expected {{from: one of {sorted(SHAREGPT_ROLES)}, value: str}}, got {str(turn)[:80]}")
     return {"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]}
 
 
@@ -255,32 +257,33 @@ def _sharegpt(row: dict) -> dict:
     messages = [_sharegpt_message(row, "conversations", t) for t in _need(row, "conversations", list)]
     messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + messages
     if "chosen" not in row and "rejected" not in row:
-        return _rest(row, "conversations", "system") | {"messages": messages}
+        return without(row, "conversations", "system") | {"messages": messages}
     pair = {k: [_sharegpt_message(row, k, row.get(k))] for k in ("chosen", "rejected")}
-    return _rest(row, "conversations", "system") | {"prompt": messages} | pair
+    return without(row, "conversations", "system") | {"prompt": messages} | pair
 
 
 CONVERTERS = {"alpaca": _alpaca, "sharegpt": _sharegpt}
 
 
 # ----------------------------------------------------------------------------------------------- GSM8K layout
-def question_row(row: dict, instruction: str | None = None) -> dict:
-    """A {question, answer} math row (GSM8K: hub openai/gsm8k:main and its JSONL files alike) as a prompt-only row:
-    prompt = one user turn, the question then `instruction` (default: common.embedded.MATH_INSTRUCTION, which asks
-    for '#### N'; '' for the bare question) on a new line; answer = the number after the last '####' with thousands
-    commas dropped ('#### 1,080' -> '1080'), the whole worked solution kept as `solution`. An answer without '####'
-    (a bare number) stays as given; `question` stays too (eval records show it)."""
-    if instruction is None:
-        from common.embedded import MATH_INSTRUCTION
+# Chosen by measurement (docs/results.md): SmolLM2-135M ended 43/50 answers with "#### N" under it.
+MATH_INSTRUCTION = "Solve it step by step. On the last line, write the final answer as #### followed by the number."
 
-        instruction = MATH_INSTRUCTION
+
+def question_row(row: dict, instruction: str = MATH_INSTRUCTION) -> dict:
+    """A {question, answer} math row (GSM8K: hub openai/gsm8k:main and its JSONL files alike) as a prompt-only row:
+    prompt = one user turn, the question then `instruction` ('' for the bare question) on a new line; answer = the
+    number after the last '####' with thousands commas dropped ('#### 1,080' -> '1080'), the whole worked solution
+    kept as `solution`. An answer without '####' (a bare number) stays as given; `question` stays too."""
     question = _need(row, "question", str)
-    out = _rest(row, "answer") | {
-        "prompt": [{"role": "user", "content": f"{question}\n{instruction}" if instruction else question}]
-    }
-    if isinstance(answer := row.get("answer"), str) and "####" in answer:
+    content = f"{question}\n{instruction}" if instruction else question
+    out = without(row, "answer") | {"prompt": [{"role": "user", "content": content}]}
+    answer = row.get("answer")
+    if isinstance(answer, str) and "####" in answer:
         return out | {"answer": answer.rsplit("####", 1)[1].strip().replace(",", ""), "solution": answer}
-    return out | ({"answer": str(answer)} if answer is not None else {})
+    if answer is None:
+        return out
+    return out | {"answer": str(answer)}
 
 
 # -------------------------------------------------------------------------------------------------- validation
@@ -306,9 +309,13 @@ def _extract_prompt(chosen, rejected):
 
 
 def _check_row(row: dict, kind: str) -> dict:
-    # Normalise first: ShareGPT rows (LLaMA-Factory's layout; dpo/orpo/rm have no --convert), implicit-prompt
+    # Normalise first: ShareGPT rows (LLaMA-Factory's layout, read without any --convert), implicit-prompt
     # preference rows and {messages, label} binary rows into TRL's form.
-    if kind in ("sft", "preference") and "conversations" in row and not {"prompt", "messages", "text"} & row.keys():
+    if (
+        kind in ("supervised", "preference")
+        and "conversations" in row
+        and not {"prompt", "messages", "text"} & row.keys()
+    ):
         row = _sharegpt(row)
     if (
         kind == "preference"
@@ -321,14 +328,14 @@ def _check_row(row: dict, kind: str) -> dict:
             side, other = ("chosen", "rejected") if not row["chosen"] else ("rejected", "chosen")
             how = f"equals '{other}'" if row[side] == row[other] else f"is the start of '{other}'"
             why = "so no prompt can be split off their shared start: add a 'prompt' field"
-            _bad(row, side, f"{how} and the row has no 'prompt', {why}")
+            bad_field(row, side, f"{how} and the row has no 'prompt', {why}")
     if kind == "binary" and "messages" in row and "prompt" not in row and "completion" not in row:
         msgs = row["messages"]
         if not (
             isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant"
         ):
-            _bad(row, "messages", "the last message must be an assistant turn (it becomes the completion)")
-        row = _rest(row, "messages") | {"prompt": msgs[:-1], "completion": msgs[-1:]}
+            bad_field(row, "messages", "the last message must be an assistant turn (it becomes the completion)")
+        row = without(row, "messages") | {"prompt": msgs[:-1], "completion": msgs[-1:]}
     if kind == "prompt" and "prompt" not in row and "question" in row:
         row = question_row(row)
     # (field, may be empty); an SFT row uses whichever of its three layouts it has
@@ -336,7 +343,7 @@ def _check_row(row: dict, kind: str) -> dict:
         "preference": [("prompt", True), ("chosen", False), ("rejected", False)],
         "binary": [("prompt", True), ("completion", False)],
         "prompt": [("prompt", False)],
-        "sft": [("messages", False)]
+        "supervised": [("messages", False)]
         if "messages" in row
         else [("text", False)]
         if "text" in row
@@ -344,17 +351,19 @@ def _check_row(row: dict, kind: str) -> dict:
     }[kind]
     for field, may_be_empty in fields:
         if field not in row:
-            hint = "; sft rows need {prompt, completion}, {messages} or {text}" if kind == "sft" else ""
-            _bad(row, field, f"missing{hint} (row has: {_columns(row)})")
+            hint = "; supervised rows need {prompt, completion}, {messages} or {text}" if kind == "supervised" else ""
+            bad_field(row, field, f"missing{hint} (row has: {_columns(row)})")
         # {messages} is a chat, {text} plain text (TRL's language modelling rows): only prompt/completion may be either
-        if (only := {"messages": list, "text": str}.get(field)) and not isinstance(row[field], only):
+        only = {"messages": list, "text": str}.get(field)
+        if only and not isinstance(row[field], only):
             what = "a list of {role, content} messages" if only is list else "a string"
-            _bad(row, field, f"must be {what}, got {type(row[field]).__name__}")
-        if problem := _text_problem(row[field], may_be_empty):
-            _bad(row, field, problem)
+            bad_field(row, field, f"must be {what}, got {type(row[field]).__name__}")
+        problem = _text_problem(row[field], may_be_empty)
+        if problem:
+            bad_field(row, field, problem)
         first = row[fields[0][0]]
         if isinstance(row[field], list) != isinstance(first, list):  # apply_chat_template or plain text, not both
-            _bad(
+            bad_field(
                 row,
                 field,
                 f"is a {type(row[field]).__name__} but '{fields[0][0]}' is a {type(first).__name__}: "
@@ -362,11 +371,13 @@ def _check_row(row: dict, kind: str) -> dict:
             )
     if fields[0][0] == "messages":
         if not any(m["role"] == "assistant" and m["content"].strip() for m in row["messages"]):
-            _bad(row, "messages", "has no assistant turn with content, so there is nothing to learn")
+            bad_field(row, "messages", "has no assistant turn with content, so there is nothing to learn")
         if row["messages"][0]["role"] == "assistant":
-            _bad(row, "messages", "starts with an assistant turn, which answers nothing (add the user turn before it)")
+            bad_field(
+                row, "messages", "starts with an assistant turn, which answers nothing (add the user turn before it)"
+            )
     if kind == "binary" and type(row.get("label")) is not bool:  # 1, "true", None are not labels: say so, no guessing
-        _bad(
+        bad_field(
             row,
             "label",
             f"must be a JSON boolean (true/false), got {type(row['label']).__name__} {row['label']!r}"
@@ -377,22 +388,25 @@ def _check_row(row: dict, kind: str) -> dict:
 
 
 def validate_rows(rows: list[dict], kind: str) -> list[dict]:
-    """Check rows of kind "sft" | "preference" | "binary" | "prompt" before any model loads; returns them normalised
-    (implicit prompts extracted, {messages, label} split, {question, answer} prompt rows through question_row).
+    """Check rows of kind "supervised" | "preference" | "binary" | "prompt" before any model loads; returns them
+    normalised (implicit prompts extracted, {messages, label} split, {question, answer} rows through question_row).
     Raises one DataError listing the first bad rows."""
-    if kind not in ("sft", "preference", "binary", "prompt"):
+    if kind not in ("supervised", "preference", "binary", "prompt"):
         raise ValueError(f"unknown data kind {kind!r}")
     if not rows:
         raise DataError(f"no rows to validate for {kind} data")
-    rows = _map_rows(rows, lambda row: _check_row(row, kind), f"{kind} data")
-    if kind == "preference" and (same := [r.get("_loc") for r in rows if r["chosen"] == r["rejected"]]):
+    rows = map_rows(rows, lambda row: _check_row(row, kind), f"{kind} data")
+    same = [r.get("_loc") for r in rows if kind == "preference" and r["chosen"] == r["rejected"]]
+    if same:
         warnings.warn(
             f"{len(same)} of {len(rows)} preference rows have chosen == rejected ({_first(same)}). They are "
             "kept, but their pairwise loss term is constant (ln 2 for sigmoid DPO) with zero gradient, so "
             "they only dilute each batch: remove them unless that is intended."
         )
-    if kind == "binary" and len(labels := {r["label"] for r in rows}) == 1:
-        side = "desirable" if (label := labels.pop()) else "undesirable"
+    labels = {r["label"] for r in rows} if kind == "binary" else set()
+    if len(labels) == 1:
+        label = labels.pop()
+        side = "desirable" if label else "undesirable"
         warnings.warn(
             f"all {len(rows)} binary rows are labelled {label}: KTO needs desirable (true) and undesirable "
             f"(false) examples. Training still runs, but only the {side} half of the loss has signal."
@@ -400,67 +414,100 @@ def validate_rows(rows: list[dict], kind: str) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------- SteerLM
-def attribute_label(attributes: object, where: str) -> str:
-    """SteerLM's attribute string: integer levels as `name:value` joined by commas, no spaces (NeMo-Aligner's
-    examples/nlp/data/steerlm/attribute_annotate.py writes e.g. "quality:4,toxicity:0,humor:0,creativity:0" from a
-    fixed name list); here names are sorted, so rows and --attributes agree whatever order they list them in."""
-    if not isinstance(attributes, dict) or not attributes:
-        raise DataError(f"{where}: field 'attributes': must be a non-empty {{name: level}} object: {attributes!r:.60}")
-    for name, value in attributes.items():
-        if not name or set(name) & set(",: \t\n"):  # the separators would make the string ambiguous
-            raise DataError(f"{where}: field 'attributes': name {name!r} is empty or holds ',', ':' or a space")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not float(value).is_integer():
-            # SteerLM conditions on integer levels (0-4 in NeMo-Aligner, rounded from the attribute model's scores)
-            raise DataError(f"{where}: field 'attributes.{name}': must be an integer level, got {value!r}")
-    return ",".join(f"{k}:{int(attributes[k])}" for k in sorted(attributes))
+# ------------------------------------------------------------------------------------------------- templates
+# ChatML (OpenAI / Qwen): <|im_start|>role\ncontent<|im_end|>\n
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Qwen2.5's template without tools: ChatML, plus Qwen's default system prompt when the conversation has none.
+QWEN = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}" + CHATML
+)
+
+# Llama 3 / 3.1 instruct (without tools); Meta's template trims each message's content, so we do too.
+LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3}
+# Every special token a template writes, end-of-turn first: each must be ONE token in the tokenizer's vocab.
+SPECIALS = {
+    "chatml": ["<|im_end|>", "<|im_start|>"],
+    "qwen": ["<|im_end|>", "<|im_start|>"],
+    "llama3": ["<|eot_id|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"],
+}
 
 
-def parse_attributes(spec: str) -> str:
-    """--attributes "correct:1,length:0" -> the attribute string training wrote for the same values."""
-    pairs = [p.partition(":") for p in spec.split(",")]
-    if bad := [n + s + v for n, s, v in pairs if not s or not v.strip().lstrip("-").isdigit()]:
-        raise DataError(f"--attributes {spec!r}: {bad[0]!r} is not name:integer (e.g. correct:1,length:0)")
-    if len(attributes := {n.strip(): int(v) for n, _, v in pairs}) < len(pairs):
-        raise DataError(f"--attributes {spec!r}: a name is given twice")
-    return attribute_label(attributes, "--attributes")
+def _is_single_token(tokenizer, text: str) -> bool:
+    # The string must encode to exactly one id; a non-special "<|im_end|>" would be split into byte pieces, and the
+    # model would have to learn to stop by emitting a multi-token sequence that generation never stops on.
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
 
 
-def steer_prompt(prompt: str | list[dict], label: str, attributes_in: str) -> str | list[dict]:
-    """The prompt with SteerLM's attribute string written in. NeMo-Aligner puts it in a label slot of its own template
-    (<extra_id_2>) between the assistant header and the reply; chat templates have no such slot, so it goes into
-    "system" (default: its own line at the end of the system turn, which is added if absent; the user's words stay
-    as they are) or "user" (its own last line of every user turn, closest to the reply like SteerLM's). A plain-text
-    prompt gets it as its first ("system") or last ("user") line."""
-    if isinstance(prompt, str):
-        return f"{label}\n{prompt}" if attributes_in == "system" else f"{prompt}\n{label}"
-    if attributes_in == "user":
-        return [m | {"content": f"{m['content']}\n{label}"} if m["role"] == "user" else m for m in prompt]
-    if prompt and prompt[0]["role"] == "system":
-        return [prompt[0] | {"content": f"{prompt[0]['content']}\n{label}"}] + prompt[1:]
-    return [{"role": "system", "content": label}] + prompt
+def end_of_turn_token(tokenizer, template_name: str) -> str:
+    """The token that closes an assistant turn under `template_name` ("tokenizer" = the tokenizer's own template)."""
+    if template_name in SPECIALS:
+        return SPECIALS[template_name][0]
+    # An unknown template: render one exchange and take the first added (special) token after the assistant's text,
+    # e.g. <|im_end|>, <|eot_id|>, <end_of_turn>, <|end|>, </s>.
+    probe = "Probe-7c1e"
+    try:
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": probe}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+    except jinja2.TemplateError:  # the template refuses the probe (raise_exception, e.g. it demands a system turn)
+        return tokenizer.eos_token
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a broken template: say so now, not mid-run
+        raise ValueError(f"the tokenizer's chat template fails to render a user/assistant chat: {e}") from None
+    if probe not in text:
+        return tokenizer.eos_token
+    added = set(tokenizer.added_tokens_decoder)
+    for token_id in tokenizer(text.split(probe, 1)[1], add_special_tokens=False)["input_ids"]:
+        if token_id in added:
+            return tokenizer.convert_ids_to_tokens(token_id)
+    # The template closes turns with plain text: eos is the best stop signal we have, but no rendered completion
+    # holds it, so nothing in the loss teaches the model to stop (TRL's SFTTrainer warns about the same case).
+    warnings.warn(
+        "the chat template ends the assistant's turn with plain text, not a special token: completions carry no "
+        "stop token, so the model will not learn to stop (generation runs on to the limit). Pick a template that "
+        f"ends turns with a special token (e.g. --template chatml) or add {tokenizer.eos_token!r} to the template."
+    )
+    return tokenizer.eos_token
 
 
-def steer_rows(rows: list[dict], attributes_in: str = "system") -> list[dict]:
-    """SteerLM's attribute-conditioned SFT rows: each validated sft row's `attributes` ({name: integer level}) is
-    written into its prompt (steer_prompt) and dropped. Rows without attributes come back untouched (the same list);
-    once one row has them every row needs the same names."""
-    first = next((r for r in rows if r.get("attributes") is not None), None)
-    if first is None:
-        return rows
-    names = sorted(first["attributes"]) if isinstance(first["attributes"], dict) else []
-
-    def steer(row: dict) -> dict:
-        if row.get("attributes") is None:
-            _bad(row, "attributes", f"missing, but {first.get('_loc')} has them: every row needs the same names")
-        label = attribute_label(row["attributes"], row.get("_loc", "<row>"))
-        if sorted(row["attributes"]) != names:
-            _bad(row, "attributes", f"names {sorted(row['attributes'])} differ from {names} in {first.get('_loc')}")
-        if (field := "messages" if "messages" in row else "text" if "text" in row else "prompt") == "text":
-            _bad(row, "attributes", "a {text} row has no prompt to write them into")
-        return _rest(row, "attributes") | {field: steer_prompt(row[field], label, attributes_in)}
-
-    return _map_rows(rows, steer, "attributes")
+def setup_chat_template(tokenizer, template: str = "auto") -> str:
+    """Install a chat template and make its end-of-turn token the tokenizer's eos; returns the template name used.
+    "auto" keeps the tokenizer's own template ("tokenizer") when it has one, else installs ChatML; a name from
+    TEMPLATES overrides the tokenizer's. Callers should copy `tokenizer.eos_token_id` to the model's generation config
+    so generation stops at the end of a turn."""
+    if template == "auto":
+        template = "tokenizer" if tokenizer.chat_template else "chatml"
+    if template == "tokenizer" and not tokenizer.chat_template:
+        raise ValueError(
+            "chat_template='tokenizer' but this tokenizer has no chat template; pick one of "
+            f"{sorted(TEMPLATES)} (or 'auto')"
+        )
+    if template not in TEMPLATES and template != "tokenizer":
+        raise ValueError(f"unknown chat template {template!r}; use 'auto', 'tokenizer' or one of {sorted(TEMPLATES)}")
+    if template in TEMPLATES:
+        # We do not add missing specials ourselves: that would need an embedding resize and leave the new rows
+        # untrained, which silently hurts quality. Make the user pick a template the tokenizer already speaks.
+        if missing := [t for t in SPECIALS[template] if not _is_single_token(tokenizer, t)]:
+            raise ValueError(
+                f"chat template {template!r} needs the special tokens {missing}, which this tokenizer "
+                "does not have as single tokens. Pick a template whose tokens it has; its added tokens "
+                f"are {sorted(tokenizer.added_tokens_encoder)[:20]}."
+            )
+        tokenizer.chat_template = TEMPLATES[template]
+    # The completion's closing token must be the one generation stops on, or the model learns to stop with a token
+    # that `generate` ignores (a base Qwen tokenizer's eos is <|endoftext|> while ChatML closes turns with <|im_end|>).
+    tokenizer.eos_token = end_of_turn_token(tokenizer, template)
+    return template
 
 
 # ------------------------------------------------------------------------------------------------ tokenization
@@ -588,7 +635,9 @@ def tokenize_prompt(tokenizer, row: dict, max_prompt_length: int | None) -> dict
     return None if max_prompt_length is not None and len(ids) > max_prompt_length else {"prompt_ids": ids}
 
 
-TOKENIZE = dict(sft=tokenize_sft, preference=tokenize_preference, binary=tokenize_binary, prompt=tokenize_prompt)
+TOKENIZE = dict(
+    supervised=tokenize_sft, preference=tokenize_preference, binary=tokenize_binary, prompt=tokenize_prompt
+)
 
 
 def tokenize_dataset(tokenizer, rows: list[dict], kind: str, max_length: int | None, **kw) -> list[dict]:
@@ -596,7 +645,8 @@ def tokenize_dataset(tokenizer, rows: list[dict], kind: str, max_length: int | N
     do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs)."""
     examples, dropped = [], []
     for row in rows:
-        if (example := TOKENIZE[kind](tokenizer, row, max_length, **kw)) is None:
+        example = TOKENIZE[kind](tokenizer, row, max_length, **kw)
+        if example is None:
             dropped.append(row.get("_loc"))
         else:
             examples.append((row if kind == "prompt" else {"_loc": row.get("_loc")}) | example)
@@ -648,53 +698,12 @@ def concat_prompt_completion(
     }
 
 
-# ----------------------------------------------------------------------------------------------------- packing
 def concat_pairs(examples: list[dict], pad_id: int, device) -> dict:
     """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated
     batch)."""
     prompts = [e["prompt_ids"] for e in examples]
     completions = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
     return {k: v.to(device) for k, v in concat_prompt_completion(prompts + prompts, completions, pad_id).items()}
-
-
-def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
-    """Greedily concatenate tokenized SFT examples, in order, into rows of at most max_length tokens, with
-    position_ids restarting at 0 for each document (which is what keeps documents from attending to each other)."""
-    packs: list[dict] = []
-    for ex in examples:
-        n = len(ex["input_ids"])
-        if n > max_length:
-            raise ValueError(f"{ex.get('_loc')}: {n} tokens > max_length={max_length}; tokenize with the same limit")
-        if not packs or len(packs[-1]["input_ids"]) + n > max_length:
-            packs.append({"input_ids": [], "completion_mask": [], "position_ids": [], "_loc": []})
-        packs[-1]["input_ids"] += ex["input_ids"]
-        # A document's first token is never a label unpacked (the shift drops it); packed, it would be "predicted"
-        # from the previous document's last token, so it leaves the loss (tokenize_sft already leaves it out).
-        packs[-1]["completion_mask"] += [0] + ex["completion_mask"][1:]
-        packs[-1]["position_ids"] += list(range(n))
-        packs[-1]["_loc"].append(ex.get("_loc"))
-    return packs
-
-
-def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False) -> dict:
-    """input_ids, position_ids, completion_mask (B, T) for packed rows, and deliberately NO attention_mask (pad_id is
-    cosmetic: padding is its own loss-masked block).
-    transformers 5.24 (masking_utils.find_packed_sequence_indices) turns restarting position_ids into a block-diagonal
-    causal mask for sdpa/eager, but only when attention_mask is None AND there is no KV cache: call
-    `model(input_ids=..., position_ids=..., use_cache=False)`; with the config default use_cache=True the model builds
-    a cache and the documents silently attend to each other. Flash-attention reads the same position_ids as varlen
-    boundaries, but only at batch size 1: pass one_row=True there (the batch's documents end to end in one row).
-    sdpa/eager keep one_row=False, whose mask costs B*T^2 instead of (B*T)^2."""
-    if one_row:
-        examples = [{k: sum((e[k] for e in examples), []) for k in ("input_ids", "position_ids", "completion_mask")}]
-    width = max(len(e["input_ids"]) for e in examples)
-    # Padding positions restart at 0 too, so the padding is one more (loss-masked) document, never part of a real one.
-    positions = [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples]
-    return {
-        "input_ids": pad_batch([e["input_ids"] for e in examples], pad_id),
-        "position_ids": pad_batch(positions, 0),
-        "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0),
-    }
 
 
 def dataset_label(spec: str) -> str:
@@ -723,10 +732,12 @@ def micro_batch(
     return [examples[i] for i in rows + order[: max(min_rows - len(rows), 0)]]
 
 
-def training_steps(n_examples: int, args) -> tuple[int, int]:
-    """(total optimizer steps, micro-batches per epoch): --max-steps if >= 0, else --num-train-epochs over the data
-    with per_device_train_batch_size x gradient_accumulation_steps rows per step (the last batch may be short)."""
-    per_epoch = math.ceil(n_examples / args.per_device_train_batch_size)
-    if args.max_steps >= 0:
-        return args.max_steps, per_epoch
-    return math.ceil(per_epoch * args.num_train_epochs / args.gradient_accumulation_steps), per_epoch
+def training_steps(
+    n_examples: int, batch_size: int, gradient_accumulation_steps: int, max_steps: int, num_train_epochs: float
+) -> tuple[int, int]:
+    """(total optimizer steps, micro-batches per epoch): max_steps if >= 0, else num_train_epochs over the data with
+    batch_size x gradient_accumulation_steps rows per step (an epoch's last batch may be short)."""
+    per_epoch = math.ceil(n_examples / batch_size)
+    if max_steps >= 0:
+        return max_steps, per_epoch
+    return math.ceil(per_epoch * num_train_epochs / gradient_accumulation_steps), per_epoch

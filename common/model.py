@@ -1,32 +1,47 @@
-"""One backbone, two LoRA slots: the policy is base + adapter "default", the reference is a frozen copy in "ref".
+"""One backbone in memory: the model, its LoRA slots, and the log-probs it gives tokens.
 
-`load_model` loads a causal LM and its tokenizer; `attach_lora` adds (or loads) the trainable "default" adapter;
-`snapshot_ref` copies it into "ref"; `as_reference` runs a block with "ref" active under no_grad. No second model
-copy is ever made, so DPO / KTO / GRPO cost one backbone of memory.
+The policy is base + the trainable LoRA adapter "default"; the reference policy is a frozen copy of the starting
+adapter in a second slot "ref", switched in under no_grad by `as_reference` (a reward model may add a third slot,
+"reward"). No second copy of the base is ever made.
+
+Log-probs come from the final hidden states through the output head chunk by chunk (`chunked_logps`), recomputed in
+backward, so a full-vocabulary fp32 logits tensor of the batch never exists. `sequence_logps` scores padded or
+packed rows; `grouped_completion_logps` runs each prompt through the backbone once for its group of completions.
+Every formula is stated in its docstring and checked against a naive reference in tests/test_logps.py.
 """
 
 import contextlib
 import copy
-import hashlib
+import importlib
 import importlib.util
 import inspect
 import json
 import os
+import random
 import warnings
 
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from common.templates import setup_chat_template
+from common.data import looks_local
+from common.errors import ModelError, NonFiniteWeightsError
 
-REF = "ref"
 DEFAULT = "default"
-REWARD = "reward"  # a reward model's LoRA on the policy's backbone (common.reward_model), never trained
+REF = "ref"
+REWARD = "reward"  # a reward model's LoRA on the policy's backbone (plugins.reward_model), never trained
 
 
-class ModelError(ValueError):
-    """A --model / --adapter that is not what it must be: no such path, no config.json, an adapter of another base."""
+# ------------------------------------------------------------------------------------------------------ loading
+def seed_everything(seed: int) -> None:
+    """Python's and torch's (every device's) random streams, and numpy's when it is installed."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if importlib.util.find_spec("numpy") is not None:
+        import numpy as np
+
+        np.random.seed(seed)
 
 
 def pick_device() -> torch.device:
@@ -41,32 +56,35 @@ def require(package: str, hint: str):
 
 
 def cache_kwarg(lm) -> str:
-    """The name under which lm's forward (and generate) takes a KV cache: transformers 5.24 renamed past_key_values
-    to cache (the old name warns until 5.40); 5.17 knows only past_key_values."""
+    """The name under which lm's forward (and generate) takes a KV cache: newer transformers call it `cache`, older
+    ones only know `past_key_values`."""
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
 
 
 def is_checkpointing(lm) -> bool:
-    """Activation checkpointing on? transformers 5.24's is_activation_checkpointing; 5.17 only has the older
-    is_gradient_checkpointing (deprecated in 5.24, so it is read only where the new name is missing)."""
-    name = "is_activation_checkpointing" if hasattr(lm, "is_activation_checkpointing") else "is_gradient_checkpointing"
-    return bool(getattr(lm, name, False))
+    """Activation checkpointing on? Newer transformers name it is_activation_checkpointing; older ones only have
+    is_gradient_checkpointing (deprecated where the new name exists, so it is read only where that is missing)."""
+    if hasattr(lm, "is_activation_checkpointing"):
+        return bool(lm.is_activation_checkpointing)
+    return bool(getattr(lm, "is_gradient_checkpointing", False))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto' = bf16 on a CUDA card that supports it, else fp32 (CPU bf16 matmuls are slow and lossy here)."""
+    """'auto' = bf16 on a CUDA card that supports it, else fp32 (CPU bf16 matmuls are slow and lossy)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
 
 def resolve_attn(attn_implementation: str, device: torch.device) -> str:
     """'auto' = flash_attention_2 when flash-attn is installed and we are on CUDA, else PyTorch SDPA."""
+    if attn_implementation == "flash_attention_2":
+        require("flash_attn", "--attn-implementation flash_attention_2")
     if attn_implementation != "auto":
-        if attn_implementation == "flash_attention_2":
-            require("flash_attn", "--attn-implementation flash_attention_2")
         return attn_implementation
-    return "flash_attention_2" if device.type == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
+    flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    return "flash_attention_2" if flash else "sdpa"
 
 
 def load_model(
@@ -76,21 +94,22 @@ def load_model(
     quantization: str | None = None,
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
+    path: str | None = None,
 ):
-    """Load (model, tokenizer) from a hub id, a local path or an embedded alias such as 'smollm2-135m'.
-    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", through bitsandbytes (>= 0.48 runs on CPU too);
-    the quantized base is frozen and prepared for k-bit training (norms in fp32, input grads for checkpointing)."""
-    from common.embedded import resolve_model  # alias -> cached local folder; other names pass through
+    """(model, tokenizer) of a hub id or a local folder, on the GPU when there is one.
 
-    from common.data import looks_local
-
-    path, device = resolve_model(name), pick_device()
+    `path`: where to load from when it is not `name` itself (the folder an alias or an offline hub id resolves to,
+    see harness.hub.locate_model); the model keeps `name` as its name, which saved adapters record.
+    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", through bitsandbytes (CPU too): the quantized
+    base is frozen and prepared for k-bit training (norms in fp32)."""
+    path = path or name
+    device = pick_device()
     if looks_local(path) and not os.path.exists(path):
         raise ModelError(f"--model {name}: no such file or directory")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        shown = ", ".join(sorted(os.listdir(path))[:5]) or "nothing"
         raise ModelError(
-            f"--model {name}: the folder {path} has no config.json, so it is not a model "
-            f"(it holds: {', '.join(sorted(os.listdir(path))[:5]) or 'nothing'})"
+            f"--model {name}: the folder {path} has no config.json, so it is not a model (it holds: {shown})"
         )
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
@@ -105,44 +124,48 @@ def load_model(
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch_dtype,
         )
-        kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}  # quantized on load
-    if not os.path.isdir(path):  # a hub id: fail in seconds when it can be neither fetched nor found in the cache
-        from common.hub import check_hub
-
-        if check_hub(path, "model"):  # cached, hub unreachable: load the cached folder, no requests (no retries)
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(path, local_files_only=True)
+        # Quantized on load, straight onto its device
+        kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     # An alias (smollm2-135m) stays the model's name: saved adapters record it, not this disk's cache path.
-    model.name_or_path = model.config._name_or_path = name
-    # Taken now, before any update: full fine-tuning changes every weight, yet a checkpoint must name its base.
-    model.base_identity = base_identity(model, str(torch_dtype).removeprefix("torch."), quantization)
+    model.name_or_path = name
+    model.config._name_or_path = name
     if tokenizer.pad_token is None:
-        # Padding is always masked out, so any id works; EOS is the usual choice (our masks never rely on pad ids).
+        # Padding is always masked out, so any id works; EOS is the usual choice (our masks never use pad ids).
         tokenizer.pad_token = tokenizer.eos_token
     if quantization is None:
-        model.to(device)  # a quantized model was placed by device_map
+        model.to(device)
     else:
         from peft import prepare_model_for_kbit_training
 
-        # Checkpointing is switched on below, as without quantization (PEFT's would use the deprecated alias).
+        # Checkpointing is switched on below, as without quantization (PEFT's would use a deprecated alias).
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        # bitsandbytes 0.50 on an AVX512-BF16 CPU repacks a 4-bit weight in place the first time it runs in eval mode
-        # without grad (bf16 absmax, a kernel without autograd) and keeps that layout in training: our reference and
-        # rollout passes run in eval mode, so the base would change under the trainer. Keep the layout that trains.
-        for module in (m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")):
-            module.support_avx512bf16_for_cpu = False
-    if gradient_checkpointing:  # non-reentrant works with frozen inputs (LoRA): no enable_input_require_grads hack
-        if hasattr(model, "activation_checkpointing_enable"):  # the name transformers 5.24 gives it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:  # older transformers (the GPU image's 5.17)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # bitsandbytes on an AVX512-BF16 CPU repacks a 4-bit weight in place the first time it runs in eval mode
+        # without grad and keeps that layout in training: our reference and rollout passes run in eval mode, so the
+        # base would change under the trainer. Keep the layout that trains.
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+    if gradient_checkpointing:
+        # Non-reentrant works with frozen inputs (LoRA): no enable_input_require_grads needed
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # the newer name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = not gradient_checkpointing
     return model, tokenizer
 
 
+def same_base(a: str, b: str) -> bool:
+    """Do two model names (hub ids or local paths) name the same model?"""
+    if a == b:
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+# ------------------------------------------------------------------------------------------------- LoRA slots
 def attach_lora(
     model,
     adapter: str | None = None,
@@ -151,24 +174,24 @@ def attach_lora(
     dropout: float = 0.05,
     target_modules: str | list[str] = "all-linear",
 ):
-    """Wrap the model in PEFT with a trainable "default" adapter, loaded from `adapter` (sft.py's output) or new."""
+    """Wrap the model in PEFT with a trainable "default" adapter, loaded from `adapter` (e.g. an SFT run's final/)
+    or new (r, alpha, dropout on all linear layers)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
     with warnings.catch_warnings():
-        # PEFT 0.21's PeftModel.__init__ reads transformers' deprecated model.is_gradient_checkpointing on every
-        # wrap (checkpointing on or off); nothing we call can avoid it, so only that one warning is hidden, here.
+        # PEFT reads transformers' deprecated model.is_gradient_checkpointing on every wrap; nothing we call can
+        # avoid it, so only that one warning is hidden, here.
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         if adapter is None:
-            return get_peft_model(
-                model,
-                LoraConfig(
-                    r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
-                ),
+            config = LoraConfig(
+                r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
             )
+            return get_peft_model(model, config)
         with open(os.path.join(adapter, "adapter_config.json")) as f:
-            trained_on, name = json.load(f).get("base_model_name_or_path"), model.config._name_or_path
+            trained_on = json.load(f).get("base_model_name_or_path")
+        name = model.config._name_or_path
         try:
             peft_model = PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
         except RuntimeError as e:  # PEFT lists every mismatched tensor (52 lines for a 135M model): name the models
@@ -179,38 +202,9 @@ def attach_lora(
                 f"--adapter {adapter} was trained on {trained_on!r}, whose shapes differ from the base "
                 f"--model {name!r} ({str(e).count('size mismatch')} tensors, e.g. {first[:200]})"
             ) from None
-    if trained_on and name and not same_base(trained_on, name):  # same shapes, so PEFT loads it without a word
+    if trained_on and name and not same_base(trained_on, name):  # same shapes: PEFT loads it without a word
         print(f"note: --adapter {adapter} was trained on {trained_on!r}, not on --model {name!r} (same shapes)")
     return peft_model
-
-
-def same_base(a: str, b: str) -> bool:
-    """Do two --model names (alias, hub id, local path) name the same model? An alias stands for its cached folder."""
-    from common.embedded import resolve_model
-
-    if a == b:
-        return True
-    a, b = resolve_model(a), resolve_model(b)
-    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
-
-
-def load_policy(args, *, reference: bool = False, no_dropout: bool = False, adapter: str | None = None):
-    """(model, tokenizer) as a script's Args say: the base (--model, --dtype, --attn-implementation, --quantization,
-    --gradient-checkpointing, --trust-remote-code), its chat template (--template), the trainable "default" LoRA
-    (`adapter` or --adapter, else new; none with --no-use-lora), dropout off (TRL's disable_dropout) and, with
-    `reference`, the frozen "ref" copy taken before any update: the reference is the starting policy."""
-    trust = getattr(args, "trust_remote_code", False)
-    model, tokenizer = load_model(
-        args.model, args.dtype, args.attn_implementation, args.quantization, args.gradient_checkpointing, trust
-    )
-    setup_chat_template(tokenizer, args.template)
-    if getattr(args, "use_lora", True):  # sft.py and orpo.py can train every weight instead
-        model = attach_lora(model, adapter or args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if no_dropout:
-        disable_dropout(model)
-    if reference:
-        snapshot_ref(model)
-    return model, tokenizer
 
 
 def is_peft(model) -> bool:
@@ -222,22 +216,24 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _slot_params(model, slot: str) -> dict[str, torch.nn.Parameter]:
-    """LoRA tensors of one slot keyed by their name with the slot name removed, so the two slots line up."""
+def slot_params(model, slot: str) -> dict[str, torch.nn.Parameter]:
+    """LoRA tensors of one slot keyed by their name with the slot name removed, so two slots line up."""
     tag = f".{slot}."
     return {n.replace(tag, ".#."): p for n, p in model.named_parameters() if tag in n}
 
 
 def snapshot_ref(model) -> None:
-    """Copy "default" into a frozen "ref" slot: the reference policy is the starting policy (e.g. the SFT adapter)."""
+    """Copy "default" into the frozen "ref" slot: the reference policy is the starting policy (e.g. the SFT
+    adapter). Called again, it overwrites "ref" with the current "default"."""
     if not is_peft(model):
         raise ValueError("snapshot_ref needs a LoRA policy (attach_lora); full fine-tuning has no 'ref' slot")
     if REF not in model.peft_config:
-        cfg = copy.deepcopy(model.peft_config[DEFAULT])
-        cfg.inference_mode = True
+        config = copy.deepcopy(model.peft_config[DEFAULT])
+        config.inference_mode = True
         with torch.random.fork_rng():  # PEFT draws a random init we overwrite: leave the RNG stream alone
-            model.add_adapter(REF, cfg)  # PEFT keeps "default" active and creates the new slot frozen
-    src, dst = _slot_params(model, DEFAULT), _slot_params(model, REF)
+            model.add_adapter(REF, config)  # PEFT keeps "default" active and creates the new slot frozen
+    src = slot_params(model, DEFAULT)
+    dst = slot_params(model, REF)
     if src.keys() != dst.keys():
         raise RuntimeError("the 'ref' slot does not mirror 'default' (different target modules)")
     with torch.no_grad():
@@ -250,11 +246,12 @@ def snapshot_ref(model) -> None:
 def as_reference(model, slot: str = REF):
     """Run the block as the reference policy (or another frozen slot, e.g. REWARD): `slot` active, eval mode,
     no_grad; the active adapter, every requires_grad flag and train mode restored on exit, even if the block raises.
-    PEFT's set_adapter() also flips requires_grad (the active slot becomes trainable, the other frozen; seen on
-    peft 0.21), so the exact requires_grad of every parameter is saved first and put back."""
+    PEFT's set_adapter() also flips requires_grad (the active slot becomes trainable, the other frozen), so the
+    exact requires_grad of every parameter is saved first and put back."""
     if not is_peft(model) or slot not in model.peft_config:
         raise RuntimeError(f"no '{slot}' adapter: call snapshot_ref(model) (or load_reward) before using it")
-    flags, was_training = {n: p.requires_grad for n, p in model.named_parameters()}, model.training
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    was_training = model.training
     active = model.active_adapter
     try:
         model.set_adapter(slot)
@@ -271,8 +268,7 @@ def as_reference(model, slot: str = REF):
 def disable_dropout(model) -> None:
     """p = 0 on every nn.Dropout, a loaded adapter's LoRA dropout included (TRL's disable_dropout=True), and on the
     float rates modules pass to functional dropout (Llama/Qwen2's attention_dropout from config.json, which no
-    nn.Dropout holds): otherwise the policy (train mode) and the reference (eval mode) differ at step 0 and DPO's
-    first loss is not ln 2."""
+    nn.Dropout holds): otherwise the policy (train mode) and the reference (eval mode) differ at step 0."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -287,59 +283,15 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
         # Only LoRA can train on a bitsandbytes base: its int8/NF4 weights take no gradient and no optimizer step.
         raise ValueError("a --quantization base trains only through LoRA: drop --no-use-lora or --quantization")
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if leaked := [n for n, _ in params if f".{REF}." in n or f".{REWARD}." in n]:
+    leaked = [n for n, _ in params if f".{REF}." in n or f".{REWARD}." in n]
+    if leaked:
         raise RuntimeError(f"frozen ('ref' / 'reward') adapter tensors are trainable: {leaked[:3]}")
     if not params:
         raise RuntimeError("the model has no trainable parameters")
     return [p for _, p in params]
 
 
-def base_identity(model, dtype: str | None = None, quantization: str | None = None) -> dict:
-    """What a checkpoint records about its base model: a hash of the config (minus load options), a fingerprint of
-    its weights (sha256 over 1,024 values at each end of the first, middle and last base tensor, rounded to bf16 so
-    the load dtype shows only as `dtype`), the dtype and the quantization. load_model stores it as
-    model.base_identity (before any update); otherwise it is computed from the model as it is now."""
-    if (saved := getattr(model, "base_identity", None)) is not None:
-        return saved
-    base = model.get_base_model() if is_peft(model) else model
-    config = {
-        k: v
-        for k, v in base.config.to_dict().items()
-        if not k.startswith("_")
-        and k
-        not in (
-            "use_cache",
-            "dtype",
-            "torch_dtype",
-            "transformers_version",
-            "quantization_config",
-            "attn_implementation",
-        )
-    }
-    params = [(n.replace(".base_layer.", "."), p) for n, p in base.named_parameters() if "lora_" not in n]
-    h = hashlib.sha256()
-    for name, p in (params[0], params[len(params) // 2], params[-1]):
-        flat = p.detach().reshape(-1)
-        values = torch.cat([flat[:1024], flat[-1024:]]).to("cpu", torch.bfloat16).view(torch.int16)
-        h.update(f"{name}{tuple(p.shape)}".encode())
-        h.update(values.numpy().tobytes())
-    return {
-        "base.config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-        "base.weights_sha256": h.hexdigest(),
-        "dtype": dtype or str(base.dtype).removeprefix("torch."),
-        "quantization": quantization,
-    }
-
-
-def adapter_hash(model, slot: str = REF) -> str:
-    """sha256 over a slot's tensors in name order: recorded in checkpoints, verified on resume."""
-    h = hashlib.sha256()
-    for key, p in sorted(_slot_params(model, slot).items()):
-        h.update(key.encode())
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
+# ------------------------------------------------------------------------------------------------------ saving
 def save_weights(model, out_dir: str, adapters: list[str] | None = None) -> None:
     """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model.
     save_embedding_layers=False: our LoRA never resizes the vocabulary, and PEFT's "auto" looks a base name that is
@@ -348,26 +300,278 @@ def save_weights(model, out_dir: str, adapters: list[str] | None = None) -> None
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
 
 
-def load_weights(model, src_dir: str) -> None:
-    """Inverse of save_weights into an already-built model (both LoRA slots, or the full state dict)."""
-    if not is_peft(model):
-        state = {}
-        for name in sorted(os.listdir(src_dir)):
-            if name.endswith(".safetensors"):
-                state.update(load_file(os.path.join(src_dir, name), device=str(model.device)))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        # save_pretrained drops tied copies (lm_head = embed_tokens); anything else missing is a broken checkpoint.
-        own = model.state_dict()
-        loaded = {own[n].data_ptr() for n in state if n in own}
-        if broken := [n for n in missing if own[n].data_ptr() not in loaded] + list(unexpected):
-            raise RuntimeError(f"checkpoint {src_dir} does not match the model: {broken[:3]}")
-        return
-    from peft import set_peft_model_state_dict
+def check_finite(model, where: str = "") -> None:
+    """Refuse to write a model with a NaN/Inf weight: the error names the tensors (and `where`, e.g. the last good
+    checkpoint)."""
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"{len(bad)} weight tensors hold NaN/Inf (e.g. {bad[0]}); nothing was saved{where}"
+        )
 
-    for slot in model.peft_config:
-        path = os.path.join(src_dir, "" if slot == DEFAULT else slot, "adapter_model.safetensors")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"checkpoint {src_dir} has no weights for adapter '{slot}' ({path})")
-        result = set_peft_model_state_dict(model, load_file(path, device=str(model.device)), adapter_name=slot)
-        if getattr(result, "unexpected_keys", None):
-            raise RuntimeError(f"{path}: unexpected keys {result.unexpected_keys[:3]}")
+
+def stop_at_end_of_turn(model, tokenizer) -> None:
+    """generate() stops only at generation_config's eos ids: put the trained end of turn (the tokenizer's eos, e.g.
+    ChatML's <|im_end|> on a base model whose eos is <|endoftext|>) first among them, as TRL's SFTTrainer does."""
+    stops = model.generation_config.eos_token_id
+    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    if tokenizer.eos_token_id not in stops:
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
+
+
+def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
+    """out_dir: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as plain
+    PEFT / transformers load them, plus the tokenizer; refused when a weight is not finite. A full model's
+    generation config also stops at the trained end of turn."""
+    check_finite(model)
+    if not is_peft(model):
+        stop_at_end_of_turn(model, tokenizer)
+    save_weights(model, out_dir, adapters)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------------------------- log-probs
+# Config keys of models whose forward transforms the lm_head input or output (Gemma2/3/4 + nanochat softcapping,
+# Cohere's logit_scale, Granite's logits_scaling, MuSE's output_multiplier, Falcon-H1's lm_head_multiplier,
+# RecurrentGemma's logits_soft_cap, Inkling's hidden-state divisor and vocab cut): lm_head(hidden) alone is wrong.
+_LOGIT_TRANSFORM_KEYS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_soft_cap",
+    "logits_mup_width_multiplier",
+    "unpadded_vocab_size",
+)
+
+
+def _chunk_logits(hidden_chunk, weight, bias, temperature):
+    """logits = (h W^T + b) / T in fp32 for one chunk of rows: (n, H) x (V, H) -> (n, V)."""
+    logits = hidden_chunk.float() @ weight.T  # weight is already fp32 here (cast once per call, not per chunk)
+    if bias is not None:
+        logits += bias
+    return logits.div_(temperature)  # in place: no second (n, V) buffer
+
+
+class _ChunkedLogps(torch.autograd.Function):
+    """log p(y_i | h_i) = z_{i, y_i} - logsumexp_v z_{i, v} with z = (h W^T + b) / T, computed chunk by chunk.
+
+    Backward recomputes each chunk's logits from (hidden, weight, bias) instead of saving them, so the peak is two
+    (chunk_size, V) fp32 buffers (logits + softmax) whatever N is: d logp_i / d z_i = onehot(y_i) - softmax(z_i).
+    Autocast is disabled inside: under bf16 autocast the matmuls would round logits to bf16, defeating the fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, return_entropy):
+        w = weight.float()  # no-op for fp32; for bf16 one fp32 copy of the head so logits are fp32-accurate
+        b = None if bias is None else bias.float()
+        logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logps) if return_entropy else logps.new_empty(0)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)  # the last chunk may be shorter; slicing clips it
+            with torch.autocast(hidden.device.type, enabled=False):
+                logits = _chunk_logits(hidden[rows], w, b, temperature)  # (n, V) fp32
+            if return_entropy:
+                entropy[rows] = entropy_from_logits(logits)
+            logps[rows] = logits.gather(-1, labels[rows, None]).squeeze(-1) - logits.logsumexp(-1)
+            del logits  # free before the next chunk's matmul, else two chunk buffers overlap
+        ctx.save_for_backward(hidden, weight, bias, labels)  # inputs only: logits are recomputed in backward
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(entropy)  # entropy is a logged metric, never a loss term here
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight.float()
+        b = None if bias is None else bias.float()
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        # fp32 accumulators, allocated only when the head is trainable (a frozen LoRA base head skips both matmuls)
+        grad_weight = torch.zeros_like(w) if need_w else None
+        grad_bias = torch.zeros_like(b) if need_b else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            g = grad_logps[rows].float()  # (n,)
+            with torch.autocast(hidden.device.type, enabled=False):
+                # dz = g * (onehot(y) - softmax(z)) / T, built in place in the softmax buffer
+                dz = _chunk_logits(hidden[rows], w, b, ctx.temperature).softmax(-1).mul_(-g[:, None])
+                dz.scatter_add_(-1, labels[rows, None], g[:, None])
+                dz.div_(ctx.temperature)  # chain rule through z = (hW^T + b) / T
+                if need_h:
+                    grad_hidden[rows] = (dz @ w).to(hidden.dtype)
+                if need_w:
+                    grad_weight.addmm_(dz.T, hidden[rows].float())
+                if need_b:
+                    grad_bias += dz.sum(0)
+            del dz  # free before the next chunk's matmul, else two chunk buffers overlap
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def chunked_logps(hidden, weight, labels, temperature=1.0, chunk_size=1024, bias=None, return_entropy=False):
+    """Per-row log p(labels_i) under softmax((hidden_i W^T + b) / T), fp32 (N,), never holding (N, V) logits.
+
+    hidden (N, H) any float dtype, weight (V, H) the output head, labels (N,) long. With return_entropy also returns
+    H_i = -sum_v p_iv log p_iv (N,) fp32, detached. Gradients flow to hidden, and to weight/bias only when they
+    require grad. Logits are computed in fp32 from the (possibly bf16) inputs, so bf16 models get fp32-accurate
+    logps rather than those of `lm_head(h).float()`, whose bf16 logits in [16, 32) are rounded by up to 1/16.
+    """
+    logps, entropy = _ChunkedLogps.apply(hidden, weight, bias, labels, temperature, chunk_size, return_entropy)
+    return (logps, entropy) if return_entropy else logps
+
+
+def head_is_plain_linear(lm) -> bool:
+    """True when logits == lm_head(decoder(x).last_hidden_state) exactly, so the chunked head is safe to use.
+
+    A PEFT-wrapped or quantized head (not exactly nn.Linear) has a different forward, and some configs rescale or
+    softcap logits after the head (_LOGIT_TRANSFORM_KEYS); those take the naive path through model(...).logits.
+    """
+    config = lm.config.get_text_config()
+    # 1.0 multiplies or divides by one (Granite's default logits_scaling), so it leaves the plain head exact
+    transformed = any(getattr(config, key, None) not in (None, 1.0) for key in _LOGIT_TRANSFORM_KEYS)
+    return type(lm.get_output_embeddings()) is torch.nn.Linear and not transformed
+
+
+def sequence_logps(
+    model,
+    input_ids,
+    attention_mask,
+    logps_mask,
+    position_ids=None,
+    temperature=1.0,
+    chunk_size=1024,
+    return_entropy=False,
+):
+    """per_token_logps[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where logps_mask[b, t] == 1, else 0.0.
+
+    input_ids, attention_mask, logps_mask: (B, T). Returns (B, T) fp32 (and entropy (B, T) fp32, detached, same
+    layout, when return_entropy). Position 0 and the first real token after left padding have no context: always 0.
+    Only the hidden states that predict a masked target go through the head (prompt tokens cost no logits at all).
+    Padded rows run in groups of similar length, each cut to the columns its tokens use (length_groups): padding
+    costs no compute or activation memory, and a group without padding takes SDPA's causal path with no mask.
+    """
+    groups = None
+    if attention_mask is not None and position_ids is None:
+        groups = length_groups(attention_mask)
+    if groups and (len(groups) > 1 or groups[0][1:] != (0, input_ids.shape[1])):
+        outs = []
+        for rows, a, b in groups:  # each group's (g, b - a) result back in its columns of the (B, T) layout
+            idx = torch.tensor(rows, device=input_ids.device)
+            cut = [x[idx, a:b] for x in (input_ids, attention_mask, logps_mask)]
+            out = sequence_logps(model, *cut, None, temperature, chunk_size, return_entropy)
+            parts = out if return_entropy else (out,)
+            outs.append([F.pad(x, (a, input_ids.shape[1] - b)) for x in parts])
+        order = torch.tensor([r for rows, _, _ in groups for r in rows], device=input_ids.device).argsort()
+        out = [torch.cat(x)[order] for x in zip(*outs)]  # rows back in the caller's order
+        return tuple(out) if return_entropy else out[0]
+    lm = unwrap(model)
+    if attention_mask is None and position_ids is None:
+        raise ValueError("sequence_logps needs attention_mask, or position_ids for packed rows (attention_mask=None)")
+    if position_ids is None:
+        # Positions count real tokens only, so a left-padded row is scored as if unpadded. HF's default arange(T)
+        # shifts each padded row by its pad count: a no-op for RoPE (relative), wrong for absolute-position models
+        # (TRL issue #6800: 34 nats on GPT-2). clamp: the pads before the first token.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    # Shift: the hidden state at t-1 predicts token t, so targets are input_ids[:, 1:] under logps_mask[:, 1:]. A
+    # target whose predecessor is padding has no context (the first real token of a left-padded row): 0, like t=0.
+    target_mask = logps_mask[:, 1:].bool()  # (B, T-1)
+    if attention_mask is not None:
+        target_mask = target_mask & attention_mask[:, :-1].bool()
+    # Packed rows (attention_mask None, position_ids restarting per document): transformers then builds a
+    # block-diagonal causal mask from position_ids, but only without a KV cache, hence use_cache=False below.
+    targets = input_ids[:, 1:]
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if head_is_plain_linear(lm):
+        hidden = lm.get_decoder()(**inputs).last_hidden_state  # (B, T, H), after the final norm
+        head = lm.get_output_embeddings()
+        h = hidden[:, :-1][target_mask]  # (N, H): only the scored rows
+        labels = targets[target_mask]  # (N,)
+        out = chunked_logps(h, head.weight, labels, temperature, chunk_size, head.bias, return_entropy)
+        logps, entropy = out if return_entropy else (out, None)
+        # Scatter the N values back into (B, T-1); unscored slots are exact zeros (no logits exist for them).
+        zeros = torch.zeros(target_mask.shape, dtype=torch.float32, device=logps.device)  # (B, T-1)
+        logps = zeros.masked_scatter(target_mask, logps)
+        if return_entropy:
+            entropy = zeros.masked_scatter(target_mask, entropy)
+    else:
+        # Naive path: full (B, T-1, V) fp32 logits; the last position predicts nothing, so it is dropped.
+        logits = lm(**inputs).logits[:, :-1].float() / temperature
+        logps = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+        logps = torch.where(target_mask, logps, 0.0)  # where, not *: unscored slots are exact zeros
+        if return_entropy:
+            entropy = torch.where(target_mask, entropy_from_logits(logits.detach()), 0.0)
+    # Left-pad one zero column for position 0, which has no preceding token to condition on.
+    per_token_logps = F.pad(logps, (1, 0))
+    if return_entropy:
+        return per_token_logps, F.pad(entropy, (1, 0)).detach()
+    return per_token_logps
+
+
+def length_groups(attention_mask, slack: float = 1.125) -> list[tuple[list[int], int, int]] | None:
+    """Rows grouped longest first, a row joining the current group while the group's padded size stays within
+    `slack` x its real tokens; each group with the column span [a, b) its rows' tokens occupy (left or right
+    padding). None when a row is empty (the caller keeps the one padded batch)."""
+    m = attention_mask.bool()
+    lengths = m.sum(-1).tolist()
+    if min(lengths) == 0:
+        return None
+    first = m.int().argmax(-1).tolist()  # the first real column of each row
+    last = (m.shape[1] - m.flip(-1).int().argmax(-1)).tolist()  # one past its last real column
+    groups = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        g = groups[-1] if groups else None
+        if g and (len(g) + 1) * lengths[g[0]] <= slack * (sum(lengths[j] for j in g) + lengths[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return [(g, min(first[i] for i in g), max(last[i] for i in g)) for g in groups]
+
+
+def prompt_cache(lm):
+    """An empty DynamicCache for lm, or None when a layer of it would hold more than keys and values (the conv and
+    recurrent states of Falcon-H1, RecurrentGemma, LFM2, Qwen3-Next...): batch_repeat_interleave and a rebuilt
+    cache copy keys and values only, so those models never share a prompt's pass (they crashed or mixed up rows)."""
+    cache = DynamicCache(config=lm.config)
+    plain = all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+    return cache if plain else None
+
+
+def completion_logps(model, batch: dict):
+    """Summed completion log-probs per row (B,) and the per-token ones (B, T), 0 off the completion: the sequence
+    score of the preference losses (TRL's concatenated_forward) from a concat_prompt_completion batch."""
+    per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
+
+
+def entropy_from_logits(logits):
+    """H = -sum_v p_v log p_v with p = softmax(logits), in fp32, one value per position (logits.shape[:-1])."""
+    # entr(p) = -p log p with entr(0) = 0, so -inf logits (masked vocab) give 0 instead of 0 * -inf = NaN
+    return torch.special.entr(logits.float().softmax(-1)).sum(-1)
+
+
+def masked_sum(values, mask, dim=None):
+    """sum_i values_i * mask_i over all elements (dim=None) or along dim; mask is 0/1 (bool or float)."""
+    # where, not values * mask: padded slots may hold inf/NaN (e.g. -inf logps), and NaN * 0 is NaN
+    masked = torch.where(mask.bool(), values, 0.0)
+    return masked.sum() if dim is None else masked.sum(dim)
+
+
+def masked_mean(values, mask, dim=None, empty="raise"):
+    """sum_i values_i * mask_i / sum_i mask_i, over all elements (dim=None) or along dim.
+
+    An empty mask never silently gives 0 or NaN: dim=None raises ValueError. With dim given, rows whose mask is all
+    zero raise when empty="raise", or are exactly 0.0 when empty="zero" (a fully masked completion contributes
+    nothing, as TRL's `mask.sum(-1).clamp(min=1.0)` makes it).
+    """
+    if empty not in ("raise", "zero"):
+        raise ValueError(f"empty must be 'raise' or 'zero', got {empty!r}")
+    count = mask.sum() if dim is None else mask.sum(dim)
+    if (dim is None or empty == "raise") and bool((count == 0).any()):
+        raise ValueError(f"masked_mean over an empty mask (dim={dim}): no element to average; check the mask")
+    # clamp: only reachable for empty="zero" rows, whose masked sum is 0, so they come out as exactly 0.0
+    return masked_sum(values, mask, dim) / count.clamp(min=1)

@@ -1,36 +1,28 @@
-"""Reward functions, a plain dict registry of them, and the batch scorer that grpo.py calls.
+"""Rule rewards, a plain dict of them by name, and the batch scorer for rollouts.
 
 A reward function is `fn(prompts, completions, **row_fields) -> list[float | None]` (TRL's contract; None means
 "not applicable to this sample"). row_fields are the dataset's extra columns as lists plus `completion_ids` (token-id
 lists) and `max_completion_length` (int); every function takes unknown kwargs. Prompts and completions are strings
 or, for conversational data, lists of {role, content} messages (a completion's text is its last assistant message).
-REWARD_FUNCS: math, code (sandboxed tests, see run_code_tests), format, gsm8k_format, json, regex, length,
-target_length, api.
+REWARD_FUNCS: math, format, gsm8k_format, json, regex, length, target_length. The code reward (sandboxed tests), the
+API judge and reward models are plug-ins (plugins/) that a script adds to the dict it passes to load_reward_funcs.
 """
 
-import ast
-import concurrent.futures
-import contextlib
-import functools
 import importlib
 import json
 import math
-import os
 import re
-import time
-import types
-import urllib.error
-import urllib.request
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
 
 import torch
 
-from common.sandbox import run_python
+from common.data import MAX_SHOWN
+from common.errors import DataError
 
 
-def _text(x, last_assistant: bool = True) -> str:
+def text_of(x, last_assistant: bool = True) -> str:
     """A string as is; a message list as its last assistant message (or, for prompts, all contents joined)."""
     if isinstance(x, str):
         return x
@@ -66,7 +58,7 @@ def _boxed(text: str) -> str | None:
 def extract_answer(text) -> str | None:
     """The final answer of a solution: GSM8K `#### 42`, else the last \\boxed{...}, else the last "the answer is 42"
     / "answer: 42", else (fallback) the last number in the text; None when there is none."""
-    text = _text(text)[-_TAIL:].replace("\u2212", "-")  # U+2212 is the typographic minus
+    text = text_of(text)[-_TAIL:].replace("\u2212", "-")  # U+2212 is the typographic minus
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().split("\n")[0]
     if (boxed := _boxed(text)) is not None:
@@ -109,144 +101,12 @@ def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
     return rewards
 
 
-# ---------------------------------------------------------------------------------------------------- code
-# An assert test is judged here, out of the solution's reach: the sandbox evaluates only its parts that need the
-# solution (a call of its function, a name it defines: "queries") and returns their values as literals; the rest
-# (==, <, abs(), sorted(), math.isclose(), the expected values) is evaluated here on those values.
-_PURE = {
-    f.__name__: f
-    for f in (
-        abs,
-        all,
-        any,
-        bool,
-        dict,
-        float,
-        frozenset,
-        int,
-        len,
-        list,
-        max,
-        min,
-        round,
-        set,
-        sorted,
-        str,
-        sum,
-        tuple,
-    )
-} | {"math": types.SimpleNamespace(isclose=math.isclose)}
-_HERE = (
-    ast.Constant,
-    ast.Tuple,
-    ast.List,
-    ast.Set,
-    ast.Dict,
-    ast.BinOp,
-    ast.UnaryOp,
-    ast.BoolOp,
-    ast.Compare,
-    ast.IfExp,
-    ast.Subscript,
-    ast.Slice,
-    ast.Starred,
-    ast.keyword,
-    ast.operator,
-    ast.unaryop,
-    ast.boolop,
-    ast.cmpop,
-    ast.expr_context,
-)
-
-
-def _split_assert(test: str, queries: list[str]):
-    """`assert f(1) == 2` -> compiled `_q0 == 2`, "f(1)" appended to queries: every largest part that is neither in
-    _HERE nor a call of a _PURE function becomes a query."""
-    body = ast.parse(test).body
-    if len(body) != 1 or not isinstance(body[0], ast.Assert):
-        raise ValueError(f"an assert test is one assert statement, e.g. 'assert f(1) == 2'; got {test!r}")
-
-    class Split(ast.NodeTransformer):
-        def visit(self, node):
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in {*_PURE, "math.isclose"} - {"math"}:
-                node.args, node.keywords = [self.visit(a) for a in node.args], [self.visit(k) for k in node.keywords]
-            elif isinstance(node, _HERE):
-                self.generic_visit(node)
-            else:
-                queries.append(ast.unparse(node))
-                return ast.Name(f"_q{len(queries) - 1}", ast.Load())
-            return node
-
-    return compile(ast.fix_missing_locations(ast.Expression(Split().visit(body[0].test))), "<test>", "eval")
-
-
-def _holds(test, values: dict) -> bool:
-    """A split test on the solution's values; a missing value (NameError) or a wrong one's TypeError etc. fails."""
-    try:
-        return bool(eval(test, {"__builtins__": {}, **_PURE, **values}))
-    except (NameError, TypeError, ValueError, ArithmeticError, LookupError, MemoryError, RecursionError):
-        return False
-
-
-def _lines(s: str) -> list[str]:
-    """Output lines compared as judges do: trailing spaces and trailing blank lines ignored."""
-    return [line.rstrip() for line in s.rstrip().splitlines()]
-
-
-def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
-    """Fraction of `tests` that `code` passes, run by run_python (the sandbox kwargs go there). `tests` is a list
-    (or its JSON string, or APPS' {"inputs": [...], "outputs": [...]}) of
-      {"input": str, "output": str}: one run each; passes if the stdout lines equal ALL expected lines after rstrip
-        (extra or missing lines fail: open-r1's zip() let half an answer pass);
-      "assert f(1) == 2" strings, one assert each: one run for all; the sandbox evaluates only "f(1)" and returns
-        its value as a literal, the comparison runs here (_split_assert).
-    Either way the expected values never enter the sandbox and the verdict is reached outside it, so no trick of
-    the solution's (rebinding exec or builtins, sys.modules, AssertionError, exiting early, atexit, signals,
-    printing fake results, reading its files or /proc, an object equal to everything) can pass a test it fails."""
-    if isinstance(tests, str):
-        tests = json.loads(tests) if tests.lstrip().startswith(("[", "{")) else [tests]
-    if isinstance(tests, dict):
-        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
-    passed = sum(
-        _lines(run_python(code, t["input"], timeout, **sandbox)) == _lines(t["output"])
-        for t in tests
-        if isinstance(t, dict)
-    )
-    queries = []
-    asserts = [_split_assert(t, queries) for t in tests if isinstance(t, str)]
-    if asserts:
-        out, values = run_python(code, "", timeout, queries=queries, **sandbox), {}
-        records = dict(re.findall(r"^\x1e(\d+) (.*)$", out, re.MULTILINE))  # the last one of each query
-        for i in range(len(queries)):  # (only these: parsing costs us, not the sandbox)
-            with contextlib.suppress(KeyError, ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                values[f"_q{i}"] = ast.literal_eval(records[str(i)])  # none or not a literal: its test fails
-        passed += sum(_holds(test, values) for test in asserts)
-    return passed / max(len(tests), 1)
-
-
-def extract_code(text) -> str:
-    """The last ```python (or ```py) fenced block of a completion, else its whole text."""
-    blocks = re.findall(r"```(?:python3?|py)[ \t]*\n(.*?)```", _text(text), re.DOTALL)
-    return blocks[-1] if blocks else _text(text)
-
-
-def code_reward(prompts, completions, test_cases=None, **kw) -> list[float | None]:
-    """Fraction of the row's `test_cases` that the completion's code passes (run_code_tests); None if it has none.
-    Samples run on a few threads: each run is a separate process, so the threads only wait."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        jobs = [
-            None if not t else pool.submit(run_code_tests, extract_code(c), t)
-            for c, t in zip(completions, test_cases or [None] * len(completions), strict=True)
-        ]
-        return [None if j is None else j.result() for j in jobs]
-
-
 # ---------------------------------------------------------------------------------------------------- format
 def format_reward(prompts, completions, **kw) -> list[float]:
     """1.0 if the completion is `<think>...</think>` then `<answer>...</answer>` and nothing else (whitespace aside),
     each tag exactly once; else 0.0. Counting tags instead of a lazy regex keeps it linear on long completions."""
     tags = ("<think>", "</think>", "<answer>", "</answer>")
-    texts = [_text(c).strip() for c in completions]
+    texts = [text_of(c).strip() for c in completions]
     return [
         float(
             all(t.count(tag) == 1 for tag in tags)
@@ -265,10 +125,9 @@ _ANSWER_LINE, _RESULT = re.compile(rf"####[ \t]*{_NUMBER}\.?$"), re.compile(rf"=
 def gsm8k_format_reward(prompts, completions, **kw) -> list[float]:
     """1.0 if the completion ends with GSM8K's answer line `#### N` and N repeats the result of its last calculation
     (the last `= N` before that line, as GSM8K's `<<48/2=24>>` steps); else 0.0. A shaping reward to pair with
-    `math`, and to watch: on SmolLM2-135M (20 grpo.py steps, `--rewards math gsm8k_format:0.5`) held-out greedy
-    answers went from 8% to 88% in this form but from 17% to 3% right (a form-only check: 100% form, 2% right)."""
+    `math`, and to watch: a policy can learn the form without the arithmetic (docs/rewards.md has a measured case)."""
     scores = []
-    for text in (_text(c).strip() for c in completions):
+    for text in (text_of(c).strip() for c in completions):
         line = _ANSWER_LINE.search(text)
         results = _RESULT.findall(text[: line.start()]) if line else []
         scores.append(float(bool(results) and results[-1].replace(",", "") == line.group(1).replace(",", "")))
@@ -308,7 +167,7 @@ def json_reward(prompts, completions, json_schema=None, **kw) -> list[float]:
     for completion, schema in zip(completions, json_schema or [None] * len(completions), strict=True):
         schema = json.loads(schema) if isinstance(schema, str) else schema  # a bad schema is the data's error: raise
         try:
-            value = json.loads(re.sub(r"^```(?:json)?\s*|\s*```$", "", _text(completion).strip()))
+            value = json.loads(re.sub(r"^```(?:json)?\s*|\s*```$", "", text_of(completion).strip()))
             rewards.append(float(schema is None or _schema_ok(value, schema)))
         except (ValueError, RecursionError):  # the completion's fault (json.loads and _schema_ok recurse): not a crash
             rewards.append(0.0)
@@ -319,15 +178,15 @@ def regex_reward(prompts, completions, pattern=None, **kw) -> list[float | None]
     """1.0 if the stripped completion fullmatches the row's `pattern` (re.DOTALL), else 0.0; None without one.
     Patterns come from your data: one with nested quantifiers can backtrack exponentially."""
     return [
-        None if p is None else float(re.fullmatch(p, _text(c).strip(), re.DOTALL) is not None)
+        None if p is None else float(re.fullmatch(p, text_of(c).strip(), re.DOTALL) is not None)
         for c, p in zip(completions, pattern or [None] * len(completions), strict=True)
     ]
 
 
 # ---------------------------------------------------------------------------------------------------- length
 def _lengths(completions, completion_ids) -> list[int]:
-    """|y|: tokens from completion_ids (grpo.py passes them), else whitespace-separated words."""
-    tokens_or_words = completion_ids if completion_ids is not None else [_text(c).split() for c in completions]
+    """|y|: tokens from completion_ids (score_rollout passes them), else whitespace-separated words."""
+    tokens_or_words = completion_ids if completion_ids is not None else [text_of(c).split() for c in completions]
     return [len(x) for x in tokens_or_words]
 
 
@@ -339,7 +198,7 @@ def soft_overlong_reward(
     0 if |y| <= L_max - L_cache; (L_max - L_cache - |y|) / L_cache up to L_max; -1 beyond. A completion cut at
     L_max gets -1 from the middle case."""
     if max_completion_length is None:
-        raise ValueError("the length reward needs max_completion_length (grpo.py passes it)")
+        raise ValueError("the length reward needs max_completion_length (score_rollout passes it)")
     l_cache = max_completion_length // 5 if overlong_buffer is None else overlong_buffer
     free = max_completion_length - l_cache
     return [
@@ -358,102 +217,20 @@ def target_length_reward(prompts, completions, target_length=None, completion_id
     ]
 
 
-# ---------------------------------------------------------------------------------------------------- api judge
-JUDGE_TEMPLATE = (
-    "Rate the response to the question from 0 to 10. Reply with 'Score: N'.\n\nQuestion:\n{prompt}\n\n"
-    "Reference answer (may be empty):\n{answer}\n\nResponse:\n{completion}"
-)
-
-
-class ApiJudge:
-    """An LLM judge behind an OpenAI-compatible /chat/completions endpoint (vLLM, SGLang, OpenAI), stdlib only.
-
-    Each completion goes out as one user message (the template's {prompt} {completion} {answer} filled in); the
-    first number of the reply ("Score: 7/10" -> 7) / max_score, clipped to [0, 1], is its reward (None without a
-    number). 429, 5xx, timeouts and connection errors are retried with exponential backoff, then a RuntimeError
-    names the URL: an unreachable judge stops training rather than silently rewarding 0."""
-
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        api_key: str | None = None,
-        template: str = JUDGE_TEMPLATE,
-        max_score: float = 10.0,
-        timeout: float = 60.0,
-        retries: int = 3,
-        backoff: float = 1.0,
-        max_workers: int = 8,
-    ):
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model, self.template, self.max_score = model, template, max_score
-        self.api_key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
-        self.timeout, self.retries, self.backoff, self.max_workers = timeout, retries, backoff, max_workers
-
-    def _post(self, content: str) -> str:
-        """The reply text of one chat completion, retrying what may pass (429, 5xx, network)."""
-        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": content}], "temperature": 0})
-        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        headers = {"Content-Type": "application/json", **auth}
-        for attempt in range(self.retries + 1):
-            try:
-                request = urllib.request.Request(self.url, data=body.encode(), headers=headers)
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())["choices"][0]["message"]["content"]
-            except urllib.error.HTTPError as e:  # before URLError, its base class
-                if e.code != 429 and e.code < 500:  # a bad request or key will not fix itself
-                    raise RuntimeError(f"judge {self.url} answered HTTP {e.code}: {e.read()[:500]!r}") from e
-                error = e
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-                error = e
-            if attempt < self.retries:
-                time.sleep(self.backoff * 2**attempt)
-        raise RuntimeError(f"judge {self.url} unreachable after {self.retries + 1} attempts: {error}")
-
-    def score(self, prompt, completion, answer=None) -> float | None:
-        """One reward in [0, 1], None if the reply has no number."""
-        content = self.template.replace("{prompt}", _text(prompt, last_assistant=False))
-        content = content.replace("{answer}", "" if answer is None else str(answer))
-        reply = self._post(content.replace("{completion}", _text(completion)))  # last: its text is not re-scanned
-        m = re.search(r"-?\d+(?:\.\d+)?", reply)
-        return None if m is None else min(max(float(m.group()) / self.max_score, 0.0), 1.0)
-
-    def __call__(self, prompts, completions, answer=None, **kw) -> list[float | None]:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=self.max_workers) as pool:
-            return list(pool.map(self.score, prompts, completions, answer or [None] * len(completions)))
-
-
-@functools.cache  # built on first use, not at import: the env vars only matter when "api" is asked for
-def _env_judge() -> ApiJudge:
-    url, model = os.environ.get("ONLYONE_JUDGE_URL"), os.environ.get("ONLYONE_JUDGE_MODEL")
-    if not url or not model:
-        raise RuntimeError(
-            "reward 'api' needs ONLYONE_JUDGE_URL (e.g. http://localhost:8000/v1) and "
-            "ONLYONE_JUDGE_MODEL (OPENAI_API_KEY if the endpoint wants one)"
-        )
-    return ApiJudge(url, model)
-
-
-def api_reward(prompts, completions, **kw) -> list[float | None]:
-    """An ApiJudge with default settings at ONLYONE_JUDGE_URL / ONLYONE_JUDGE_MODEL (key: OPENAI_API_KEY)."""
-    return _env_judge()(prompts, completions, **kw)
-
-
 # ---------------------------------------------------------------------------------------------------- registry
 REWARD_FUNCS = {
     "math": math_reward,
-    "code": code_reward,
     "format": format_reward,
     "gsm8k_format": gsm8k_format_reward,
     "json": json_reward,
     "regex": regex_reward,
     "length": soft_overlong_reward,
     "target_length": target_length_reward,
-    "api": api_reward,
 }
-# The row fields a reward needs to score a row at all (without them it returns None); a custom module:function reward
-# may declare its own `fn.needs = ("field",)`. check_reward_fields refuses data that no chosen reward can score.
-math_reward.needs, code_reward.needs, regex_reward.needs = ("answer",), ("test_cases",), ("pattern",)
+# The row fields a reward needs to score a row at all (without them it returns None); a custom module:function
+# reward may declare its own `fn.needs = ("field",)`. check_reward_fields refuses data no chosen reward can score.
+math_reward.needs = ("answer",)
+regex_reward.needs = ("pattern",)
 target_length_reward.needs = ("target_length",)
 
 
@@ -466,33 +243,33 @@ def split_weight(spec: str) -> tuple[str, float]:
         return spec, 1.0
 
 
-def load_reward_funcs(specs: list[str]) -> list[tuple[str, Callable, float]]:
-    """`name`, `name:weight`, `pkg.module:fn`, `pkg.module:fn:weight` or `model:<rm dir>[@attribute][:weight]` (a
-    reward model, common.reward_model) -> (name, fn, weight). The weight is the last `:` part if it parses as a float
-    (default 1.0); a name still holding `:` is imported, else a registry key."""
+def load_reward_funcs(
+    specs: list[str], registry: dict[str, Callable] = REWARD_FUNCS, loaders: dict[str, Callable] | None = None
+) -> list[tuple[str, Callable, float]]:
+    """`name`, `name:weight`, `pkg.module:fn` or `pkg.module:fn:weight` -> (name, fn, weight). The weight is the last
+    `:` part if it parses as a float (default 1.0); a name still holding `:` is imported, else a `registry` key.
+    A spec `<prefix>:...` whose prefix is a key of `loaders` is that loader's to read: loaders[prefix](spec) ->
+    (name, fn, weight) (e.g. {"model": plugins.reward_model.model_reward} for `model:<dir>`)."""
     funcs = []
     for spec in specs:
-        if spec.startswith("model:"):  # a trained reward model (rm.py's final/): common.reward_model
-            from common.reward_model import model_reward
-
-            funcs.append(model_reward(spec))
+        prefix = spec.partition(":")[0]
+        if loaders and prefix in loaders:
+            funcs.append(loaders[prefix](spec))
             continue
         name, weight = split_weight(spec)
         if ":" in name:
             module, fn_name = name.split(":", 1)
             funcs.append((fn_name, getattr(importlib.import_module(module), fn_name), weight))
-        elif name in REWARD_FUNCS:
-            funcs.append((name, REWARD_FUNCS[name], weight))
+        elif name in registry:
+            funcs.append((name, registry[name], weight))
         else:
-            raise ValueError(f"unknown reward {name!r}: use one of {sorted(REWARD_FUNCS)} or module:function")
+            raise ValueError(f"unknown reward {name!r}: use one of {sorted(registry)} or module:function")
     return funcs
 
 
 def check_reward_fields(rows: list[dict], funcs) -> None:
     """Before the model loads: every row must have the fields (not None) of at least one chosen reward, else it would
     train on a constant 0 reward (e.g. SFT or preference rows under `math`, which needs `answer`)."""
-    from common.data import MAX_SHOWN, DataError
-
     needs = [(name, getattr(fn, "needs", ())) for name, fn, _ in funcs]
     if not needs or any(not fields for _, fields in needs):
         return  # no rewards (SPIN), or one that scores any row

@@ -1,5 +1,6 @@
-"""What the eval scripts share: load the model to evaluate (base, base + adapter, or a run's checkpoint), batched
-greedy generation (through common.rollout), and writing per-example JSONL plus a summary JSON.
+"""What the eval scripts share (and raft.py's held-out eval): load the model to evaluate (base, base + adapter, or a
+run's checkpoint), batched greedy generation (through common.rollout), math-answer accuracy on GSM8K-style rows, and
+writing per-example JSONL plus a summary JSON.
 
 A checkpoint is `runs/<run>/checkpoints/step-N` (its weights/ holds the PEFT adapter, or the full weights after
 --no-use-lora), a run's `final/` dir, or a run dir (its final/ if present, else its newest complete checkpoint).
@@ -13,42 +14,17 @@ import sys
 
 from tqdm.auto import tqdm
 
-import torch
 
-from common.data import dataset_label
-from common.model import attach_lora, load_model, load_weights
-from common.rewards import math_reward, score_rollout
+from common.data import MATH_INSTRUCTION, load_rows, question_row, setup_chat_template, tokenize_prompt
+from common.data import validate_rows
+from common.errors import ArgsError, DataError
+from common.model import attach_lora, load_model
+from common.rewards import extract_answer, math_reward
 from common.rollout import hf_generate
-from common.run import ArgsError, resolve_checkpoint
-from common.templates import setup_chat_template
-
-
-def eval_source(dataset: str, eval_dataset: str | None) -> str:
-    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set; a file is the train data)."""
-    if eval_dataset or not (os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet"))):
-        return eval_dataset or dataset
-    raise ArgsError(f"--dataset {dataset}: a file has no test split; give --eval-dataset FILE, or --eval-steps 0")
-
-
-@torch.no_grad()
-def reward_eval(generate, examples: list[dict], reward_funcs, max_new_tokens: int, source: str) -> dict:
-    """A training run's held-out eval through its own rollout engine (`generate`, HF or vLLM): one greedy completion
-    per prompt, its mean reward (the run's reward functions) and length and, for rows with an answer, the share whose
-    final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k). A row whose answer has
-    no number ("p - q") cannot be judged by math_reward (None): it is left out of the accuracy, not counted wrong, and
-    counted in eval/<dataset>/unscored (as evals.gsm8k does)."""
-    out = generate([e["prompt_ids"] for e in examples], 1, temperature=0.0, max_new_tokens=max_new_tokens)
-    rewards, _ = score_rollout(examples, out, reward_funcs, max_new_tokens)
-    lengths = [len(c) for c in out["completion_ids"]]
-    metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
-    if all("answer" in e for e in examples):
-        scores = math_reward(None, out["completions"], answer=[e["answer"] for e in examples])
-        right = [r for r in scores if r is not None]  # None: an answer without a number, which no completion matches
-        if right:
-            metrics[f"eval/{dataset_label(source)}/accuracy"] = sum(right) / len(right)
-        if len(right) < len(scores):  # only then: a run on numeric answers logs the keys it always did
-            metrics[f"eval/{dataset_label(source)}/unscored"] = len(scores) - len(right)
-    return metrics
+from harness.checkpoints import load_weights, resolve_checkpoint
+from harness.hub import check_dataset, locate_model
+from plugins.builtin_math import builtin_rows
+from plugins.steerlm import parse_attributes, steer_prompt
 
 
 def checkpoint_weights(path: str) -> str:
@@ -76,7 +52,7 @@ def load_eval_model(
     training scripts run, so the prompt tokens match what the policy was trained on."""
     if adapter and checkpoint:
         raise ArgsError("give --adapter or --checkpoint, not both")
-    policy, tokenizer = load_model(model, dtype, attn_implementation)
+    policy, tokenizer = load_model(model, dtype, attn_implementation, path=locate_model(model))
     setup_chat_template(tokenizer, template)
     weights = checkpoint_weights(checkpoint) if checkpoint else adapter
     if weights and os.path.isfile(os.path.join(weights, "adapter_config.json")):
@@ -156,3 +132,72 @@ def write_results(output_dir: str, stem: str, records: list[dict], summary: dict
     with open(paths["summary"], "w") as f:
         json.dump({**summary, "outputs": paths["outputs"]}, f, indent=2)
     return paths
+
+
+def gsm8k_rows(
+    dataset: str = "openai/gsm8k:main",
+    split: str = "test",
+    limit: int | None = None,
+    instruction: str = MATH_INSTRUCTION,
+    attributes: str | None = None,
+    attributes_in: str = "system",
+) -> list[dict]:
+    """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} through the same mapping as
+    training (common.data.question_row: reference = the number after '####'), or prompt-only rows such as
+    builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions.
+    attributes ("correct:1,length:0"): SteerLM's attribute string goes into each prompt (steer_prompt)."""
+    label = parse_attributes(attributes) if attributes else None  # a bad spec fails before any row loads
+    check_dataset(dataset)
+    rows = [
+        question_row(r, instruction) if "question" in r and "prompt" not in r else r
+        for r in load_rows(dataset, split, builtin=builtin_rows)[:limit]
+    ]  # [:None] keeps all
+    missing = [r.get("_loc", "<row>") for r in rows if r.get("answer") is None]
+    if missing:
+        raise DataError(f"{missing[0]}: field 'answer' is missing: no reference to score ({len(missing)} rows)")
+    out = []
+    for row in validate_rows(rows, "prompt"):
+        # A plain-string prompt becomes one user turn; builtin:math's question is its user turn, instruction included.
+        prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        question = row.get("question", prompt[-1]["content"])
+        prompt = steer_prompt(prompt, label, attributes_in) if label else prompt
+        out.append({"question": question, "prompt": prompt, "reference": str(row["answer"])})
+    return out
+
+
+def score(completions: list[str], references: list[str]) -> list[dict]:
+    """Per completion: the extracted answer and whether math_reward counts it correct (exactly the RL reward);
+    correct is None when the reference has no number ("p - q"): nothing can match it, so it is not judged."""
+    rewards = math_reward([None] * len(completions), completions, answer=references)
+    return [
+        {"extracted": extract_answer(c), "correct": None if r is None else r == 1.0}
+        for c, r in zip(completions, rewards, strict=True)
+    ]
+
+
+def evaluate_gsm8k(
+    model,
+    tokenizer,
+    rows: list[dict],
+    batch_size: int = 16,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    num_samples: int = 1,
+) -> dict:
+    """Decode every row of gsm8k_rows() (greedy, or num_samples draws at temperature) and score each completion:
+    {accuracy (mean over the judged completions), n (judged completions), unscored (completions whose reference has
+    no number: left out, as evals.common_eval.reward_eval does), records}. Restores the model's mode."""
+    # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
+    prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
+    completions = generate_completions(
+        model, tokenizer, prompt_ids, batch_size, max_new_tokens, temperature, num_samples
+    )
+    rows = [row for row in rows for _ in range(num_samples)]  # completions come grouped by prompt
+    scored = score(completions, [row["reference"] for row in rows])
+    records = [
+        {"question": row["question"], "reference": extract_answer(row["reference"]), "completion": c, **s}
+        for row, c, s in zip(rows, completions, scored, strict=True)
+    ]
+    judged = [r["correct"] for r in records if r["correct"] is not None]
+    accuracy = sum(judged) / len(judged) if judged else float("nan")  # nan: nothing could be judged
+    return {"accuracy": accuracy, "n": len(judged), "unscored": len(records) - len(judged), "records": records}

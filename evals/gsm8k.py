@@ -10,7 +10,8 @@ Results are named by the dataset used (evals.common_eval.dataset_tag: gsm8k, bui
 <output-dir>/<label>__<dataset>.jsonl (question, reference, completion, extracted, correct per example) and
 <label>__<dataset>.json (task = <dataset>, accuracy, n, model, adapter, checkpoint, limit, time_s, ...).
 In a training script: `eval_rows = gsm8k_rows(args.eval_dataset, limit=args.eval_limit)`, then every --eval-steps
-`metrics["eval/gsm8k/accuracy"] = evaluate_gsm8k(model, tokenizer, eval_rows, 16, 256)["accuracy"]`.
+`metrics["eval/gsm8k/accuracy"] = evaluate_gsm8k(model, tokenizer, eval_rows, 16, 256)["accuracy"]` (both from
+evals.common_eval).
 
 Differences from lm-eval: zero-shot chat prompt with our instruction (lm-eval's `gsm8k` is 5-shot plain text
 "Question: ...\nAnswer:", `gsm8k_cot` 8-shot, `gsm8k_cot_zeroshot` 0-shot "Q: ... A: Let's think step by step.", no
@@ -23,24 +24,16 @@ import re
 import time
 from dataclasses import dataclass
 
-import tyro
 from typing import Literal
 
 import torch
+import tyro
 
-from common.data import (
-    DataError,
-    load_rows,
-    parse_attributes,
-    question_row,
-    steer_prompt,
-    tokenize_prompt,
-    validate_rows,
-)
-from common.embedded import MATH_INSTRUCTION
-from common.rewards import extract_answer, math_reward
-from common.run import ArgsError, one_line_errors
-from evals.common_eval import dataset_tag, generate_completions, load_eval_model, model_label, write_results
+from common.data import MATH_INSTRUCTION
+from common.errors import ArgsError
+from evals.common_eval import dataset_tag, evaluate_gsm8k, gsm8k_rows, load_eval_model, model_label, write_results
+from harness.cli import one_line_errors
+from plugins.steerlm import parse_attributes
 
 
 @dataclass
@@ -67,7 +60,7 @@ class Args:
     """appended to each {question} row on a new line ('' for the bare question); builtin:math rows carry their own"""
     attributes: str | None = None
     """SteerLM: the attribute levels to ask for, e.g. correct:1,length:0, written into every prompt the way sft.py
-    wrote its rows' `attributes` (common.data.steer_prompt); results are named with them"""
+    wrote its rows' `attributes` (plugins.steerlm.steer_prompt); results are named with them"""
     attributes_in: Literal["system", "user"] = "system"
     """where the attribute string goes: the system turn or each user turn; use sft.py's --attributes-in"""
     # generation
@@ -86,73 +79,6 @@ class Args:
     """where the JSONL and JSON files go"""
     label: str | None = None
     """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
-
-
-def gsm8k_rows(
-    dataset: str = "openai/gsm8k:main",
-    split: str = "test",
-    limit: int | None = None,
-    instruction: str = MATH_INSTRUCTION,
-    attributes: str | None = None,
-    attributes_in: str = "system",
-) -> list[dict]:
-    """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} through the same mapping as
-    training (common.data.question_row: reference = the number after '####'), or prompt-only rows such as
-    builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions.
-    attributes ("correct:1,length:0"): SteerLM's attribute string goes into each prompt (steer_prompt)."""
-    label = parse_attributes(attributes) if attributes else None  # a bad spec fails before any row loads
-    rows = [
-        question_row(r, instruction) if "question" in r and "prompt" not in r else r
-        for r in load_rows(dataset, split)[:limit]
-    ]  # [:None] keeps all
-    if missing := [r.get("_loc", "<row>") for r in rows if r.get("answer") is None]:
-        raise DataError(f"{missing[0]}: field 'answer' is missing: no reference to score ({len(missing)} rows)")
-    out = []
-    for row in validate_rows(rows, "prompt"):
-        # A plain-string prompt becomes one user turn; builtin:math's question is its user turn, instruction included.
-        prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        question = row.get("question", prompt[-1]["content"])
-        prompt = steer_prompt(prompt, label, attributes_in) if label else prompt
-        out.append({"question": question, "prompt": prompt, "reference": str(row["answer"])})
-    return out
-
-
-def score(completions: list[str], references: list[str]) -> list[dict]:
-    """Per completion: the extracted answer and whether math_reward counts it correct (exactly the RL reward);
-    correct is None when the reference has no number ("p - q"): nothing can match it, so it is not judged."""
-    rewards = math_reward([None] * len(completions), completions, answer=references)
-    return [
-        {"extracted": extract_answer(c), "correct": None if r is None else r == 1.0}
-        for c, r in zip(completions, rewards, strict=True)
-    ]
-
-
-def evaluate_gsm8k(
-    model,
-    tokenizer,
-    rows: list[dict],
-    batch_size: int = 16,
-    max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    num_samples: int = 1,
-) -> dict:
-    """Decode every row of gsm8k_rows() (greedy, or num_samples draws at temperature) and score each completion:
-    {accuracy (mean over the judged completions), n (judged completions), unscored (completions whose reference has
-    no number: left out, as evals.common_eval.reward_eval does), records}. Restores the model's mode."""
-    # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
-    prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
-    completions = generate_completions(
-        model, tokenizer, prompt_ids, batch_size, max_new_tokens, temperature, num_samples
-    )
-    rows = [row for row in rows for _ in range(num_samples)]  # completions come grouped by prompt
-    scored = score(completions, [row["reference"] for row in rows])
-    records = [
-        {"question": row["question"], "reference": extract_answer(row["reference"]), "completion": c, **s}
-        for row, c, s in zip(rows, completions, scored, strict=True)
-    ]
-    judged = [r["correct"] for r in records if r["correct"] is not None]
-    accuracy = sum(judged) / len(judged) if judged else float("nan")  # nan: nothing could be judged
-    return {"accuracy": accuracy, "n": len(judged), "unscored": len(records) - len(judged), "records": records}
 
 
 def main(args: Args) -> dict:

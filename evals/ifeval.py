@@ -29,9 +29,11 @@ import tyro
 from typing import Literal
 
 
-from common.data import DataError, load_rows, tokenize_prompt
+from common.data import load_rows, tokenize_prompt
+from common.errors import DataError
 from common.model import require
-from common.run import one_line_errors
+from harness.cli import one_line_errors
+from harness.hub import check_dataset
 from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
 
 # NLTK data a checker loads at check time. Checked up front per instruction, so "missing" is decided from the
@@ -214,6 +216,7 @@ def check_row(row: dict, registry: dict) -> None:
 def main(args: Args) -> dict:
     # ---- 1 data and checkers (first: a missing package, bad path or unknown instruction fails before the model loads)
     registry, _ = _checkers()
+    check_dataset(args.dataset)  # a hub set offline and not cached: one line now
     rows = load_rows(args.dataset, args.split)[: args.limit]
     for row in rows:
         check_row(row, registry)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import tyro
 
-from common.run import ArgsError, one_line_errors
+from common.errors import ArgsError
+from harness.cli import one_line_errors
 
 # The scores shown per task, in column order; a task not listed here shows its *accuracy / *_acc keys.
 HEADLINE = {

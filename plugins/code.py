@@ -1,4 +1,6 @@
-"""The code sandbox: run untrusted Python (a policy's completion), return its stdout. Chosen once, printed once:
+"""The code reward: a completion's code run against its row's tests in a sandbox (`code_reward`, registered by the
+scripts under the name `code`), and the sandbox itself (`run_python`): untrusted Python in, its stdout out.
+The sandbox is chosen once and printed once:
 - bubblewrap (`apt-get install bubblewrap`) where it works: --unshare-all (no network; own PIDs, /proc, IPC, UTS),
   --die-with-parent --new-session --clearenv --cap-drop ALL, uid nobody in a user namespace (root's outside, if
   root: hence) a read-only root with only /usr and Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME,
@@ -11,12 +13,15 @@ Both: `python -I -S` (stdlib only), env PATH LANG HOME TMPDIR only, rlimits, pid
 (RLIMIT_NPROC does not bind root, RLIMIT_AS binds each process alone), a wall-clock timeout, then SIGKILL to all
 it started."""
 
+import ast
+import concurrent.futures
 import contextlib
 import functools
 import json
 import math
 import os
 import pathlib
+import re
 import resource
 import shutil
 import signal
@@ -25,8 +30,11 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 import warnings
+
+from common.rewards import text_of
 
 # In the sandbox, before the solution: the fallback's isolation, rlimits, the solution as __main__, then its
 # `queries` (run_code_tests), each value written as a line "\x1e<i> <repr>" in builtin types.
@@ -281,3 +289,138 @@ def run_python(
             if line.startswith(("onlyone-sandbox: ", "bwrap: ")):  # an isolation step the kernel refused
                 warnings.warn(f"code sandbox ({kind}): {line}")
         return os.pread(o.fileno(), max_output, 0).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------------- code
+# An assert test is judged here, out of the solution's reach: the sandbox evaluates only its parts that need the
+# solution (a call of its function, a name it defines: "queries") and returns their values as literals; the rest
+# (==, <, abs(), sorted(), math.isclose(), the expected values) is evaluated here on those values.
+_PURE = {
+    f.__name__: f
+    for f in (
+        abs,
+        all,
+        any,
+        bool,
+        dict,
+        float,
+        frozenset,
+        int,
+        len,
+        list,
+        max,
+        min,
+        round,
+        set,
+        sorted,
+        str,
+        sum,
+        tuple,
+    )
+} | {"math": types.SimpleNamespace(isclose=math.isclose)}
+_HERE = (
+    ast.Constant,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.BoolOp,
+    ast.Compare,
+    ast.IfExp,
+    ast.Subscript,
+    ast.Slice,
+    ast.Starred,
+    ast.keyword,
+    ast.operator,
+    ast.unaryop,
+    ast.boolop,
+    ast.cmpop,
+    ast.expr_context,
+)
+
+
+def _split_assert(test: str, queries: list[str]):
+    """`assert f(1) == 2` -> compiled `_q0 == 2`, "f(1)" appended to queries: every largest part that is neither in
+    _HERE nor a call of a _PURE function becomes a query."""
+    body = ast.parse(test).body
+    if len(body) != 1 or not isinstance(body[0], ast.Assert):
+        raise ValueError(f"an assert test is one assert statement, e.g. 'assert f(1) == 2'; got {test!r}")
+
+    class Split(ast.NodeTransformer):
+        def visit(self, node):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in {*_PURE, "math.isclose"} - {"math"}:
+                node.args, node.keywords = [self.visit(a) for a in node.args], [self.visit(k) for k in node.keywords]
+            elif isinstance(node, _HERE):
+                self.generic_visit(node)
+            else:
+                queries.append(ast.unparse(node))
+                return ast.Name(f"_q{len(queries) - 1}", ast.Load())
+            return node
+
+    return compile(ast.fix_missing_locations(ast.Expression(Split().visit(body[0].test))), "<test>", "eval")
+
+
+def _holds(test, values: dict) -> bool:
+    """A split test on the solution's values; a missing value (NameError) or a wrong one's TypeError etc. fails."""
+    try:
+        return bool(eval(test, {"__builtins__": {}, **_PURE, **values}))
+    except (NameError, TypeError, ValueError, ArithmeticError, LookupError, MemoryError, RecursionError):
+        return False
+
+
+def _lines(s: str) -> list[str]:
+    """Output lines compared as judges do: trailing spaces and trailing blank lines ignored."""
+    return [line.rstrip() for line in s.rstrip().splitlines()]
+
+
+def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
+    """Fraction of `tests` that `code` passes, run by run_python (the sandbox kwargs go there). `tests` is a list
+    (or its JSON string, or APPS' {"inputs": [...], "outputs": [...]}) of
+      {"input": str, "output": str}: one run each; passes if the stdout lines equal ALL expected lines after rstrip
+        (extra or missing lines fail: open-r1's zip() let half an answer pass);
+      "assert f(1) == 2" strings, one assert each: one run for all; the sandbox evaluates only "f(1)" and returns
+        its value as a literal, the comparison runs here (_split_assert).
+    Either way the expected values never enter the sandbox and the verdict is reached outside it, so no trick of
+    the solution's (rebinding exec or builtins, sys.modules, AssertionError, exiting early, atexit, signals,
+    printing fake results, reading its files or /proc, an object equal to everything) can pass a test it fails."""
+    if isinstance(tests, str):
+        tests = json.loads(tests) if tests.lstrip().startswith(("[", "{")) else [tests]
+    if isinstance(tests, dict):
+        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
+    passed = sum(
+        _lines(run_python(code, t["input"], timeout, **sandbox)) == _lines(t["output"])
+        for t in tests
+        if isinstance(t, dict)
+    )
+    queries = []
+    asserts = [_split_assert(t, queries) for t in tests if isinstance(t, str)]
+    if asserts:
+        out, values = run_python(code, "", timeout, queries=queries, **sandbox), {}
+        records = dict(re.findall(r"^\x1e(\d+) (.*)$", out, re.MULTILINE))  # the last one of each query
+        for i in range(len(queries)):  # (only these: parsing costs us, not the sandbox)
+            with contextlib.suppress(KeyError, ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                values[f"_q{i}"] = ast.literal_eval(records[str(i)])  # none or not a literal: its test fails
+        passed += sum(_holds(test, values) for test in asserts)
+    return passed / max(len(tests), 1)
+
+
+def extract_code(text) -> str:
+    """The last ```python (or ```py) fenced block of a completion, else its whole text."""
+    blocks = re.findall(r"```(?:python3?|py)[ \t]*\n(.*?)```", text_of(text), re.DOTALL)
+    return blocks[-1] if blocks else text_of(text)
+
+
+def code_reward(prompts, completions, test_cases=None, **kw) -> list[float | None]:
+    """Fraction of the row's `test_cases` that the completion's code passes (run_code_tests); None if it has none.
+    Samples run on a few threads: each run is a separate process, so the threads only wait."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        jobs = [
+            None if not t else pool.submit(run_code_tests, extract_code(c), t)
+            for c, t in zip(completions, test_cases or [None] * len(completions), strict=True)
+        ]
+        return [None if j is None else j.result() for j in jobs]
+
+
+code_reward.needs = ("test_cases",)

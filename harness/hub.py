@@ -1,18 +1,19 @@
-"""Hub access, checked before anything is fetched: a hub model or dataset that is neither cached nor reachable stops
-the run at once with one line naming it and the local alternative, instead of the hub client's retries (measured
-here with no DNS: ~55 s for a model, ~35 s for a dataset) ending in a long traceback. A cached model with the hub
-unreachable loads from its cached folder, also without the retries."""
+"""Where a model or dataset comes from, checked before anything is fetched: `locate_model` turns an embedded alias
+into its converted folder and a hub id into its cached folder when the hub is out of reach; `check_dataset` fails
+a hub dataset that is neither cached nor reachable. Either way the run stops at once with one line naming what is
+missing and the local alternative, instead of the hub client's retries ending in a long traceback (docs/
+reliability.md has the measured delays)."""
 
 import functools
 import os
 import urllib.error
 import urllib.request
 
+from common.data import looks_local
+from common.errors import HubUnavailable
+from plugins.embedded import resolve_model
+
 PROBE_TIMEOUT_S = 3.0  # one HEAD request; a firewall that drops packets costs this long, a DNS failure nothing
-
-
-class HubUnavailable(OSError):
-    """The hub cannot be reached (or HF_HUB_OFFLINE is set) and what the run needs from it is not in the cache."""
 
 
 @functools.cache
@@ -55,7 +56,8 @@ def check_hub(repo_id: str, kind: str) -> bool:
     flag = {"model": "--model /path/to/folder", "dataset": "--dataset file.jsonl"}[kind]
     if repo_id.startswith(("/", ".", "~")) or repo_id.count("/") > 1:
         raise FileNotFoundError(f"{kind} '{repo_id}': no such local {'folder' if kind == 'model' else 'file'}")
-    if (why := hub_unreachable()) is None:
+    why = hub_unreachable()
+    if why is None:
         return False
     if _is_cached(repo_id, kind):
         return True
@@ -63,3 +65,27 @@ def check_hub(repo_id: str, kind: str) -> bool:
         f"cannot fetch {kind} '{repo_id}': it is not in the local cache and {why}; download it "
         f"where the hub is reachable, or pass a local copy: {flag}"
     )
+
+
+def locate_model(name: str) -> str:
+    """The folder or hub id to load --model `name` from: an embedded alias's converted folder (built on first use),
+    a local path as it is, a hub id as it is when the hub answers, or its cached snapshot when the hub is out of
+    reach (loaded without a request); HubUnavailable when it is neither cached nor reachable."""
+    path = resolve_model(name)
+    if path != name or looks_local(name) or os.path.isdir(name):
+        return path
+    if check_hub(name, "model"):  # cached, hub unreachable: the cached folder, no requests (no retries)
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True)
+    return name
+
+
+def check_dataset(spec: str | None) -> None:
+    """Fail now, in one line, when `spec` is a hub dataset that is neither cached nor reachable; files, saved
+    datasets and builtin:<name> pass."""
+    if spec is None or spec.startswith("builtin:") or os.path.exists(spec) or looks_local(spec):
+        return
+    if spec.endswith((".json", ".jsonl", ".parquet")):
+        return
+    check_hub(spec.partition(":")[0], "dataset")

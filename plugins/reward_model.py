@@ -5,8 +5,8 @@ the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "reg
 
 `load_reward(dir, policy)` puts the adapter into a third slot "reward" of a policy on the same base (no second
 backbone; scoring runs under as_reference(model, "reward")), else loads the base once more; `score` -> (N, K).
-`--rewards model:<dir>[@attribute][:weight]` (common.rewards) scores rollouts with one; `label_rows` writes the scores
-into rows' `attributes` (sft.py --label-with, SteerLM).
+`model_reward` reads a `--rewards model:<dir>[@attribute][:weight]` spec (pass it to common.rewards.load_reward_funcs
+as loaders={"model": model_reward}); `label_rows` writes the scores into rows' `attributes` (SteerLM labelling).
 """
 
 import hashlib
@@ -17,9 +17,14 @@ import warnings
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.data import DataError, collate_sft, tokenize_sft
-from common.model import REWARD, adapter_hash, as_reference, is_peft, load_model, same_base, unwrap
+from common.data import collate_sft, tokenize_sft
+from common.errors import DataError
+from common.model import REWARD, as_reference, is_peft, load_model, pick_device, resolve_dtype
+from common.model import same_base, unwrap
 from common.rewards import split_weight
+from harness.checkpoints import adapter_hash
+from harness.memory import lora_params, model_config, weight_bytes
+from plugins.embedded import resolve_model
 
 HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
 
@@ -60,6 +65,16 @@ class RewardModel:
         self.attributes, self.last = config["attributes"], (None, None)
 
 
+def quantization_of(model) -> str | None:
+    """ "4bit", "8bit" or None: how bitsandbytes quantized the model's base."""
+    config = getattr(unwrap(model).config, "quantization_config", None)
+    if config is None:
+        return None
+    if getattr(config, "load_in_4bit", False):
+        return "4bit"
+    return "8bit" if getattr(config, "load_in_8bit", False) else None
+
+
 def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> RewardModel:
     """The reward model in `path`. With `model` (a LoRA policy) on the same base: its adapter becomes the frozen slot
     "reward" of that model, and the policy records the slot's and the head's hashes (run_identity: a resume with
@@ -70,25 +85,30 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
 
     config = read_config(path)
     weight = load_file(os.path.join(path, HEAD_FILE))["weight"]
-    if model is not None and is_peft(model) and same_base(config["base_model"], unwrap(model).name_or_path):
+    shared = model is not None and is_peft(model) and same_base(config["base_model"], unwrap(model).name_or_path)
+    if shared:
         if REWARD in model.peft_config:
             raise ValueError("the policy already holds a 'reward' adapter: one reward model per run")
         was_training = model.training  # PEFT's load_adapter(is_trainable=False) puts the whole policy in eval mode
         with torch.random.fork_rng():  # PEFT may draw an init that is then overwritten: leave the RNG stream alone
             model.load_adapter(path, adapter_name=REWARD, is_trainable=False)
         rm_model = model.train(was_training)
-        # Same base, other rounding (an RM trained in fp32 on a 4-bit policy): the slot scores the backbone it is on,
-        # and NF4 moves the scores (README, "Reward models": measured). A dir written before the key existed: no note.
-        ours = getattr(unwrap(model), "base_identity", {}).get("quantization")
-        if (trained := config.get("quantization", ours)) != ours:
+        # Same base, other rounding (a model trained in fp32 scored on a 4-bit policy): the slot scores the backbone
+        # it is on, and NF4 moves the scores (docs/reward-models.md: measured). A dir without the key: no note.
+        ours = quantization_of(model)
+        trained = config.get("quantization", ours)
+        if trained != ours:
             print(
                 f"reward model {path}: trained on a {trained or 'unquantized'} base, scored on the policy's "
-                f"{ours or 'unquantized'} one: its scores move with the rounding (README: Reward models)"
+                f"{ours or 'unquantized'} one: its scores move with the rounding (docs/reward-models.md)"
             )
     else:
         with warnings.catch_warnings():  # PEFT 0.21 reads a deprecated transformers attribute (see attach_lora)
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            base = load_model(config["base_model"], dtype, quantization=config.get("quantization"))[0]  # as trained
+            base_name = config["base_model"]  # loaded as trained: its own base, quantized the same way
+            base = load_model(
+                base_name, dtype, quantization=config.get("quantization"), path=resolve_model(base_name)
+            )[0]
             rm_model = PeftModel.from_pretrained(base, path, adapter_name=REWARD)
         gb = sum(p.numel() * p.element_size() for p in rm_model.parameters()) / 2**30
         if model is not None:  # the cost a shared backbone would have saved
@@ -138,7 +158,8 @@ def model_reward(spec: str):
     attributes = read_config(path)["attributes"]
     if not attribute and len(attributes) > 1:
         raise ValueError(f"--rewards {spec}: name one attribute of {attributes} (model:{path}@<name>[:weight])")
-    if (attribute := attribute or attributes[0]) not in attributes:
+    attribute = attribute or attributes[0]
+    if attribute not in attributes:
         raise ValueError(f"--rewards {spec}: no attribute {attribute!r}; {path} has {attributes}")
     k = attributes.index(attribute)
 
@@ -159,21 +180,41 @@ def bind_model_rewards(funcs, model) -> None:
     the policy's adapters are made and before a checkpoint is restored (which then restores and checks "reward")."""
     loaded = {}
     for _, fn, _ in funcs:
-        if (path := getattr(fn, "reward_model_dir", None)) is not None:
+        path = getattr(fn, "reward_model_dir", None)
+        if path is not None:
             if loaded and path not in loaded:
                 raise ValueError("--rewards: model rewards from two directories; one reward model per run")
             fn.rm = loaded[path] = loaded.get(path) or load_reward(path, model)
 
 
 def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ...]:
-    """SteerLM labelling (sft.py --label-with): every SFT row of every list gets `attributes` = {name: level}, the
+    """SteerLM labelling (--label-with): every supervised row of every list gets `attributes` = {name: level}, the
     regression reward model's score in `path` rounded to the nearest integer (SteerLM's attribute values are integer
     levels, as NeMo-Aligner's attribute_annotate.py rounds them; the row's own attributes are replaced); path None
     returns the lists as given. The model is loaded once, on its own, and freed before the policy loads."""
     if path is None:
         return row_lists
-    if (rm := load_reward(path)).config["loss_type"] != "regression":
+    rm = load_reward(path)
+    if rm.config["loss_type"] != "regression":
         raise DataError(f"--label-with {path}: a {rm.config['loss_type']} model; SteerLM labels need a regression one")
     scores = score_rows(rm, [row for rows in row_lists for row in rows]).tolist()
     levels = iter([dict(zip(rm.attributes, map(round, s), strict=True)) for s in scores])
     return tuple([row | {"attributes": next(levels)} for row in rows] for rows in row_lists)
+
+
+def reward_model_bytes(specs: list[str], policy_model: str) -> int:
+    """What a `model:<dir>` reward among `specs` adds to the memory plan: its LoRA as a frozen fp32 slot on the
+    policy's base, or, on another base, that base (dtype auto, quantized as trained, as load_reward loads it) + its
+    LoRA, loaded apart. 0 without one."""
+    specs = [s for s in specs if s.startswith("model:")]
+    if not specs:
+        return 0
+    bytes_per_weight = resolve_dtype("auto", pick_device()).itemsize
+    path = split_weight(specs[0].removeprefix("model:"))[0].partition("@")[0]  # one reward-model directory a run
+    config = read_config(path)
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        r = json.load(f)["r"]
+    if same_base(config["base_model"], policy_model):
+        return lora_params(model_config(policy_model), r) * 4
+    other = model_config(config["base_model"])
+    return weight_bytes(other, config.get("quantization"), bytes_per_weight) + lora_params(other, r) * 4

@@ -1,0 +1,352 @@
+"""Checkpoints that are never trusted blindly, and what a run is (its identity), so a resume continues the same run.
+
+run_dir/checkpoints/step-N is written atomically (a temp dir renamed into place, a marker file last) and read back
+without pickle: weights as safetensors, optimizer/scheduler/RNG through torch.load(weights_only=True), the rest as
+JSON. The marker records each file's sha256, each adapter slot's tensor hash and the run's identity: a resume
+refuses another experiment's checkpoint and skips a damaged one for the previous good one.
+
+The identity rule: a checkpoint belongs to the base model (config hash, weight fingerprint, dtype, quantization),
+the LoRA config of "default", a reward model's slot, the script (its file's stem) and every Args field that changes
+an update's math. Free to change on a resume are the harness's own flags (FREE_ON_RESUME: where and how often to
+write and log, how far to train), the model flags (their effect is recorded from the model itself), fields named
+eval_* (they only evaluate), and whatever fields the script names as free (its speed knobs, its stop rules).
+"""
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import warnings
+
+import torch
+
+from common.errors import CorruptCheckpointError, ResumeError, RunStopped
+from safetensors.torch import load_file
+
+from common.model import DEFAULT, REF, check_finite, is_peft, pick_device, resolve_dtype, save_weights, slot_params
+from common.model import snapshot_ref, unwrap
+
+COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
+FREE_ON_RESUME = {
+    # where and how often the run writes and logs, how far it trains, the memory plan's switches
+    "exp_name",
+    "output_dir",
+    "logging_steps",
+    "save_steps",
+    "save_total_limit",
+    "resume_from_checkpoint",
+    "resume_ignore_mismatch",
+    "max_steps",
+    "num_train_epochs",
+    "plan",
+    "ignore_memory_plan",
+    # the model: recorded from the model itself (base hash, LoRA config, dtype, quantization); same-math speed knobs
+    "model",
+    "adapter",
+    "use_lora",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "dtype",
+    "quantization",
+    "attn_implementation",
+    "gradient_checkpointing",
+    "trust_remote_code",
+}
+
+
+def adapter_hash(model, slot: str = REF) -> str:
+    """sha256 over a slot's tensors in name order (checkpoints record it and verify it on resume)."""
+    h = hashlib.sha256()
+    for key, p in sorted(slot_params(model, slot).items()):
+        h.update(key.encode())
+        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_weights(model, src_dir: str) -> None:
+    """The inverse of save_weights into an already-built model (every LoRA slot, or the full state dict)."""
+    if not is_peft(model):
+        state = {}
+        for name in sorted(os.listdir(src_dir)):
+            if name.endswith(".safetensors"):
+                state.update(load_file(os.path.join(src_dir, name), device=str(model.device)))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # save_pretrained drops tied copies (lm_head = embed_tokens); anything else missing is a broken checkpoint.
+        own = model.state_dict()
+        loaded = {own[n].data_ptr() for n in state if n in own}
+        broken = [n for n in missing if own[n].data_ptr() not in loaded] + list(unexpected)
+        if broken:
+            raise RuntimeError(f"checkpoint {src_dir} does not match the model: {broken[:3]}")
+        return
+    from peft import set_peft_model_state_dict
+
+    for slot in model.peft_config:
+        path = os.path.join(src_dir, "" if slot == DEFAULT else slot, "adapter_model.safetensors")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"checkpoint {src_dir} has no weights for adapter '{slot}' ({path})")
+        result = set_peft_model_state_dict(model, load_file(path, device=str(model.device)), adapter_name=slot)
+        if getattr(result, "unexpected_keys", None):
+            raise RuntimeError(f"{path}: unexpected keys {result.unexpected_keys[:3]}")
+
+
+def base_identity(model, dtype: str | None = None, quantization: str | None = None) -> dict:
+    """What a checkpoint records about its base model: a hash of the config (minus load options), a fingerprint of
+    its weights (sha256 over 1,024 values at each end of the first, middle and last base tensor, rounded to bf16 so
+    the load dtype shows only as `dtype`), the dtype and the quantization. Take it before any update."""
+    base = unwrap(model)
+    skipped = (
+        "use_cache",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "quantization_config",
+        "attn_implementation",
+    )
+    config = {k: v for k, v in base.config.to_dict().items() if not k.startswith("_") and k not in skipped}
+    params = [(n.replace(".base_layer.", "."), p) for n, p in base.named_parameters() if "lora_" not in n]
+    h = hashlib.sha256()
+    for name, p in (params[0], params[len(params) // 2], params[-1]):
+        flat = p.detach().reshape(-1)
+        values = torch.cat([flat[:1024], flat[-1024:]]).to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(values.numpy().tobytes())
+    return {
+        "base.config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "base.weights_sha256": h.hexdigest(),
+        "dtype": dtype or str(base.dtype).removeprefix("torch."),
+        "quantization": quantization,
+    }
+
+
+def run_identity(model, args=None, free: tuple[str, ...] = ()) -> dict:
+    """What a checkpoint belongs to, flat and JSON-ready: the base model and the LoRA config of "default" (from the
+    model, before any update), a reward model's slot (model.reward_identity), and with `args` (a script's Args) the
+    script's name and every field that changes the math: all but FREE_ON_RESUME, eval_* and the script's `free`."""
+    dtype = quantization = None
+    if args is not None:
+        dtype = str(resolve_dtype(args.dtype, pick_device())).removeprefix("torch.")
+        quantization = args.quantization
+    ident = dict(base_identity(model, dtype, quantization))
+    config = model.peft_config.get(DEFAULT) if is_peft(model) else None
+    targets = config.target_modules if config else None
+    ident["lora.r"] = config.r if config else None
+    ident["lora.alpha"] = config.lora_alpha if config else None
+    ident["lora.dropout"] = config.lora_dropout if config else None
+    ident["lora.target_modules"] = targets if isinstance(targets, str | None) else sorted(targets)
+    ident |= getattr(unwrap(model), "reward_identity", {})  # a model reward's adapter and head
+    if args is not None:
+        ident["script"] = pathlib.Path(inspect.getfile(type(args))).stem
+        for key, value in dataclasses.asdict(args).items():
+            if key not in FREE_ON_RESUME and key not in free and not key.startswith("eval_"):
+                ident[f"args.{key}"] = value
+    return json.loads(json.dumps(ident, default=str))  # tuples -> lists, as they come back from the marker file
+
+
+def _identity_differences(saved: dict | None, now: dict) -> list[str]:
+    if saved is None:
+        return ["identity: not recorded (a checkpoint written before identity checks)"]
+    return [
+        f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
+        for k in sorted(saved.keys() | now.keys())
+        if saved.get(k, "<absent>") != now.get(k, "<absent>")
+    ]
+
+
+def check_identity(where: str, saved: dict | None, now: dict, ignore_mismatch: bool = False) -> None:
+    """Refuse (or, with ignore_mismatch, warn about) every field that differs from the saved identity."""
+    diff = _identity_differences(saved, now)
+    if diff and not ignore_mismatch:
+        raise ResumeError(
+            f"{where} belongs to another experiment: {'; '.join(diff)} (--resume-ignore-mismatch resumes anyway)"
+        )
+    if diff:
+        warnings.warn(f"--resume-ignore-mismatch: resuming {where} although {'; '.join(diff)}", stacklevel=2)
+
+
+def check_run_dir_identity(run_dir: str, identity: dict, ignore_mismatch: bool = False) -> None:
+    """For runs resumed in place (round by round): the first start writes run_dir/identity.json; a later start in
+    the same run dir must match it, as a checkpoint must."""
+    path = pathlib.Path(run_dir, "identity.json")
+    if path.exists():
+        check_identity(run_dir, json.loads(path.read_text()), identity, ignore_mismatch)
+    else:
+        path.write_text(json.dumps(identity, indent=2))
+
+
+def _file_hashes(root: str) -> dict[str, str]:
+    """sha256 of every file under root but the marker, keyed by relative path."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if name != COMPLETE:
+                with open(path, "rb") as f:
+                    out[os.path.relpath(path, root)] = hashlib.file_digest(f, "sha256").hexdigest()
+    return dict(sorted(out.items()))
+
+
+def _read_verified_meta(ckpt: str) -> dict:
+    """The marker's JSON, after every file it lists was re-hashed (a truncated or flipped file is caught here)."""
+    try:
+        meta = json.loads(pathlib.Path(ckpt, COMPLETE).read_text())
+        found = _file_hashes(ckpt)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{ckpt}: unreadable ({e})") from None
+    for rel, digest in meta.get("files_sha256", {}).items():
+        if found.get(rel) != digest:
+            raise CorruptCheckpointError(f"{ckpt}: {rel} is missing or does not match the hash recorded at save time")
+    return meta
+
+
+def _load_verified_weights(ckpt: str, meta: dict, model) -> None:
+    """Every LoRA slot (or the full model) from the checkpoint, then each adapter checked against its saved hash."""
+    hashes = meta.get("adapter_sha256") or {}
+    if REF in hashes and is_peft(model) and REF not in model.peft_config:
+        snapshot_ref(model)  # create the slot; its content is overwritten by the saved 'ref' below
+    load_weights(model, os.path.join(ckpt, "weights"))
+    for slot, digest in hashes.items():
+        if adapter_hash(model, slot) != digest:
+            raise CorruptCheckpointError(f"{ckpt}: the '{slot}' adapter does not match the hash recorded at save time")
+
+
+def list_checkpoints(run_dir: str) -> list[str]:
+    """Complete checkpoints, oldest first; temp dirs and ones without the completion marker are skipped."""
+    root = os.path.join(run_dir, "checkpoints")
+    names = [n for n in (os.listdir(root) if os.path.isdir(root) else []) if re.fullmatch(r"step-\d+", n)]
+    done = [n for n in names if os.path.isfile(os.path.join(root, n, COMPLETE))]
+    return [os.path.join(root, n) for n in sorted(done, key=lambda n: int(n[5:]))]
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint dir itself, or a run dir whose newest complete checkpoint is used."""
+    if os.path.isfile(os.path.join(path, COMPLETE)):
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"--resume-from-checkpoint {path}: no complete checkpoint there")
+    return found[-1]
+
+
+class Checkpoints:
+    """A run's checkpoints: `save` one (keeping the newest `keep`), `resume` from one, `stop` the run with one."""
+
+    def __init__(self, run_dir: str, identity: dict, keep: int = 2):
+        self.run_dir = run_dir
+        self.identity = identity
+        self.keep = keep
+        self.saved_step = None
+
+    def save(self, step: int, model, optimizer=None, scheduler=None, state: dict | None = None) -> str:
+        """Write run_dir/checkpoints/step-N atomically and keep the newest `keep` complete ones; the marker records
+        the identity, each file's sha256 and each adapter's tensor hash. Tensors in `state` (e.g. a reward head) go
+        into state.pt, whose sha256 the marker holds; the rest is JSON in the marker. The new checkpoint is
+        complete and renamed into place before any old one is deleted, so a crash at any moment leaves at least
+        the last good checkpoint. A NaN/Inf weight is refused, naming the last good checkpoint."""
+        root = os.path.join(self.run_dir, "checkpoints")
+        last = (list_checkpoints(self.run_dir) or ["none"])[-1]
+        check_finite(model, f". Last good checkpoint: {last}")
+        os.makedirs(root, exist_ok=True)
+        final = os.path.join(root, f"step-{step}")
+        tmp = os.path.join(root, f".tmp-step-{step}")
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash during an earlier save of this step
+        save_weights(model, os.path.join(tmp, "weights"))
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        state = state or {}
+        tensors = {k: v.detach().cpu() for k, v in state.items() if torch.is_tensor(v)}
+        saved = {
+            "optimizer": optimizer.state_dict() if optimizer else None,
+            "rng": rng,
+            "scheduler": scheduler.state_dict() if scheduler else None,
+            "tensors": tensors,
+        }
+        torch.save(saved, os.path.join(tmp, "state.pt"))
+        meta = {
+            "step": step,
+            "trainer_state": {k: v for k, v in state.items() if k not in tensors},
+            "identity": self.identity,
+            "files_sha256": _file_hashes(tmp),
+        }
+        if is_peft(model):
+            meta["adapter_sha256"] = {slot: adapter_hash(model, slot) for slot in model.peft_config}
+        with open(os.path.join(tmp, COMPLETE), "w") as f:
+            json.dump(meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        old = list_checkpoints(self.run_dir)[: -self.keep] if self.keep > 0 else []
+        for path in old:
+            shutil.rmtree(path)
+        self.saved_step = step
+        return final
+
+    def resume(
+        self, path, model, optimizer=None, scheduler=None, total_steps=None, ignore_mismatch: bool = False
+    ) -> tuple[int, dict]:
+        """Restore weights, optimizer, scheduler and RNG from `path`; return (step, state saved with it).
+
+        `path` is a checkpoint dir, or a run dir: then its newest checkpoint whose files and adapter tensors match
+        their recorded hashes is used (a damaged one is skipped with a warning). A checkpoint of another experiment
+        (identity differs) is refused unless ignore_mismatch; so is one with no steps left before total_steps.
+        `path` None (no --resume-from-checkpoint): a new run, (0, {})."""
+        if path is None:
+            return 0, {}
+        explicit = os.path.isfile(os.path.join(path, COMPLETE))
+        candidates = [path] if explicit else list_checkpoints(path)[::-1]
+        if not candidates:
+            raise FileNotFoundError(f"--resume-from-checkpoint {path}: no complete checkpoint there")
+        failures = []
+        for ckpt in candidates:
+            try:
+                meta = _read_verified_meta(ckpt)
+                check_identity(ckpt, meta.get("identity"), self.identity, ignore_mismatch)
+                if total_steps is not None and meta["step"] >= total_steps:
+                    raise ResumeError(
+                        f"{ckpt} is at step {meta['step']}, at or past this run's {total_steps} steps: "
+                        "nothing to train (raise --max-steps to continue)"
+                    )
+                _load_verified_weights(ckpt, meta, model)
+            except CorruptCheckpointError as e:
+                failures.append(str(e))
+                if ckpt != candidates[-1]:
+                    warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+                continue
+            break
+        else:
+            hint = " (pass the run dir to fall back to an earlier checkpoint)" if explicit else ""
+            raise CorruptCheckpointError(f"no intact checkpoint to resume from{hint}: {'; '.join(failures)}")
+        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
+        if optimizer is not None and state["optimizer"] is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        version, internal, gauss = state["rng"]["python"]
+        random.setstate((version, tuple(internal), gauss))
+        torch.set_rng_state(state["rng"]["torch"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        return meta["step"], meta["trainer_state"] | state.get("tensors", {})
+
+    def stop(self, reason: str, step: int, model, optimizer, scheduler, state: dict, result: dict) -> RunStopped:
+        """The RunStopped a script raises to stop at `step`: a checkpoint of this step is saved first (unless the
+        loop's save just wrote it), and the message gives the command that resumes from it."""
+        path = os.path.join(self.run_dir, "checkpoints", f"step-{step}")
+        if self.saved_step != step:
+            path = self.save(step, model, optimizer, scheduler, state)
+        script = self.identity.get("script", "run")
+        return RunStopped(
+            f"{script}: stopped at step {step} ({reason}); final/ not written. Checkpoint {path}; resume "
+            f"with --resume-from-checkpoint {path}",
+            step,
+            path,
+            result,
+        )

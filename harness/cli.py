@@ -1,0 +1,107 @@
+"""What a script's command line needs around its main(): one-line errors, presets, the start-up block, flag checks
+before any weights load, and Ctrl-C as "stop after this step"."""
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import sys
+import threading
+
+from common.errors import USER_ERRORS, ArgsError
+from plugins.embedded import MODEL_ALIASES
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Wraps a CLI's `main(tyro.cli(Args))`: an error ends the process with one line on stderr and exit status 1
+    (a second Ctrl-C: 130), not a traceback. Errors on the user's side (common.errors.USER_ERRORS) print their
+    message; any other also names its type and that ONLYONE_DEBUG=1 shows the traceback (the exception is then
+    re-raised as it is). Off a terminal (a log file, CI) the hub, transformers and datasets loading bars are turned
+    off first: their carriage-return frames fill a log."""
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's bars
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is first imported
+    spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m evals.gsm8k` -> evals.gsm8k
+    prog = spec.name if spec else os.path.basename(sys.argv[0])
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as e:
+        if os.environ.get("ONLYONE_DEBUG"):
+            raise
+        hint = "" if isinstance(e, USER_ERRORS) else f" ({type(e).__name__}; ONLYONE_DEBUG=1 shows the traceback)"
+        print(f"{prog}: error: {e}{hint}".replace("\n", " "), file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def resolve_preset(args, presets: dict[str, dict]):
+    """args with every field left at None taken from a preset: args.preset, or for "auto" "demo" when the model is an
+    embedded alias (the offline CPU demo, e.g. smollm2-135m) and the script's other preset for any other model."""
+    name = args.preset
+    if name == "auto":
+        name = "demo" if args.model in MODEL_ALIASES else next(k for k in presets if k != "demo")
+    if name not in presets:
+        raise ValueError(f"--preset {name}: choose auto or one of {sorted(presets)}")
+    values = {k: v for k, v in presets[name].items() if getattr(args, k) is None}
+    return dataclasses.replace(args, preset=name, **values)
+
+
+def print_config(script: str, preset: str, model: str, lines: dict[str, str]) -> None:
+    """The resolved configuration a run starts with, one aligned line per topic (the full set is in args.json)."""
+    width = max(map(len, lines))
+    body = "".join(f"\n  {k.ljust(width)}  {v}" for k, v in lines.items())
+    print(f"{script}: preset {preset}, model {model}{body}", flush=True)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def at_least(args, bound: float, *names: str) -> None:
+    """ArgsError naming the flag unless each field is >= bound (None counts as unset; NaN is refused)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value >= bound:
+            problem = "must be at least 1" if bound == 1 else f"must be >= {bound:g}"
+            raise ArgsError(f"{_flag(name)} {value}: {problem}")
+
+
+def positive(args, *names: str) -> None:
+    """ArgsError naming the flag unless each field is a finite number > 0 (a NaN learning rate trains nothing)."""
+    for name in names:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ArgsError(f"{_flag(name)} {value}: must be a finite number > 0")
+
+
+class StopOnCtrlC:
+    """While a loop runs over watch(steps): Ctrl-C (SIGINT) sets .requested, so the loop can stop at the end of its
+    step with a checkpoint; a second Ctrl-C aborts at once (KeyboardInterrupt). However the loop ends (its last
+    step, an exception, a stop) the previous handler is back: the generator's `finally` runs when the loop drops it,
+    so an in-process caller's next Ctrl-C is never swallowed as a stop request. Python only lets the main thread
+    install a handler: elsewhere Ctrl-C keeps its default."""
+
+    def __init__(self):
+        self.requested = False
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
+
+    def watch(self, steps):
+        """Yield each of `steps` with this handler installed; restore the previous one on every way out."""
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self._handle) if main else None
+        try:
+            yield from steps
+        finally:
+            if previous is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,325 @@
+"""Will it fit? A pre-flight estimate of a run's peak memory, by part, from the model's config.json and what the script
+declares it runs: its passes over the model (Pass: rows x tokens, with or without grad, how many tokens go through the
+output head, a shared prompt's KV cache) and its sampling (Generate), grouped into phases.
+
+Peak = what lives all run (weights, trainable state, an allowance) + the largest phase. Within a phase the passes
+run in order: a grad pass keeps its activations until the backward, which starts from the last grad pass (its layer
+working set and log-prob buffer come on top of everything held); a no-grad pass needs its working set on top of what
+is held when it runs. Per-token activation counts are what autograd saves in transformers' Llama/Qwen2 decoder layer
+(checked with saved_tensors_hooks; bench/memory_check.py checks the sums against measured peaks).
+"""
+
+import dataclasses
+import json
+import os
+
+from common.errors import ArgsError, ModelError
+from common.model import pick_device, resolve_dtype
+from harness.hub import check_hub
+from plugins.embedded import ALIAS_CONFIGS
+
+GiB = 2**30
+CHUNK = 1024  # common.model.chunked_logps's default chunk_size (rows of logits per chunk)
+CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces: outside torch's allocator, ~0.3-0.5 GiB on recent cards
+CPU_RUNTIME = GiB // 2  # torch + transformers + peft imported (docs/memory.md: measured)
+ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, docs/memory.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One forward over `rows` sequences of `tokens` tokens, and its backward when `grad`. `scored` of the tokens go
+    through the output head (chunked log-probs; with `entropy` one more buffer; `vocab=False`: a reward model's
+    small head instead, no vocabulary logits). `context`: earlier tokens each row attends to through a KV cache that
+    a shared prompt pass filled (grad). `kv_cache`: the pass keeps a KV cache of all its tokens. `name` labels a
+    no-grad pass in the plan."""
+
+    rows: int
+    tokens: int
+    scored: int = 0
+    grad: bool = False
+    entropy: bool = False
+    vocab: bool = True
+    context: int = 0
+    kv_cache: bool = False
+    name: str = "no-grad pass"
+
+
+@dataclasses.dataclass(frozen=True)
+class Generate:
+    """Sampling `group_size` completions of <= new_tokens tokens for each of `prompts` prompts of <= prompt_tokens:
+    a KV cache of every row over all layers, the prompts' prefill working set, and the last position's fp32 logits
+    and scores. vllm_share: a vLLM engine that takes this share of the card instead."""
+
+    prompts: int
+    group_size: int
+    prompt_tokens: int
+    new_tokens: int
+    vllm_share: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """What training holds besides activations: LoRA of rank lora_r (None: every weight) with `dropout` active on
+    its inputs, `frozen_copies` frozen copies of it (a "ref" slot), on a base of `dtype`, maybe `quantization`."""
+
+    dtype: str
+    quantization: str | None = None
+    lora_r: int | None = 16
+    dropout: bool = False
+    frozen_copies: int = 0
+    flash_attention: bool = False
+
+
+def model_config(name: str, trust_remote_code: bool = False) -> dict:
+    """The architecture fields of --model from its config.json alone (no weights): an embedded alias's are known
+    (no cache build); a hub id is checked as the model's load checks it (offline: the cache, or one line)."""
+    if name in ALIAS_CONFIGS:
+        return ALIAS_CONFIGS[name]
+    from transformers import AutoConfig
+
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise ModelError(f"--model {name}: the folder {name} has no config.json, so it is not a model")
+    cached = not os.path.isdir(name) and check_hub(name, "model")  # hub unreachable: read the cached config.json
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, local_files_only=cached)
+    return config.get_text_config().to_dict()
+
+
+def _shape(c: dict):
+    """(layers L, hidden H, intermediate F, query width Hq, key/value width K)"""
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    L, H, F = c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"]
+    return L, H, F, c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+
+def param_counts(c: dict) -> tuple[int, int]:
+    """(parameters inside decoder linear layers, all other parameters): q/k/v/o + gate/up/down per layer, and the
+    embedding, the untied head and the RMSNorm weights; Qwen2 has q/k/v biases (attention_bias on Llama)."""
+    L, H, F, Hq, K = _shape(c)
+    bias = Hq + 2 * K if c.get("attention_bias", c.get("model_type") == "qwen2") else 0
+    linear = L * (H * Hq + 2 * H * K + Hq * H + 3 * H * F + bias)
+    V = c["vocab_size"]
+    return linear, V * H * (1 if c.get("tie_word_embeddings") else 2) + (2 * L + 1) * H
+
+
+def lora_params(c: dict, r: int) -> int:
+    """PEFT all-linear LoRA: r * (in + out) for each of q, k, v, o, gate, up, down (lm_head is never a target)."""
+    L, H, F, Hq, K = _shape(c)
+    return L * r * ((H + Hq) + 2 * (H + K) + (Hq + H) + 2 * (H + F) + (F + H))
+
+
+def weight_bytes(c: dict, quantization: str | None, b: int) -> int:
+    """bitsandbytes NF4: 4 bits + an 8-bit absmax per 64 weights (+ fp32 per 256 absmax, double quant); int8: 1 byte.
+    PEFT's prepare_model_for_kbit_training casts every other (bf16/fp16) parameter to fp32."""
+    linear, other = param_counts(c)
+    per = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}.get(quantization, b)
+    return int(linear * per + other * (4 if quantization else b))
+
+
+def _layer_act(c: dict, b: int, lora_r: int | None, dropout: bool) -> int:
+    """Bytes autograd keeps per token per decoder layer (transformers' Llama/Qwen2 layer, sdpa; checked with
+    saved_tensors_hooks): 2 RMSNorm inputs in fp32 (the norm upcasts), 2 normed outputs, q, k, v after RoPE (k, v
+    repeated to all heads under a padding mask), the attention output, gate, silu(gate), up and their product.
+    LoRA adds lora_B's r-wide input per module, with dropout active also a dropped copy of each module's input and
+    its bool mask; full fine-tuning keeps the normalised fp32 rows for the norm weights' gradient instead."""
+    L, H, F, Hq, K = _shape(c)
+    n = 2 * H * 4 + b * (2 * H + 3 * Hq + Hq + 4 * F)
+    if lora_r is None:
+        return n + 2 * H * 4
+    dropped = (5 * H + Hq + F) * (b + 1) if dropout else 0  # q, k, v, gate, up take H-wide inputs, o Hq, down F
+    return n + 7 * lora_r * b + dropped
+
+
+def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tuple[int, int, int]:
+    """(kept for backward, one layer's working set, log-prob buffer) in bytes of one Pass."""
+    L, H, F, Hq, K = _shape(c)
+    tokens = p.rows * p.tokens
+    mask = 0 if t.flash_attention else p.rows * p.tokens * p.tokens * 4  # sdpa keeps a float mask
+    layer = _layer_act(c, b, t.lora_r, t.dropout) * tokens + mask
+    kept = 0
+    if p.grad:
+        # checkpointing keeps each layer's input and recomputes one layer at a time (transformers, per layer)
+        kept = L * tokens * H * b + layer if checkpointing else L * layer
+        # attending to a shared prompt: its K and V repeated to all heads, the cache of all layers, the fp32 mask
+        n, P, C = p.rows, p.context, p.tokens
+        kept += L * n * (P * 2 * Hq * b + (P + C) * 2 * K * b + C * (P + C) * 4) if p.context else 0
+    kept += tokens * H * (4 + b) + p.scored * H * b  # final norm in/out + the scored rows gathered for the head
+    # a layer's gradients (backward) or its live tensors (no grad); sdpa: the model's own copy of the float mask
+    work = tokens * (2 * H + 3 * F) * b + mask
+    if p.kv_cache:
+        work += L * tokens * 2 * K * b
+    if not p.vocab:
+        return kept, work, 0
+    # chunked_logps: (chunk, V) fp32 logits + softmax (one more with entropy); a bf16 head is cast to fp32 once;
+    # backward allocates the hidden rows' gradient
+    rows, V = min(CHUNK, p.scored), c["vocab_size"]
+    head = (2 + p.entropy) * rows * V * 4 + (b != 4) * V * H * 4 + p.grad * p.scored * H * b
+    return kept, work, head
+
+
+def _generate_bytes(c: dict, b: int, g: Generate, device_bytes: int) -> tuple[str, int]:
+    if g.vllm_share is not None:
+        return "vLLM reservation", int(g.vllm_share * device_bytes)
+    L, H, F, Hq, K = _shape(c)
+    n, G, P, C = g.prompts, g.group_size, g.prompt_tokens, g.new_tokens
+    kv = L * n * G * (P + C) * 2 * K * b + n * P * (2 * H + 3 * F) * b
+    return "KV cache", kv + n * G * c["vocab_size"] * 4 * 2
+
+
+def estimate(
+    c: dict,
+    trained: Trained,
+    phases: dict[str, list],
+    checkpointing: bool = False,
+    device: str = "cuda",
+    device_bytes: int = 0,
+    extra: dict[str, int] | None = None,
+) -> dict:
+    """Peak memory by part (bytes): the lasting parts (weights, trainable state, `extra` such as a frozen reward
+    model, an allowance) and, keyed "<phase>: ...", each phase's; total = lasting + the largest phase + 10 %."""
+    b = 4 if trained.dtype == "fp32" or (trained.dtype == "auto" and device == "cpu") else 2  # auto: bf16 on CUDA
+    linear, other = param_counts(c)
+    parts = {"weights": weight_bytes(c, trained.quantization, b)}
+    if trained.lora_r is not None:  # PEFT keeps adapters in fp32: + fp32 grad, AdamW exp_avg and exp_avg_sq
+        parts["LoRA + grads + AdamW"] = lora_params(c, trained.lora_r) * (16 + 4 * trained.frozen_copies)
+    else:  # full fine-tuning: a gradient and two AdamW states per weight, in the weights' dtype (torch.optim.AdamW)
+        parts["grads + AdamW (full)"] = (linear + other) * 3 * b
+    parts |= {k: v for k, v in (extra or {}).items() if v}
+    parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
+    peaks = []
+    for phase, passes in phases.items():
+        held = 0
+        peak = 0
+        last = None
+        for p in passes:
+            if isinstance(p, Generate):
+                name, size = _generate_bytes(c, b, p, device_bytes)
+                parts[f"{phase}: {name}"] = size
+                peak = max(peak, held + size)
+                continue
+            kept, work, head = _pass_bytes(c, b, p, trained, checkpointing)
+            if p.grad:
+                held += kept
+                last = (work, head)
+            else:
+                parts[f"{phase}: {p.name}"] = work + head
+                peak = max(peak, held + work + head)
+        if last is not None:  # the backward starts from the last grad pass
+            parts |= {f"{phase}: activations": held, f"{phase}: layer working set": last[0]}
+            parts[f"{phase}: log-prob buffer"] = last[1]
+            peak = max(peak, held + last[0] + last[1])
+        peaks.append(peak)
+    lasting = sum(v for k, v in parts.items() if ":" not in k)
+    peak = max(peaks, default=0)
+    parts = {k: int(v) for k, v in parts.items()}
+    parts["allocator (10 %)"] = int(ALLOCATOR * (lasting - parts["allowance (runtime)"] + peak))
+    parts["total"] = int(lasting + peak) + parts["allocator (10 %)"]
+    return parts
+
+
+def _size(x) -> int:
+    """Tokens of a text (<= its UTF-8 bytes: a byte-level BPE or byte-fallback token covers >= 1) + 16 for the
+    chat template; messages: the sum of their contents."""
+    if isinstance(x, (str, dict)):
+        return len((x if isinstance(x, str) else x.get("content", "")).encode()) + 16
+    return sum(map(_size, x)) if isinstance(x, list) else 0
+
+
+def longest_row(rows: list[dict]) -> int:
+    """A bound on the longest row in tokens: prompt + the longest of completion / chosen / rejected / messages;
+    0 without rows (no bound)."""
+    keys = ("completion", "chosen", "rejected", "messages")
+    return max((_size(r.get("prompt")) + max(_size(r.get(k)) for k in keys) for r in rows), default=0)
+
+
+def suggestion(knobs: list[tuple[str, object, object]], checkpointing: bool) -> str:
+    """What to try, in the order the script lists its knobs (name, value, least): an int above `least` is halved;
+    a knob left unset (None) whose `least` is a value suggests that value (e.g. quantization 4bit)."""
+    tries = [] if checkpointing else ["--gradient-checkpointing"]
+    for name, value, least in knobs:
+        flag = "--" + name.replace("_", "-")
+        if value is None and isinstance(least, str):
+            tries.append(f"{flag} {least}")
+        elif isinstance(value, int) and not isinstance(least, str) and value > least:
+            tries.append(f"{flag} {value // 2}")
+    return "try " + ", then ".join(tries) if tries else "no knob left: a larger card or a smaller model"
+
+
+def device_memory(device: str) -> tuple[int, str]:
+    """(bytes, description): CUDA: the card's total memory. CPU: physical RAM (MemTotal), the hard ceiling before
+    the kernel's OOM killer or swap; MemAvailable would make the same command pass or fail with other processes."""
+    if device == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory, f"{props.name} total memory"
+    with open("/proc/meminfo") as f:
+        kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal:")))
+    return kib * 1024, "physical RAM (CPU run)"
+
+
+def format_plan(parts: dict[str, int], budget: int, what: str) -> str:
+    """One aligned table in GiB."""
+    width = max(map(len, parts)) + 2
+    head = (
+        "memory plan (peak = the parts without a phase + the largest phase: step, rollout or reference; in a step "
+        "the passes run in order and the backward starts from the last):"
+    )
+    rows = []
+    for k, v in parts.items():
+        budget_note = f" of {budget / GiB:.1f} GiB {what}" if k == "total" else ""
+        rows.append(f"  {k.ljust(width)}{v / GiB:8.2f} GiB{budget_note}")
+    return "\n".join([head, *rows])
+
+
+def plan_memory(
+    model: str,
+    trained: Trained,
+    phases: dict[str, list],
+    *,
+    phases_checkpointed: dict[str, list] | None = None,
+    checkpointing: bool = False,
+    adapter: str | None = None,
+    disable_dropout: bool = False,
+    knobs: list[tuple[str, object, object]] = (),
+    extra: dict[str, int] | None = None,
+    ignore: bool = False,
+    refuse: bool = True,
+    trust_remote_code: bool = False,
+) -> tuple[dict, bool]:
+    """Print the plan of what the script declared; return (parts, checkpointing): a plan over the device's memory
+    turns gradient checkpointing on when that makes it fit (TRL's default is on; off is faster where the memory
+    allows it; `phases_checkpointed`: the script's passes under checkpointing, when they differ). A plan that does
+    not fit is refused (ArgsError with the script's knobs to try) unless `ignore`, or `refuse` is off (--plan).
+    As the model will load: dtype "auto" resolved for this device, and an --adapter's own rank and dropout."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    budget, what = device_memory(device)
+    config = model_config(model, trust_remote_code)
+    fp32 = resolve_dtype(trained.dtype, pick_device()) == torch.float32
+    trained = dataclasses.replace(trained, dtype="fp32" if fp32 else "bf16")
+    adapter_config = os.path.join(adapter, "adapter_config.json") if adapter else None
+    if trained.lora_r is not None and adapter_config and os.path.isfile(adapter_config):
+        with open(adapter_config) as f:
+            lora = json.load(f)
+        dropout = lora.get("lora_dropout", 0.0) > 0 and not disable_dropout
+        trained = dataclasses.replace(trained, lora_r=lora["r"], dropout=dropout)
+    parts = estimate(config, trained, phases, checkpointing, device, budget, extra)
+    if parts["total"] > budget and not checkpointing and not ignore:
+        on = phases_checkpointed or phases
+        fits = estimate(config, trained, on, True, device, budget, extra)
+        if fits["total"] <= budget:
+            print(
+                f"gradient checkpointing turned on: without it the plan needs {parts['total'] / GiB:.1f} GiB of the "
+                f"{budget / GiB:.1f} GiB {what} (--ignore-memory-plan keeps it off)",
+                flush=True,
+            )
+            parts = fits
+            checkpointing = True
+    print(format_plan(parts, budget, what), flush=True)
+    if refuse and parts["total"] > budget and not ignore:
+        raise ArgsError(
+            f"the memory plan needs {parts['total'] / GiB:.1f} GiB but the {what} is {budget / GiB:.1f} GiB: "
+            f"{suggestion(knobs, checkpointing)} (or --ignore-memory-plan to start anyway)"
+        )
+    return parts, checkpointing

@@ -1,0 +1,170 @@
+"""A run's directory, its metric log (TensorBoard + metrics.jsonl + a progress bar, or one plain line a step off a
+terminal), the cost of each step (seconds per phase, peak memory, tokens per second), and circuit-breaker
+bookkeeping (conditions that must hold for several steps in a row before they fire)."""
+
+import json
+import math
+import os
+import re
+import resource
+import secrets
+import sys
+import time
+
+import torch
+
+from common.errors import OutputDirError
+
+
+def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs") -> str:
+    """runs/<exp_name>__<model>__<seed>__<time>-<6 hex>, CleanRL's run naming (model path reduced to its last part)
+    plus a random tag, so two runs started in the same second never share a directory. Scripts call it before the
+    model loads: the directory is created and a probe file written and deleted, so an unwritable --output-dir fails
+    in a second, not after minutes of loading."""
+    model_tag = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rstrip("/").split("/")[-1])
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    path = os.path.join(root, f"{exp_name}__{model_tag}__{seed}__{stamp}")
+    try:
+        os.makedirs(path, exist_ok=False)
+        probe = os.path.join(path, ".write-probe")
+        with open(probe, "w") as f:
+            f.write("probe")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise OutputDirError(
+            f"--output-dir {root}: cannot write a run there ({type(e).__name__}: {e.strerror or e})"
+        ) from None
+    return path
+
+
+def peak_memory_gb() -> float:
+    """Peak CUDA memory allocated by torch, or on CPU the process's peak resident set size (Linux reports KiB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class PhaseTimer:
+    """Wall seconds per named phase of one step; a phase marked twice adds up."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.seconds = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def metrics(self, tokens: int) -> dict:
+        """A step's cost: peak memory so far, tokens per second since the timer started, seconds per phase."""
+        return {
+            "memory/peak_gb": peak_memory_gb(),
+            "perf/tokens_per_s": tokens / (time.perf_counter() - self.start),
+            **{f"time/{phase}": seconds for phase, seconds in self.seconds.items()},
+        }
+
+
+class Logger:
+    """Every logged step goes to TensorBoard, to metrics.jsonl (one JSON object per step) and to a tqdm bar, or off a
+    terminal to one stderr line: step/total, the `show` metrics, s/step and ETA (averaged since the Logger started)."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        config: dict,
+        total_steps: int,
+        show: tuple[str, ...] = ("loss",),
+        start_step: int = 0,
+        every: int = 1,
+    ):
+        """config: the run's resolved arguments, written to args.json; every: log each every-th step (and the last)."""
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm.auto import tqdm
+
+        self.run_dir = run_dir
+        self.show = show
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        self.writer = SummaryWriter(run_dir)
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty())
+        self.total = total_steps
+        self.start = start_step
+        self.t0 = time.perf_counter()
+        self.every = every
+        self.history = []
+
+    def log(self, step: int, metrics: dict) -> None:
+        """Log at every `every`-th step and the last (TRL's logging_steps cadence); other steps are skipped."""
+        if step % self.every and step != self.total:
+            return
+        metrics = {k: float(v) for k, v in metrics.items()}
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.history.append({"step": step, **metrics})
+        self.jsonl.write(json.dumps(self.history[-1]) + "\n")
+        self.jsonl.flush()  # a crash loses at most the line being written
+        self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self.show if k in metrics}, refresh=False)
+        self.bar.update(step - self.bar.n)
+        if self.bar.disable:
+            per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
+            shown = "  ".join(f"{k} {metrics[k]:.4g}" for k in self.show if k in metrics)
+            eta = per_step * (self.total - step)
+            print(
+                f"step {step}/{self.total}  {shown}  {per_step:.2f} s/step  ETA {eta // 60:.0f}m{eta % 60:02.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def trend(self, *keys: str) -> str:
+        """'key first -> last' for each logged key, each side the mean of the first / last k values logged (k a
+        quarter of them, 1 to 5: single steps are noisy), for the line a script prints at the end."""
+        parts = []
+        for key in keys:
+            values = [h[key] for h in self.history if key in h]
+            k = max(1, min(5, len(values) // 4))
+            mean = f" (mean of first/last {k} steps)" if k > 1 else ""
+            if values:
+                parts.append(f"{key} {sum(values[:k]) / k:.4f} -> {sum(values[-k:]) / k:.4f}{mean}")
+        return ", ".join(parts) or "no step logged"
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
+        self.jsonl.close()
+
+
+class Breakers:
+    """Circuit breakers: named conditions on a step's metrics that fire once each has held on `patience` steps in a
+    row (printed once, on the step it starts to hold). `checks` maps a name to (metric key, test(value) -> bool); a
+    missing metric counts as NaN. `state` (a dict the checkpoint keeps) holds the last `patience` steps' metrics, so
+    a resumed run continues the streak. `at_once` maps names to (metric key, test) that fire on a single step."""
+
+    def __init__(self, checks: dict, patience: int, state: dict, at_once: dict | None = None, prefix: str = ""):
+        self.checks = checks
+        self.at_once = at_once or {}
+        self.patience = patience
+        self.state = state
+        self.prefix = prefix
+        self.active = set()
+
+    def update(self, step: int, metrics: dict) -> set[str]:
+        """The breakers holding after this step (its metrics), each printed once when it starts to hold."""
+        recent = (self.state.get("recent", []) + [{"step": step, **metrics}])[-self.patience :]
+        self.state["recent"] = recent
+        fired = {}
+        if len(recent) == self.patience:  # a condition must hold on patience steps in a row
+            for name, (key, test) in self.checks.items():
+                if all(test(h.get(key, math.nan)) for h in recent):
+                    fired[name] = key
+        for name, (key, test) in self.at_once.items():
+            if test(metrics.get(key, math.nan)):
+                fired[name] = key
+        for name in sorted(fired.keys() - self.active):
+            values = [round(h.get(fired[name], math.nan), 4) for h in recent]
+            print(f"{self.prefix}circuit breaker '{name}' fired at step {step}: recent {fired[name]} = {values}")
+        self.active = set(fired)
+        return self.active
