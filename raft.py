@@ -202,7 +202,8 @@ def make_pairs(scores, min_margin: float) -> list[tuple[int, int, int]]:
     pairs = []
     for i, group in enumerate(torch.as_tensor(scores, dtype=torch.float64).tolist()):
         ok = sorted((k for k, s in enumerate(group) if not math.isnan(s)), key=lambda k: -group[k])  # stable sort
-        if ok and (margin := group[ok[0]] - group[ok[-1]]) >= min_margin and margin > 0:
+        margin = group[ok[0]] - group[ok[-1]] if ok else 0.0
+        if ok and margin >= min_margin and margin > 0:
             pairs.append((i, ok[0], ok[-1]))
     return pairs
 

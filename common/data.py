@@ -497,7 +497,8 @@ def setup_chat_template(tokenizer, template: str = "auto") -> str:
     if template in TEMPLATES:
         # We do not add missing specials ourselves: that would need an embedding resize and leave the new rows
         # untrained, which silently hurts quality. Make the user pick a template the tokenizer already speaks.
-        if missing := [t for t in SPECIALS[template] if not _is_single_token(tokenizer, t)]:
+        missing = [t for t in SPECIALS[template] if not _is_single_token(tokenizer, t)]
+        if missing:
             raise ValueError(
                 f"chat template {template!r} needs the special tokens {missing}, which this tokenizer "
                 "does not have as single tokens. Pick a template whose tokens it has; its added tokens "

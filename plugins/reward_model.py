@@ -1,7 +1,8 @@
 """A reward model on a causal LM: LoRA on the backbone + a linear head (K outputs) on the final hidden state of each
-sequence's last real token. rm.py trains one; its final/ holds the PEFT adapter, HEAD_FILE {"weight": (K, hidden)},
-the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "regression", "attributes": [K names],
-"quantization", "max_length"} (the last two: how rm.py trained; a directory written before them scores without a cut).
+sequence's last real token. The reward-model trainer writes one to its final/: the PEFT adapter, HEAD_FILE
+{"weight": (K, hidden)}, the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "regression",
+"attributes": [K names], "quantization", "max_length"} (the last two: how it was trained; a directory written
+before them scores without a cut).
 
 `load_reward(dir, policy)` puts the adapter into a third slot "reward" of a policy on the same base (no second
 backbone; scoring runs under as_reference(model, "reward")), else loads the base once more; `score` -> (N, K).
@@ -42,7 +43,7 @@ def reward_logits(model, head, input_ids, attention_mask):
 def save_reward(final_dir, head, base_model, loss_type, attributes: list[str], quantization=None, max_length=None):
     """The head and reward_config.json next to the adapter save_final wrote; `quantization` is the base's as trained
     (None, "4bit", "8bit"): a model loaded apart is loaded so, and a policy base quantized otherwise is named;
-    `max_length` is rm.py's: score_rows cuts a row where training did."""
+    `max_length` is training's: score_rows cuts a row where training did."""
     save_file({"weight": head.weight.detach().float().cpu().contiguous()}, os.path.join(final_dir, HEAD_FILE))
     config = {"base_model": base_model, "loss_type": loss_type, "attributes": list(attributes)}
     with open(os.path.join(final_dir, CONFIG_FILE), "w") as f:
@@ -52,7 +53,9 @@ def save_reward(final_dir, head, base_model, loss_type, attributes: list[str], q
 def read_config(path: str) -> dict:
     file = os.path.join(path, CONFIG_FILE)
     if not (os.path.isfile(file) and os.path.isfile(os.path.join(path, HEAD_FILE))):
-        raise DataError(f"{path}: not a reward model (rm.py's final/ has {CONFIG_FILE} and {HEAD_FILE})")
+        raise DataError(
+            f"{path}: not a reward model (a trained reward model's folder has {CONFIG_FILE} and {HEAD_FILE})"
+        )
     with open(file) as f:
         return json.load(f)
 
@@ -123,30 +126,33 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
     return RewardModel(rm_model, REWARD, head, tokenizer, config)
 
 
-def score_rows(rm: RewardModel, rows: list[dict], batch_size: int = 16) -> torch.Tensor:
-    """(N, K) float32 on the CPU for SFT-layout rows ({prompt, completion}, {messages} or {text}), tokenized as rm.py
-    trained (completions closed by their end-of-turn/EOS token, cut at its max_length), under as_reference(model,
-    slot): no_grad, eval, and the policy's active adapter, trainable set and train mode restored afterwards, even on
-    an error. A row whose prompt alone reaches max_length (rm.py dropped such rows) scores its first max_length."""
-    ids = [tokenize_sft(rm.tokenizer, row, None)["input_ids"][: rm.config.get("max_length")] for row in rows]
-    device, out = rm.head.weight.device, []
-    with as_reference(rm.model, rm.slot):
+def score_rows(scorer: RewardModel, rows: list[dict], batch_size: int = 16) -> torch.Tensor:
+    """(N, K) float32 on the CPU for supervised rows ({prompt, completion}, {messages} or {text}), tokenized as
+    training saw them (completions closed by their end-of-turn/EOS token, cut at its max_length), under
+    as_reference(model, slot): no_grad, eval, and the policy's active adapter, trainable set and train mode restored
+    afterwards, even on an error. A row whose prompt alone reaches max_length (training dropped such rows) scores
+    its first max_length tokens."""
+    max_length = scorer.config.get("max_length")
+    ids = [tokenize_sft(scorer.tokenizer, row, None)["input_ids"][:max_length] for row in rows]
+    device = scorer.head.weight.device
+    out = []
+    with as_reference(scorer.model, scorer.slot):
         for i in range(0, len(ids), batch_size):
             chunk = [{"input_ids": x, "completion_mask": [1] * len(x)} for x in ids[i : i + batch_size]]
-            batch = collate_sft(chunk, rm.tokenizer.pad_token_id)
+            batch = collate_sft(chunk, scorer.tokenizer.pad_token_id)
             mask = batch["attention_mask"].to(device)
-            out.append(reward_logits(rm.model, rm.head, batch["input_ids"].to(device), mask).float().cpu())
+            out.append(reward_logits(scorer.model, scorer.head, batch["input_ids"].to(device), mask).float().cpu())
     return torch.cat(out)
 
 
-def score(rm: RewardModel, prompts: list, completions: list, batch_size: int = 16) -> torch.Tensor:
+def score(scorer: RewardModel, prompts: list, completions: list, batch_size: int = 16) -> torch.Tensor:
     """(N, K) rewards of N (prompt, completion) pairs: strings, or message lists (conversational; a string completion
     of a conversational prompt becomes one assistant message)."""
     chat = [
         [{"role": "assistant", "content": c}] if isinstance(p, list) and isinstance(c, str) else c
         for p, c in zip(prompts, completions, strict=True)
     ]
-    return score_rows(rm, [{"prompt": p, "completion": c} for p, c in zip(prompts, chat)], batch_size)
+    return score_rows(scorer, [{"prompt": p, "completion": c} for p, c in zip(prompts, chat)], batch_size)
 
 
 def model_reward(spec: str):
@@ -164,14 +170,15 @@ def model_reward(spec: str):
     k = attributes.index(attribute)
 
     def fn(prompts, completions, **kw):
-        if fn.rm is None:
+        if fn.scorer is None:
             raise RuntimeError(f"reward {spec}: no model bound (call bind_model_rewards after the policy loads)")
         key = json.dumps([prompts, completions], default=str)
-        if fn.rm.last[0] != key:
-            fn.rm.last = (key, score(fn.rm, prompts, completions))
-        return fn.rm.last[1][:, k].tolist()
+        if fn.scorer.last[0] != key:
+            fn.scorer.last = (key, score(fn.scorer, prompts, completions))
+        return fn.scorer.last[1][:, k].tolist()
 
-    fn.rm, fn.reward_model_dir = None, path
+    fn.scorer = None
+    fn.reward_model_dir = path
     return ("model" if len(attributes) == 1 else f"model@{attribute}"), fn, weight
 
 
@@ -184,7 +191,7 @@ def bind_model_rewards(funcs, model) -> None:
         if path is not None:
             if loaded and path not in loaded:
                 raise ValueError("--rewards: model rewards from two directories; one reward model per run")
-            fn.rm = loaded[path] = loaded.get(path) or load_reward(path, model)
+            fn.scorer = loaded[path] = loaded.get(path) or load_reward(path, model)
 
 
 def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ...]:
@@ -194,11 +201,13 @@ def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ..
     returns the lists as given. The model is loaded once, on its own, and freed before the policy loads."""
     if path is None:
         return row_lists
-    rm = load_reward(path)
-    if rm.config["loss_type"] != "regression":
-        raise DataError(f"--label-with {path}: a {rm.config['loss_type']} model; SteerLM labels need a regression one")
-    scores = score_rows(rm, [row for rows in row_lists for row in rows]).tolist()
-    levels = iter([dict(zip(rm.attributes, map(round, s), strict=True)) for s in scores])
+    scorer = load_reward(path)
+    if scorer.config["loss_type"] != "regression":
+        raise DataError(
+            f"--label-with {path}: a {scorer.config['loss_type']} model; SteerLM labels need a regression one"
+        )
+    scores = score_rows(scorer, [row for rows in row_lists for row in rows]).tolist()
+    levels = iter([dict(zip(scorer.attributes, map(round, s), strict=True)) for s in scores])
     return tuple([row | {"attributes": next(levels)} for row in rows] for rows in row_lists)
 
 

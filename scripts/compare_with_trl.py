@@ -53,12 +53,13 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # ORPO and CPO live in t
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from common.data import concat_prompt_completion, micro_batch, pad_batch, tokenize_dataset  # noqa: E402
-from common.embedded import builtin_rows, resolve_model  # noqa: E402
+from plugins.builtin_math import builtin_rows  # noqa: E402
+from plugins.embedded import resolve_model  # noqa: E402
 
 METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rm")
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "robust"), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
 KIND = {
-    "sft": "sft",
+    "sft": "supervised",
     "dpo": "preference",
     "simpo": "preference",
     "orpo": "preference",
@@ -159,7 +160,7 @@ def load_tokenizer(model_path: str):
     """The tokenizer as our scripts set it up (chat template, pad token), for building data and for TRL."""
     from transformers import AutoTokenizer
 
-    from common.templates import setup_chat_template
+    from common.data import setup_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     setup_chat_template(tokenizer, "auto")
@@ -193,7 +194,8 @@ def make_start_adapter(model_path: str, out_dir: str, seed: int = 0, r: int = 16
 def make_rows(kind: str, n: int, tokenizer, chat: bool = False, target_length: int | None = None) -> list[dict]:
     """n built-in math rows; unless chat, rendered to standard strings (prompt through the template's generation
     prompt, completions = the assistant text), so neither side tokenizes through the template's end."""
-    name = {"sft": "math_sft", "preference": "math_preference", "binary": "math_binary", "prompt": "math"}[kind]
+    names = {"supervised": "math_sft", "preference": "math_preference", "binary": "math_binary", "prompt": "math"}
+    name = names[kind]
     rows = builtin_rows(name, "train")[:n]
     if len(rows) < n:
         raise ValueError(f"builtin:{name} has {len(rows)} rows, {n} needed")
@@ -258,10 +260,10 @@ class FixedRollouts:
 
 
 @contextlib.contextmanager
-def our_fixed_generation(bank: FixedRollouts):
-    """grpo.py's rollout (common.rollout.hf_generate, which its rollout_engine binds) replaced by the bank, with the
-    same return layout."""
-    rollout = importlib.import_module("common.rollout")
+def our_fixed_generation(bank: FixedRollouts, script: str = "grpo"):
+    """The script's rollout (its module's hf_generate, which main binds into its generate) replaced by the bank, with
+    the same return layout."""
+    rollout = importlib.import_module(script)
     from common.rollout import cut_at_eos, eos_ids
 
     def fixed_generate(model, tokenizer, prompts, group_size, max_new_tokens=None, **_):
@@ -366,7 +368,7 @@ def our_args(s: Setup, data_path: str) -> dict:
 
 def run_ours(s: Setup, data_path: str, bank: FixedRollouts | None = None) -> list[dict]:
     module = importlib.import_module(SCRIPT[s.method])
-    with our_fixed_generation(bank) if bank else contextlib.nullcontext():
+    with our_fixed_generation(bank, SCRIPT[s.method]) if bank else contextlib.nullcontext():
         out = module.main(module.Args(**our_args(s, data_path)))
     return out["history"]
 
@@ -505,7 +507,7 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
 
     from common.rewards import load_reward_funcs
 
-    funcs = load_reward_funcs(s.rewards)  # the same functions ours calls, with their weights
+    funcs = load_reward_funcs(s.rewards, importlib.import_module("grpo").REWARDS)  # the functions ours calls
     n = s.prompts_per_step * s.group_size  # TRL's per_device_train_batch_size counts completions, not prompts
     args = GRPOConfig(
         **trl_common(
@@ -638,10 +640,9 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     TRL's GRPOTrainer._compute_loss vs our grpo_per_token_loss + aggregate_loss, on the same model (TRL's PeftModel
     with its "default" and "ref" adapters), advantages and reference log-probs. Per loss_type: summed loss and every
     LoRA gradient, each side's gradient norm. bnpo also gets the normaliser that reproduces TRL (num_items = the
-    micro-batch's tokens x micro, see common.logps.aggregate_loss): grpo.py divides by the whole step's tokens."""
-    grpo_per_token_loss = importlib.import_module("grpo").grpo_per_token_loss  # the script under test
-    from common.logps import aggregate_loss, group_advantages, sequence_logps
-    from common.model import as_reference
+    micro-batch's tokens x micro, see grpo.aggregate_loss): grpo.py divides by the whole step's tokens."""
+    grpo = importlib.import_module("grpo")  # the script under test: its loss, aggregation and advantages
+    from common.model import as_reference, sequence_logps
     from common.rewards import compute_rewards, load_reward_funcs
 
     tokenizer = load_tokenizer(s.model)
@@ -655,7 +656,7 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     prompt_rows = [p for p in prompts for _ in range(s.group_size)]
     completions = bank.for_rows(prompt_rows)
     n, G, pad = len(prompt_rows), s.group_size, tokenizer.pad_token_id
-    funcs = load_reward_funcs(s.rewards)
+    funcs = load_reward_funcs(s.rewards, grpo.REWARDS)
     fields = {
         "target_length": [r["target_length"] for r in rows for _ in range(G)],
         "completion_ids": completions,
@@ -663,7 +664,7 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     }
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards, _ = compute_rewards(funcs, [r["prompt"] for r in rows for _ in range(G)], texts, fields)
-    advantages, _ = group_advantages(rewards, G, "group")
+    advantages, _ = grpo.group_advantages(rewards, G, "group")
 
     # Ours: right-padded prompt + completion rows; TRL: left-padded prompts, right-padded completions (its layout).
     seqs = concat_prompt_completion(prompt_rows, completions, pad)
@@ -713,7 +714,7 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
         total = 0.0
         for c in chunks:
             logps = sequence_logps(model, seqs["input_ids"][c], seqs["attention_mask"][c], mask[c])
-            per_token_loss, per_token_kl, *_ = grpo_per_token_loss(
+            per_token_loss, per_token_kl, *_ = grpo.grpo_per_token_loss(
                 per_token_logps=logps,
                 old_per_token_logps=logps.detach(),
                 ref_per_token_logps=ref[c],
@@ -725,7 +726,7 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
             if kl_times_ratio and per_token_kl is not None:
                 # TRL's use_bias_correction_kl: beta * k3 * rho; rho == 1 in value, so only the gradient gains k3
                 per_token_loss = per_token_loss + s.run_beta * per_token_kl * (torch.exp(logps - logps.detach()) - 1)
-            loss = aggregate_loss(per_token_loss, mask[c], loss_type, s.max_completion_length, num_items_of(c), n)
+            loss = grpo.aggregate_loss(per_token_loss, mask[c], loss_type, s.max_completion_length, num_items_of(c), n)
             loss.backward()
             total += loss.item()
         return total, grads()
@@ -787,7 +788,7 @@ def run_pair(s: Setup, tokenizer) -> dict:
     bank = FixedRollouts(tokenizer, s.max_completion_length, s.seed) if s.fixed_rollout else None
     report = {"name": s.name, "setup": {k: v for k, v in vars(s).items() if k not in ("out",)}}
     if kind != "prompt":  # nothing may be cut or dropped, or the two sides would train on different tokens
-        kw = {} if kind == "sft" else {"max_prompt_length": None}
+        kw = {} if kind == "supervised" else {"max_prompt_length": None}
         examples = tokenize_dataset(tokenizer, rows, kind, s.max_length, **kw)
         if len(examples) != len(rows):
             raise ValueError(f"{len(rows) - len(examples)} rows dropped at max_length={s.max_length}; raise it")

@@ -6,7 +6,7 @@ Run: `python scripts/merge_adapter.py --adapter runs/grpo__smollm2-135m__42__<ti
      `python scripts/merge_adapter.py --adapter runs/<run>/final --push-to-hub <user>/<name>` (needs a token:
      `hf auth login` or HF_TOKEN)
 The base is --model, else the adapter's own base_model_name_or_path (a hub id, a local folder, or an alias such as
-smollm2-135m, resolved through common.embedded like every script's --model). Then
+smollm2-135m, located through harness.hub like every script's --model). Then
 `AutoModelForCausalLM.from_pretrained("merged/<run>")` loads it with no PEFT installed.
 """
 
@@ -20,8 +20,11 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common/ is at the repo root
-from common.model import attach_lora, load_model
-from common.run import ArgsError, one_line_errors, stop_at_end_of_turn
+from common.data import setup_chat_template
+from common.errors import ArgsError
+from common.model import attach_lora, load_model, stop_at_end_of_turn
+from harness.cli import one_line_errors
+from harness.hub import locate_model
 
 PROMPT = [{"role": "user", "content": "What is 12 plus 7? Answer in one line."}]
 
@@ -62,8 +65,6 @@ def run_tokenizer(adapter: str, base_tokenizer):
         return AutoTokenizer.from_pretrained(adapter)
     run_args = os.path.join(adapter, "..", "..", "..", "args.json")  # <run>/checkpoints/step-N/weights
     if os.path.isfile(run_args):
-        from common.templates import setup_chat_template
-
         with open(run_args) as f:
             setup_chat_template(base_tokenizer, json.load(f).get("template", "auto"))
     return base_tokenizer
@@ -80,7 +81,7 @@ def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
         base = model or json.load(f).get("base_model_name_or_path")
     if not base:
         raise ArgsError(f"{config_path} names no base model: give --model")
-    policy, tokenizer = load_model(base, dtype)
+    policy, tokenizer = load_model(base, dtype, path=locate_model(base))
     tokenizer = run_tokenizer(adapter, tokenizer)
     policy = attach_lora(policy, adapter).eval()  # PEFT loads the "default" adapter; a saved "ref" is ignored
     ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[

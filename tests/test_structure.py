@@ -1,0 +1,219 @@
+"""The layout's rules, checked on the source (docs/layout.md): the core never sees a script's Args and imports nothing
+outside itself; no shared module names a script or a field only one script has; no import cycle anywhere; every
+error type in common/errors.py; no import-time side effects; each script's loop shows its update; and the code a
+forker must read stays small (a script's static import closure without the optional harness and plug-ins)."""
+
+import ast
+import pathlib
+import re
+import subprocess
+import sys
+import tokenize
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPTS = ("sft", "dpo", "orpo", "kto", "rm", "grpo", "raft")
+CORE = ROOT / "common"
+SHARED = [p for d in ("common", "harness", "plugins") for p in sorted((ROOT / d).glob("*.py"))]
+OPTIONAL = ("harness", "plugins")  # plumbing and optional features: a copy of a script may drop them
+PROJECT_DIRS = ("common", "harness", "plugins", "evals", "scripts", "bench")
+
+
+def project_files() -> list[pathlib.Path]:
+    """Every project .py file outside tests/: the scripts at the root and the packages."""
+    files = [ROOT / f"{s}.py" for s in SCRIPTS]
+    return files + [p for d in PROJECT_DIRS for p in sorted((ROOT / d).glob("*.py"))]
+
+
+def module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return ".".join(rel.parts[:-1]) if rel.name == "__init__" else ".".join(rel.parts)
+
+
+MODULES = {module_name(p): p for p in project_files()}
+
+
+def imports(path: pathlib.Path, top_level_only: bool = False) -> list[tuple[str, bool]]:
+    """(project module imported, inside a function?) for every import statement of the file."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.append((child.module, in_function))
+                found.extend((f"{child.module}.{alias.name}", in_function) for alias in child.names)
+            visit(child, nested)
+
+    visit(tree, False)
+    project = [(name, f) for name, f in found if name in MODULES]
+    return [(name, f) for name, f in project if not (top_level_only and f)]
+
+
+def closure(script: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """Modules the script imports at module level, transitively (what runs when it starts), minus `skip` packages."""
+    seen, todo = set(), [script]
+    while todo:
+        name = todo.pop()
+        if name in seen or name.split(".")[0] in skip:
+            continue
+        seen.add(name)
+        todo += [m for m, _ in imports(MODULES[name], top_level_only=True)]
+        parent = name.rpartition(".")[0]
+        if parent in MODULES:  # importing common.data runs common/__init__.py
+            todo.append(parent)
+    return sorted(seen)
+
+
+def lines(names: list[str]) -> int:
+    return sum(len(MODULES[n].read_text().splitlines()) for n in names)
+
+
+def counted(names: list[str]) -> list[str]:
+    """Files a reader must open: a package __init__ that only holds a docstring is not one."""
+    return [
+        n for n in names if not (MODULES[n].name == "__init__.py" and len(MODULES[n].read_text().splitlines()) < 4)
+    ]
+
+
+# ------------------------------------------------------------------------------------------------------ the core
+def test_the_core_never_takes_a_scripts_args():
+    for path in sorted(CORE.glob("*.py")):
+        text = path.read_text()
+        assert "getattr(args" not in text, path
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                for p in params:
+                    annotation = ast.unparse(p.annotation) if p.annotation is not None else ""
+                    assert p.arg != "args" and "Args" not in annotation, f"{path}: {p.arg}: {annotation}"
+
+
+def test_the_core_imports_nothing_outside_itself():
+    for path in sorted(CORE.glob("*.py")):
+        outside = [m for m, _ in imports(path) if not m.startswith("common")]
+        assert outside == [], f"{path} imports {outside}"
+
+
+def test_shared_modules_import_project_modules_at_the_top():
+    """Function-local imports are for optional heavy packages (vllm, bitsandbytes, datasets...), never to hide an
+    import of our own modules (a cycle kept alive by deferring it)."""
+    for path in SHARED:
+        local = [m for m, in_function in imports(path) if in_function]
+        assert local == [], f"{path} imports {local} inside a function"
+
+
+def test_no_import_cycle():
+    graph = {name: {m for m, _ in imports(path)} for name, path in MODULES.items()}
+    state = {}
+
+    def visit(name, stack):
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep) :] + [name, dep]))
+            if dep not in state:
+                visit(dep, stack + [name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+
+
+# ------------------------------------------------------------------------------------------------ shared modules
+def args_fields(script: str) -> set[str]:
+    tree = ast.parse((ROOT / f"{script}.py").read_text())
+    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    return {n.target.id for n in args.body if isinstance(n, ast.AnnAssign)}
+
+
+def test_no_shared_module_names_a_script_or_a_field_only_one_script_has():
+    fields = {s: args_fields(s) for s in SCRIPTS}
+    own = {f for s in SCRIPTS for f in fields[s] if sum(f in fields[t] for t in SCRIPTS) == 1}
+    assert {"prompts_per_round", "groups_per_micro_batch", "precompute_ref_log_probs"} <= own  # the check bites
+    names = re.compile(r"\b(" + "|".join(SCRIPTS) + r")\b")
+    for path in SHARED:
+        text = path.read_text()
+        found = sorted(set(names.findall(text)))
+        assert found == [], f"{path} names the script(s) {found}"
+        with open(path, "rb") as f:
+            tokens = list(tokenize.tokenize(f.readline))
+        for prev, tok in zip(tokens, tokens[1:]):
+            if tok.type == tokenize.NAME and prev.string == "." and tok.string in own:
+                raise AssertionError(f"{path}:{tok.start[0]}: reads the field .{tok.string} of one script")
+            if tok.type == tokenize.NAME and "_" in tok.string and tok.string in own:
+                raise AssertionError(f"{path}:{tok.start[0]}: names the field {tok.string} of one script")
+            if tok.type == tokenize.STRING:  # a one-word field ("attributes") may also be a data column's name
+                value = tok.string.strip("\"'rbuf")
+                flag = value.removeprefix("--").replace("-", "_")
+                if (value in own and "_" in value) or (value.startswith("--") and flag in own):
+                    raise AssertionError(f"{path}:{tok.start[0]}: names the field {value!r} of one script")
+
+
+def test_every_error_type_lives_in_common_errors():
+    for path in project_files():
+        if path == CORE / "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                assert not any(b.endswith(("Error", "Exception")) for b in bases), f"{path}: class {node.name}"
+
+
+def test_no_walrus_in_scripts_core_harness_or_plugins():
+    for path in [ROOT / f"{s}.py" for s in SCRIPTS] + SHARED:
+        walrus = [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.NamedExpr)]
+        assert walrus == [], f"{path}: := at lines {walrus}"
+
+
+def test_importing_the_shared_modules_changes_nothing():
+    """No import-time side effects: the environment, the SIGINT handler and the hub's progress bars are as before."""
+    mods = [module_name(p) for p in SHARED]
+    code = (
+        "import os, signal, sys; sys.path.insert(0, '.')\n"
+        "from transformers.utils import logging\n"
+        "env, bars, sigint = dict(os.environ), logging.is_progress_bar_enabled(), signal.getsignal(signal.SIGINT)\n"
+        f"for m in {mods!r}: __import__(m)\n"
+        "assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items())\n"
+        "assert logging.is_progress_bar_enabled() == bars and signal.getsignal(signal.SIGINT) == sigint\n"
+        "print('clean')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "clean" in out.stdout, out.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------------- scripts
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_each_script_shows_its_update_and_imports_no_other_script(script):
+    text = (ROOT / f"{script}.py").read_text()
+    for needed in (".backward()", "clip_grad_norm_(", "optimizer.step()", "optimizer.zero_grad(", "def main(args"):
+        assert needed in text, f"{script}.py does not show {needed}"
+    assert not [m for m, _ in imports(ROOT / f"{script}.py") if m in SCRIPTS], f"{script}.py imports a script"
+
+
+def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
+    """What a forker of grpo.py must read: itself and the core it imports (6 files, <= 2,600 lines)."""
+    core = counted(closure("grpo", skip=OPTIONAL))
+    assert core == ["common.data", "common.errors", "common.model", "common.rewards", "common.rollout", "grpo"]
+    assert lines(core) <= 2600, lines(core)
+
+
+def test_closure_report():
+    """Prints every script's closure (core / with the harness and plug-ins), the figures docs/layout.md gives; no
+    script's closure holds another script."""
+    for script in SCRIPTS:
+        core = counted(closure(script, skip=OPTIONAL))
+        whole = counted(closure(script))
+        with_all = f"with harness and plug-ins {len(whole)} / {lines(whole)}"
+        print(f"{script}: {len(core)} files / {lines(core)} lines; {with_all}")
+        assert [m for m in whole if m in SCRIPTS] == [script]
+
+
+def test_readme_is_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
