@@ -548,6 +548,44 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     )
 
 
+def circuit_breakers(args: Args, state: dict) -> Breakers:
+    """Conditions that stop (or warn about) a run gone wrong once they hold for --breaker-patience steps in a row:
+    the KL to the reference too high, completions pinned at the length limit or growing without bound (against the
+    first step's mean length, kept in `state`), every group's rewards equal (no learning signal); and at once, too
+    many skipped NaN/Inf updates. harness.run.Breakers keeps the streaks in `state`, which checkpoints save."""
+    checks = {
+        "kl": ("kl", lambda v: v > args.breaker_max_kl),
+        "length_pinned": ("completions/clipped_ratio", lambda v: v >= args.breaker_max_clipped_ratio),
+        "length_exploding": (
+            "completions/mean_length",
+            lambda v: v > args.breaker_max_length_growth * state["start_length"],
+        ),
+        "reward_std_zero": ("frac_reward_zero_std", lambda v: v >= args.breaker_max_frac_zero_std),
+    }
+    at_once = {"nonfinite": ("nonfinite_updates", lambda v: v >= args.breaker_max_nonfinite)}
+    return Breakers(checks, args.breaker_patience, state, at_once=at_once, prefix="grpo: ")
+
+
+def rollout_engine(args: Args, model, tokenizer):
+    """(generate, engine): model.generate on the live policy (engine None), or a colocated vLLM engine serving the
+    starting adapter (plugins.vllm_engine), synced and canary-checked after every update (engine.sync)."""
+    if args.engine == "hf":
+        return functools.partial(hf_generate, model, tokenizer), None
+    device = next(model.parameters()).device
+    engine = VLLMEngine(
+        args.model,
+        model,
+        tokenizer,
+        args.vllm_gpu_memory_utilization,
+        args.max_prompt_length + args.max_completion_length,
+        resolve_dtype(args.dtype, device),
+        args.quantization,
+        args.seed,
+        args.vllm_canary_threshold,
+    )
+    return engine.generate, engine
+
+
 def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> dict[str, str]:
     """What this run will do, for the start-up block."""
     evals = f"; eval: {n_eval} of {eval_src} {args.eval_split} every {args.eval_steps} steps" if n_eval else ""
@@ -628,36 +666,8 @@ def main(args: Args) -> dict:
     state = {"nonfinite_updates": 0} | resumed  # + the breakers' memory, which checkpoints keep
     show = ("reward", "kl", "loss")
     logger = Logger(run_dir, dataclasses.asdict(args), args.max_steps, show, start_step, args.logging_steps)
-    breakers = Breakers(
-        {
-            "kl": ("kl", lambda v: v > args.breaker_max_kl),
-            "length_pinned": ("completions/clipped_ratio", lambda v: v >= args.breaker_max_clipped_ratio),
-            "length_exploding": (
-                "completions/mean_length",
-                lambda v: v > args.breaker_max_length_growth * state["start_length"],
-            ),
-            "reward_std_zero": ("frac_reward_zero_std", lambda v: v >= args.breaker_max_frac_zero_std),
-        },
-        args.breaker_patience,
-        state,
-        at_once={"nonfinite": ("nonfinite_updates", lambda v: v >= args.breaker_max_nonfinite)},
-        prefix="grpo: ",
-    )
-    engine = None
-    generate = functools.partial(hf_generate, model, tokenizer)  # model.generate on the live policy
-    if args.engine == "vllm":  # a colocated vLLM serving the starting adapter, synced after every update
-        engine = VLLMEngine(
-            args.model,
-            model,
-            tokenizer,
-            args.vllm_gpu_memory_utilization,
-            args.max_prompt_length + args.max_completion_length,
-            resolve_dtype(args.dtype, device),
-            args.quantization,
-            args.seed,
-            args.vllm_canary_threshold,
-        )
-        generate = engine.generate
+    breakers = circuit_breakers(args, state)
+    generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by
         logger.log(0, reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src))
 
