@@ -184,18 +184,23 @@ def dpo_loss(
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
-def pair_completion_logps(model, batch: dict, examples: list[dict]):
-    """completion_logps(model, batch) for a concat_pairs batch ([chosen; rejected] of examples), with each pair's
+def pair_completion_logps(model, batch: dict):
+    """completion_logps(model, batch) for a concat_pairs batch ([chosen; rejected], right-padded), with each pair's
     prompt run through the backbone ONCE: its KV cache feeds the chosen completion, then, rebuilt from the same
     prompt keys/values (gradients flow back through both), the rejected one. Each sequence runs unpadded. The same
-    numbers to fp32 rounding, for P + C + R tokens a pair instead of 2P + C + R. Falls back to completion_logps
-    where sharing is not exact: an empty prompt, a head that is not a plain linear layer, a model whose cache holds
-    more than keys and values (prompt_cache), activation checkpointing in train mode (no KV cache then)."""
+    numbers to fp32 rounding, for P + C + R tokens a pair instead of 2P + C + R; the same call as completion_logps,
+    so either is dpo's logps_of. Falls back to completion_logps where sharing is not exact: an empty prompt, a head
+    that is not a plain linear layer, a model whose cache holds more than keys and values (prompt_cache), activation
+    checkpointing in train mode (no KV cache then)."""
     lm = unwrap(model)
+    half = batch["input_ids"].shape[0] // 2
+    # concat_pairs: row i and row half + i hold pair i's prompt, then its chosen / rejected completion
+    prompt_lengths = batch["completion_mask"].int().argmax(-1).tolist()
+    completion_lengths = batch["completion_mask"].sum(-1).tolist()
     if (
         not head_is_plain_linear(lm)
         or (lm.training and is_checkpointing(lm))
-        or not all(e["prompt_ids"] for e in examples)
+        or min(prompt_lengths) == 0
         or prompt_cache(lm) is None
     ):
         return completion_logps(model, batch)
@@ -203,13 +208,14 @@ def pair_completion_logps(model, batch: dict, examples: list[dict]):
     head = lm.get_output_embeddings()
     device = batch["input_ids"].device
     hidden = {"chosen": [], "rejected": []}  # per sequence: (len, H) states, the one at t predicting token t
-    for e in examples:
-        prompt = torch.tensor([e["prompt_ids"]], device=device)  # (1, P)
+    for pair in range(half):
+        prompt = batch["input_ids"][pair : pair + 1, : prompt_lengths[pair]]  # (1, P)
         cache = DynamicCache(config=lm.config)
         out = decoder(input_ids=prompt, use_cache=True, **{cache_kwarg(decoder): cache})
         kv = [(layer.keys, layer.values) for layer in cache.layers]  # the prompt's, before a completion extends them
-        for side in hidden:
-            ids = torch.tensor([e[f"{side}_ids"]], device=device)  # (1, C)
+        for side, row in (("chosen", pair), ("rejected", half + pair)):
+            start = prompt_lengths[row]
+            ids = batch["input_ids"][row : row + 1, start : start + completion_lengths[row]]  # (1, C)
             cache = DynamicCache(config=lm.config)
             for i, (k, v) in enumerate(kv):
                 cache.update(k, v, i)
@@ -238,10 +244,10 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, logps
         ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk], device=device)
     elif args.loss_type != "simpo":
         with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
-            ref_chosen_logps, ref_rejected_logps = logps_of(model, batch, chunk)[0].chunk(2)
+            ref_chosen_logps, ref_rejected_logps = logps_of(model, batch)[0].chunk(2)
     if timer:
         timer.mark("reference")
-    logps, per_token_logps = logps_of(model, batch, chunk)  # (2B,), (2B, T): [chosen; rejected]
+    logps, per_token_logps = logps_of(model, batch)  # (2B,), (2B, T): [chosen; rejected]
     chosen_logps, rejected_logps = logps.chunk(2)
     chosen_lengths, rejected_lengths = batch["completion_mask"].sum(1).chunk(2)
     losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -275,7 +281,7 @@ def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: i
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         with as_reference(model):
-            ref_logps = logps_of(model, concat_pairs(chunk, pad_id, device), chunk)[0]
+            ref_logps = logps_of(model, concat_pairs(chunk, pad_id, device))[0]
         for e, c, r in zip(chunk, *ref_logps.chunk(2), strict=True):
             e["ref_chosen_logps"] = c.item()
             e["ref_rejected_logps"] = r.item()

@@ -1,9 +1,8 @@
-"""common/data.py and common/templates.py: loading, converters, validation errors, masks per template, packing."""
+"""common/data.py (with its chat templates) and sft.py's packing: loading, converters, validation errors, masks per
+template, packing."""
 
 import json
 import re
-import sys
-import types
 
 import pytest
 import torch
@@ -11,13 +10,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from common.data import (
-    DataError,
-    collate_packed,
     collate_sft,
     concat_prompt_completion,
+    end_of_turn_token,
     load_rows,
-    pack_examples,
     pad_batch,
+    setup_chat_template,
     tokenize_binary,
     tokenize_dataset,
     tokenize_preference,
@@ -25,7 +23,8 @@ from common.data import (
     tokenize_sft,
     validate_rows,
 )
-from common.templates import end_of_turn_token, setup_chat_template
+from common.errors import DataError
+from sft import collate_packed, pack_examples
 from tests.tiny import CORPUS
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -149,7 +148,7 @@ def test_bad_json_line(tmp_path):
 def test_missing_field(tmp_path):
     rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "a"}]))
     with pytest.raises(DataError, match=r"d\.jsonl:2: field 'completion': missing"):
-        validate_rows(rows, "sft")
+        validate_rows(rows, "supervised")
     with pytest.raises(DataError, match=r"d\.jsonl:1: field 'chosen': missing"):
         validate_rows(rows, "preference")
 
@@ -166,7 +165,7 @@ def test_wrong_type(tmp_path):
         )
     )
     with pytest.raises(DataError) as err:
-        validate_rows(rows, "sft")
+        validate_rows(rows, "supervised")
     msg = str(err.value)
     assert "3 bad row(s)" in msg
     assert "d.jsonl:1: field 'completion': must be a string or a list of {role, content} messages, got int" in msg
@@ -177,7 +176,7 @@ def test_wrong_type(tmp_path):
         {"messages": [{"role": "assistant", "content": "x"}], "_loc": "e.jsonl:2"},
     ]
     with pytest.raises(DataError) as err:
-        validate_rows(bad, "sft")
+        validate_rows(bad, "supervised")
     assert "e.jsonl:1: field 'prompt': is an empty message list" in str(err.value)
     assert "e.jsonl:2: field 'messages': starts with an assistant turn" in str(err.value)
 
@@ -188,12 +187,12 @@ def test_messages_must_be_a_list_and_text_a_string(tmp_path):
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"messages": "Hi there"}, {"text": chat}, {"messages": chat}]))
     with pytest.raises(DataError) as bad:
-        validate_rows(rows, "sft")
+        validate_rows(rows, "supervised")
     assert [line.split("d.jsonl:", 1)[1] for line in str(bad.value).splitlines()[1:]] == [
         "1: field 'messages': must be a list of {role, content} messages, got str",
         "2: field 'text': must be a string, got list",
     ]
-    assert validate_rows(rows[2:], "sft")[0]["messages"] == chat
+    assert validate_rows(rows[2:], "supervised")[0]["messages"] == chat
 
 
 def test_empty_completion(tmp_path):
@@ -204,7 +203,7 @@ def test_empty_completion(tmp_path):
         )
     )
     with pytest.raises(DataError, match=r"d\.jsonl:1: field 'completion': is empty"):
-        validate_rows(rows[:1], "sft")
+        validate_rows(rows[:1], "supervised")
     with pytest.raises(DataError, match=r"d\.jsonl:2: field 'rejected': is empty"):
         validate_rows(rows[1:], "preference")
 
@@ -229,7 +228,7 @@ def test_non_boolean_label(tmp_path):
 def test_errors_are_collected_and_capped(tmp_path):
     rows = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a"}] * 7))
     with pytest.raises(DataError) as err:
-        validate_rows(rows, "sft")
+        validate_rows(rows, "supervised")
     assert "7 bad row(s)" in str(err.value) and "d.jsonl:5:" in str(err.value) and "d.jsonl:6:" not in str(err.value)
 
 
@@ -240,8 +239,8 @@ def test_truncated_away_rows_are_dropped_with_one_warning(tok):
         {"prompt": long, "completion": " ok", "_loc": "d.jsonl:2"},
         {"prompt": long, "chosen": " a", "rejected": " b", "_loc": "d.jsonl:3"},
     ]
-    with pytest.warns(UserWarning, match=r"dropped 1 of 2 sft rows .*d\.jsonl:2"):
-        kept = tokenize_dataset(tok, rows[:2], "sft", max_length=32)
+    with pytest.warns(UserWarning, match=r"dropped 1 of 2 supervised rows .*d\.jsonl:2"):
+        kept = tokenize_dataset(tok, rows[:2], "supervised", max_length=32)
     assert [e["_loc"] for e in kept] == ["d.jsonl:1"]
     with pytest.warns(UserWarning, match=r"dropped 1 of 1 prompt rows .*d\.jsonl:2"), pytest.raises(DataError):
         tokenize_dataset(tok, rows[1:2], "prompt", max_length=32)
@@ -271,12 +270,12 @@ def test_single_class_binary_warns(tmp_path):
 # ---------------------------------------------------------------------------------- converters & loading
 def test_alpaca_demo(shared_data, tok):
     rows = validate_rows(
-        load_rows(str(shared_data / "llamafactory-demo/alpaca_en_demo.json"), convert="alpaca"), "sft"
+        load_rows(str(shared_data / "llamafactory-demo/alpaca_en_demo.json"), convert="alpaca"), "supervised"
     )
     assert len(rows) == 999 and rows[0]["_loc"].endswith("alpaca_en_demo.json:[0]")
     with_input = next(r for r in rows if "\n\n" in r["prompt"][0]["content"])
     assert with_input["prompt"][0]["role"] == "user" and with_input["completion"][0]["role"] == "assistant"
-    assert len(tokenize_dataset(tok, rows, "sft", max_length=None)) == 999
+    assert len(tokenize_dataset(tok, rows, "supervised", max_length=None)) == 999
 
 
 def test_sharegpt_dpo_demo(shared_data, tok):
@@ -297,7 +296,7 @@ def test_sharegpt_rows_need_no_convert_flag(shared_data, tmp_path):
         load_rows(path, convert="sharegpt"), "preference"
     )
     chat = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]
-    rows = validate_rows(load_rows(write_jsonl(tmp_path / "c.jsonl", [{"conversations": chat}])), "sft")
+    rows = validate_rows(load_rows(write_jsonl(tmp_path / "c.jsonl", [{"conversations": chat}])), "supervised")
     assert rows[0]["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
 
@@ -326,7 +325,7 @@ def test_alpaca_history_becomes_the_earlier_turns(tmp_path):
     with pytest.raises(DataError, match=r"h\.jsonl:2: field 'history': must be a list of \[instruction, response\]"):
         load_rows(path, convert="alpaca")
     path = write_jsonl(tmp_path / "ok.jsonl", [row, row | {"history": []}])
-    with_history, without = validate_rows(load_rows(path, convert="alpaca"), "sft")
+    with_history, without = validate_rows(load_rows(path, convert="alpaca"), "supervised")
     roles = ["system", "user", "assistant", "user", "assistant", "user"]
     assert [m["role"] for m in with_history["prompt"]] == roles and "history" not in with_history
     assert [m["content"] for m in with_history["prompt"][1:]] == [*row["history"][0], *row["history"][1], "Thanks"]
@@ -340,7 +339,7 @@ def test_sharegpt_bad_role(tmp_path):
         load_rows(path, convert="sharegpt")
 
 
-def test_load_json_jsonl_parquet_and_field_map(tmp_path):
+def test_load_json_jsonl_parquet(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -355,12 +354,10 @@ def test_load_json_jsonl_parquet_and_field_map(tmp_path):
         ("d.jsonl", "d.jsonl:2"),
         ("d.parquet", "d.parquet:[1]"),
     ]:
-        rows = load_rows(str(tmp_path / name), field_map={"question": "prompt"})
-        assert [r["prompt"] for r in rows] == ["1+1?", "2+2?"] and rows[1]["answer"] == "4"
+        rows = load_rows(str(tmp_path / name))
+        assert [r["question"] for r in rows] == ["1+1?", "2+2?"] and rows[1]["answer"] == "4"
         assert rows[1]["_loc"] == str(tmp_path / loc)
     assert validate_rows(rows, "prompt")[0]["answer"] == "2"
-    with pytest.raises(DataError, match=r"field_map names \['query'\]"):
-        load_rows(str(tmp_path / "d.json"), field_map={"query": "prompt"})
     with pytest.raises(DataError, match="file not found"):
         load_rows(str(tmp_path / "missing.jsonl"))
 
@@ -368,12 +365,12 @@ def test_load_json_jsonl_parquet_and_field_map(tmp_path):
 def test_builtin_and_hub_branches(monkeypatch):
     import datasets
 
-    import common.hub
+    def builtin(name, split):
+        return [{"prompt": f"{name}/{split}"}]
 
-    fake = types.ModuleType("common.embedded")
-    fake.builtin_rows = lambda name, split: [{"prompt": f"{name}/{split}"}]
-    monkeypatch.setitem(sys.modules, "common.embedded", fake)
-    assert load_rows("builtin:toy", "test") == [{"prompt": "toy/test", "_loc": "builtin:toy:[0]"}]
+    assert load_rows("builtin:toy", "test", builtin=builtin) == [{"prompt": "toy/test", "_loc": "builtin:toy:[0]"}]
+    with pytest.raises(DataError, match="builtin:toy: no built-in datasets here"):
+        load_rows("builtin:toy", "test")  # the caller names the source (plugins.builtin_math.builtin_rows)
     calls = []
 
     def load_dataset(name, config, split):
@@ -381,8 +378,7 @@ def test_builtin_and_hub_branches(monkeypatch):
         return datasets.Dataset.from_list([{"question": "q", "answer": "a"}])
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    monkeypatch.setattr(common.hub, "check_hub", lambda repo_id, kind: False)  # tests/test_hub.py tests it
-    rows = load_rows("openai/gsm8k:main", "test", field_map={"question": "prompt"})
+    rows = load_rows("openai/gsm8k:main", "test")
     assert calls == [("openai/gsm8k", "main", "test")] and rows[0]["_loc"] == "openai/gsm8k:main:[0]"
 
 
@@ -391,9 +387,8 @@ def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
     prompt = the question + MATH_INSTRUCTION as one user turn, answer = the number after '####' (no commas)."""
     import datasets
 
-    import common.hub
-    from common.embedded import MATH_INSTRUCTION
-    from evals.gsm8k import gsm8k_rows
+    from common.data import MATH_INSTRUCTION
+    from evals.common_eval import gsm8k_rows
 
     path = str(shared_data / "gsm8k" / "test.jsonl")
     rows = validate_rows(load_rows(path), "prompt")
@@ -408,7 +403,6 @@ def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
     # The hub branch (datasets.load_dataset faked with the file's first rows) gives the same rows.
     raw = [{"question": r["question"], "answer": r["solution"]} for r in rows[:3]]
     monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: datasets.Dataset.from_list(raw))
-    monkeypatch.setattr(common.hub, "check_hub", lambda repo_id, kind: False)
     hub = validate_rows(load_rows("openai/gsm8k:main", "test"), "prompt")
     assert [{k: v for k, v in r.items() if k != "_loc"} for r in hub] == [
         {k: v for k, v in r.items() if k != "_loc"} for r in rows[:3]

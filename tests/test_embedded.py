@@ -1,4 +1,5 @@
-"""The embedded defaults: the smollm2-135m alias cache (atomic, validated, rebuilt when damaged) and the math data."""
+"""The embedded defaults: the smollm2-135m alias cache (plugins/embedded.py: atomic, validated, rebuilt when damaged)
+and the math data (plugins/builtin_math.py)."""
 
 import importlib.util
 import json
@@ -11,8 +12,9 @@ import time
 import pytest
 import torch
 
-from common import embedded
-from common.embedded import BUILTIN_NAMES, MARKER, builtin_rows, make_math_problems, resolve_model
+from plugins import embedded
+from plugins.builtin_math import BUILTIN_NAMES, builtin_rows, make_math_problems
+from plugins.embedded import MARKER, resolve_model
 from tests.tiny import write_tiny
 
 ALIAS = "smollm2-135m"

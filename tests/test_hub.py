@@ -1,4 +1,4 @@
-"""common/hub.py and one_line_errors: offline users get one line in seconds, not the hub client's retries and a
+"""harness/hub.py and one_line_errors: offline users get one line in seconds, not the hub client's retries and a
 traceback. The hub is made unreachable the same way everywhere (CI is online): HF_ENDPOINT points at a closed local
 port and HF_HOME at an empty folder, so nothing is cached."""
 
@@ -11,8 +11,9 @@ import threading
 
 import pytest
 
-import common.hub
-from common.hub import HubUnavailable, check_hub
+import harness.hub
+from common.errors import HubUnavailable
+from harness.hub import check_hub, locate_model
 from tests.conftest import ROOT
 
 
@@ -80,16 +81,20 @@ def test_uncached_hub_model_or_dataset_offline_is_one_line_without_retries(tmp_p
 
 
 def test_cached_model_loads_offline_without_retries(tmp_path, tiny_model_dir):
-    """A model in the hub cache loads with the hub unreachable, from the cache alone (no 'Retrying' HEAD requests)."""
+    """A model in the hub cache loads with the hub unreachable, from the cache alone (no 'Retrying' HEAD requests):
+    locate_model gives its cached folder and load_model loads from there."""
     repo = tmp_path / "hf" / "hub" / "models--onlyone-test--tiny"
     shutil.copytree(tiny_model_dir, repo / "snapshots" / ("0" * 40))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)
-    code = "from common.model import load_model; m, t = load_model('onlyone-test/tiny'); print(type(m).__name__)"
+    code = (
+        "from common.model import load_model; from harness.hub import locate_model; name = 'onlyone-test/tiny'; "
+        "m, t = load_model(name, path=locate_model(name)); print(type(m).__name__, m.name_or_path)"
+    )
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=offline_env(tmp_path), capture_output=True, text=True, timeout=300
     )
-    assert res.returncode == 0 and res.stdout.strip() == "Qwen2ForCausalLM", res.stderr[-2000:]
+    assert res.returncode == 0 and res.stdout.strip() == "Qwen2ForCausalLM onlyone-test/tiny", res.stderr[-2000:]
     assert "Retrying" not in res.stderr and "127.0.0.1" not in res.stderr, res.stderr[-2000:]
 
 
@@ -98,17 +103,20 @@ def test_offline_mode_and_paths(monkeypatch, tmp_path):
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    common.hub.hub_unreachable.cache_clear()
+    harness.hub.hub_unreachable.cache_clear()
     try:
         with pytest.raises(HubUnavailable, match=r"model 'org/x': it is not in the local cache and HF_HUB_OFFLINE"):
             check_hub("org/x", "model")
+        with pytest.raises(HubUnavailable, match=r"model 'org/x': it is not in the local cache"):
+            locate_model("org/x")
         (tmp_path / "models--org--x" / "snapshots" / "abc").mkdir(parents=True)
         (tmp_path / "models--org--x" / "snapshots" / "abc" / "config.json").write_text("{}")
         (tmp_path / "models--org--x" / "refs").mkdir()
         (tmp_path / "models--org--x" / "refs" / "main").write_text("abc")
         assert check_hub("org/x", "model") is True  # cached: load it with local_files_only
+        assert locate_model("org/x") == str(tmp_path / "models--org--x" / "snapshots" / "abc")  # no request made
     finally:
-        common.hub.hub_unreachable.cache_clear()
+        harness.hub.hub_unreachable.cache_clear()
     for path in ("./my-model", "/data/models/qwen", "runs/x/final"):  # not there: never looked up on the hub
         with pytest.raises(FileNotFoundError, match="no such local"):
             check_hub(path, "model")

@@ -1,4 +1,5 @@
-"""common/logps.py against naive references and hand-computed values (CPU, tiny random models, no hub access)."""
+"""The log-prob math (common/model.py, grpo.py's grouped and dpo.py's paired scoring, grpo.py's advantages and
+loss aggregation) against naive references and hand-computed values (CPU, tiny random models, no hub access)."""
 
 import math
 
@@ -7,22 +8,22 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import common.logps as logps_module
+import common.model
+import dpo
+import grpo
 from common.data import concat_pairs
-from common.logps import (
-    aggregate_loss,
+from common.model import (
     chunked_logps,
     completion_logps,
     entropy_from_logits,
-    group_advantages,
-    grouped_completion_logps,
-    kl_k3,
+    head_is_plain_linear,
     length_groups,
-    pair_completion_logps,
     masked_mean,
     masked_sum,
     sequence_logps,
 )
+from dpo import pair_completion_logps
+from grpo import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3
 
 VOCAB = 101
 TINY = dict(
@@ -277,7 +278,7 @@ def test_fallback_paths_match_naive(monkeypatch):
     def chunked_must_not_run(*args, **kwargs):
         raise AssertionError("expected the naive model(...).logits path")
 
-    monkeypatch.setattr(logps_module, "chunked_logps", chunked_must_not_run)
+    monkeypatch.setattr(common.model, "chunked_logps", chunked_must_not_run)
     model = lora_model(target_modules=["q_proj", "lm_head"])
     input_ids, attention_mask, logps_mask, _ = batch(LENGTHS, "left")
     with torch.no_grad():
@@ -318,10 +319,10 @@ def test_heads_scaled_in_the_forward_take_the_naive_path(arch):
     torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
     plain = tiny_model()
-    assert logps_module._head_is_plain_linear(plain)
+    assert head_is_plain_linear(plain)
     for key, value in (("logits_mup_width_multiplier", 24.0), ("unpadded_vocab_size", VOCAB - 5)):
         setattr(plain.config, key, value)
-        assert not logps_module._head_is_plain_linear(plain), key
+        assert not head_is_plain_linear(plain), key
         delattr(plain.config, key)
 
 
@@ -384,7 +385,7 @@ def test_grouped_completion_logps_edge_cases_match_unshared_rows(G):
         ref, ref_entropy = unshared_logps(model, prompts, completions, G, 0.7, entropy=True)
         examples = [dict(prompt_ids=p, chosen_ids=ids(1), rejected_ids=ids(n)) for p, n in zip(prompts, (1, 2))]
         batch = concat_pairs(examples, 0, "cpu")
-        torch.testing.assert_close(pair_completion_logps(model, batch, examples), completion_logps(model, batch))
+        torch.testing.assert_close(pair_completion_logps(model, batch), completion_logps(model, batch))
     torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
     assert mask.sum().item() == sum(map(len, completions)) and (logps[mask.bool()] < 0).all()
@@ -416,7 +417,7 @@ def test_grouped_completion_logps_fallbacks_match(monkeypatch):
     with torch.no_grad():
         ref = unshared_logps(model, prompts, completions, G, 1.0)[0]
         calls = []
-        monkeypatch.setattr(logps_module, "sequence_logps", lambda *a, **k: calls.append(1) or sequence_logps(*a, **k))
+        monkeypatch.setattr(grpo, "sequence_logps", lambda *a, **k: calls.append(1) or sequence_logps(*a, **k))
         logps, _ = grouped_completion_logps(model, prompts, completions, G, pad_id=0)
         assert calls, "a LoRA'd lm_head must take the concatenated-rows path"
         torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
@@ -436,7 +437,7 @@ def test_models_with_recurrent_states_do_not_share_a_prompt_pass():
     """Falcon-H1's cache holds conv and SSM states that batch_repeat_interleave and a rebuilt cache do not copy: the
     grouped and pair paths crashed on it (tensor sizes); they now score the concatenated rows (same numbers)."""
     model = hybrid_model("falcon_h1", lm_head_multiplier=1.0)  # a plain head: only the cache keeps it unshared
-    assert logps_module._head_is_plain_linear(model)
+    assert head_is_plain_linear(model)
     prompts, completions = grouped_case(2)
     examples = [
         dict(prompt_ids=p, chosen_ids=c, rejected_ids=r) for p, c, r in zip(prompts, completions, completions[2:])
@@ -445,7 +446,7 @@ def test_models_with_recurrent_states_do_not_share_a_prompt_pass():
     with torch.no_grad():
         logps, _ = grouped_completion_logps(model, prompts, completions, 2, pad_id=0, temperature=0.8)
         torch.testing.assert_close(logps, unshared_logps(model, prompts, completions, 2, 0.8)[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(pair_completion_logps(model, batch, examples), completion_logps(model, batch))
+        torch.testing.assert_close(pair_completion_logps(model, batch), completion_logps(model, batch))
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "gpt2"])
@@ -457,7 +458,7 @@ def test_pair_completion_logps_match_completion_logps(arch):
     ids = lambda n: torch.randint(1, VOCAB, (n,), generator=g).tolist()  # noqa: E731
     examples = [dict(prompt_ids=ids(p), chosen_ids=ids(c), rejected_ids=ids(r)) for p, c, r in [(5, 3, 7), (2, 6, 1)]]
     batch = concat_pairs(examples, 0, "cpu")
-    sums, per_token = pair_completion_logps(model, batch, examples)
+    sums, per_token = pair_completion_logps(model, batch)
     ref_sums, ref_per_token = completion_logps(model, batch)
     torch.testing.assert_close(per_token, ref_per_token, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(sums, ref_sums, atol=1e-5, rtol=1e-5)
@@ -476,9 +477,9 @@ def test_pair_completion_logps_falls_back_on_an_empty_prompt(monkeypatch):
     examples = [dict(prompt_ids=[], chosen_ids=[3, 4, 5], rejected_ids=[6, 7])]
     batch = concat_pairs(examples, 0, "cpu")
     calls = []
-    monkeypatch.setattr(logps_module, "completion_logps", lambda *a: calls.append(1) or completion_logps(*a))
+    monkeypatch.setattr(dpo, "completion_logps", lambda *a: calls.append(1) or completion_logps(*a))
     with torch.no_grad():
-        torch.testing.assert_close(pair_completion_logps(model, batch, examples), completion_logps(model, batch))
+        torch.testing.assert_close(pair_completion_logps(model, batch), completion_logps(model, batch))
     assert calls
 
 

@@ -7,23 +7,29 @@ import shutil
 import pytest
 import torch
 
+from common.errors import CorruptCheckpointError
 from common.model import (
     DEFAULT,
     REF,
-    adapter_hash,
     as_reference,
     attach_lora,
     cache_kwarg,
     disable_dropout,
     is_checkpointing,
     load_model,
-    load_weights,
     require,
     save_weights,
     snapshot_ref,
     trainable_parameters,
 )
-from common.run import list_checkpoints, load_checkpoint, resolve_checkpoint, save_checkpoint
+from harness.checkpoints import (
+    Checkpoints,
+    adapter_hash,
+    list_checkpoints,
+    load_weights,
+    resolve_checkpoint,
+    run_identity,
+)
 
 
 def lora_model(path, init_nonzero=True):
@@ -222,8 +228,9 @@ def test_checkpoints_are_atomic_pruned_and_verified(tiny_model_dir, tmp_path):
     snapshot_ref(model)
     opt = torch.optim.AdamW(trainable_parameters(model), lr=1e-3)
     run = str(tmp_path)
+    checkpoints = Checkpoints(run, run_identity(model), keep=2)
     for step in (1, 2, 3):
-        save_checkpoint(run, step, model, opt, trainer_state={"step": step}, keep_last=2)
+        checkpoints.save(step, model, opt, state={"step": step})
     assert [os.path.basename(p) for p in list_checkpoints(run)] == ["step-2", "step-3"]
     # A crash mid-save leaves a temp dir or a dir without the completion marker: both are ignored on resume.
     shutil.copytree(os.path.join(run, "checkpoints", "step-3"), os.path.join(run, "checkpoints", "step-4"))
@@ -232,8 +239,9 @@ def test_checkpoints_are_atomic_pruned_and_verified(tiny_model_dir, tmp_path):
     assert resolve_checkpoint(run).endswith("step-3")
     # A tampered 'ref' is caught by the recorded hash.
     fresh, _ = lora_model(tiny_model_dir)
-    state = load_checkpoint(run, fresh, torch.optim.AdamW(trainable_parameters(fresh), lr=1e-3))
-    assert state["step"] == 3 and state["trainer_state"] == {"step": 3}
+    resumed = Checkpoints(run, run_identity(fresh))
+    step, state = resumed.resume(run, fresh, torch.optim.AdamW(trainable_parameters(fresh), lr=1e-3))
+    assert step == 3 and state == {"step": 3}
     assert adapter_hash(fresh, REF) == adapter_hash(model, REF)
     from safetensors.torch import load_file, save_file
 
@@ -244,6 +252,6 @@ def test_checkpoints_are_atomic_pruned_and_verified(tiny_model_dir, tmp_path):
     save_file(tensors, ref_file)
     # From a run dir the damaged newest checkpoint is skipped for the previous one; named directly, it is refused.
     with pytest.warns(UserWarning, match="falling back"):
-        assert load_checkpoint(run, lora_model(tiny_model_dir)[0])["step"] == 2
-    with pytest.raises(RuntimeError, match="hash"):
-        load_checkpoint(os.path.join(run, "checkpoints", "step-3"), lora_model(tiny_model_dir)[0])
+        assert resumed.resume(run, lora_model(tiny_model_dir)[0])[0] == 2
+    with pytest.raises(CorruptCheckpointError, match="hash"):
+        resumed.resume(os.path.join(run, "checkpoints", "step-3"), lora_model(tiny_model_dir)[0])
