@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 import evals.common_eval as common_eval
 import evals.gsm8k as gsm8k
-from common.data import DataError
+import grpo
+from common.errors import DataError
 from common.rewards import extract_answer, exact_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +33,9 @@ def test_reference_answers_extract_to_their_number(shared_data):
         expected = Fraction(re.search(r"####\s*(\S+)\s*$", row["answer"]).group(1).replace(",", ""))
         assert exact_number(extract_answer(row["answer"])) == expected, f"row {i}: {row['answer'][-40:]!r}"
     # A reference scores its own solution correct through the exact function evaluate_gsm8k uses.
-    assert all(s["correct"] for s in gsm8k.score([r["answer"] for r in rows[:200]], [r["answer"] for r in rows[:200]]))
+    assert all(
+        s["correct"] for s in common_eval.score([r["answer"] for r in rows[:200]], [r["answer"] for r in rows[:200]])
+    )
 
 
 @pytest.mark.parametrize(
@@ -52,7 +55,7 @@ def test_reference_answers_extract_to_their_number(shared_data):
 )
 def test_model_style_completions_against_a_real_reference(shared_data, completion, correct):
     reference = gsm8k_test_rows(shared_data, 1)[0]["answer"]  # Janet's ducks, "#### 18"
-    assert gsm8k.score([completion], [reference])[0]["correct"] is correct
+    assert common_eval.score([completion], [reference])[0]["correct"] is correct
 
 
 @pytest.mark.parametrize(
@@ -61,11 +64,11 @@ def test_model_style_completions_against_a_real_reference(shared_data, completio
 )
 def test_commas_and_signs_in_real_references(shared_data, index, completion):
     reference = gsm8k_test_rows(shared_data)[index]["answer"]
-    assert gsm8k.score([completion], [reference]) == [{"extracted": extract_answer(completion), "correct": True}]
+    assert common_eval.score([completion], [reference]) == [{"extracted": extract_answer(completion), "correct": True}]
 
 
 def test_thousands_separator_on_either_side():
-    scored = gsm8k.score(
+    scored = common_eval.score(
         ["#### 1,234", "The answer is 1234.", "#### 1,243"], ["x\n#### 1234", "x\n#### 1,234", "#### 1234"]
     )
     assert [s["correct"] for s in scored] == [True, True, False]
@@ -134,7 +137,7 @@ def test_generate_completions_puts_each_prompts_samples_together(monkeypatch):
 
 
 def test_evaluate_gsm8k_with_known_completions(tiny_model_dir, monkeypatch):
-    rows = gsm8k.gsm8k_rows("builtin:math", "test", limit=4)
+    rows = common_eval.gsm8k_rows("builtin:math", "test", limit=4)
     answers = [row["reference"] for row in rows]  # builtin:math references are bare numbers
     replies = {
         row["question"]: c
@@ -155,8 +158,8 @@ def test_evaluate_gsm8k_with_known_completions(tiny_model_dir, monkeypatch):
         texts = [tok.decode(p) for p in prompt_ids]
         return [next(reply for q, reply in replies.items() if q in text) for text in texts]
 
-    monkeypatch.setattr(gsm8k, "generate_completions", fake_generate)
-    result = gsm8k.evaluate_gsm8k(None, tokenizer, rows, batch_size=2, max_new_tokens=8)
+    monkeypatch.setattr(common_eval, "generate_completions", fake_generate)
+    result = common_eval.evaluate_gsm8k(None, tokenizer, rows, batch_size=2, max_new_tokens=8)
     assert result["accuracy"] == 0.75 and result["n"] == 4
     assert [r["correct"] for r in result["records"]] == [True, True, False, True]
 
@@ -168,9 +171,9 @@ def test_references_without_a_number_are_left_out_and_counted(tiny_model_dir, tm
     data.write_text(
         "".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in [("2+2?", "#### 4"), ("Name it", "p - q")])
     )
-    rows = gsm8k.gsm8k_rows(str(data))
-    monkeypatch.setattr(gsm8k, "generate_completions", lambda *a: ["#### 4", "It is p - q"])
-    result = gsm8k.evaluate_gsm8k(None, AutoTokenizer.from_pretrained(tiny_model_dir), rows)
+    rows = common_eval.gsm8k_rows(str(data))
+    monkeypatch.setattr(common_eval, "generate_completions", lambda *a: ["#### 4", "It is p - q"])
+    result = common_eval.evaluate_gsm8k(None, AutoTokenizer.from_pretrained(tiny_model_dir), rows)
     assert (result["accuracy"], result["n"], result["unscored"]) == (1.0, 1, 1)
     assert [r["correct"] for r in result["records"]] == [True, None]
 
@@ -179,7 +182,7 @@ def test_references_without_a_number_are_left_out_and_counted(tiny_model_dir, tm
         return dict(prompt_ids=prompts, completion_ids=[[5]] * 2, completions=texts, truncated=[False] * 2)
 
     examples = [dict(prompt="q", prompt_ids=[1], answer=a) for a in ("4", "p - q")]
-    metrics = common_eval.reward_eval(generate, examples, [], 8, str(data))
+    metrics = grpo.reward_eval(generate, examples, [], 8, str(data))
     assert metrics["eval/mixed/accuracy"] == 1.0 and metrics["eval/mixed/unscored"] == 1
 
 
@@ -187,7 +190,7 @@ def test_gsm8k_rows_without_an_answer_fail_naming_the_row(tmp_path):
     data = tmp_path / "test.jsonl"
     data.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n" + json.dumps({"question": "3+3?"}))
     with pytest.raises(DataError, match=r"test.jsonl:2: field 'answer'"):
-        gsm8k.gsm8k_rows(str(data))
+        common_eval.gsm8k_rows(str(data))
 
 
 def test_generate_completions_returns_prompt_order(monkeypatch):
@@ -207,8 +210,8 @@ def test_generate_completions_returns_prompt_order(monkeypatch):
 def test_checkpoint_and_final_dirs_load_the_trained_adapter(tiny_model_dir, tmp_path):
     import torch
 
-    from common.model import adapter_hash, attach_lora, load_model, snapshot_ref
-    from common.run import save_checkpoint
+    from common.model import attach_lora, load_model, snapshot_ref
+    from harness.checkpoints import Checkpoints, adapter_hash, run_identity
 
     model, _ = load_model(tiny_model_dir)
     model = attach_lora(model)
@@ -218,7 +221,7 @@ def test_checkpoint_and_final_dirs_load_the_trained_adapter(tiny_model_dir, tmp_
             if ".default." in n:
                 p.add_(0.01)
     run = tmp_path / "grpo__tiny__1__x"
-    step_dir = save_checkpoint(str(run), 3, model)
+    step_dir = Checkpoints(str(run), run_identity(model)).save(3, model)
     model.save_pretrained(str(run / "final"))
     for path in (step_dir, str(run / "final"), str(run)):
         loaded, _ = common_eval.load_eval_model(tiny_model_dir, checkpoint=path)
@@ -450,7 +453,7 @@ def test_report_renders_tables_curves_and_one_html_file(tmp_path):
 
 
 def test_report_gives_no_delta_between_different_example_sets():
-    from common.run import ArgsError
+    from common.errors import ArgsError
     from evals.report import eval_table, table_cells
 
     def summary(label, accuracy, **basis):

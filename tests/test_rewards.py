@@ -1,9 +1,11 @@
-"""common/rewards.py: answer extraction, the code sandbox's containment, the API judge, the registry and the scorer.
+"""common/rewards.py (answer extraction, rule rewards, the registry and the scorer), plugins/code.py (the code reward
+and its sandbox's containment) and plugins/judge.py (the API judge).
 
 Elapsed-time bounds below are hang guards for the sandbox's timeouts (generous multiples), not speed measurements.
 """
 
 import http.server
+import inspect
 import json
 import math
 import os
@@ -22,25 +24,23 @@ import pytest
 import torch
 
 from common.rewards import (
-    ApiJudge,
-    split_weight,
     REWARD_FUNCS,
-    _env_judge,
-    code_reward,
     compute_rewards,
+    exact_number,
     extract_answer,
     format_reward,
     gsm8k_format_reward,
     json_reward,
     load_reward_funcs,
     math_reward,
-    exact_number,
     regex_reward,
-    run_code_tests,
     soft_overlong_reward,
+    split_weight,
     target_length_reward,
+    text_of,
 )
-from common.sandbox import _cgroups, _kind, run_python
+from plugins.code import _cgroups, _kind, code_reward, run_code_tests, run_python
+from plugins.judge import ApiJudge, _env_judge, api_reward
 
 GSM8K_SOLUTION = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -486,10 +486,20 @@ def test_sandbox_works_as_non_root(kind):
         pytest.skip("neither setpriv nor runuser can run a Python interpreter as nobody here")
     home = tempfile.mkdtemp()  # readable by nobody (pytest's tmp_path is root's alone)
     try:
-        shutil.copy(pathlib.Path(__file__).parents[1] / "common" / "sandbox.py", home)
-        os.chmod(home, 0o755)
+        # plugins/code.py as it is, and the one helper it imports (text_of, stdlib-only) without the rest of
+        # common.rewards: nobody's interpreter may be a system Python without torch.
+        os.makedirs(os.path.join(home, "plugins"))
+        os.makedirs(os.path.join(home, "common"))
+        shutil.copy(pathlib.Path(__file__).parents[1] / "plugins" / "code.py", os.path.join(home, "plugins"))
+        pathlib.Path(home, "common", "__init__.py").touch()
+        pathlib.Path(home, "common", "rewards.py").write_text(inspect.getsource(text_of))
+        for folder, _, files in os.walk(home):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
         driver = (
-            f"import sys\nsys.path.insert(0, {home!r})\nimport sandbox\nprint(sandbox.run_python("
+            f"import sys\nsys.path.insert(0, {home!r})\nfrom plugins import code as sandbox\n"
+            f"print(sandbox.run_python("
             f"\"import glob, os\\nprint(os.getuid() != 0, 6 * 7, any('sk-onlyone' in open(p).read() "
             f"for p in glob.glob('/proc/*/environ')))\"), sandbox._kind({kind == 'fallback'}))"
         )
@@ -507,6 +517,9 @@ def test_sandbox_works_as_non_root(kind):
 
 
 def test_code_reward(no_leftovers):
+    import grpo
+    import raft
+
     completions = [
         "Here you go:\n```python\nprint(sum(map(int, input().split())))\n```\nDone.",
         [{"role": "assistant", "content": "```py\nprint(0)\n```"}],
@@ -517,6 +530,9 @@ def test_code_reward(no_leftovers):
     assert code_reward(None, completions, test_cases=tests) == [1.0, 0.0, None, None]
     apps = {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}
     assert run_code_tests("print(sum(map(int, input().split())))", apps) == 1.0
+    # A plug-in: the scripts register it as "code"; its rows need test_cases (check_reward_fields reads `needs`).
+    assert grpo.REWARDS["code"] is raft.REWARDS["code"] is code_reward and "code" not in REWARD_FUNCS
+    assert code_reward.needs == ("test_cases",)
 
 
 # ---------------------------------------------------------------------------------------------------- format
@@ -676,14 +692,19 @@ def test_judge_unreachable_names_the_url():
 
 
 def test_api_registry_entry_reads_the_environment(monkeypatch, judge_server):
+    import grpo
+    import raft
+
+    # The judge is a plug-in: the scripts that score rollouts register it as "api", the core registry does not.
+    assert grpo.REWARDS["api"] is raft.REWARDS["api"] is api_reward and "api" not in REWARD_FUNCS
     _env_judge.cache_clear()
     monkeypatch.delenv("ONLYONE_JUDGE_URL", raising=False)
     with pytest.raises(RuntimeError, match="ONLYONE_JUDGE_URL"):
-        REWARD_FUNCS["api"](["p"], ["c"])
+        grpo.REWARDS["api"](["p"], ["c"])
     monkeypatch.setenv("ONLYONE_JUDGE_URL", judge_server[0])
     monkeypatch.setenv("ONLYONE_JUDGE_MODEL", "m")
     try:
-        assert REWARD_FUNCS["api"](["p"], ["c"], completion_ids=[[1]]) == [0.7]
+        assert grpo.REWARDS["api"](["p"], ["c"], completion_ids=[[1]]) == [0.7]
     finally:
         _env_judge.cache_clear()
 

@@ -1,4 +1,4 @@
-"""rm.py and common/reward_model.py: the losses by hand, the head's pooling, end to end on the tiny model (a separable
+"""rm.py and plugins/reward_model.py: the losses by hand, the head's pooling, end to end on the tiny model (a separable
 set learnt, regression MSE falling, the saved format loading with plain PEFT/transformers, resume), the "reward" slot's
 guard, and a GRPO run whose model reward rises while "reward", "ref" and the base stay bit-identical."""
 
@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import grpo
-from common.data import DataError
-from common.model import REWARD, load_policy, trainable_parameters
-from common.run import CorruptCheckpointError, ResumeError
-from common.reward_model import CONFIG_FILE, HEAD_FILE, label_rows, load_reward, model_reward, reward_logits, score
+from common.data import setup_chat_template
+from common.errors import CorruptCheckpointError, DataError, ResumeError
+from common.model import REWARD, attach_lora, load_model, snapshot_ref, trainable_parameters
+from plugins.reward_model import CONFIG_FILE, HEAD_FILE, label_rows, load_reward, model_reward, reward_logits, score
 from rm import Args, bradley_terry_loss, main, regression_loss
 from tests.prefs_helpers import assert_base_untouched, preference_rows, run_cli, slot_state, write_jsonl
 from tests.tiny import write_learnable
@@ -106,9 +106,9 @@ def test_learns_a_separable_preference_set_either_way(tiny_model_dir, prefs, tmp
         assert json.load(f) == config | {"quantization": None, "max_length": 1024}
 
 
-def test_readme_recipe_scores_as_common_reward_model_does(tiny_model_dir, prefs, tmp_path):
+def test_readme_recipe_scores_as_plugins_reward_model_does(tiny_model_dir, prefs, tmp_path):
     """The README's rm-plain block (AutoModelForCausalLM + PeftModel + the head on the backbone's last real token),
-    run as written on a trained model, gives the scores common.reward_model.score gives."""
+    run as written on a trained model, gives the scores plugins.reward_model.score gives."""
     import pathlib
     import re
 
@@ -246,8 +246,14 @@ def learnable(tmp_path_factory):
 
 
 def policy(model_dir):
+    """A policy as the scripts build one: the base, its chat template, a new "default" LoRA (rm.py's defaults) and
+    the frozen "ref" copy of it."""
     args = Args(model=model_dir, dtype="fp32", attn_implementation="sdpa")
-    return load_policy(args, reference=True)[0]
+    model, tokenizer = load_model(args.model, args.dtype, args.attn_implementation)
+    setup_chat_template(tokenizer, args.template)
+    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    snapshot_ref(model)
+    return model
 
 
 def test_reward_slot_guard_restores_adapter_flags_and_mode_even_on_error(learnable, monkeypatch):
@@ -271,7 +277,7 @@ def test_reward_slot_guard_restores_adapter_flags_and_mode_even_on_error(learnab
         assert model.active_adapter == REWARD and not model.training and not torch.is_grad_enabled()
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("common.reward_model.reward_logits", boom)
+    monkeypatch.setattr("plugins.reward_model.reward_logits", boom)
     with pytest.raises(RuntimeError, match="boom"):
         score(reward, prompts, completions)
     unchanged()
@@ -294,13 +300,12 @@ def test_grpo_raises_the_model_reward_and_keeps_reward_ref_and_base_bit_identica
     """Same seeds, lr 1e-3 vs 1e-7: the model reward of the trained run's later steps beats the control's, by far."""
     seen = {}
 
-    def spy(*a, **k):
-        model, tokenizer = load(*a, **k)
+    def spy(funcs, model):  # grpo.main binds the model rewards right after making "default" and "ref"
         seen["model"], seen["before"] = model, {n: p.detach().clone() for n, p in model.named_parameters()}
-        return model, tokenizer
+        return bind(funcs, model)
 
-    load = grpo.load_policy
-    monkeypatch.setattr(grpo, "load_policy", spy)
+    bind = grpo.bind_model_rewards
+    monkeypatch.setattr(grpo, "bind_model_rewards", spy)
     runs = {}
     for lr in (1e-3, 1e-7):
         runs[lr] = grpo.main(

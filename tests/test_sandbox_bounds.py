@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from common.sandbox import run_python
+from plugins.code import run_python
 from tests import test_rewards
 
 # test_rewards.py's fixtures: each test runs in both sandboxes and must leave no process or cgroup behind

@@ -1,5 +1,6 @@
 """SteerLM (attribute-conditioned SFT): the attribute string and where it goes, bad attributes, rows without
-attributes unchanged, sft.py end to end with attributes, and evals.gsm8k's --attributes prompts."""
+attributes unchanged (plugins/steerlm.py), sft.py end to end with attributes, and evals.gsm8k's --attributes prompts
+(evals.common_eval.gsm8k_rows)."""
 
 import json
 import os
@@ -11,19 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from common.data import (
-    DataError,
-    attribute_label,
-    collate_sft,
-    load_rows,
-    parse_attributes,
-    steer_prompt,
-    steer_rows,
-    tokenize_dataset,
-    tokenize_prompt,
-    validate_rows,
-)
-from evals import gsm8k
+from common.data import collate_sft, load_rows, tokenize_dataset, tokenize_prompt, validate_rows
+from common.errors import DataError
+from evals import common_eval, gsm8k
+from plugins.steerlm import attribute_label, parse_attributes, steer_prompt, steer_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER = {"role": "user", "content": "What is 2 + 3?"}
@@ -37,7 +29,9 @@ def write_jsonl(path, rows) -> str:
 
 
 def steered(rows: list[dict], where: str = "system") -> list[dict]:
-    return steer_rows(validate_rows([dict(r, _loc=f"rows.jsonl:{i + 1}") for i, r in enumerate(rows)], "sft"), where)
+    return steer_rows(
+        validate_rows([dict(r, _loc=f"rows.jsonl:{i + 1}") for i, r in enumerate(rows)], "supervised"), where
+    )
 
 
 # ------------------------------------------------------------------------------------------------- formatting
@@ -97,7 +91,7 @@ def test_the_attribute_string_is_prompt_not_loss(tiny_model_dir):
     """Rendered and tokenized: the string sits in the system turn, outside the completion mask."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     row = steered([{"prompt": [USER], "completion": REPLY, "attributes": {"correct": 1}}])
-    (ex,) = tokenize_dataset(tok, row, "sft", None)
+    (ex,) = tokenize_dataset(tok, row, "supervised", None)
     text = tok.decode(ex["input_ids"])
     assert text.startswith("<|im_start|>system\ncorrect:1<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n")
     completion = tok.decode([t for t, m in zip(ex["input_ids"], ex["completion_mask"]) if m])
@@ -124,7 +118,7 @@ def test_bad_attributes_name_file_line_and_field(tmp_path, attributes, message):
     path = write_jsonl(
         tmp_path / "rows.jsonl", [{"prompt": [USER], "completion": REPLY, "attributes": {"correct": 1}}, second]
     )
-    rows = validate_rows(load_rows(path), "sft")
+    rows = validate_rows(load_rows(path), "supervised")
     with pytest.raises(DataError) as err:
         steer_rows(rows)
     assert message.replace("rows.jsonl", f"{tmp_path}/rows.jsonl") in str(err.value)
@@ -161,13 +155,13 @@ def test_rows_without_attributes_give_bit_identical_batches(tiny_model_dir):
         {"prompt": "2 + 3 =", "completion": " 5"},
         {"text": "2 + 3 = 5"},
     ]
-    plain = validate_rows([dict(r, _loc=f"r:{i}") for i, r in enumerate(rows)], "sft")
+    plain = validate_rows([dict(r, _loc=f"r:{i}") for i, r in enumerate(rows)], "supervised")
     for where in ("system", "user"):
         assert steer_rows(plain, where) is plain
     # A parquet/HF column of nulls (no row has attributes) leaves the rows as they are, too.
-    nulls = validate_rows([dict(r, _loc=f"r:{i}", attributes=None) for i, r in enumerate(rows)], "sft")
-    before = collate_sft(tokenize_dataset(tok, plain, "sft", 64), tok.pad_token_id)
-    after = collate_sft(tokenize_dataset(tok, steer_rows(nulls, "user"), "sft", 64), tok.pad_token_id)
+    nulls = validate_rows([dict(r, _loc=f"r:{i}", attributes=None) for i, r in enumerate(rows)], "supervised")
+    before = collate_sft(tokenize_dataset(tok, plain, "supervised", 64), tok.pad_token_id)
+    after = collate_sft(tokenize_dataset(tok, steer_rows(nulls, "user"), "supervised", 64), tok.pad_token_id)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -226,9 +220,9 @@ def test_sft_cli_bad_attribute_is_one_line(tiny_model_dir, tmp_path):
 
 # --------------------------------------------------------------------------------------------- evals --attributes
 def test_gsm8k_rows_write_the_attributes_like_training():
-    plain = gsm8k.gsm8k_rows("builtin:math", "test", limit=2)
-    system = gsm8k.gsm8k_rows("builtin:math", "test", limit=2, attributes="length:0,correct:1")
-    user = gsm8k.gsm8k_rows("builtin:math", "test", limit=2, attributes="correct:0", attributes_in="user")
+    plain = common_eval.gsm8k_rows("builtin:math", "test", limit=2)
+    system = common_eval.gsm8k_rows("builtin:math", "test", limit=2, attributes="length:0,correct:1")
+    user = common_eval.gsm8k_rows("builtin:math", "test", limit=2, attributes="correct:0", attributes_in="user")
     for p, s, u in zip(plain, system, user):
         assert s["prompt"] == [{"role": "system", "content": "correct:1,length:0"}, *p["prompt"]]
         assert u["prompt"] == [{"role": "user", "content": p["prompt"][0]["content"] + "\ncorrect:0"}]
@@ -251,12 +245,14 @@ def test_eval_prompt_tokens_are_the_training_prompt_tokens(tiny_model_dir, where
     """The token ids evals.gsm8k feeds under --attributes are exactly the prompt ids sft.py trained on for the same
     question and attributes (the SteerLM demo's diagnosis: no format gap between training and steering)."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    (row,) = gsm8k.gsm8k_rows("builtin:math", "test", limit=1, attributes="length:1,correct:0", attributes_in=where)
-    (plain,) = gsm8k.gsm8k_rows("builtin:math", "test", limit=1)
+    (row,) = common_eval.gsm8k_rows(
+        "builtin:math", "test", limit=1, attributes="length:1,correct:0", attributes_in=where
+    )
+    (plain,) = common_eval.gsm8k_rows("builtin:math", "test", limit=1)
     trained = steered(
         [{"prompt": plain["prompt"], "completion": REPLY, "attributes": {"correct": 0, "length": 1}}], where
     )
-    (ex,) = tokenize_dataset(tok, trained, "sft", None)
+    (ex,) = tokenize_dataset(tok, trained, "supervised", None)
     prompt_ids = ex["input_ids"][: ex["completion_mask"].index(1)]
     assert tokenize_prompt(tok, row, None)["prompt_ids"] == prompt_ids
     assert "correct:0,length:1" in tok.decode(prompt_ids)
@@ -272,7 +268,7 @@ def test_steerlm_demo_rows_four_variants_slip_is_wrong():
     assert [tuple(r["attributes"].values()) for r in rows[:4]] == [(1, 0), (1, 1), (0, 0), (0, 1)]
     answers = [r["completion"][0]["content"].rsplit("#### ", 1)[1] for r in rows[:4]]
     assert answers[0] == answers[1] and answers[2] == answers[3] == answers[0] + "0"
-    scored = gsm8k.score([r["completion"][0]["content"] for r in rows[:4]], [answers[0]] * 4)
+    scored = common_eval.score([r["completion"][0]["content"] for r in rows[:4]], [answers[0]] * 4)
     assert [s["correct"] for s in scored] == [True, True, False, False]
     texts = [r["completion"][0]["content"] for r in rows[:2]]
     assert texts[1].startswith("Let's work through it") and texts[0][0].isdigit()  # length 1 / length 0
