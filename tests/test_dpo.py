@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.data import DataError
-from common.run import ArgsError
-from common.data import concat_pairs, micro_batch
-from dpo import Args, dpo_loss, main
+import dpo
+from common.data import concat_pairs, load_rows, micro_batch, setup_chat_template, tokenize_dataset, validate_rows
+from common.errors import ArgsError, DataError
+from common.model import attach_lora, completion_logps, disable_dropout, load_model, snapshot_ref
+from dpo import Args, dpo_loss, evaluate, main, pair_completion_logps, pair_losses, precompute_ref_logps
 from tests.prefs_helpers import (
     FakeLM,
     assert_adapters,
@@ -252,6 +253,71 @@ def test_other_loss_types_train(tiny_model_dir, prefs, tmp_path, loss_type):
     # "default" moved from the start; SimPO is reference-free (no "ref" slot at all), the others keep it frozen
     assert_adapters(out["model"], start, with_ref=loss_type != "simpo")
     assert_base_untouched(out["model"], tiny_model_dir)
+
+
+# ------------------------------------------------------------------------------- the two log-prob paths
+# dpo.main scores pairs with pair_completion_logps on a CPU (each prompt once) and with completion_logps on CUDA
+# (one batched forward); both must give the same losses, metrics, gradients and reference log-probs.
+def both_paths_policy(tiny_model_dir, adapter_dir):
+    """The DPO policy as dpo.main builds it from an SFT adapter, then "default" moved off "ref" (policy != ref)."""
+    model, tokenizer = load_model(tiny_model_dir, "fp32")
+    setup_chat_template(tokenizer, "auto")
+    model = attach_lora(model, adapter_dir)
+    disable_dropout(model)
+    snapshot_ref(model)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name and ".default." in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model, tokenizer
+
+
+def test_pair_and_batched_log_prob_paths_give_the_same_losses(tiny_model_dir, prefs, tmp_path, monkeypatch):
+    make_sft_adapter(tiny_model_dir, tmp_path / "sft")
+    model, tokenizer = both_paths_policy(tiny_model_dir, str(tmp_path / "sft"))
+    pad_id = tokenizer.pad_token_id
+    examples = tokenize_dataset(tokenizer, validate_rows(load_rows(prefs), "preference"), "preference", 64)
+    chunk = examples[:4]
+    args = Args(per_device_train_batch_size=3, rpo_alpha=0.5)  # the NLL term reads the per-token log-probs too
+    params = [p for p in model.parameters() if p.requires_grad]
+    fallbacks = []  # pair_completion_logps must really share the prompt pass here, not fall back to the batch
+    monkeypatch.setattr(dpo, "completion_logps", lambda *a: fallbacks.append(1) or completion_logps(*a))
+    out = {}
+    for name, logps_of in (("pair", pair_completion_logps), ("batched", completion_logps)):
+        model.train()
+        loss, stats, tokens = pair_losses(model, chunk, args, pad_id, "cpu", logps_of)
+        grads = torch.autograd.grad(loss, params)
+        rows = [dict(e) for e in examples[:7]]
+        precompute_ref_logps(model, rows, 3, pad_id, "cpu", logps_of)
+        ref = torch.tensor([[e["ref_chosen_logps"], e["ref_rejected_logps"]] for e in rows])
+        metrics = evaluate(model, examples[:7], args, pad_id, "cpu", logps_of)
+        out[name] = dict(loss=loss.detach(), stats=stats, tokens=tokens, grads=grads, ref=ref, metrics=metrics)
+    assert not fallbacks, "pair_completion_logps fell back to the batched forward: nothing was compared"
+    pair, batched = out["pair"], out["batched"]
+    assert pair["loss"].item() != pytest.approx(math.log(2), abs=1e-3)  # policy != ref: not the trivial point
+    torch.testing.assert_close(pair["loss"], batched["loss"], atol=1e-5, rtol=1e-5)
+    assert pair["stats"].keys() == batched["stats"].keys() and pair["tokens"] == batched["tokens"]
+    for key in pair["stats"]:
+        torch.testing.assert_close(pair["stats"][key], batched["stats"][key], atol=1e-5, rtol=1e-5)
+    for a, b in zip(pair["grads"], batched["grads"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pair["ref"], batched["ref"], atol=1e-5, rtol=1e-5)
+    assert pair["metrics"].keys() == batched["metrics"].keys()
+    for key, value in pair["metrics"].items():
+        assert value == pytest.approx(batched["metrics"][key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_run_on_the_batched_path_matches_the_pair_path(tiny_model_dir, prefs, tmp_path, monkeypatch):
+    """dpo.main as it runs on CUDA (completion_logps as logps_of), here on the CPU: the same per-step history."""
+    common = dict(max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=3, rpo_alpha=0.5)
+    common |= dict(eval_split="train", eval_steps=3)
+    pair = run(tiny_model_dir, prefs, tmp_path / "pair", **common)
+    monkeypatch.setattr(dpo, "pair_completion_logps", completion_logps)  # what dpo.main picks off the CPU
+    batched = run(tiny_model_dir, prefs, tmp_path / "batched", **common)
+    for key in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected", "grad_norm", "eval/loss"):
+        expected = [h[key] for h in pair["history"] if key in h]
+        assert [h[key] for h in batched["history"] if key in h] == pytest.approx(expected, rel=1e-5, abs=1e-6), key
 
 
 # ------------------------------------------------------------------------------------------------- bad input

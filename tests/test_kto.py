@@ -6,8 +6,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from common.data import DataError
-from common.run import ArgsError
+from common.errors import ArgsError, DataError
 from kto import Args, kto_batches, kto_loss, kto_reference_point, main
 from tests.prefs_helpers import (
     FakeLM,

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 import torch.nn.functional as F
 
-from common.data import DataError
 from common.data import concat_pairs, micro_batch
+from common.errors import DataError
 from orpo import Args, log1mexp, main, orpo_log_odds, orpo_loss
 from tests.prefs_helpers import (
     assert_adapters,

@@ -16,10 +16,13 @@ from safetensors.torch import load_file
 
 import dpo
 import grpo
+import kto
+import orpo
+import raft
 import sft
-import common.model
-from common.model import REF, REWARD, load_model, load_policy, trainable_parameters
-from common.reward_model import load_reward, score
+from common.data import setup_chat_template
+from common.model import REF, REWARD, attach_lora, load_model, snapshot_ref, trainable_parameters
+from plugins.reward_model import load_reward, score
 from tests.prefs_helpers import binary_rows, make_sft_adapter, preference_rows, slot_state, write_jsonl
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -30,7 +33,7 @@ def spy(monkeypatch):
     """The policy each script builds, with copies of its base tensors and of its starting "default" adapter."""
     seen = {}
 
-    def wrap(module):  # the scripts' load_policy calls common.model.attach_lora
+    def wrap(module):  # each script calls attach_lora, imported into its own namespace
         attach = module.attach_lora
 
         def spying(*args, **kwargs):
@@ -42,7 +45,8 @@ def spy(monkeypatch):
 
         monkeypatch.setattr(module, "attach_lora", spying)
 
-    wrap(common.model)
+    for module in (sft, dpo, orpo, kto, grpo, raft):
+        wrap(module)
     return seen
 
 
@@ -169,9 +173,6 @@ def test_grpo_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, spy):
 @pytest.mark.parametrize("script", ["orpo", "kto"])
 def test_orpo_and_kto_two_steps_on_a_4bit_base(tiny_model_dir, tmp_path, spy, script):
     """ORPO (no reference) and KTO ("ref" = the SFT adapter it starts from): two steps, the same checks as above."""
-    import kto
-    import orpo
-
     if script == "orpo":
         module, rows, start = orpo, preference_rows(16), {}
     else:
@@ -204,7 +205,13 @@ def reward_model(tiny_model_dir, tmp_path_factory):
 
 
 def policy(model_dir, quantization):
-    return load_policy(grpo.Args(model=model_dir, dtype="fp32", quantization=quantization), reference=True)[0]
+    """The policy grpo.main builds (its Args' LoRA defaults, "ref" snapshotted) on an fp32 or quantized base."""
+    args = grpo.Args(model=model_dir, dtype="fp32", quantization=quantization)
+    model, tokenizer = load_model(args.model, args.dtype, quantization=args.quantization)
+    setup_chat_template(tokenizer, args.template)
+    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    snapshot_ref(model)
+    return model
 
 
 SCORED = (  # 5 prompts x 6 completions: scores spread over the reward model's range
@@ -237,7 +244,7 @@ def test_reward_slot_on_a_4bit_base_scores_as_the_unquantised_model(tiny_model_d
     scores = score(reward, prompts, completions)[:, 0]
     unchanged()
     with monkeypatch.context() as m:
-        m.setattr("common.reward_model.reward_logits", lambda *a: 1 / 0)
+        m.setattr("plugins.reward_model.reward_logits", lambda *a: 1 / 0)
         with pytest.raises(ZeroDivisionError):
             score(reward, prompts, completions)
     unchanged()
@@ -285,8 +292,6 @@ def test_grpo_and_raft_with_a_model_reward_on_a_4bit_base(tiny_model_dir, reward
     """Two GRPO steps scored by the "reward" slot on the NF4 backbone: base bit-identical, "default" moved, "ref" and
     "reward" bit-identical to where they started, the policy left active and in train mode; the checkpoint hashes
     all three slots and a resume from it reproduces step 2. One RAFT round on the same setup keeps "reward" too."""
-    import raft
-
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in SCORED[0]])
     kw = dict(preset="demo", model=tiny_model_dir, dataset=prompts, rewards=[f"model:{reward_model}"], seed=1)
     kw |= dict(group_size=4, max_completion_length=6, quantization="4bit", lora_dropout=0.0)

@@ -116,7 +116,7 @@ def test_full_finetune_and_packing(tiny_model_dir, memo_jsonl, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(full["final_dir"])  # loadable by plain transformers
-    from common.run import ArgsError
+    from common.errors import ArgsError
     from scripts.merge_adapter import merge
 
     with pytest.raises(ArgsError, match="a full model .* nothing to merge"):  # said as such, not "no adapter_config"
@@ -181,7 +181,7 @@ def test_a_merged_checkpoint_ships_the_template_the_run_trained_with(tiny_model_
     # checkpoints/step-N/weights holds no tokenizer: the merge took the base's (ChatML here), not the run's --template.
     from transformers import AutoTokenizer
 
-    from common.templates import QWEN
+    from common.data import QWEN
     from scripts import merge_adapter
 
     out = run(tiny_model_dir, memo_jsonl, tmp_path, template="qwen", max_length=256, max_steps=1, save_steps=1)
@@ -192,7 +192,7 @@ def test_a_merged_checkpoint_ships_the_template_the_run_trained_with(tiny_model_
 
 def test_an_eval_split_of_a_local_file_is_refused_before_the_model_loads(memo_jsonl, tmp_path):
     # A file has one split: --eval-split test loaded the same rows again, and eval/loss was the training loss.
-    from common.run import ArgsError
+    from common.errors import ArgsError
 
     with pytest.raises(ArgsError, match=r"--eval-split test: .*memo\.jsonl is one file with no splits.* pass train"):
         main(Args(model=str(tmp_path / "no-such-model"), dataset=memo_jsonl, eval_split="test"))
@@ -202,7 +202,7 @@ def test_an_eval_split_of_a_saved_dataset_without_splits_is_refused(memo_jsonl, 
     # Dataset.save_to_disk (not a DatasetDict) has no splits: --eval-split test evaluated on the training rows.
     import datasets
 
-    from common.run import ArgsError
+    from common.errors import ArgsError
 
     rows = [json.loads(line) for line in open(memo_jsonl)]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
@@ -211,8 +211,8 @@ def test_an_eval_split_of_a_saved_dataset_without_splits_is_refused(memo_jsonl, 
     ).save_to_disk(str(tmp_path / "saved_dict"))
     with pytest.raises(ArgsError, match=r"--eval-split test: .*saved is a saved Dataset with no splits"):
         main(Args(model=str(tmp_path / "no-such-model"), dataset=str(tmp_path / "saved"), eval_split="test"))
-    args = Args(dataset=str(tmp_path / "saved_dict"), eval_split="test")
-    assert [len(r) for r in load_splits(args, "sft")] == [4, 4]  # a DatasetDict's splits are real
+    splits = load_splits(str(tmp_path / "saved_dict"), "train", "test", "supervised")
+    assert [len(r) for r in splits] == [4, 4]  # a DatasetDict's splits are real
 
 
 def test_cli_help_and_one_step(tiny_model_dir, memo_jsonl, tmp_path):
