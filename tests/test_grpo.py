@@ -11,10 +11,8 @@ import pytest
 import torch
 
 import grpo
-import common.model
-from common.logps import aggregate_loss
-from common.run import RunStopped
-from grpo import Args, grpo_per_token_loss, main
+from common.errors import RunStopped
+from grpo import Args, aggregate_loss, grpo_per_token_loss, main
 from tests.tiny import write_learnable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,7 +107,7 @@ def test_held_out_accuracy_leaves_out_answers_without_a_number():
     """reward_eval's accuracy is over rows whose answer has a number: a symbolic or text answer ("p - q", MATH-style)
     is neither right nor wrong (math_reward's None), and must not crash the eval (it was summed as None)."""
     from common.rewards import load_reward_funcs
-    from evals.common_eval import reward_eval
+    from grpo import reward_eval
 
     texts = ["The answer is 4", "so p - q", "#### 7"]
 
@@ -206,8 +204,8 @@ def spy_model(monkeypatch):
         seen["model"], seen["before"] = model, {n: p.detach().clone() for n, p in model.named_parameters()}
         return model
 
-    grpo_attach = common.model.attach_lora  # what grpo's load_policy calls
-    monkeypatch.setattr(common.model, "attach_lora", attach)
+    grpo_attach = grpo.attach_lora  # what grpo.main calls, by its name in grpo's namespace
+    monkeypatch.setattr(grpo, "attach_lora", attach)
     return seen
 
 
@@ -361,10 +359,8 @@ def test_cli_help_and_one_step(tiny_model_dir, prompts_jsonl, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     help_out = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--group-size" in help_out.stdout and "num_generations" in help_out.stdout
-    from common.rewards import REWARD_FUNCS
-
     flat = " ".join(help_out.stdout.replace("│", " ").split())  # tyro's box wraps lines anywhere
-    assert all(name in flat for name in REWARD_FUNCS), "--help must list every reward function by name"
+    assert all(name in flat for name in grpo.REWARDS), "--help must list every reward function by name"
     assert "[model & LoRA]" in flat and "demo: 64; gsm8k: 512" in flat  # the groups, and both presets' values
     done = subprocess.run(
         [

