@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -56,7 +57,7 @@ from common.data import concat_prompt_completion, micro_batch, pad_batch, tokeni
 from plugins.builtin_math import builtin_rows  # noqa: E402
 from plugins.embedded import resolve_model  # noqa: E402
 
-METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rm")
+METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rm")  # (+ "rloo": a fork of grpo.py, docs/forks/)
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "robust"), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}
 KIND = {
     "sft": "supervised",
@@ -65,9 +66,11 @@ KIND = {
     "orpo": "preference",
     "kto": "binary",
     "grpo": "prompt",
+    "rloo": "prompt",
     "rm": "preference",
 }
 SCRIPT = {"sft": "sft", "dpo": "dpo", "simpo": "dpo", "orpo": "orpo", "kto": "kto", "grpo": "grpo", "rm": "rm"}
+SCRIPT["rloo"] = "grpo"  # the rloo fork's origin (Setup.fork names the patched copy to run)
 PREF_KEYS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -84,6 +87,7 @@ KEYS = {  # compared per step; TRL's names, which ours logs too
     "kto": ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
     "grpo": ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "completions/mean_length"),
     "rm": ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward"),
+    "rloo": ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "completions/mean_length"),
 }
 
 
@@ -123,6 +127,14 @@ class Setup:
     max_completion_length: int = 16
     rewards: list[str] = field(default_factory=lambda: list(DEFAULT_REWARDS))
     fixed_rollout: bool = False
+    iterations: int = 1  # GRPO / RLOO: optimizer updates per rollout (num_iterations on both sides)
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    # A research fork (docs/forks/): the patched copy of the script ours runs, and the TRL config fields that switch
+    # TRL to the same idea (e.g. importance_sampling_level="sequence"); keys: what to compare, if not KEYS[method]
+    fork: str | None = None
+    trl_config: dict = field(default_factory=dict)
+    keys: tuple[str, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -130,6 +142,8 @@ class Setup:
             [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
         )
         parts += (["margin"] if self.rm_margin else []) + (["center"] if self.center_rewards_coefficient else [])
+        parts += [os.path.splitext(os.path.basename(self.fork))[0]] if self.fork else []
+        parts += [f"{k}={v}" for k, v in sorted(self.trl_config.items())]
         return "-".join(parts)
 
     @property
@@ -139,12 +153,12 @@ class Setup:
 
     @property
     def run_beta(self) -> float:
-        return self.beta if self.beta is not None else 0.04 if self.method == "grpo" else 0.1
+        return self.beta if self.beta is not None else {"grpo": 0.04, "rloo": 0.05}.get(self.method, 0.1)
 
     @property
     def n_rows(self) -> int:
         """Exactly one pass: every micro-batch is full, so TRL's sequential batches line up with ours."""
-        per_step = self.prompts_per_step if self.method == "grpo" else self.batch_size * self.grad_accum
+        per_step = self.prompts_per_step if KIND[self.method] == "prompt" else self.batch_size * self.grad_accum
         return per_step * self.steps
 
 
@@ -260,10 +274,9 @@ class FixedRollouts:
 
 
 @contextlib.contextmanager
-def our_fixed_generation(bank: FixedRollouts, script: str = "grpo"):
-    """The script's rollout (its module's hf_generate, which main binds into its generate) replaced by the bank, with
-    the same return layout."""
-    rollout = importlib.import_module(script)
+def our_fixed_generation(bank: FixedRollouts, rollout):
+    """The script's rollout (hf_generate in the script module `rollout`, which main binds into its generate)
+    replaced by the bank, with the same return layout."""
     from common.rollout import cut_at_eos, eos_ids
 
     def fixed_generate(model, tokenizer, prompts, group_size, max_new_tokens=None, **_):
@@ -296,6 +309,17 @@ def fixed_rollout_trainer(bank: FixedRollouts):
     return FixedRolloutGRPOTrainer
 
 
+def fixed_rollout_rloo_trainer(bank: FixedRollouts):
+    """RLOOTrainer whose sampler is the bank (its _generate_single_turn returns the completion ids alone)."""
+    from trl import RLOOTrainer
+
+    class FixedRolloutRLOOTrainer(RLOOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+            return bank.for_rows([list(p) for p in prompt_ids])
+
+    return FixedRolloutRLOOTrainer
+
+
 # ------------------------------------------------------------------------------------------------- our side
 def our_args(s: Setup, data_path: str) -> dict:
     """Keyword arguments of <script>.Args, every value the math depends on set explicitly."""
@@ -316,9 +340,11 @@ def our_args(s: Setup, data_path: str) -> dict:
         logging_steps=1,
         save_steps=0,
     )
-    if s.method == "grpo":
+    if KIND[s.method] == "prompt":  # grpo.py and its forks
+        loss = {"loss_type": s.run_loss_type} if s.method == "grpo" else {}  # RLOO's loss is per sequence
         return {
             **common,
+            **loss,
             "preset": "demo",
             "eval_steps": 0,
             "group_size": s.group_size,
@@ -327,14 +353,13 @@ def our_args(s: Setup, data_path: str) -> dict:
             "max_completion_length": s.max_completion_length,
             "max_prompt_length": 100_000,
             "beta": s.run_beta,
-            "loss_type": s.run_loss_type,
-            "scale_rewards": "group",
-            "epsilon": 0.2,
-            "epsilon_high": None,
+            "scale_rewards": "group" if s.method == "grpo" else "none",  # RLOO: normalize_advantages=False
+            "epsilon": s.epsilon,
+            "epsilon_high": s.epsilon_high,
             "temperature": 1.0,
             "top_p": 1.0,
             "top_k": 0,
-            "num_iterations": 1,
+            "num_iterations": s.iterations,
             "mask_truncated_completions": False,
             "rewards": list(s.rewards),
             "lr_scheduler_type": "constant",
@@ -366,9 +391,21 @@ def our_args(s: Setup, data_path: str) -> dict:
     return {**common, "desirable_weight": 1.0, "undesirable_weight": 1.0}  # kto
 
 
+def load_script(s: Setup):
+    """The script module ours runs: the method's script, or the fork's patched copy (loaded from its file)."""
+    if s.fork is None:
+        return importlib.import_module(SCRIPT[s.method])
+    name = os.path.splitext(os.path.basename(s.fork))[0]
+    spec = importlib.util.spec_from_file_location(name, s.fork)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve the Args annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_ours(s: Setup, data_path: str, bank: FixedRollouts | None = None) -> list[dict]:
-    module = importlib.import_module(SCRIPT[s.method])
-    with our_fixed_generation(bank, SCRIPT[s.method]) if bank else contextlib.nullcontext():
+    module = load_script(s)
+    with our_fixed_generation(bank, module) if bank else contextlib.nullcontext():
         out = module.main(module.Args(**our_args(s, data_path)))
     return out["history"]
 
@@ -503,35 +540,61 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
             disable_dropout=True,
         )
         return KTOTrainer(args=args, **kw)
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig
 
     from common.rewards import load_reward_funcs
 
     funcs = load_reward_funcs(s.rewards, importlib.import_module("grpo").REWARDS)  # the functions ours calls
     n = s.prompts_per_step * s.group_size  # TRL's per_device_train_batch_size counts completions, not prompts
+    # One optimizer step per rollout and iteration: TRL's max_steps counts updates
+    common = trl_common(s, per_device_train_batch_size=n, gradient_accumulation_steps=1, lr_scheduler_type="constant")
+    common |= {"max_steps": s.steps * s.iterations} | over
+    if s.method == "rloo":
+        args = RLOOConfig(
+            **common,
+            num_generations=s.group_size,
+            max_completion_length=s.max_completion_length,
+            beta=s.run_beta,
+            epsilon=s.epsilon,
+            epsilon_high=s.epsilon_high,
+            normalize_advantages=False,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            min_p=None,
+            repetition_penalty=1.0,
+            num_iterations=s.iterations,
+            mask_truncated_completions=False,
+            shuffle_dataset=False,
+            disable_dropout=True,
+            reward_weights=[w for _, _, w in funcs],
+            log_completions=False,
+            **s.trl_config,
+        )
+        cls = fixed_rollout_rloo_trainer(bank) if bank else importlib.import_module("trl").RLOOTrainer
+        return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
     args = GRPOConfig(
-        **trl_common(
-            s, per_device_train_batch_size=n, gradient_accumulation_steps=1, lr_scheduler_type="constant", **over
-        ),
+        **common,
         num_generations=s.group_size,
         max_completion_length=s.max_completion_length,
         beta=s.run_beta,
         loss_type=s.run_loss_type,
         scale_rewards="group",
-        epsilon=0.2,
-        epsilon_high=None,
+        epsilon=s.epsilon,
+        epsilon_high=s.epsilon_high,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
         min_p=None,
         repetition_penalty=1.0,
-        num_iterations=1,
+        num_iterations=s.iterations,
         mask_truncated_completions=False,
         shuffle_dataset=False,
         disable_dropout=True,
         use_bias_correction_kl=False,
         reward_weights=[w for _, _, w in funcs],
         log_completions=False,
+        **s.trl_config,
     )
     cls = fixed_rollout_trainer(bank) if bank else GRPOTrainer
     return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
@@ -545,9 +608,22 @@ def quiet(trainer):
     return trainer
 
 
-def trl_history(trainer) -> list[dict]:
-    """Per-step logs (unrounded floats) from trainer.state.log_history, the final summary line dropped."""
-    return [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+def trl_history(trainer, iterations: int = 1) -> list[dict]:
+    """Per-step logs (unrounded floats) from trainer.state.log_history, the final summary line dropped. With several
+    updates per rollout (iterations), TRL logs each update as a step; ours logs the rollout: TRL's steps are merged
+    into one per rollout as ours reports them (each key's mean over the updates that logged it, grad_norm and
+    learning_rate the last update's)."""
+    steps = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    merged = []
+    for i in range(0, len(steps), iterations):
+        group = steps[i : i + iterations]
+        entry = {}
+        for key in {k for h in group for k in h}:
+            values = [h[key] for h in group if key in h and isinstance(h[key], int | float)]
+            if values:
+                entry[key] = values[-1] if key in ("grad_norm", "learning_rate", "step") else sum(values) / len(values)
+        merged.append(entry)
+    return merged
 
 
 # ------------------------------------------------------------------------------------- tokenization check
@@ -803,8 +879,8 @@ def run_pair(s: Setup, tokenizer) -> dict:
     trainer.train()
     t2 = time.perf_counter()
     report["seconds"] = {"ours": t1 - t0, "trl": t2 - t1}
-    report["history"] = {"ours": ours, "trl": trl_history(trainer)}
-    report["series"] = compare(ours, report["history"]["trl"], KEYS[s.method])
+    report["history"] = {"ours": ours, "trl": trl_history(trainer, s.iterations)}
+    report["series"] = compare(ours, report["history"]["trl"], s.keys or KEYS[s.method])
     report["max_abs_diff"] = {k: v["max_abs_diff"] for k, v in report["series"].items()}
     if s.method == "grpo" and s.fixed_rollout:
         report["loss_parity"] = grpo_loss_parity(s, trainer=trainer)

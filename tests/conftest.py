@@ -43,3 +43,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def trl_harness(tiny_model_dir, tmp_path_factory):
+    """scripts/compare_with_trl.py's inputs: the tiny model, the LoRA adapter both sides start from, the tokenizer."""
+    pytest.importorskip("trl")
+    from scripts.compare_with_trl import load_tokenizer, make_start_adapter
+
+    out = tmp_path_factory.mktemp("parity")
+    adapter = make_start_adapter(tiny_model_dir, str(out / "start_adapter"))
+    return dict(model=tiny_model_dir, adapter=adapter, out=str(out), tokenizer=load_tokenizer(tiny_model_dir))

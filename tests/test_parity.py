@@ -14,9 +14,7 @@ pytest.importorskip("trl")
 
 from scripts.compare_with_trl import (
     Setup,
-    load_tokenizer,
     make_rows,
-    make_start_adapter,
     run_pair,
     tokenization_report,
     tokenize_dataset,
@@ -29,10 +27,8 @@ SUMS = {"logps/chosen", "logps/rejected"}
 
 
 @pytest.fixture(scope="module")
-def harness(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    adapter = make_start_adapter(tiny_model_dir, str(out / "start_adapter"))
-    return dict(model=tiny_model_dir, adapter=adapter, out=str(out), tokenizer=load_tokenizer(tiny_model_dir))
+def harness(trl_harness):
+    return trl_harness
 
 
 def run(harness, method, **kw):

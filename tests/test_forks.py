@@ -1,0 +1,104 @@
+"""Research forks (docs/forks/): each is a patch against one script that changes nothing else. Applied to a copy of
+its script, it runs on the tiny model and matches TRL's own implementation of the same idea step by step, through
+scripts/compare_with_trl.py: GSPO against GRPOTrainer(importance_sampling_level="sequence"), RLOO against
+RLOOTrainer, APO-zero against DPOTrainer(loss_type=["apo_zero"]). Each test also shows the comparison has power:
+the unpatched script does NOT match TRL's variant (or, for APO, the loss starts at its own hand value, not DPO's)."""
+
+import math
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytest.importorskip("trl")
+
+from scripts.compare_with_trl import Setup, run_pair
+from tests.test_parity import assert_series_match
+
+FORKS = {
+    "gspo": ("grpo.py", "grpo_gspo.py"),
+    "rloo": ("grpo.py", "grpo_rloo.py"),
+    "apo_zero": ("dpo.py", "dpo_apo.py"),
+}
+
+
+def apply_fork(name: str, tmp_path) -> str:
+    """docs/forks/<name>.patch applied (git apply) to a copy of its script, saved under the fork's own file name."""
+    script, fork = FORKS[name]
+    patch = ROOT / "docs" / "forks" / f"{name}.patch"
+    text = patch.read_text()
+    touched = set(re.findall(r"^(?:---|\+\+\+) [ab]/(\S+)", text, re.MULTILINE))
+    assert touched == {script}, f"{patch.name} touches {sorted(touched)}, not {script} alone"
+    work = tmp_path / name
+    work.mkdir()
+    shutil.copy(ROOT / script, work / script)
+    done = subprocess.run(["git", "apply", str(patch)], cwd=work, capture_output=True, text=True)
+    assert done.returncode == 0, f"{patch.name} no longer applies to {script}: {done.stderr}"
+    (work / script).rename(work / fork)
+    return str(work / fork)
+
+
+@pytest.mark.parametrize("name", sorted(FORKS))
+def test_each_fork_is_one_patch_of_one_script(name, tmp_path):
+    path = apply_fork(name, tmp_path)
+    source = open(path).read()
+    assert source != (ROOT / FORKS[name][0]).read_text()
+    compile(source, path, "exec")  # a fork is a whole script, not a fragment
+
+
+def run(harness, **kw):
+    setup = Setup(model=harness["model"], adapter=harness["adapter"], out=harness["out"], **kw)
+    return run_pair(setup, harness["tokenizer"])
+
+
+def differs(report, keys, tol=1e-4) -> bool:
+    """Whether some compared value differs from TRL's by more than tol (relative)."""
+    for key in keys:
+        for ours, trl in zip(report["series"][key]["ours"], report["series"][key]["trl"], strict=True):
+            if not (math.isnan(ours) or math.isnan(trl)) and abs(ours - trl) > tol * max(abs(trl), 1e-6):
+                return True
+    return False
+
+
+GSPO = dict(
+    method="grpo",
+    loss_type="grpo",  # the paper's objective; TRL warns for the token-sum losses
+    fixed_rollout=True,
+    iterations=2,  # off-policy in the second update: the sequence ratio moves and its clip acts
+    epsilon=3e-4,
+    epsilon_high=4e-4,
+    beta=0.0,
+    steps=2,
+    trl_config={"importance_sampling_level": "sequence"},
+    keys=("loss", "grad_norm", "reward", "entropy", "clip_ratio/region_mean"),
+)
+
+
+def test_gspo_fork_matches_trl_sequence_level_importance_sampling(trl_harness, tmp_path):
+    report = run(trl_harness, fork=apply_fork("gspo", tmp_path), **GSPO)
+    assert_series_match(report)
+    assert max(report["series"]["clip_ratio/region_mean"]["ours"]) > 0, "the sequence clip never acted"
+    plain = run(trl_harness, **GSPO)  # grpo.py itself: token-level ratios against TRL's sequence level
+    assert differs(plain, ("loss", "grad_norm", "clip_ratio/region_mean")), "grpo.py already matched: no power"
+
+
+RLOO = dict(method="rloo", fixed_rollout=True, steps=2, beta=0.05)
+
+
+def test_rloo_fork_matches_trl_rloo_trainer(trl_harness, tmp_path):
+    report = run(trl_harness, fork=apply_fork("rloo", tmp_path), **RLOO)
+    assert_series_match(report)
+    assert report["series"]["kl"]["trl"][-1] != 0.0  # the KL penalty in the reward is exercised
+    plain = run(trl_harness, **RLOO)  # grpo.py itself (group-normalised baseline, token loss) against RLOOTrainer
+    assert differs(plain, ("loss", "grad_norm")), "grpo.py already matched RLOO: no power"
+
+
+def test_apo_zero_fork_matches_trl_dpo_apo_zero(trl_harness, tmp_path):
+    report = run(trl_harness, method="dpo", loss_type="apo_zero", fork=apply_fork("apo_zero", tmp_path), steps=2)
+    assert report["tokenization"]["identical"]
+    assert_series_match(report)
+    # At step 1 the policy is its reference (h = 0): APO-zero's loss is (1 - 1/2) + 1/2 = 1, DPO's would be ln 2
+    assert report["series"]["loss"]["ours"][0] == pytest.approx(1.0, abs=1e-6)
