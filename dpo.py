@@ -9,7 +9,7 @@ Differences from TRL's DPOTrainer defaults:
 - LoRA only (all-linear, r=16, alpha=32), so learning_rate 5e-6 (TRL: 1e-6 for full fine-tuning; 5e-6 is the LoRA
   command in TRL's scripts/dpo.py). The reference is always the "ref" slot (TRL with PEFT: adapter disabled, or "ref").
 - loss_type is one value (TRL: a weighted list); simpo is TRL CPOTrainer's (loss_type="simpo", cpo_alpha -> rpo_alpha).
-- rpo_alpha (dropped from TRL 1.x's DPOTrainer) is kept: TRL 0.x's NLL on the chosen tokens, token mean per batch.
+- rpo_alpha (which TRL's DPOTrainer dropped) is kept: its older NLL on the chosen tokens, token mean per batch.
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
@@ -87,7 +87,7 @@ class Args:
     max_length: int = 1024
     """prompt + completion tokens; completions are cut from the right to fit"""
     max_prompt_length: int | None = None
-    """keep only the last N prompt tokens; None = no prompt limit (TRL 1.16)"""
+    """keep only the last N prompt tokens; None = no prompt limit (TRL's default)"""
     # algorithm
     loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = "sigmoid"
     """[algorithm] sigmoid (DPO), ipo, robust (with label_smoothing), simpo (reference-free, length-normalised)"""

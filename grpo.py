@@ -15,7 +15,7 @@ Differences from TRL's GRPOTrainer defaults:
 - A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
   gsm8k: 8 x 8 of <= 512 (TRL: 1 x 8), warmup 25, cosine, weight decay 0.1, grad norm 0.1 (TRL: 0, linear, 0, 1.0).
 - The KL gradient is plain beta * grad k3 (DeepSeekMath); TRL's use_bias_correction_kl=True multiplies k3 by rho.
-- Prompts longer than max_prompt_length are dropped, not truncated (TRL 1.16 does not truncate them).
+- Prompts longer than max_prompt_length are dropped, not truncated (TRL does not truncate them).
 - --engine vllm: no importance-sampling correction (TRL: on); a canary after each adapter sync checks log-probs.
 - Circuit breakers (KL, completion length, reward-variance collapse, NaN/Inf) warn or stop (TRL: none).
 """
@@ -225,7 +225,7 @@ def group_advantages(rewards, group_size: int, scale_rewards: str = "group"):
 
     std is the unbiased (Bessel) std of the group ("group"), of the whole batch ("batch"), or no division ("none").
     Returns (advantages (B,), std_grouped (B,)): std_grouped is each sample's group std (for frac_reward_zero_std).
-    As TRL 1.16's _generate_and_score_completions: grouped mean, std with Bessel's correction,
+    As TRL's _generate_and_score_completions: grouped mean, std with Bessel's correction,
     `advantages / (std_rewards + 1e-4)` unless "none". Differences: rewards must be finite (TRL zeroes all-None
     rows), and under "batch" TRL logs frac_reward_zero_std from the batch std while std_grouped is always per group.
     "batch" is over the rewards passed in: pass the whole generation batch.
@@ -261,7 +261,7 @@ def grpo_per_token_loss(
 ):
     """l_t = -min(rho_t A, clip(rho_t, 1 - epsilon, 1 + epsilon_high) A) + beta k3_t with rho_t = exp(logp_t - old_t).
 
-    Log-probs (B, T), advantages (B,). k3 is added after the min, so the KL gradient is never clipped (TRL 1.16
+    Log-probs (B, T), advantages (B,). k3 is added after the min, so the KL gradient is never clipped (TRL's
     _compute_loss). Returns (per_token_loss, per_token_kl or None when beta == 0, is_low_clipped, is_high_clipped):
     TRL's clip_ratio: tokens whose gradient the clip removed (rho < 1 - eps, A < 0; rho > 1 + eps_high, A > 0)."""
     advantages = advantages[:, None]  # one advantage per completion, shared by its tokens
@@ -280,7 +280,7 @@ def grpo_per_token_loss(
 def aggregate_loss(
     per_token_loss, completion_mask, loss_type, max_completion_length=None, num_items=None, num_sequences=None
 ):
-    """Reduce per_token_loss (B, T) under completion_mask (B, T) to the scalar GRPO loss, as TRL 1.16 does.
+    """Reduce per_token_loss (B, T) under completion_mask (B, T) to the scalar GRPO loss, as TRL does.
 
     With m the mask, S = num_sequences (default B), N = num_items (default m.sum()), L = max_completion_length:
       "grpo":    sum_i [sum_t m_it l_it / max(1, sum_t m_it)] / S   (mean over sequences of token means)

@@ -88,7 +88,7 @@ class Args:
     max_length: int = 1024
     """prompt + completion tokens; completions are cut from the right to fit"""
     max_prompt_length: int | None = None
-    """keep only the last N prompt tokens; None = no prompt limit (TRL 1.16)"""
+    """keep only the last N prompt tokens; None = no prompt limit (TRL's default)"""
     # algorithm
     beta: float = 0.1
     """[algorithm] inverse temperature of the implied reward"""

@@ -11,9 +11,9 @@ templates, tokenize with loss masks, pad and pack. Row formats are TRL's, "stand
 Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages.
 Truncation: supervised rows keep the start (TRL's "keep_start"). preference/binary keep the END of the prompt
 (max_prompt_length, TRL < 1.0's "keep_end"), then cut completions from the right to fit max_length
-(max_prompt_length=None: TRL 1.16's default). A row whose completion would be cut away is dropped, never trained as a
+(max_prompt_length=None: TRL's default). A row whose completion would be cut away is dropped, never trained as a
 silent zero loss. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated: that would cut the question
-and the chat header, and rewards would score answers to a question the model never saw (TRL 1.16's GRPO does not
+and the chat header, and rewards would score answers to a question the model never saw (TRL's GRPO does not
 truncate prompts). Drops get one warning: count + first locations.
 Chat templates: `setup_chat_template` keeps a tokenizer's own template or installs a built-in one (ChatML, Qwen,
 Llama 3), and makes the template's end-of-turn token the tokenizer's eos (as TRL's clone_chat_template does), so one

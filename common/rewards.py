@@ -291,7 +291,7 @@ def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torc
     """Call every (name, fn, weight) on the batch -> (rewards (B,), rewards_per_func (B, F)).
 
     None becomes NaN in rewards_per_func, and rewards = nansum_f weight_f * reward_f leaves it out, as TRL does. A
-    row that no function applies to gets 0 (nansum; group_advantages needs finite rewards): TRL 1.16 makes it NaN
+    row that no function applies to gets 0 (nansum; group_advantages needs finite rewards): TRL makes it NaN
     and zeroes its advantage, which gives the same loss but keeps it out of its group's mean and std."""
     per_func = torch.zeros(len(completions), len(funcs))
     for i, (name, fn, _) in enumerate(funcs):

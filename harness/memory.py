@@ -20,7 +20,7 @@ from plugins.embedded import ALIAS_CONFIGS
 
 GiB = 2**30
 CHUNK = 1024  # common.model.chunked_logps's default chunk_size (rows of logits per chunk)
-CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces: outside torch's allocator, ~0.3-0.5 GiB on recent cards
+CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces, outside torch's allocator (docs/memory.md)
 CPU_RUNTIME = GiB // 2  # torch + transformers + peft imported (docs/memory.md: measured)
 ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, docs/memory.md)
 

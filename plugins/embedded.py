@@ -54,7 +54,7 @@ def _gguf_source(alias: str) -> pathlib.Path:
 
 
 def _source_id(path: pathlib.Path) -> dict:
-    # A hash (~0.15 s for 98 MB), not the package version: a reinstall of other weights must invalidate the cache.
+    # A hash of the file, not the package version: a reinstall of other weights must invalidate the cache.
     with open(path, "rb") as f:
         sha = hashlib.file_digest(f, "sha256").hexdigest()[:16]
     return {"file": path.name, "size": path.stat().st_size, "sha256": sha}

@@ -106,7 +106,7 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
                 f"{ours or 'unquantized'} one: its scores move with the rounding (docs/reward-models.md)"
             )
     else:
-        with warnings.catch_warnings():  # PEFT 0.21 reads a deprecated transformers attribute (see attach_lora)
+        with warnings.catch_warnings():  # PEFT reads a deprecated transformers attribute (see attach_lora)
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             base_name = config["base_model"]  # loaded as trained: its own base, quantized the same way
             base = load_model(
