@@ -34,8 +34,9 @@ from common.model import save_final, seed_everything, snapshot_ref, trainable_pa
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.cli import training_lines
 from harness.hub import check_dataset, locate_model
-from harness.memory import Pass, Trained, longest_row, plan_memory
+from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 
@@ -337,49 +338,13 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     """The memory plan of one micro-batch of pairs (harness.memory): the reference's no-grad pass, then the policy's
     forward and backward over the [chosen; rejected] rows. Returns (plan, gradient checkpointing)."""
     use_ref = args.loss_type != "simpo"
-    rows_n = 2 * args.per_device_train_batch_size  # chosen + rejected
+    n = 2 * args.per_device_train_batch_size  # chosen + rejected
     T = min(args.max_length, longest_row(rows) or args.max_length)
-    step = [Pass(rows_n, T, rows_n * T, grad=True)]
+    step = [Pass(n, T, n * T, grad=True)]
     if use_ref and not args.precompute_ref_log_probs:  # before the policy's pass: never beside its graph
-        step = [Pass(rows_n, T, rows_n * T, name="reference pass")] + step
-    trained = Trained(
-        args.dtype,
-        args.quantization,
-        args.lora_r,
-        dropout=args.lora_dropout > 0 and not args.disable_dropout,
-        frozen_copies=int(use_ref),
-        flash_attention=args.attn_implementation == "flash_attention_2",
-    )
-    bs = args.per_device_train_batch_size
-    return plan_memory(
-        args.model,
-        trained,
-        {"step": step},
-        checkpointing=args.gradient_checkpointing,
-        adapter=args.adapter,
-        disable_dropout=args.disable_dropout,
-        knobs=[
-            ("per_device_train_batch_size", bs, 1),
-            ("quantization", args.quantization, "4bit"),
-            ("max_length", args.max_length, 64),
-        ],
-        ignore=args.ignore_memory_plan,
-        refuse=not args.plan,
-        trust_remote_code=args.trust_remote_code,
-    )
-
-
-def config_lines(args: Args, n_rows: int) -> dict[str, str]:
-    """What this run will do, for the start-up block."""
-    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
-    return {
-        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
-        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
-        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), "
-        f"LoRA r {args.lora_r}",
-        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
-        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
-    }
+        step.insert(0, Pass(n, T, n * T, name="reference pass"))
+    knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
+    return plan_memory(args, {"step": step}, dropout_off=args.disable_dropout, frozen_copies=int(use_ref), knobs=knobs)
 
 
 def main(args: Args) -> dict:
@@ -394,7 +359,7 @@ def main(args: Args) -> dict:
     rows, eval_rows = load_splits(
         args.dataset, args.dataset_split, args.eval_split, "preference", args.eval_steps, builtin=builtin_rows
     )  # eval_rows [] without --eval-split
-    print_config("dpo", args.preset, args.model, config_lines(args, len(rows)))
+    print_config("dpo", args.preset, args.model, training_lines(args, len(rows)))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}

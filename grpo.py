@@ -55,7 +55,7 @@ from common.rollout import check_sampling, hf_generate
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
 from harness.hub import check_dataset, locate_model
-from harness.memory import Generate, Pass, Trained, longest_row, plan_memory
+from harness.memory import Generate, Pass, longest_row, plan_memory
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.code import code_reward
@@ -510,7 +510,9 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     """The memory plan of what a step runs (harness.memory): the rollout, the reference / old-policy no-grad pass,
     and a micro-batch's policy pass (each prompt once, its G completions attending to its cache; under gradient
     checkpointing grouped_completion_logps scores whole rows instead). Returns (plan, gradient checkpointing)."""
-    g, G, C = args.groups_per_micro_batch, args.group_size, args.max_completion_length
+    g = args.groups_per_micro_batch
+    G = args.group_size
+    C = args.max_completion_length
     P = min(args.max_prompt_length, longest_row(rows) or args.max_prompt_length)
     vllm_share = args.vllm_gpu_memory_utilization if args.engine == "vllm" else None
     rollout = [Generate(args.prompts_per_step, G, P, C, vllm_share)]
@@ -519,32 +521,19 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         reference = [Pass(g * G, P + C, g * G * C, kv_cache=True)]
     shared = [Pass(g, P, grad=True), Pass(g * G, C, g * G * C, grad=True, entropy=True, context=P)]
     whole = [Pass(g * G, P + C, g * G * C, grad=True, entropy=True)]
-    trained = Trained(
-        args.dtype,
-        args.quantization,
-        args.lora_r,
-        dropout=args.lora_dropout > 0,
-        frozen_copies=int(args.beta != 0.0),
-        flash_attention=args.attn_implementation == "flash_attention_2",
-    )
     phases = {"step": shared, "rollout": rollout, "reference": reference}
     return plan_memory(
-        args.model,
-        trained,
+        args,
         phases,
+        frozen_copies=int(args.beta != 0.0),
         phases_checkpointed=phases | {"step": whole},
-        checkpointing=args.gradient_checkpointing,
-        adapter=args.adapter,
         knobs=[
-            ("groups_per_micro_batch", g, 1),
-            ("quantization", args.quantization, "4bit"),
-            ("max_completion_length", C, 64),
-            ("group_size", G, 2),
+            ("groups_per_micro_batch", 1),
+            ("quantization", "4bit"),
+            ("max_completion_length", 64),
+            ("group_size", 2),
         ],
         extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
-        ignore=args.ignore_memory_plan,
-        refuse=not args.plan,
-        trust_remote_code=args.trust_remote_code,
     )
 
 

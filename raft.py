@@ -45,7 +45,7 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 from harness.checkpoints import check_run_dir_identity, run_identity
 from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
 from harness.hub import check_dataset, locate_model
-from harness.memory import Generate, Pass, Trained, longest_row, plan_memory
+from harness.memory import Generate, Pass, longest_row, plan_memory
 from harness.run import Logger, make_run_dir, peak_memory_gb
 from plugins.builtin_math import builtin_rows
 from plugins.code import code_reward
@@ -87,6 +87,8 @@ class Args:
     """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
+    trust_remote_code: bool = False
+    """allow model code from the hub (off unless you trust the repo)"""
     # data
     dataset: str | None = None
     """[data] prompts (extra columns go to the rewards; spin: {prompt, completion} rows). None = preset (demo:
@@ -386,34 +388,22 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     if use_ref:
         step.append(Pass(n, T, n * T, name="reference pass"))
     prompts = min(args.prompts_per_round, args.generation_batch_size)
-    trained = Trained(
-        args.dtype,
-        args.quantization,
-        args.lora_r,
-        dropout=args.lora_dropout > 0 and not use_ref,  # a DPO loss runs with dropout off
-        frozen_copies=int(use_ref),
-        flash_attention=args.attn_implementation == "flash_attention_2",
-    )
     knobs = [
-        ("per_device_train_batch_size", args.per_device_train_batch_size, 1),
-        ("quantization", args.quantization, "4bit"),
-        ("max_completion_length", C, 64),
-        ("max_length", args.max_length, 64),
-        ("group_size", args.group_size, 2),
+        ("per_device_train_batch_size", 1),
+        ("quantization", "4bit"),
+        ("max_completion_length", 64),
+        ("max_length", 64),
+        ("group_size", 2),
     ]
     if args.generation_batch_size < args.prompts_per_round:  # one generate() call per round already: no knob
-        knobs.insert(0, ("generation_batch_size", args.generation_batch_size, 1))
+        knobs.insert(0, ("generation_batch_size", 1))
     return plan_memory(
-        args.model,
-        trained,
+        args,
         {"step": step, "rollout": [Generate(prompts, G, P, C)]},
-        checkpointing=args.gradient_checkpointing,
-        adapter=args.adapter,
-        disable_dropout=use_ref,
+        dropout_off=use_ref,  # a DPO loss runs with dropout off
+        frozen_copies=int(use_ref),
         knobs=knobs,
         extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
-        ignore=args.ignore_memory_plan,
-        refuse=not args.plan,
     )
 
 
@@ -457,6 +447,7 @@ def main(args: Args) -> dict:
         args.attn_implementation,
         args.quantization,
         checkpointing,
+        args.trust_remote_code,
         path=locate_model(args.model),
     )
     setup_chat_template(tokenizer, args.template)

@@ -35,8 +35,9 @@ from common.model import unwrap
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.cli import training_lines
 from harness.hub import check_dataset, locate_model
-from harness.memory import Pass, Trained, longest_row, plan_memory
+from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.reward_model import reward_logits, save_reward
@@ -239,45 +240,11 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     """The memory plan of one micro-batch (harness.memory): one forward and backward over its rows ([chosen;
     rejected], or the regression rows), through the small reward head only. Returns (plan, checkpointing)."""
     bs = args.per_device_train_batch_size
-    rows_n = bs if args.loss_type == "regression" else 2 * bs
+    n = bs if args.loss_type == "regression" else 2 * bs
     T = min(args.max_length, longest_row(rows) or args.max_length)
-    trained = Trained(
-        args.dtype,
-        args.quantization,
-        args.lora_r,
-        dropout=args.lora_dropout > 0 and not args.disable_dropout,
-        flash_attention=args.attn_implementation == "flash_attention_2",
-    )
-    return plan_memory(
-        args.model,
-        trained,
-        {"step": [Pass(rows_n, T, rows_n * T, grad=True, vocab=False)]},
-        checkpointing=args.gradient_checkpointing,
-        adapter=args.adapter,
-        disable_dropout=args.disable_dropout,
-        knobs=[
-            ("per_device_train_batch_size", bs, 1),
-            ("quantization", args.quantization, "4bit"),
-            ("max_length", args.max_length, 64),
-        ],
-        ignore=args.ignore_memory_plan,
-        refuse=not args.plan,
-        trust_remote_code=args.trust_remote_code,
-    )
-
-
-def config_lines(args: Args, n_rows: int, attributes: list[str]) -> dict[str, str]:
-    """What this run will do, for the start-up block."""
-    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
-    return {
-        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
-        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
-        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), "
-        f"LoRA r {args.lora_r}",
-        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
-        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
-        "head": f"{args.loss_type}: {attributes}",
-    }
+    step = [Pass(n, T, n * T, grad=True, vocab=False)]
+    knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
+    return plan_memory(args, {"step": step}, dropout_off=args.disable_dropout, knobs=knobs)
 
 
 def main(args: Args) -> dict:
@@ -294,7 +261,8 @@ def main(args: Args) -> dict:
     )  # eval_rows [] without --eval-split
     attributes, targets = row_targets(rows, args)
     eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}
-    print_config("rm", args.preset, args.model, config_lines(args, len(rows), attributes))
+    lines = training_lines(args, len(rows)) | {"head": f"{args.loss_type}: {attributes}"}
+    print_config("rm", args.preset, args.model, lines)
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}

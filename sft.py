@@ -33,8 +33,9 @@ from common.model import attach_lora, load_model, save_final, seed_everything, s
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.cli import training_lines
 from harness.hub import check_dataset, locate_model
-from harness.memory import Pass, Trained, longest_row, plan_memory
+from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.reward_model import label_rows
@@ -220,37 +221,13 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     through the head. Returns (plan, gradient checkpointing)."""
     T = min(args.max_length, longest_row(rows) or args.max_length)
     bs = args.per_device_train_batch_size
-    lora_r = args.lora_r if args.use_lora else None
-    flash = args.attn_implementation == "flash_attention_2"
-    trained = Trained(args.dtype, args.quantization, lora_r, args.lora_dropout > 0, flash_attention=flash)
+    step = [Pass(bs, T, bs * T, grad=True)]
     return plan_memory(
-        args.model,
-        trained,
-        {"step": [Pass(bs, T, bs * T, grad=True)]},
-        checkpointing=args.gradient_checkpointing,
-        adapter=args.adapter,
-        knobs=[
-            ("per_device_train_batch_size", bs, 1),
-            ("quantization", args.quantization, "4bit"),
-            ("max_length", args.max_length, 64),
-        ],
-        ignore=args.ignore_memory_plan,
-        refuse=not args.plan,
-        trust_remote_code=args.trust_remote_code,
+        args,
+        {"step": step},
+        lora=args.use_lora,
+        knobs=[("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)],
     )
-
-
-def config_lines(args: Args, n_rows: int) -> dict[str, str]:
-    """What this run will do, for the start-up block."""
-    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
-    lora = f"LoRA r {args.lora_r}" if args.use_lora else "full fine-tuning"
-    return {
-        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
-        "steps": f"{steps} x {args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated",
-        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), {lora}",
-        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
-        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
-    }
 
 
 def main(args: Args) -> dict:
@@ -267,7 +244,7 @@ def main(args: Args) -> dict:
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
     rows = steer_rows(rows, args.attributes_in)  # SteerLM: rows' attributes written into their prompts
     eval_rows = steer_rows(eval_rows, args.attributes_in)
-    print_config("sft", args.preset, args.model, config_lines(args, len(rows)))
+    print_config("sft", args.preset, args.model, training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}

@@ -10,8 +10,8 @@
 #      random-init model with Qwen2.5-1.5B's exact shapes (bench/qwen_shapes.py) for 3 steps at full completion
 #      length (random weights never emit EOS, so every completion is full length),
 #   4. runs bench/grpo_gpu.py (ours against TRL 1.16's GRPOTrainer, 512-token completions to fit the budget),
-#   5. runs bench/memory_check.py --gpu: the memory planner (common/memory.py) against torch.cuda.max_memory_allocated
-#      for sft / dpo / grpo on a random-init Qwen2.5-1.5B in bf16,
+#   5. runs bench/memory_check.py --gpu: each script's memory plan (its memory_plan over harness/memory.py) against
+#      torch.cuda.max_memory_allocated for sft / dpo / grpo on a random-init Qwen2.5-1.5B in bf16,
 #   6. writes one Markdown table to $OUT/gpu_check.md (s/step per phase, tokens/s, peak GPU memory, TRL ratio) and
 #      the planner's table after it.
 #

@@ -105,12 +105,11 @@ def peak():
 
 
 def run_ours(args, out):
-    import common.model
     import grpo
 
     model, tokenizer, rows = build(args)
-    # the model built on the device above, no disk round trip (grpo.py loads through common.model.load_policy)
-    common.model.load_model = lambda *a, **k: (model, tokenizer)
+    # the model built on the device above, no disk round trip: grpo.main calls the load_model bound in its module
+    grpo.load_model = lambda *a, **k: (model, tokenizer)
     model.config.save_pretrained(os.path.join(out, "random-qwen2.5-1.5b"))  # config.json alone: for the memory plan
     data = os.path.join(out, "prompts.jsonl")
     with open(data, "w") as f:

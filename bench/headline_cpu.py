@@ -9,7 +9,7 @@ Prints peak memory (RSS on CPU, allocated on CUDA), the time per step and per ph
 The model folder (random weights, bf16 on disk, tests/tiny.py's ChatML tokenizer) is written once by
 bench/qwen_shapes.py in a child process, so the peak RSS printed here is the training run's own. The data is
 ../shared/data/gsm8k/{train,test}.jsonl; where that folder is absent (a clone, the GPU machine) GSM8K-layout rows
-{question, answer: '... #### N'} from common.embedded.make_math_problems go through the same mapping instead.
+{question, answer: '... #### N'} from plugins.builtin_math.make_math_problems go through the same mapping instead.
 grpo.main gets explicit arguments, the held-out GSM8K test file as --eval-dataset.
 """
 
@@ -32,7 +32,7 @@ def gsm8k_files(out: str) -> tuple[str, str, str]:
     """(train, test, where from): the shared GSM8K files, else procedural rows in GSM8K's layout written to out."""
     if os.path.isfile(os.path.join(GSM8K, "train.jsonl")):
         return os.path.join(GSM8K, "train.jsonl"), os.path.join(GSM8K, "test.jsonl"), "GSM8K (shared/data)"
-    from common.embedded import make_math_problems
+    from plugins.builtin_math import make_math_problems
 
     os.makedirs(out, exist_ok=True)
     paths = []

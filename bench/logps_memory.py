@@ -1,4 +1,4 @@
-"""Peak memory and time of per-token logps, forward + backward: common.logps.chunked_logps vs the naive
+"""Peak memory and time of per-token logps, forward + backward: common.model.chunked_logps vs the naive
 h @ W^T -> log_softmax -> gather, at Qwen2.5-0.5B's head size (V=151,936, H=896), fp32 on CPU.
 
 Each variant runs in a fresh subprocess; its cost is peak RSS (ru_maxrss) minus the RSS right after the inputs
@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.logps import chunked_logps
+from common.model import chunked_logps
 
 
 def naive_logps(hidden, weight, labels):

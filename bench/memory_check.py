@@ -1,13 +1,15 @@
-"""The memory planner (common/memory.py) against measured peaks, CPU fp32: sft / dpo / grpo on three models at two
-batch sizes each, every case in a fresh process.
+"""The memory planner (each script's memory_plan over harness/memory.py) against measured peaks, CPU fp32: sft / dpo /
+grpo on three models at two batch sizes each, every case in a fresh process.
 
 Measured = peak RSS (VmHWM) minus the RSS after every import and before the model loads (the peak is reset there
 through /proc/self/clear_refs). Estimated = the planner's parts that exist on a CPU: weights, LoRA + AdamW, the step's
 activations, log-prob buffer and reference pass, the rollout's KV cache (not the runtime allowance nor the 10 %
-allocator margin). Every sequence reaches ~94-100 % of max_length (near_full_rows; GRPO: random models never emit
-EOS, SmolLM2 is asked for long stories), so the planner's worst case is the case that runs. Children run with
-MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight back to the OS when freed, so RSS follows the live tensors
-(glibc's default keeps freed blocks, 2-3 GB on DPO: README, "Where the memory of a small run goes").
+allocator margin), from the script's own memory_plan(args, rows) with the rows the run plans with, against an
+unbounded budget (the bench's plan is never refused nor switched to checkpointing). Every sequence reaches ~94-100 %
+of max_length (near_full_rows; GRPO: random models never emit EOS, SmolLM2 is asked for long stories), so the
+planner's worst case is the case that runs. Children run with MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight
+back to the OS when freed, so RSS follows the live tensors (glibc's default keeps freed blocks, 2-3 GB on DPO:
+README, "Where the memory of a small run goes").
 
     OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32] [--checkpointing]   # ~6 min on 2 busy cores
 
@@ -18,6 +20,8 @@ margin, which max_memory_allocated does not see); `--gpu --tiny` runs the same c
 
 import argparse
 import atexit
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -25,10 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 WORDS = "the quick brown fox jumps over a lazy dog while Tom counts apples and Mia writes blue stickers".split()
+KIND = {"sft": "supervised", "dpo": "preference", "grpo": "prompt"}  # each script's data kind (validate_rows)
 SMALL_152K = dict(vocab_size=151936, hidden=256, layers=4, intermediate_size=640)  # Qwen2.5's vocabulary, tiny body
 # (script, model) -> (two batch sizes, sequence length): sized so that the larger case stays under ~4 GB
 CASES = {
@@ -104,18 +110,17 @@ GPU_TINY = {"sft": (1, 256), "dpo": (4, 256), "grpo": (1, 128)}
 
 def near_full_rows(args, script: str, folder: str) -> str:
     """The case's rows rewritten so that every batch is the planner's worst case under length grouping
-    (common.logps.length_groups): each short completion (every 4th SFT row, every DPO rejected) is cut to the words
+    (common.model.length_groups): each short completion (every 4th SFT row, every DPO rejected) is cut to the words
     that make its row ~94 % of max_length in this model's tokens, so a batch is one group, padded (sdpa keeps a mask
     and all-head k, v) and ~max_length long; rows far shorter would run as a group of their own and take less."""
     from transformers import AutoTokenizer
 
-    from common.data import tokenize_dataset, validate_rows
-    from common.embedded import resolve_model
-    from common.templates import setup_chat_template
+    from common.data import setup_chat_template, tokenize_dataset, validate_rows
+    from harness.hub import locate_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(locate_model(args.model))
     setup_chat_template(tokenizer, args.template)
-    kind, key = ("sft", "completion") if script == "sft" else ("preference", "rejected")
+    kind, key = ("supervised", "completion") if script == "sft" else ("preference", "rejected")
     target = int(0.94 * args.max_length)
 
     def size(row: dict) -> int:
@@ -156,20 +161,17 @@ def child(spec: dict) -> None:
     import torch.utils.tensorboard
     import transformers  # noqa: F401
 
-    from common.data import load_rows
-    from common.memory import estimate, longest_row, model_config
-    from common.run import resolve_preset
+    from common.data import load_rows, setup_chat_template, tokenize_dataset, validate_rows
+    from harness import memory
+    from harness.cli import resolve_preset
+    from harness.hub import locate_model
 
     mod = importlib.import_module(spec["script"])
     args = mod.Args(**spec["args"])
     if spec["script"] == "grpo":  # the prompt limit = the longest templated prompt, so the planner's P is what runs
         from transformers import AutoTokenizer
 
-        from common.data import tokenize_dataset, validate_rows
-        from common.embedded import resolve_model
-        from common.templates import setup_chat_template
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+        tokenizer = AutoTokenizer.from_pretrained(locate_model(args.model))
         setup_chat_template(tokenizer, args.template)
         examples = tokenize_dataset(
             tokenizer, validate_rows(load_rows(args.dataset, "train"), "prompt"), "prompt", None
@@ -178,11 +180,15 @@ def child(spec: dict) -> None:
     if spec["script"] in ("sft", "dpo"):
         args.dataset = near_full_rows(args, spec["script"], os.path.dirname(args.dataset))
     resolved = resolve_preset(args, mod.PRESETS) if hasattr(mod, "PRESETS") else args
-    longest = longest_row(load_rows(resolved.dataset, "train"))  # as check_memory bounds it in the script
+    # the rows the script plans with (they bound the sequence lengths below max_length when all are shorter)
+    rows = validate_rows(load_rows(resolved.dataset, resolved.dataset_split), KIND[spec["script"]])
     import torch
 
     cuda = torch.cuda.is_available()
-    parts = estimate(model_config(resolved.model), resolved, spec["script"], "cuda" if cuda else "cpu", 0, longest)
+    # The script's own plan, against a budget it always fits: never refused, never switched to checkpointing here
+    unbounded = mock.patch.object(memory, "device_memory", lambda device: (2**60, "unbounded budget (bench)"))
+    with unbounded, contextlib.redirect_stdout(io.StringIO()):
+        parts, _ = mod.memory_plan(resolved, rows)
     off_cpu = ("allowance (runtime)", "allocator (10 %)")  # the CUDA-or-runtime allowance and the margin
     cpu_parts = {k: v for k, v in parts.items() if k not in ("total", *off_cpu)}
     est = parts["total"] - sum(parts[k] for k in off_cpu)

@@ -1,46 +1,52 @@
 """Does each script's real preset start on a 24 / 48 GiB card? `python bench/preset_plans.py`
 
 `python <script>.py --model Qwen/Qwen2.5-<size>` (grpo.py: the headline's --group-size 4) resolved to its preset and
-passed through `common.memory.check_memory` as on a CUDA card of the given size (Qwen2.5 configs from
-common/memory.py, no download, no GPU): the plan without gradient checkpointing -> the plan the run starts with,
-`*` where the plan turned checkpointing on. tests/test_memory.py asserts that every cell fits its card.
+planned by the script's own memory_plan as on a CUDA card of the given size (bench/capability_table.plan_on_card:
+Qwen2.5 configs from bench/capability_table.py, no download, no GPU): the plan without gradient checkpointing -> the
+plan the run starts with, `*` where the run starts with checkpointing on. A cell over its card (the run would be
+refused) ends in "over". tests/test_memory.py asserts that every cell fits its card.
 """
 
-import contextlib
 import importlib
-import io
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
 import tyro
 
-from common import memory
-from common.run import resolve_preset
+from bench.capability_table import plan_on_card
+from harness.cli import resolve_preset
+from harness.memory import GiB
 
 SCRIPTS = ("sft", "dpo", "orpo", "kto", "rm", "grpo", "raft")
 EXTRA = {"grpo": ["--group-size", "4"]}
+CARDS = (("1.5B", 24), ("3B", 24), ("7B", 48))
+# what harness.memory.plan_memory prints when it turns gradient checkpointing on to fit
+WITHOUT = re.compile(r"without it the plan needs ([\d.]+) GiB")
+
+
+def cell(module, script: str, size: str, card: int) -> str:
+    """'plan without checkpointing -> plan the run starts with*' (or the one plan when checkpointing stays off)."""
+    # --plan: the planner reports a plan over the card instead of refusing it, so every cell prints
+    argv = ["--model", f"Qwen/Qwen2.5-{size}", "--plan", *EXTRA.get(script, [])]
+    args = resolve_preset(tyro.cli(module.Args, args=argv), module.PRESETS)
+    parts, checkpointing, text = plan_on_card(module, args, size, card)
+    total = parts["total"] / GiB
+    over = " over" if parts["total"] > card * GiB else ""
+    if not checkpointing:
+        return f"{total:.1f}{over}"
+    turned_on = WITHOUT.search(text)  # None: the preset asked for checkpointing itself
+    off = float(turned_on.group(1)) if turned_on else total
+    return f"{off:.1f} -> {total:.1f}*{over}"
 
 
 def main() -> None:
-    mods = {s: importlib.import_module(s) for s in SCRIPTS}
-    torch.cuda.is_available = lambda: True  # after the imports: bitsandbytes reads CUDA when it is imported
-    torch.cuda.is_bf16_supported = lambda *a, **k: True  # --dtype auto is then planned as bf16, as on these cards
+    modules = {script: importlib.import_module(script) for script in SCRIPTS}
     print("| model, card | " + " | ".join(SCRIPTS) + " |\n|---|" + "---:|" * len(SCRIPTS))
-    for size, card in (("1.5B", 24), ("3B", 24), ("7B", 48)):
-        memory.device_memory = lambda device, card=card: (card * memory.GiB, f"{card} GiB card")
-        memory.model_config = lambda name, trust=False, size=size: memory.QWEN25[size]
-        cells = []
-        for name, mod in mods.items():
-            argv = ["--model", f"Qwen/Qwen2.5-{size}", *EXTRA.get(name, [])]
-            args = resolve_preset(tyro.cli(mod.Args, args=argv), mod.PRESETS)
-            off = memory.estimate(memory.QWEN25[size], args, name, "cuda")["total"] / memory.GiB
-            with contextlib.redirect_stdout(io.StringIO()) as out:
-                started = memory.check_memory(args, name)
-            total = float(out.getvalue().split("total")[1].split()[0])
-            cells.append(f"{off:.1f} -> {total:.1f}*" if started.gradient_checkpointing else f"{total:.1f}")
+    for size, card in CARDS:
+        cells = [cell(module, script, size, card) for script, module in modules.items()]
         print(f"| Qwen2.5-{size}, {card} GiB | " + " | ".join(cells) + " |")
 
 

@@ -16,9 +16,27 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for common/
 
 import grpo
-from common.data import load_rows, validate_rows
-from common.model import load_policy
-from common.reward_model import load_reward, read_config, score
+from common.data import load_rows, setup_chat_template, validate_rows
+from common.model import attach_lora, load_model
+from harness.hub import locate_model
+from plugins.builtin_math import builtin_rows
+from plugins.reward_model import load_reward, read_config, score
+
+
+def grpo_policy(model: str, quantization: str | None):
+    """The fp32 policy as grpo.py builds it from its Args' defaults (base, chat template, new "default" LoRA)."""
+    args = grpo.Args(model=model, dtype="fp32", quantization=quantization)
+    policy, tokenizer = load_model(
+        args.model,
+        args.dtype,
+        args.attn_implementation,
+        args.quantization,
+        args.gradient_checkpointing,
+        args.trust_remote_code,
+        path=locate_model(args.model),
+    )
+    setup_chat_template(tokenizer, args.template)
+    return attach_lora(policy, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
 
 
 def main() -> None:
@@ -30,11 +48,11 @@ def main() -> None:
     args = parser.parse_args()
     import bitsandbytes as bnb
 
-    rows = validate_rows(load_rows(args.dataset, args.split), "preference")[: args.pairs]
+    rows = validate_rows(load_rows(args.dataset, args.split, builtin=builtin_rows), "preference")[: args.pairs]
     prompts, n = [r["prompt"] for r in rows] * 2, len(rows)
     completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
     model, t0 = read_config(args.rm_dir)["base_model"], time.perf_counter()
-    policies = {q: load_policy(grpo.Args(model=model, dtype="fp32", quantization=q))[0] for q in (None, "4bit")}
+    policies = {q: grpo_policy(model, q) for q in (None, "4bit")}
     rewards = {q: load_reward(args.rm_dir, m) for q, m in policies.items()}
     scores = {q: score(r, prompts, completions)[:, 0] for q, r in rewards.items()}
     layers = dict(policies["4bit"].named_modules())

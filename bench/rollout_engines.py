@@ -21,15 +21,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.data import concat_prompt_completion, load_rows, tokenize_dataset  # noqa: E402
-from common.logps import sequence_logps  # noqa: E402
-from common.model import attach_lora, load_model  # noqa: E402
-from common.templates import setup_chat_template  # noqa: E402
+from common.data import concat_prompt_completion, load_rows, setup_chat_template, tokenize_dataset  # noqa: E402
+from common.model import attach_lora, load_model, sequence_logps  # noqa: E402
+from harness.hub import locate_model  # noqa: E402
+from plugins.builtin_math import builtin_rows  # noqa: E402
 
 
 def policy(args, quantization=None):
     """The trainer's side as grpo.py builds it (fp32 on CPU) with a non-zero adapter (B ~ N(0, 0.02), seeded)."""
-    model, tokenizer = load_model(args.model, quantization=quantization)
+    model, tokenizer = load_model(args.model, quantization=quantization, path=locate_model(args.model))
     setup_chat_template(tokenizer, "auto")
     model = attach_lora(model, dropout=0.0)
     torch.manual_seed(0)
@@ -37,7 +37,7 @@ def policy(args, quantization=None):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02)
-    rows = load_rows("builtin:math", "train")[: args.prompts]
+    rows = load_rows("builtin:math", "train", builtin=builtin_rows)[: args.prompts]
     prompts = [e["prompt_ids"] for e in tokenize_dataset(tokenizer, rows, "prompt", 512)]
     return model, tokenizer, prompts
 
@@ -87,7 +87,8 @@ def child(kind, args) -> dict:
         model, tokenizer, prompts = policy(args)
         return best_of({"hf": lambda *a, **k: hf_generate(model, tokenizer, *a, **k)}, prompts, args)["hf"]
     if kind.startswith("vllm-"):
-        from common.rollout import VLLMEngine, hf_generate
+        from common.rollout import hf_generate
+        from plugins.vllm_engine import VLLMEngine
 
         model, tokenizer, prompts = policy(args)
         engine = VLLMEngine(

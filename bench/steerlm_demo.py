@@ -3,11 +3,11 @@
 Training rows are builtin:math_sft's train problems, each written four times with attributes {correct, length}:
 correct 1 keeps the worked answer, correct 0 has one consistent slip (a 0 appended to the final result; `slipped`);
 length 0 is the bare arithmetic ("5 + 3 = 8" per step), length 1 the worked sentences between an opening and a closing
-line. sft.py trains on them (`--attributes-in`, written into the prompt by common.data.steer_rows): by default every
-weight (not LoRA), packed in file order so each packed row holds one problem's four variants (the rows differ only
-in the attribute string and the answer, so each step sees the contrast), constant lr. Then, on held-out builtin:math
-test prompts, greedy decoding under each of the four attribute sets (evals.gsm8k's --attributes path) gives the
-accuracy and the mean completion length (tokens) for each. README, SteerLM: why these defaults (the LoRA runs
+line. sft.py trains on them (`--attributes-in`, written into the prompt by plugins.steerlm.steer_rows): by default
+every weight (not LoRA), packed in file order so each packed row holds one problem's four variants (the rows differ
+only in the attribute string and the answer, so each step sees the contrast), constant lr. Then, on held-out
+builtin:math test prompts, greedy decoding under each of the four attribute sets (evals.gsm8k's --attributes path)
+gives the accuracy and the mean completion length (tokens) for each. README, SteerLM: why these defaults (the LoRA runs
 learned the answers' 50/50 mix and not the attributes).
 Not CI; prints measured figures and asserts nothing.
 
@@ -28,7 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.embedded import builtin_rows  # noqa: E402
+from plugins.builtin_math import builtin_rows  # noqa: E402
 
 # Each step of a built-in solution reads "<words><x> <op> <y> = <r> <unit>."
 STEP = re.compile(r"(\d+ [-+*/] \d+) = (\d+)")
@@ -111,8 +111,7 @@ def main():
     print(log.strip().splitlines()[-1], f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
     # ---- 3 steer: the same held-out prompts under each attribute set, greedy
-    from evals.common_eval import load_eval_model
-    from evals.gsm8k import evaluate_gsm8k, gsm8k_rows
+    from evals.common_eval import evaluate_gsm8k, gsm8k_rows, load_eval_model
 
     model, tokenizer = load_eval_model(args.model, adapter=final_dir)
     results = {}

@@ -21,9 +21,12 @@ alpaca_en_demo rows, max_length 512, completion-only loss (both from ../shared/d
 from the right on both sides). Each side's phases come back too: ours from the scripts' time/* metrics, TRL's from
 TRLPhases (wrappers around its model's forward, accelerator.backward and GRPO's generation). With --cpu every
 measured process is pinned to that core (taskset), and the 1-minute load average is recorded before and after each.
-Allocators: --ours-malloc / --trl-malloc preload jemalloc or tcmalloc (LD_PRELOAD) into that side's processes, or
-nothing (system: glibc). Defaults: ours jemalloc when installed, as the scripts' CLI runs on CPU (common.run
-.preload_jemalloc); TRL system, as `trl` runs out of the box.
+Allocators: --ours-malloc / --trl-malloc preload jemalloc or tcmalloc (LD_PRELOAD, MALLOCS below) into that side's
+processes, or nothing (system: glibc); --allocator puts both sides under the same one. The scripts never choose an
+allocator themselves (their launcher does: `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python dpo.py`),
+so this bench sets LD_PRELOAD for each side's processes, and each child reports the allocator it actually runs
+under (a preload the loader could not apply stops the bench). Defaults: ours jemalloc when installed (ours as
+launched with jemalloc, the README's tables), TRL system, as `trl` runs out of the box.
 
 Read the CPU ratios with TRL 1.16's CPU path in mind: its fused LM head compacts to the scored positions only where
 Triton runs (CUDA), so on CPU it pushes every position (prompt and padding too) through the head, through torch
@@ -48,8 +51,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from common.run import JEMALLOC  # noqa: E402 (after the sys.path line)
-
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "llamafactory-demo")  # ../shared/data (read-only)
 
 # preset -> (method, Setup overrides, rows). Rows: "builtin" = the harness's built-in math rows (GRPO: prompts that ask
@@ -70,11 +71,11 @@ PRESETS = {
 for _method, _over, _ in PRESETS.values():  # GRPO: the harness's 1e-3 is for its tiny model
     _over.setdefault("learning_rate", 1e-4)
 ISSUE_PRESETS = ("grpo-4x4", "dpo-4x512", "sft-4x512")
-# --ours-malloc / --trl-malloc: the child's LD_PRELOAD (system = glibc's malloc, nothing preloaded)
+# --ours-malloc / --trl-malloc / --allocator: the child's LD_PRELOAD (system = glibc's malloc, nothing preloaded)
 MALLOCS = {
     "system": None,
-    "jemalloc": JEMALLOC,  # what the scripts' CLI preloads on CPU-only Linux (common.run.preload_jemalloc)
-    "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",  # Debian/Ubuntu's libjemalloc2
+    "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",  # libtcmalloc-minimal4
 }
 
 
@@ -109,7 +110,7 @@ def write_bench_model(out: str, vocab_size: int = 16384, hidden: int = 384, laye
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from common.embedded import make_math_problems
+    from plugins.builtin_math import make_math_problems
     from tests.tiny import CHATML_TEMPLATE, CORPUS, SPECIAL, build_tiny_model
 
     text = [f"{p['question']}\n{p['answer']}" for p in make_math_problems(2200, seed=0)] + CORPUS
@@ -221,15 +222,15 @@ def measure(args) -> dict:
     rows = preset_rows(args.preset, s.n_rows, tokenizer, target_length=s.max_completion_length // 2)
     stamps, phases = [], []
     if args.child == "ours":
-        import common.run
+        from harness.run import Logger  # the class every script imports: its log() is patched for all of them
 
-        log = common.run.Logger.log
+        log = Logger.log
 
         def timed_log(self, step, metrics):  # called once per step, right after it: consecutive stamps = step time
             stamps.append((time.perf_counter(), time.process_time()))
             return log(self, step, metrics)
 
-        common.run.Logger.log = timed_log
+        Logger.log = timed_log
         data = write_jsonl(os.path.join(s.out, f"data_{args.preset}.jsonl"), rows)
         history = run_ours(s, data)
         phases = [{k[len("time/") :]: v for k, v in h.items() if k.startswith("time/")} for h in history]
@@ -266,7 +267,15 @@ def measure(args) -> dict:
         "phases": phases[1:],
         "tokens": tokens[1:],
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "malloc": mapped_malloc(),
     }
+
+
+def mapped_malloc() -> str:
+    """The MALLOCS name of the allocator mapped into this process (system: none of the preloadable ones)."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return next((name for name, lib in MALLOCS.items() if lib and os.path.basename(lib) in maps), "system")
 
 
 def run_child(args, side: str, preset: str, model: str, adapter: str) -> dict:
@@ -301,7 +310,11 @@ def run_child(args, side: str, preset: str, model: str, adapter: str) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{side} {preset} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"load": [load, os.getloadavg()[0]]}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result["malloc"] != getattr(args, f"{side}_malloc"):  # the table would name an allocator that did not run
+        asked = getattr(args, f"{side}_malloc")
+        raise RuntimeError(f"{side} {preset}: asked for {asked}, ran under {result['malloc']}:\n{proc.stderr[-2000:]}")
+    return result | {"load": [load, os.getloadavg()[0]]}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -340,31 +353,46 @@ def main():
     parser.add_argument(
         "--ours-malloc",
         choices=list(MALLOCS),
-        default=default,
-        help=f"our side's allocator (LD_PRELOAD); default {default}: what the scripts' CLI runs under on CPU",
+        default=None,
+        help=f"our side's allocator (LD_PRELOAD); default jemalloc when installed, else system (here: {default}): "
+        "ours as launched with LD_PRELOAD=<jemalloc>, the scripts never pick one themselves",
     )
-    parser.add_argument("--trl-malloc", choices=list(MALLOCS), default="system", help="TRL's side's allocator")
+    parser.add_argument(
+        "--trl-malloc", choices=list(MALLOCS), default=None, help="TRL's side's allocator; default system"
+    )
+    parser.add_argument(
+        "--allocator", choices=list(MALLOCS), default=None, help="both sides' allocator (instead of the two above)"
+    )
     parser.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--adapter", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.allocator is not None:
+        if args.ours_malloc is not None or args.trl_malloc is not None:
+            parser.error("--allocator sets both sides: leave out --ours-malloc / --trl-malloc")
+        args.ours_malloc = args.trl_malloc = args.allocator
+    args.ours_malloc = args.ours_malloc or default
+    args.trl_malloc = args.trl_malloc or "system"
     if args.child:
         args.preset = args.preset[0]
         print(json.dumps(measure(args)))
         return
-    if unknown := [p for p in args.preset if p not in PRESETS]:
+    unknown = [p for p in args.preset if p not in PRESETS]
+    if unknown:
         parser.error(f"--preset: unknown {unknown}; choose from {', '.join(PRESETS)}")
     for side in ("ours", "trl"):
-        if (lib := MALLOCS[getattr(args, f"{side}_malloc")]) and not os.path.exists(lib):
-            parser.error(f"--{side}-malloc: {lib} not found (apt-get install libjemalloc2 / libtcmalloc-minimal4)")
-    from common.embedded import resolve_model
+        lib = MALLOCS[getattr(args, f"{side}_malloc")]
+        if lib and not os.path.exists(lib):
+            flag = "--allocator" if args.allocator else f"--{side}-malloc"
+            parser.error(f"{flag}: {lib} not found (apt-get install libjemalloc2 / libtcmalloc-minimal4)")
+    from harness.hub import locate_model
     from scripts.compare_with_trl import make_start_adapter
 
     os.makedirs(args.out, exist_ok=True)
     results = []
     for preset in args.preset:
         name = args.model or ("smollm2-135m" if preset in ISSUE_PRESETS else "bench")
-        model = write_bench_model(args.out) if name == "bench" else resolve_model(name)
+        model = write_bench_model(args.out) if name == "bench" else locate_model(name)  # alias: its folder
         adapter = make_start_adapter(model, os.path.join(args.out, f"adapter_{os.path.basename(model)}"))
         runs = {"ours": [], "trl": []}
         for _ in range(args.repeats):

@@ -61,7 +61,8 @@ def extract_answer(text) -> str | None:
     text = text_of(text)[-_TAIL:].replace("\u2212", "-")  # U+2212 is the typographic minus
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().split("\n")[0]
-    if (boxed := _boxed(text)) is not None:
+    boxed = _boxed(text)
+    if boxed is not None:
         return boxed
     numbers = _PHRASE.findall(text) or [m.group() for m in re.finditer(_FRAC + "|" + _NUM, text)]
     return numbers[-1] if numbers else None

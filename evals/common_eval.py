@@ -146,7 +146,9 @@ def gsm8k_rows(
     training (common.data.question_row: reference = the number after '####'), or prompt-only rows such as
     builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions.
     attributes ("correct:1,length:0"): SteerLM's attribute string goes into each prompt (steer_prompt)."""
-    label = parse_attributes(attributes) if attributes else None  # a bad spec fails before any row loads
+    label = (
+        parse_attributes(attributes, "--attributes") if attributes else None
+    )  # a bad spec fails before any row loads
     check_dataset(dataset)
     rows = [
         question_row(r, instruction) if "question" in r and "prompt" not in r else r

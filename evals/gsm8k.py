@@ -103,7 +103,7 @@ def main(args: Args) -> dict:
     # ---- 4 write per-example outputs and the summary
     label, task = args.label or model_label(args.model, args.adapter, args.checkpoint), dataset_tag(args.dataset)
     if args.attributes and not args.label:  # one file per set of asked-for attributes, not one overwriting the other
-        label += "__" + re.sub(r"[^A-Za-z0-9._+-]+", "-", parse_attributes(args.attributes))
+        label += "__" + re.sub(r"[^A-Za-z0-9._+-]+", "-", parse_attributes(args.attributes, "--attributes"))
     summary = {
         "task": task,
         "label": label,

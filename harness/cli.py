@@ -59,6 +59,20 @@ def print_config(script: str, preset: str, model: str, lines: dict[str, str]) ->
     print(f"{script}: preset {preset}, model {model}{body}", flush=True)
 
 
+def training_lines(args, n_rows: int, lora: bool = True) -> dict[str, str]:
+    """print_config's lines for a script that trains on a fixed dataset: data, steps, optimiser, backend, output."""
+    steps = f"{args.max_steps} steps" if args.max_steps >= 0 else f"{args.num_train_epochs:g} epochs"
+    trained = f"LoRA r {args.lora_r}" if lora else "full fine-tuning"
+    rows = f"{args.per_device_train_batch_size} rows x {args.gradient_accumulation_steps} accumulated"
+    return {
+        "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
+        "steps": f"{steps} x {rows}",
+        "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), {trained}",
+        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
+        "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
+    }
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

@@ -272,39 +272,50 @@ def format_plan(parts: dict[str, int], budget: int, what: str) -> str:
 
 
 def plan_memory(
-    model: str,
-    trained: Trained,
+    args,
     phases: dict[str, list],
     *,
+    lora: bool = True,
+    dropout_off: bool = False,
+    frozen_copies: int = 0,
     phases_checkpointed: dict[str, list] | None = None,
-    checkpointing: bool = False,
-    adapter: str | None = None,
-    disable_dropout: bool = False,
-    knobs: list[tuple[str, object, object]] = (),
+    knobs: list[tuple[str, object]] = (),
     extra: dict[str, int] | None = None,
-    ignore: bool = False,
-    refuse: bool = True,
-    trust_remote_code: bool = False,
 ) -> tuple[dict, bool]:
-    """Print the plan of what the script declared; return (parts, checkpointing): a plan over the device's memory
-    turns gradient checkpointing on when that makes it fit (TRL's default is on; off is faster where the memory
-    allows it; `phases_checkpointed`: the script's passes under checkpointing, when they differ). A plan that does
-    not fit is refused (ArgsError with the script's knobs to try) unless `ignore`, or `refuse` is off (--plan).
-    As the model will load: dtype "auto" resolved for this device, and an --adapter's own rank and dropout."""
+    """Print the plan of what the script declared (`phases`, its training state: LoRA or every weight, dropout off,
+    `frozen_copies` of the LoRA such as a "ref" slot, `extra` lasting parts) with the model flags every script has
+    (--model, --dtype, --quantization, --lora-r, --lora-dropout, --adapter, --attn-implementation,
+    --gradient-checkpointing, --trust-remote-code); return (parts, gradient checkpointing). A plan over the device's
+    memory turns checkpointing on when that makes it fit (TRL's default is on; off is faster where the memory allows
+    it; `phases_checkpointed`: the passes under checkpointing, when they differ). A plan that does not fit is refused
+    (ArgsError naming the script's `knobs` to try: (flag, least value)) unless --ignore-memory-plan or --plan.
+    As the model will load: --dtype auto resolved for this device, and an --adapter's own rank and dropout."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget, what = device_memory(device)
-    config = model_config(model, trust_remote_code)
-    fp32 = resolve_dtype(trained.dtype, pick_device()) == torch.float32
-    trained = dataclasses.replace(trained, dtype="fp32" if fp32 else "bf16")
-    adapter_config = os.path.join(adapter, "adapter_config.json") if adapter else None
-    if trained.lora_r is not None and adapter_config and os.path.isfile(adapter_config):
+    config = model_config(args.model, args.trust_remote_code)
+    fp32 = resolve_dtype(args.dtype, pick_device()) == torch.float32
+    lora_r = args.lora_r
+    rate = args.lora_dropout
+    adapter_config = os.path.join(args.adapter, "adapter_config.json") if args.adapter else None
+    if lora and adapter_config and os.path.isfile(adapter_config):
         with open(adapter_config) as f:
-            lora = json.load(f)
-        dropout = lora.get("lora_dropout", 0.0) > 0 and not disable_dropout
-        trained = dataclasses.replace(trained, lora_r=lora["r"], dropout=dropout)
-    parts = estimate(config, trained, phases, checkpointing, device, budget, extra)
+            saved = json.load(f)
+        lora_r = saved["r"]
+        rate = saved.get("lora_dropout", 0.0)
+    trained = Trained(
+        dtype="fp32" if fp32 else "bf16",
+        quantization=args.quantization,
+        lora_r=lora_r if lora else None,
+        dropout=rate > 0 and not dropout_off,
+        frozen_copies=frozen_copies,
+        flash_attention=args.attn_implementation == "flash_attention_2",
+    )
+    checkpointing = args.gradient_checkpointing
+    ignore = args.ignore_memory_plan
+    declared = phases_checkpointed if checkpointing and phases_checkpointed else phases
+    parts = estimate(config, trained, declared, checkpointing, device, budget, extra)
     if parts["total"] > budget and not checkpointing and not ignore:
         on = phases_checkpointed or phases
         fits = estimate(config, trained, on, True, device, budget, extra)
@@ -317,9 +328,10 @@ def plan_memory(
             parts = fits
             checkpointing = True
     print(format_plan(parts, budget, what), flush=True)
-    if refuse and parts["total"] > budget and not ignore:
+    if parts["total"] > budget and not ignore and not args.plan:
+        values = [(name, getattr(args, name), least) for name, least in knobs]
         raise ArgsError(
             f"the memory plan needs {parts['total'] / GiB:.1f} GiB but the {what} is {budget / GiB:.1f} GiB: "
-            f"{suggestion(knobs, checkpointing)} (or --ignore-memory-plan to start anyway)"
+            f"{suggestion(values, checkpointing)} (or --ignore-memory-plan to start anyway)"
         )
     return parts, checkpointing

@@ -61,11 +61,16 @@ def read_config(path: str) -> dict:
 
 
 class RewardModel:
-    """A loaded reward model: `model` scores with adapter `slot` active, `head` maps to the K `attributes`."""
+    """A loaded reward model: `model` scores with adapter `slot` active, `head` maps to the K outputs `names`."""
 
     def __init__(self, model, slot: str, head, tokenizer, config: dict):
-        self.model, self.slot, self.head, self.tokenizer, self.config = model, slot, head, tokenizer, config
-        self.attributes, self.last = config["attributes"], (None, None)
+        self.model = model
+        self.slot = slot
+        self.head = head
+        self.tokenizer = tokenizer
+        self.config = config
+        self.names = config["attributes"]  # the head's K outputs, in order
+        self.last = (None, None)  # the last batch scored (prompts and completions as JSON, scores)
 
 
 def quantization_of(model) -> str | None:
@@ -207,7 +212,7 @@ def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ..
             f"--label-with {path}: a {scorer.config['loss_type']} model; SteerLM labels need a regression one"
         )
     scores = score_rows(scorer, [row for rows in row_lists for row in rows]).tolist()
-    levels = iter([dict(zip(scorer.attributes, map(round, s), strict=True)) for s in scores])
+    levels = iter([dict(zip(scorer.names, map(round, s), strict=True)) for s in scores])
     return tuple([row | {"attributes": next(levels)} for row in rows] for rows in row_lists)
 
 

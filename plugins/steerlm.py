@@ -21,35 +21,36 @@ def attribute_label(attributes: object, where: str) -> str:
     return ",".join(f"{k}:{int(attributes[k])}" for k in sorted(attributes))
 
 
-def parse_attributes(spec: str) -> str:
-    """--attributes "correct:1,length:0" -> the attribute string training wrote for the same values."""
+def parse_attributes(spec: str, flag: str) -> str:
+    """"correct:1,length:0" (the value of `flag`, named in errors) -> the attribute string training wrote for the
+    same values."""
     pairs = [p.partition(":") for p in spec.split(",")]
     bad = [n + s + v for n, s, v in pairs if not s or not v.strip().lstrip("-").isdigit()]
     if bad:
-        raise DataError(f"--attributes {spec!r}: {bad[0]!r} is not name:integer (e.g. correct:1,length:0)")
+        raise DataError(f"{flag} {spec!r}: {bad[0]!r} is not name:integer (e.g. correct:1,length:0)")
     attributes = {n.strip(): int(v) for n, _, v in pairs}
     if len(attributes) < len(pairs):
-        raise DataError(f"--attributes {spec!r}: a name is given twice")
-    return attribute_label(attributes, "--attributes")
+        raise DataError(f"{flag} {spec!r}: a name is given twice")
+    return attribute_label(attributes, flag)
 
 
-def steer_prompt(prompt: str | list[dict], label: str, attributes_in: str) -> str | list[dict]:
+def steer_prompt(prompt: str | list[dict], label: str, where: str) -> str | list[dict]:
     """The prompt with SteerLM's attribute string written in. NeMo-Aligner puts it in a label slot of its own template
     (<extra_id_2>) between the assistant header and the reply; chat templates have no such slot, so it goes into
     "system" (default: its own line at the end of the system turn, which is added if absent; the user's words stay
     as they are) or "user" (its own last line of every user turn, closest to the reply like SteerLM's). A plain-text
     prompt gets it as its first ("system") or last ("user") line."""
     if isinstance(prompt, str):
-        return f"{label}\n{prompt}" if attributes_in == "system" else f"{prompt}\n{label}"
-    if attributes_in == "user":
+        return f"{label}\n{prompt}" if where == "system" else f"{prompt}\n{label}"
+    if where == "user":
         return [m | {"content": f"{m['content']}\n{label}"} if m["role"] == "user" else m for m in prompt]
     if prompt and prompt[0]["role"] == "system":
         return [prompt[0] | {"content": f"{prompt[0]['content']}\n{label}"}] + prompt[1:]
     return [{"role": "system", "content": label}] + prompt
 
 
-def steer_rows(rows: list[dict], attributes_in: str = "system") -> list[dict]:
-    """SteerLM's attribute-conditioned SFT rows: each validated sft row's `attributes` ({name: integer level}) is
+def steer_rows(rows: list[dict], where: str = "system") -> list[dict]:
+    """SteerLM's attribute-conditioned rows: each validated supervised row's `attributes` ({name: integer level}) is
     written into its prompt (steer_prompt) and dropped. Rows without attributes come back untouched (the same list);
     once one row has them every row needs the same names."""
     first = next((r for r in rows if r.get("attributes") is not None), None)
@@ -68,6 +69,6 @@ def steer_rows(rows: list[dict], attributes_in: str = "system") -> list[dict]:
         field = "messages" if "messages" in row else "text" if "text" in row else "prompt"
         if field == "text":
             bad_field(row, "attributes", "a {text} row has no prompt to write them into")
-        return without(row, "attributes") | {field: steer_prompt(row[field], label, attributes_in)}
+        return without(row, "attributes") | {field: steer_prompt(row[field], label, where)}
 
     return map_rows(rows, steer, "attributes")

@@ -122,6 +122,17 @@ def test_dpo_reference_and_grpo_rollout_parts(monkeypatch, on_cpu):
     assert v["rollout: vLLM reservation"] == 300 and "rollout: KV cache" not in v
 
 
+def test_grpo_with_checkpointing_asked_for_plans_the_whole_rows_it_runs(monkeypatch, on_cpu):
+    """Under gradient checkpointing grpo.py scores whole prompt + completion rows (no shared prompt pass): a plan with
+    --gradient-checkpointing given must declare those, as the plan that turns checkpointing on itself does."""
+    on = plan_of(grpo, monkeypatch, **GRPO | dict(gradient_checkpointing=True))
+    # 1 group of G 2 rows x (P 5 + C 6) tokens, C of each scored, with grad and entropy; checkpointing on
+    whole = {"step": [Pass(2, 11, 12, grad=True, entropy=True)]}
+    expected = estimate(CFG, Trained("fp32", None, 2, frozen_copies=1), whole, checkpointing=True, device="cpu")
+    for key in ("step: activations", "step: layer working set", "step: log-prob buffer"):
+        assert on[key] == expected[key], key
+
+
 def test_rm_regression_batches_rows_not_pairs(monkeypatch, on_cpu):
     """rm.py --loss-type regression puts per_device_train_batch_size rows in a forward (bradley_terry: 2 per pair)."""
     rows2 = plan_of(rm, monkeypatch, **SFT | dict(loss_type="regression"))

@@ -38,8 +38,10 @@ def steered(rows: list[dict], where: str = "system") -> list[dict]:
 def test_attribute_string_is_steerlms_sorted_name_value_list():
     assert attribute_label({"length": 0, "correct": 1}, "x") == "correct:1,length:0"
     assert attribute_label({"quality": 4.0, "toxicity": 0}, "x") == "quality:4,toxicity:0"  # 4.0 is level 4
-    assert parse_attributes("length:0, correct:1") == "correct:1,length:0"  # same string as training, any order
-    assert parse_attributes("verbosity:-1") == "verbosity:-1"
+    assert (
+        parse_attributes("length:0, correct:1", "--attributes") == "correct:1,length:0"
+    )  # same string as training, any order
+    assert parse_attributes("verbosity:-1", "--attributes") == "verbosity:-1"
 
 
 def test_system_placement_on_every_row_layout():
@@ -142,7 +144,7 @@ def test_a_text_row_cannot_carry_attributes():
 )
 def test_bad_attributes_flag(spec, message):
     with pytest.raises(DataError, match=f"--attributes.*{message}"):
-        parse_attributes(spec)
+        parse_attributes(spec, "--attributes")
 
 
 # --------------------------------------------------------------------------------------- rows without attributes
@@ -200,9 +202,9 @@ def test_sft_learns_to_follow_the_attribute(tmp_path):
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in weights.items())  # B starts at zero: it moved
     model, tok = load_eval_model(model_dir, adapter=out["final_dir"])
     ids = [
-        tokenize_prompt(tok, {"prompt": steer_prompt(prompt, parse_attributes(f"word:{i}"), "user")}, None)[
-            "prompt_ids"
-        ]
+        tokenize_prompt(
+            tok, {"prompt": steer_prompt(prompt, parse_attributes(f"word:{i}", "--attributes"), "user")}, None
+        )["prompt_ids"]
         for i in range(len(words))
     ]
     assert generate_completions(model, tok, ids, max_new_tokens=12) == [f"{w} {w}" for w in words]
