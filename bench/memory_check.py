@@ -9,7 +9,7 @@ unbounded budget (the bench's plan is never refused nor switched to checkpointin
 of max_length (near_full_rows; GRPO: random models never emit EOS, SmolLM2 is asked for long stories), so the
 planner's worst case is the case that runs. Children run with MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight
 back to the OS when freed, so RSS follows the live tensors (glibc's default keeps freed blocks, 2-3 GB on DPO:
-README, "Where the memory of a small run goes").
+docs/memory.md).
 
     OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32] [--checkpointing]   # ~6 min on 2 busy cores
 

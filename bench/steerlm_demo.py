@@ -7,8 +7,8 @@ line. sft.py trains on them (`--attributes-in`, written into the prompt by plugi
 every weight (not LoRA), packed in file order so each packed row holds one problem's four variants (the rows differ
 only in the attribute string and the answer, so each step sees the contrast), constant lr. Then, on held-out
 builtin:math test prompts, greedy decoding under each of the four attribute sets (evals.gsm8k's --attributes path)
-gives the accuracy and the mean completion length (tokens) for each. README, SteerLM: why these defaults (the LoRA runs
-learned the answers' 50/50 mix and not the attributes).
+gives the accuracy and the mean completion length (tokens) for each. docs/reward-models.md, SteerLM: why these
+defaults (the LoRA runs learned the answers' 50/50 mix and not the attributes).
 Not CI; prints measured figures and asserts nothing.
 
     OMP_NUM_THREADS=1 python bench/steerlm_demo.py                  # defaults: 80 steps x 2 packs, 48 test prompts

@@ -26,7 +26,7 @@ processes, or nothing (system: glibc); --allocator puts both sides under the sam
 allocator themselves (their launcher does: `LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 python dpo.py`),
 so this bench sets LD_PRELOAD for each side's processes, and each child reports the allocator it actually runs
 under (a preload the loader could not apply stops the bench). Defaults: ours jemalloc when installed (ours as
-launched with jemalloc, the README's tables), TRL system, as `trl` runs out of the box.
+launched with jemalloc, docs/results.md's tables), TRL system, as `trl` runs out of the box.
 
 Read the CPU ratios with TRL 1.16's CPU path in mind: its fused LM head compacts to the scored positions only where
 Triton runs (CUDA), so on CPU it pushes every position (prompt and padding too) through the head, through torch

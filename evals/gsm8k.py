@@ -2,7 +2,7 @@
 
 A completion is correct when `common.rewards.math_reward` gives it 1.0: its final answer (GSM8K `#### N`, else the
 last \\boxed{}, else "the answer is N", else the last number) equals the reference numerically. Zero-shot; the prompt
-is the question plus builtin:math's instruction, so policies trained on builtin:math see their own format.
+is the question plus common.data.MATH_INSTRUCTION (which asks for '#### N'); builtin:math rows keep their own.
 Run: `python -m evals.gsm8k --dataset openai/gsm8k:main --limit 100` (offline: a local test.jsonl of the same rows)
      `python -m evals.gsm8k --checkpoint runs/grpo__smollm2-135m__42__<time>/checkpoints/step-200`
      `python -m evals.gsm8k --dataset builtin:math --limit 64 --temperature 0.7 --num-samples 4` (mean over samples)

@@ -22,7 +22,7 @@ def attribute_label(attributes: object, where: str) -> str:
 
 
 def parse_attributes(spec: str, flag: str) -> str:
-    """"correct:1,length:0" (the value of `flag`, named in errors) -> the attribute string training wrote for the
+    """ "correct:1,length:0" (the value of `flag`, named in errors) -> the attribute string training wrote for the
     same values."""
     pairs = [p.partition(":") for p in spec.split(",")]
     bad = [n + s + v for n, s, v in pairs if not s or not v.strip().lstrip("-").isdigit()]

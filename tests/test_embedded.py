@@ -230,8 +230,8 @@ def test_train_and_test_are_disjoint():
 
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_builtin_math_is_mostly_one_step_over_one_digit_numbers(split):
-    # The difficulty GRPO's default run was tuned for (README): 75% one-step, a + b, a * b and their inverses with
-    # a, b in 2..9; a harder mix leaves SmolLM2-135M's sampled groups without right answers.
+    # The difficulty GRPO's default run was tuned for (docs/results.md): 75% one-step, a + b, a * b and their
+    # inverses with a, b in 2..9; a harder mix leaves SmolLM2-135M's sampled groups without right answers.
     solutions = [row["completion"][0]["content"].split("\n")[:-1] for row in builtin_rows("math_sft", split)]
     one_step = [steps[0] for steps in solutions if len(steps) == 1]
     assert 0.7 <= len(one_step) / len(solutions) <= 0.8 and all(1 <= len(s) <= 2 for s in solutions)

@@ -19,7 +19,8 @@ import rm
 import sft
 from harness.cli import resolve_preset
 
-# grpo.py's defaults before the presets existed (README command 1's run): the demo must resolve to exactly these.
+# grpo.py's defaults before the presets existed (the demo run in docs/results.md): the demo must resolve to
+# exactly these.
 DEMO_BEFORE = dict(
     dataset="builtin:math",
     prompts_per_step=2,
