@@ -24,8 +24,8 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import collate_sft, load_splits, micro_batch, pad_batch, setup_chat_template, tokenize_dataset
-from common.data import training_steps
+from common.data import bad_field, collate_sft, load_splits, micro_batch, need, pad_batch, setup_chat_template
+from common.data import sharegpt_row, tokenize_dataset, training_steps, without
 from common.errors import ArgsError
 from common.model import attach_lora, load_model, save_final, seed_everything, sequence_logps, trainable_parameters
 
@@ -148,6 +148,31 @@ def sft_loss(per_token_logps: torch.Tensor, num_items: int | torch.Tensor) -> to
     return -per_token_logps.sum() / num_items
 
 
+def alpaca_history(row: dict) -> list[dict]:
+    """LLaMA-Factory's alpaca `history` ([[instruction, response], ...], earlier rounds) as user/assistant turns."""
+    rounds = row.get("history") or []
+    if not (isinstance(rounds, list) and all(isinstance(r, list) and len(r) == 2 for r in rounds)):
+        bad_field(row, "history", f"must be a list of [instruction, response] pairs, got {str(rounds)[:80]}")
+    return [{"role": role, "content": text} for r in rounds for role, text in zip(("user", "assistant"), r)]
+
+
+def alpaca_row(row: dict) -> dict:
+    """--convert alpaca: {instruction, input, output[, system][, history]} (Alpaca's and LLaMA-Factory's layout) ->
+    conversational {prompt: [system?, the history's turns, user], completion: [assistant]}."""
+    user, output = need(row, "instruction", str), need(row, "output", str)
+    if row.get("input"):
+        user += "\n\n" + need(row, "input", str)  # Alpaca's layout: the instruction, a blank line, then the input
+    system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    return without(row, "instruction", "input", "output", "system", "history") | {
+        "prompt": system + alpaca_history(row) + [{"role": "user", "content": user}],
+        "completion": [{"role": "assistant", "content": output}],
+    }
+
+
+# --convert: rows of another layout rewritten on load (ShareGPT rows are also read as they are, unasked)
+CONVERTERS = {"alpaca": alpaca_row, "sharegpt": sharegpt_row}
+
+
 def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
     """Greedily concatenate tokenized examples, in order, into rows of at most max_length tokens, with position_ids
     restarting at 0 for each document (which is what keeps documents from attending to each other)."""
@@ -239,7 +264,13 @@ def main(args: Args) -> dict:
     # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
     check_dataset(args.dataset)
     rows, eval_rows = load_splits(
-        args.dataset, args.dataset_split, args.eval_split, "supervised", args.eval_steps, args.convert, builtin_rows
+        args.dataset,
+        args.dataset_split,
+        args.eval_split,
+        "supervised",
+        args.eval_steps,
+        CONVERTERS.get(args.convert),
+        builtin_rows,
     )  # eval_rows [] without --eval-split
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
     rows = steer_rows(rows, args.attributes_in)  # SteerLM: rows' attributes written into their prompts

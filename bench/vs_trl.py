@@ -41,6 +41,7 @@ same length. Results go to --out/results.md (Markdown, with the command and date
 
 import argparse
 import json
+import importlib
 import os
 import resource
 import statistics
@@ -89,7 +90,7 @@ def preset_rows(preset: str, n: int, tokenizer, target_length: int) -> list[dict
     if source == "builtin":
         return make_rows(KIND[method], n, tokenizer, target_length=target_length)
     name, convert = source
-    raw = load_rows(os.path.join(DATA, name), convert=convert)
+    raw = load_rows(os.path.join(DATA, name), convert=importlib.import_module("sft").CONVERTERS[convert])
     if method == "dpo":  # single-turn: one user message as the prompt
         raw = [r for r in raw if len(r["prompt"]) == 1]
     if len(raw) < n:

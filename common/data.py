@@ -5,7 +5,7 @@ templates, tokenize with loss masks, pad and pack. Row formats are TRL's, "stand
   prompt rows may also be {question, answer} (GSM8K's layout, hub openai/gsm8k:main or its JSONL files alike):
     validate_rows turns them into {prompt, answer: the number after '####', solution} (question_row)
   preference {prompt, chosen, rejected}; with no prompt, chosen and rejected's shared start becomes it (as TRL)
-  supervised and preference rows in ShareGPT's layout ({conversations: [{from, value}]}) go through _sharegpt unasked
+  supervised and preference rows in ShareGPT's layout ({conversations: [{from, value}]}) go through sharegpt_row
   binary {prompt, completion, label: bool}; validate_rows also splits {messages, label} (LLaMA-Factory's and many
     hub KTO sets' layout): the last, assistant, message becomes the completion
 Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages.
@@ -146,10 +146,10 @@ def _load_saved_dataset(path: pathlib.Path, split: str) -> list[dict]:
     return [dict(r, _loc=f"{path}:[{i}]") for i, r in enumerate(data.to_list())]
 
 
-def load_rows(spec: str, split: str = "train", convert: str | None = None, builtin=None) -> list[dict]:
+def load_rows(spec: str, split: str = "train", convert=None, builtin=None) -> list[dict]:
     """Rows from a local .json/.jsonl/.parquet file, a saved HF dataset folder, a hub id ("org/name" or
     "org/name:config"), or `builtin:<name>`, served by the `builtin(name, split)` function given (e.g.
-    plugins.builtin_math.builtin_rows); `convert` (a CONVERTERS key) rewrites each row."""
+    plugins.builtin_math.builtin_rows); `convert`, a function of a row (e.g. sharegpt_row), rewrites each one."""
     path = pathlib.Path(spec)
     if spec.startswith("builtin:"):
         if builtin is None:
@@ -170,9 +170,7 @@ def load_rows(spec: str, split: str = "train", convert: str | None = None, built
     for i, row in enumerate(rows):
         row.setdefault("_loc", f"{spec}:[{i}]")
     if convert is not None:
-        if convert not in CONVERTERS:
-            raise DataError(f"unknown convert={convert!r}; choose from {sorted(CONVERTERS)}")
-        rows = map_rows(rows, CONVERTERS[convert], f"convert={convert!r}")
+        rows = map_rows(rows, convert, f"the {convert.__name__} conversion")
     return rows
 
 
@@ -182,7 +180,7 @@ def load_splits(
     eval_split: str | None,
     kind: str,
     eval_steps: int = 0,
-    convert: str | None = None,
+    convert=None,
     builtin=None,
 ) -> tuple[list[dict], list[dict]]:
     """(dataset_split rows, eval_split rows or []) of `dataset`, validated as `kind`. A local file or a saved
@@ -205,7 +203,7 @@ def load_splits(
 
 
 # -------------------------------------------------------------------------------------------------- converters
-def _need(row: dict, field: str, kind: type) -> object:
+def need(row: dict, field: str, kind: type) -> object:
     if not isinstance(row.get(field), kind):
         bad_field(
             row,
@@ -221,27 +219,6 @@ def without(row: dict, *drop: str) -> dict:
     return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
 
 
-def _alpaca_history(row: dict) -> list[dict]:
-    """LLaMA-Factory's alpaca `history` ([[instruction, response], ...], earlier rounds) as user/assistant turns."""
-    rounds = row.get("history") or []
-    if not (isinstance(rounds, list) and all(isinstance(r, list) and len(r) == 2 for r in rounds)):
-        bad_field(row, "history", f"must be a list of [instruction, response] pairs, got {str(rounds)[:80]}")
-    return [{"role": role, "content": text} for r in rounds for role, text in zip(("user", "assistant"), r)]
-
-
-def _alpaca(row: dict) -> dict:
-    """{instruction, input, output[, system][, history]} -> conversational {prompt: [system?, the history's turns,
-    user], completion: [assistant]}."""
-    user, output = _need(row, "instruction", str), _need(row, "output", str)
-    if row.get("input"):
-        user += "\n\n" + _need(row, "input", str)  # Alpaca's layout: the instruction, a blank line, then the input
-    system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    return without(row, "instruction", "input", "output", "system", "history") | {
-        "prompt": system + _alpaca_history(row) + [{"role": "user", "content": user}],
-        "completion": [{"role": "assistant", "content": output}],
-    }
-
-
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -251,18 +228,15 @@ def _sharegpt_message(row: dict, field: str, turn: object) -> dict:
     return {"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]}
 
 
-def _sharegpt(row: dict) -> dict:
+def sharegpt_row(row: dict) -> dict:
     """{conversations: [{from, value}]} -> {messages}; with chosen/rejected {from, value} turns it is a preference row
     whose prompt is the conversation. A `system` column becomes a leading system message (LLaMA-Factory's layout)."""
-    messages = [_sharegpt_message(row, "conversations", t) for t in _need(row, "conversations", list)]
+    messages = [_sharegpt_message(row, "conversations", t) for t in need(row, "conversations", list)]
     messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + messages
     if "chosen" not in row and "rejected" not in row:
         return without(row, "conversations", "system") | {"messages": messages}
     pair = {k: [_sharegpt_message(row, k, row.get(k))] for k in ("chosen", "rejected")}
     return without(row, "conversations", "system") | {"prompt": messages} | pair
-
-
-CONVERTERS = {"alpaca": _alpaca, "sharegpt": _sharegpt}
 
 
 # ----------------------------------------------------------------------------------------------- GSM8K layout
@@ -275,7 +249,7 @@ def question_row(row: dict, instruction: str = MATH_INSTRUCTION) -> dict:
     prompt = one user turn, the question then `instruction` ('' for the bare question) on a new line; answer = the
     number after the last '####' with thousands commas dropped ('#### 1,080' -> '1080'), the whole worked solution
     kept as `solution`. An answer without '####' (a bare number) stays as given; `question` stays too."""
-    question = _need(row, "question", str)
+    question = need(row, "question", str)
     content = f"{question}\n{instruction}" if instruction else question
     out = without(row, "answer") | {"prompt": [{"role": "user", "content": content}]}
     answer = row.get("answer")
@@ -316,7 +290,7 @@ def _check_row(row: dict, kind: str) -> dict:
         and "conversations" in row
         and not {"prompt", "messages", "text"} & row.keys()
     ):
-        row = _sharegpt(row)
+        row = sharegpt_row(row)
     if (
         kind == "preference"
         and "prompt" not in row

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from common.data import (
+    sharegpt_row,
     collate_sft,
     concat_prompt_completion,
     end_of_turn_token,
@@ -24,7 +25,7 @@ from common.data import (
     validate_rows,
 )
 from common.errors import DataError
-from sft import collate_packed, pack_examples
+from sft import alpaca_row, collate_packed, pack_examples
 from tests.tiny import CORPUS
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -270,7 +271,7 @@ def test_single_class_binary_warns(tmp_path):
 # ---------------------------------------------------------------------------------- converters & loading
 def test_alpaca_demo(shared_data, tok):
     rows = validate_rows(
-        load_rows(str(shared_data / "llamafactory-demo/alpaca_en_demo.json"), convert="alpaca"), "supervised"
+        load_rows(str(shared_data / "llamafactory-demo/alpaca_en_demo.json"), convert=alpaca_row), "supervised"
     )
     assert len(rows) == 999 and rows[0]["_loc"].endswith("alpaca_en_demo.json:[0]")
     with_input = next(r for r in rows if "\n\n" in r["prompt"][0]["content"])
@@ -279,7 +280,7 @@ def test_alpaca_demo(shared_data, tok):
 
 
 def test_sharegpt_dpo_demo(shared_data, tok):
-    rows = load_rows(str(shared_data / "llamafactory-demo/dpo_en_demo.json"), convert="sharegpt")
+    rows = load_rows(str(shared_data / "llamafactory-demo/dpo_en_demo.json"), convert=sharegpt_row)
     rows = validate_rows(rows, "preference")
     assert len(rows) == 300
     assert {m["role"] for r in rows for m in r["prompt"]} == {"system", "user", "assistant"}
@@ -293,7 +294,7 @@ def test_sharegpt_rows_need_no_convert_flag(shared_data, tmp_path):
     # they are, to the same rows as --convert sharegpt gives.
     path = str(shared_data / "llamafactory-demo/dpo_en_demo.json")
     assert validate_rows(load_rows(path), "preference") == validate_rows(
-        load_rows(path, convert="sharegpt"), "preference"
+        load_rows(path, convert=sharegpt_row), "preference"
     )
     chat = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]
     rows = validate_rows(load_rows(write_jsonl(tmp_path / "c.jsonl", [{"conversations": chat}])), "supervised")
@@ -313,7 +314,7 @@ def test_alpaca_non_string_input_names_file_line_and_field(tmp_path):
     rows = [{"instruction": "Add", "input": bad, "output": "7"} for bad in (5, ["2", "5"])]
     path = write_jsonl(tmp_path / "a.jsonl", rows)
     with pytest.raises(DataError, match=r"2 bad row.*\n  .*a\.jsonl:1: field 'input': must be a str, got int"):
-        load_rows(path, convert="alpaca")
+        load_rows(path, convert=alpaca_row)
 
 
 def test_alpaca_history_becomes_the_earlier_turns(tmp_path):
@@ -323,9 +324,9 @@ def test_alpaca_history_becomes_the_earlier_turns(tmp_path):
     row["history"] = [["Plan my interview.", "First, read the job post."], ["And then?", "Practise."]]
     path = write_jsonl(tmp_path / "h.jsonl", [row, row | {"history": [["only the question"]]}, row | {"history": []}])
     with pytest.raises(DataError, match=r"h\.jsonl:2: field 'history': must be a list of \[instruction, response\]"):
-        load_rows(path, convert="alpaca")
+        load_rows(path, convert=alpaca_row)
     path = write_jsonl(tmp_path / "ok.jsonl", [row, row | {"history": []}])
-    with_history, without = validate_rows(load_rows(path, convert="alpaca"), "supervised")
+    with_history, without = validate_rows(load_rows(path, convert=alpaca_row), "supervised")
     roles = ["system", "user", "assistant", "user", "assistant", "user"]
     assert [m["role"] for m in with_history["prompt"]] == roles and "history" not in with_history
     assert [m["content"] for m in with_history["prompt"][1:]] == [*row["history"][0], *row["history"][1], "Thanks"]
@@ -336,7 +337,7 @@ def test_alpaca_history_becomes_the_earlier_turns(tmp_path):
 def test_sharegpt_bad_role(tmp_path):
     path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "robot", "value": "hi"}]}])
     with pytest.raises(DataError, match=r"s\.jsonl:1: field 'conversations': expected \{from"):
-        load_rows(path, convert="sharegpt")
+        load_rows(path, convert=sharegpt_row)
 
 
 def test_load_json_jsonl_parquet(tmp_path):
