@@ -549,37 +549,11 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
     # One optimizer step per rollout and iteration: TRL's max_steps counts updates
     common = trl_common(s, per_device_train_batch_size=n, gradient_accumulation_steps=1, lr_scheduler_type="constant")
     common |= {"max_steps": s.steps * s.iterations} | over
-    if s.method == "rloo":
-        args = RLOOConfig(
-            **common,
-            num_generations=s.group_size,
-            max_completion_length=s.max_completion_length,
-            beta=s.run_beta,
-            epsilon=s.epsilon,
-            epsilon_high=s.epsilon_high,
-            normalize_advantages=False,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            min_p=None,
-            repetition_penalty=1.0,
-            num_iterations=s.iterations,
-            mask_truncated_completions=False,
-            shuffle_dataset=False,
-            disable_dropout=True,
-            reward_weights=[w for _, _, w in funcs],
-            log_completions=False,
-            **s.trl_config,
-        )
-        cls = fixed_rollout_rloo_trainer(bank) if bank else importlib.import_module("trl").RLOOTrainer
-        return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
-    args = GRPOConfig(
-        **common,
+    # What GRPOTrainer and RLOOTrainer share: the group, the clip, plain sampling, no shuffling or dropout
+    common |= dict(
         num_generations=s.group_size,
         max_completion_length=s.max_completion_length,
         beta=s.run_beta,
-        loss_type=s.run_loss_type,
-        scale_rewards="group",
         epsilon=s.epsilon,
         epsilon_high=s.epsilon_high,
         temperature=1.0,
@@ -591,10 +565,15 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
         mask_truncated_completions=False,
         shuffle_dataset=False,
         disable_dropout=True,
-        use_bias_correction_kl=False,
         reward_weights=[w for _, _, w in funcs],
         log_completions=False,
-        **s.trl_config,
+    )
+    if s.method == "rloo":
+        args = RLOOConfig(**common, normalize_advantages=False, **s.trl_config)
+        cls = fixed_rollout_rloo_trainer(bank) if bank else importlib.import_module("trl").RLOOTrainer
+        return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
+    args = GRPOConfig(
+        **common, loss_type=s.run_loss_type, scale_rewards="group", use_bias_correction_kl=False, **s.trl_config
     )
     cls = fixed_rollout_trainer(bank) if bank else GRPOTrainer
     return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
