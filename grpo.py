@@ -33,20 +33,12 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import (
-    concat_prompt_completion,
-    dataset_label,
-    load_rows,
-    micro_batch,
-    pad_batch,
-    setup_chat_template,
-    tokenize_dataset,
-)
-from common.data import validate_rows
+from common.data import concat_prompt_completion, dataset_label, load_rows, micro_batch, pad_batch
+from common.data import setup_chat_template, tokenize_dataset, validate_rows
 from common.errors import ArgsError
-from common.model import as_reference, attach_lora, chunked_logps, head_is_plain_linear, is_checkpointing, load_model
-from common.model import masked_mean, masked_sum, prompt_cache, sequence_logps, unwrap, cache_kwarg
-from common.model import pick_device, resolve_dtype, save_final, seed_everything, snapshot_ref, trainable_parameters
+from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, head_is_plain_linear, is_checkpointing
+from common.model import load_model, masked_mean, masked_sum, pick_device, prompt_cache, resolve_dtype, save_final
+from common.model import seed_everything, sequence_logps, snapshot_ref, trainable_parameters, unwrap
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import check_sampling, hf_generate
 

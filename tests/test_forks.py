@@ -4,10 +4,14 @@ scripts/compare_with_trl.py: GSPO against GRPOTrainer(importance_sampling_level=
 RLOOTrainer, APO-zero against DPOTrainer(loss_type=["apo_zero"]). Each test also shows the comparison has power:
 the unpatched script does NOT match TRL's variant (or, for APO, the loss starts at its own hand value, not DPO's)."""
 
+import ast
+import importlib.util
+import json
 import math
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -22,6 +26,7 @@ FORKS = {
     "gspo": ("grpo.py", "grpo_gspo.py"),
     "rloo": ("grpo.py", "grpo_rloo.py"),
     "apo_zero": ("dpo.py", "dpo_apo.py"),
+    "bare": ("grpo.py", "grpo_bare.py"),  # grpo.py with every harness and plug-in call deleted
 }
 
 
@@ -102,3 +107,31 @@ def test_apo_zero_fork_matches_trl_dpo_apo_zero(trl_harness, tmp_path):
     assert_series_match(report)
     # At step 1 the policy is its reference (h = 0): APO-zero's loss is (1 - 1/2) + 1/2 = 1, DPO's would be ln 2
     assert report["series"]["loss"]["ours"][0] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_grpo_with_the_harness_and_plugins_deleted_trains_as_grpo_does(tiny_model_dir, tmp_path):
+    """docs/forks/bare.patch deletes every call to harness/ and plugins/ from grpo.py (presets, flag checks, the hub
+    check, the memory plan, run dir naming, checkpoints, breakers, logging, one-line errors, plug-in rewards): the
+    copy imports neither, and on the same flags trains exactly as grpo.py does, step for step."""
+    path = apply_fork("bare", tmp_path)
+    tree = ast.parse(open(path).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in imported if m and m.split(".")[0] in ("harness", "plugins")], sorted(imported)
+    spec = importlib.util.spec_from_file_location("grpo_bare", path)
+    bare = importlib.util.module_from_spec(spec)
+    sys.modules["grpo_bare"] = bare
+    spec.loader.exec_module(bare)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Count to {i}"}) + "\n" for i in range(6)))
+    flags = dict(model=tiny_model_dir, dataset=str(data), rewards=["length"], group_size=4, prompts_per_step=2,
+                 max_completion_length=8, learning_rate=1e-3, max_steps=2, seed=3)  # fmt: skip
+    out = bare.main(bare.Args(**flags, output_dir=str(tmp_path / "bare")))
+    import grpo
+
+    full = grpo.main(grpo.Args(**flags, preset="demo", output_dir=str(tmp_path / "full"), breaker_action="warn"))
+    assert (tmp_path / "bare").exists() and (out["final_dir"].endswith("final"))
+    assert len(out["history"]) == 2 and all(math.isfinite(h["loss"]) for h in out["history"])
+    skip = ("time/", "perf/", "memory/")
+    for ours, theirs in zip(out["history"], full["history"], strict=True):
+        assert ours == {k: v for k, v in theirs.items() if not k.startswith(skip)}
