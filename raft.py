@@ -497,7 +497,8 @@ def main(args: Args) -> dict:
         }
         if spin:  # (2)-(4) SPIN: ground truth (chosen) vs the policy's own generation (rejected); no reward
             generations = [text if ok else None for text, ok in zip(out["completions"], usable, strict=True)]
-            sft_rows, pair_rows = [], spin_pairs(batch, generations)
+            sft_rows = []
+            pair_rows = spin_pairs(batch, generations)
         else:
             # (2) rewards; unusable samples score NaN in the selection, which select_best and make_pairs skip
             rewards, per_func = score_rollout(rows_k, out, reward_funcs, args.max_completion_length)

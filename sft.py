@@ -159,7 +159,8 @@ def alpaca_history(row: dict) -> list[dict]:
 def alpaca_row(row: dict) -> dict:
     """--convert alpaca: {instruction, input, output[, system][, history]} (Alpaca's and LLaMA-Factory's layout) ->
     conversational {prompt: [system?, the history's turns, user], completion: [assistant]}."""
-    user, output = need(row, "instruction", str), need(row, "output", str)
+    user = need(row, "instruction", str)
+    output = need(row, "output", str)
     if row.get("input"):
         user += "\n\n" + need(row, "input", str)  # Alpaca's layout: the instruction, a blank line, then the input
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []

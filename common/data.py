@@ -48,7 +48,8 @@ def _columns(row: dict) -> str:
 
 def map_rows(rows: list[dict], fn, what: str) -> list[dict]:
     """fn over every row; all bad rows' DataErrors become one error: a file is fixed in one pass, not one per run."""
-    out, errors = [], []
+    out = []
+    errors = []
     for row in rows:
         try:
             out.append(fn(row))
@@ -618,7 +619,8 @@ TOKENIZE = dict(
 def tokenize_dataset(tokenizer, rows: list[dict], kind: str, max_length: int | None, **kw) -> list[dict]:
     """Tokenize validated rows with TOKENIZE[kind] (for "prompt", max_length is the prompt limit), dropping those that
     do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs)."""
-    examples, dropped = [], []
+    examples = []
+    dropped = []
     for row in rows:
         example = TOKENIZE[kind](tokenizer, row, max_length, **kw)
         if example is None:

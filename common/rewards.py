@@ -47,7 +47,8 @@ def _boxed(text: str) -> str | None:
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    start, depth = start + len("\\boxed"), 0  # start: the opening brace
+    start += len("\\boxed")  # start: the opening brace
+    depth = 0
     for j in range(start, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
@@ -120,7 +121,8 @@ def format_reward(prompts, completions, **kw) -> list[float]:
 
 
 _NUMBER = r"\$?(-?[\d,]*\d(?:\.\d+)?)"
-_ANSWER_LINE, _RESULT = re.compile(rf"####[ \t]*{_NUMBER}\.?$"), re.compile(rf"=[ \t]*{_NUMBER}")
+_ANSWER_LINE = re.compile(rf"####[ \t]*{_NUMBER}\.?$")
+_RESULT = re.compile(rf"=[ \t]*{_NUMBER}")
 
 
 def gsm8k_format_reward(prompts, completions, **kw) -> list[float]:

@@ -90,7 +90,8 @@ def hf_generate(
     )
     # generate() fills every field we leave unset from model.generation_config (a checkpoint's repetition_penalty,
     # min_p, suppress_tokens, ...), so for this call the model's own config is replaced by ours.
-    saved, was_training = lm.generation_config, model.training
+    saved = lm.generation_config
+    was_training = model.training
     try:
         lm.generation_config = config
         model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode

@@ -163,7 +163,8 @@ def aggregate(results: list[list[dict]]) -> dict:
 
 def score(rows: list[dict], responses: list[str]) -> tuple[list[dict], dict]:
     """Check every instruction of every row: (per-prompt records, aggregate metrics with a per-instruction table)."""
-    records, results = [], []
+    records = []
+    results = []
     by_id = {}
     for row, response in zip(rows, responses, strict=True):
         rs = [

@@ -69,7 +69,9 @@ BASIS = "dataset split limit n temperature num_samples n_prompts_evaluated n_ins
 def eval_table(summaries: list[dict]) -> tuple[list[str], list[tuple[str, dict]], dict]:
     """(columns "task/metric", rows (label, {column: value}), bases {(label, task): BASIS values}) from eval summaries,
     rows in first-seen label order. Two summaries of one policy on one task are refused: one would hide the other."""
-    columns, rows, bases = [], {}, {}
+    columns = []
+    rows = {}
+    bases = {}
     for s in summaries:
         task, label = s.get("task", "eval"), s.get("label") or s.get("model", "?")
         if (label, task) in bases:
@@ -111,7 +113,8 @@ def table_cells(columns: list[str], rows: list[tuple[str, dict]], bases: dict | 
 def ema(values: list[float], weight: float) -> list[float]:
     """TensorBoard's smoothing: s_t = w s_(t-1) + (1 - w) x_t from s_0 = 0, divided by 1 - w^t so that the start
     is not pulled toward 0 (an unbiased running mean of the first points)."""
-    out, s = [], 0.0
+    out = []
+    s = 0.0
     for t, x in enumerate(values, 1):
         s = weight * s + (1 - weight) * x
         out.append(s / (1 - weight**t))

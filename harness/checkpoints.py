@@ -128,7 +128,8 @@ def run_identity(model, args=None, free: tuple[str, ...] = ()) -> dict:
     """What a checkpoint belongs to, flat and JSON-ready: the base model and the LoRA config of "default" (from the
     model, before any update), a reward model's slot (model.reward_identity), and with `args` (a script's Args) the
     script's name and every field that changes the math: all but FREE_ON_RESUME, eval_* and the script's `free`."""
-    dtype = quantization = None
+    dtype = None
+    quantization = None
     if args is not None:
         dtype = str(resolve_dtype(args.dtype, pick_device())).removeprefix("torch.")
         quantization = args.quantization

@@ -151,7 +151,8 @@ def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tu
         return kept, work, 0
     # chunked_logps: (chunk, V) fp32 logits + softmax (one more with entropy); a bf16 head is cast to fp32 once;
     # backward allocates the hidden rows' gradient
-    rows, V = min(CHUNK, p.scored), c["vocab_size"]
+    rows = min(CHUNK, p.scored)
+    V = c["vocab_size"]
     head = (2 + p.entropy) * rows * V * 4 + (b != 4) * V * H * 4 + p.grad * p.scored * H * b
     return kept, work, head
 

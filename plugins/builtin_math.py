@@ -90,7 +90,9 @@ def _problem(rng: random.Random):
 def make_math_problems(n: int, seed: int, keep: Callable[[tuple], bool] | None = None) -> list[dict]:
     """n distinct word problems {"question", "answer"} (answer: worked steps, then "#### N"); same seed, same rows.
     keep(key) -> bool, if given, filters on the problem's key (kind, *numbers), names and items left out."""
-    rng, seen, rows = random.Random(seed), set(), []
+    rng = random.Random(seed)
+    seen = set()
+    rows = []
     for _ in range(200 * n):
         if len(rows) == n:
             break

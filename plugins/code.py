@@ -249,7 +249,9 @@ def run_python(
     NOFILE 64, NPROC max_procs; as root, cgroups cap all its processes together at max_procs and memory_mb.
     stdin, stdout and stderr are unnamed files."""
     with _KIND_LOCK:
-        kind, cpu, mem = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback"), math.ceil(timeout), memory_mb << 20
+        kind = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback")
+    cpu = math.ceil(timeout)
+    mem = memory_mb << 20
     limits = [
         (resource.RLIMIT_CPU, cpu, cpu + 1),
         (resource.RLIMIT_AS, mem, mem),
@@ -273,7 +275,8 @@ def run_python(
         if cgroups:  # the shell joins the cgroups, then becomes the sandbox: all it starts is counted
             join = "".join(f"echo $$ > {c}/cgroup.procs && " for c in cgroups)  # our own paths: no quoting needed
             cmd = ["/bin/sh", "-c", join + 'exec "$@"', "sh", *cmd]
-        env, start = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}, time.monotonic()
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
+        start = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=i, stdout=o, stderr=e, start_new_session=True)
         except OSError:
@@ -397,7 +400,8 @@ def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
     queries = []
     asserts = [_split_assert(t, queries) for t in tests if isinstance(t, str)]
     if asserts:
-        out, values = run_python(code, "", timeout, queries=queries, **sandbox), {}
+        out = run_python(code, "", timeout, queries=queries, **sandbox)
+        values = {}
         records = dict(re.findall(r"^\x1e(\d+) (.*)$", out, re.MULTILINE))  # the last one of each query
         for i in range(len(queries)):  # (only these: parsing costs us, not the sandbox)
             with contextlib.suppress(KeyError, ValueError, TypeError, SyntaxError, MemoryError, RecursionError):

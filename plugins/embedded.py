@@ -123,7 +123,8 @@ def resolve_model(name: str) -> str:
     if name not in MODEL_ALIASES:
         return name
     gguf_path = _gguf_source(name)
-    source, folder = _source_id(gguf_path), cache_dir() / "models" / name
+    source = _source_id(gguf_path)
+    folder = cache_dir() / "models" / name
     if _is_complete(folder, source):
         return str(folder)
     import fcntl  # here, not at the top: POSIX-only, and only building the cache needs it

@@ -40,9 +40,14 @@ class ApiJudge:
         max_workers: int = 8,
     ):
         self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model, self.template, self.max_score = model, template, max_score
+        self.model = model
+        self.template = template
+        self.max_score = max_score
         self.api_key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
-        self.timeout, self.retries, self.backoff, self.max_workers = timeout, retries, backoff, max_workers
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_workers = max_workers
 
     def _post(self, content: str) -> str:
         """The reply text of one chat completion, retrying what may pass (429, 5xx, network)."""
@@ -79,7 +84,8 @@ class ApiJudge:
 
 @functools.cache  # built on first use, not at import: the env vars only matter when "api" is asked for
 def _env_judge() -> ApiJudge:
-    url, model = os.environ.get("ONLYONE_JUDGE_URL"), os.environ.get("ONLYONE_JUDGE_MODEL")
+    url = os.environ.get("ONLYONE_JUDGE_URL")
+    model = os.environ.get("ONLYONE_JUDGE_MODEL")
     if not url or not model:
         raise RuntimeError(
             "reward 'api' needs ONLYONE_JUDGE_URL (e.g. http://localhost:8000/v1) and "

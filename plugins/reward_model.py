@@ -27,7 +27,8 @@ from harness.checkpoints import adapter_hash
 from harness.memory import lora_params, model_config, weight_bytes
 from plugins.embedded import resolve_model
 
-HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
+HEAD_FILE = "reward_head.safetensors"
+CONFIG_FILE = "reward_config.json"
 
 
 def reward_logits(model, head, input_ids, attention_mask):
@@ -196,7 +197,9 @@ def bind_model_rewards(funcs, model) -> None:
         if path is not None:
             if loaded and path not in loaded:
                 raise ValueError("--rewards: model rewards from two directories; one reward model per run")
-            fn.scorer = loaded[path] = loaded.get(path) or load_reward(path, model)
+            if path not in loaded:
+                loaded[path] = load_reward(path, model)
+            fn.scorer = loaded[path]
 
 
 def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ...]:

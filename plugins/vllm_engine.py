@@ -86,9 +86,14 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # ignore generation_config.json defaults, as hf_generate does
             )
-        self.tokenizer, self.eos, self.awake = tokenizer, eos_ids(model, tokenizer), True
-        self.canary_threshold, self.canary_ids = canary_threshold, tokenizer(canary_prompt)["input_ids"]
-        self.lora, self.version, self.dir = None, 0, tempfile.mkdtemp(prefix="onlyone-vllm-lora-")
+        self.tokenizer = tokenizer
+        self.eos = eos_ids(model, tokenizer)
+        self.awake = True
+        self.canary_threshold = canary_threshold
+        self.canary_ids = tokenizer(canary_prompt)["input_ids"]
+        self.lora = None
+        self.version = 0
+        self.dir = tempfile.mkdtemp(prefix="onlyone-vllm-lora-")
         # The synced adapters (the last two) go when the engine does, at the latest when the process exits: each run
         # used to leave its folder in the temp dir (38 MB for SmolLM2-135M at r=16)
         weakref.finalize(self, shutil.rmtree, self.dir, True)
@@ -123,7 +128,9 @@ class VLLMEngine:
             outs = self.llm.generate(
                 [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora
             )
-        rows, completions, logprobs = [], [], []
+        rows = []
+        completions = []
+        logprobs = []
         for prompt, out in zip(prompts, outs):
             for sample in out.outputs:  # the n samples of one prompt, in order: groups stay contiguous
                 ids = list(sample.token_ids)
@@ -168,7 +175,8 @@ class VLLMEngine:
                 base = sequence_logps(model, ids, torch.ones_like(ids), mask)[0, len(self.canary_ids) :]
         finally:
             model.train(was_training)
-        gap, base_gap = (engine - policy).abs().mean().item(), (engine - base).abs().mean().item()
+        gap = (engine - policy).abs().mean().item()
+        base_gap = (engine - base).abs().mean().item()
         if gap > self.canary_threshold or (gap > self.canary_threshold / 10 and base_gap < 0.5 * gap):
             raise RuntimeError(
                 f"vLLM canary failed after adapter sync v{self.version}: mean |logp_vllm - logp_trainer| = {gap:.4f} "
