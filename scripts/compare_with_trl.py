@@ -917,13 +917,14 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
     every = args.method == "all"
     out = []
     for method in METHODS if every else (args.method,):
-        if args.loss_type and args.loss_type in LOSS_TYPES.get(method, ()):
-            loss_types = (args.loss_type,)
+        if args.loss_type and (args.loss_type in LOSS_TYPES.get(method, ()) or args.fork):
+            loss_types = (args.loss_type,)  # a fork may add a loss type (docs/forks/apo_zero.patch)
         elif args.loss_type and not every:
             raise SystemExit(f"--loss-type {args.loss_type} is not one of {method}'s: {LOSS_TYPES.get(method, ())}")
         else:
             loss_types = LOSS_TYPES["dpo"] if every and method == "dpo" else (None,)
-        fixed_modes = (False, True) if every and method == "grpo" else (args.fixed_rollout and method == "grpo",)
+        sampled = method in ("grpo", "rloo")
+        fixed_modes = (False, True) if every and method == "grpo" else (args.fixed_rollout and sampled,)
         out += [
             Setup(
                 method=method,
@@ -943,6 +944,12 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
                 rewards=list(args.rewards),
                 center_rewards_coefficient=args.center_rewards_coefficient,
                 rm_margin=args.rm_margin,
+                iterations=args.num_iterations,
+                epsilon=args.epsilon,
+                epsilon_high=args.epsilon_high,
+                fork=args.fork,
+                trl_config=dict(args.trl_config),
+                keys=tuple(args.keys) if args.keys else None,
             )
             for loss_type in loss_types
             for fixed in fixed_modes
@@ -950,9 +957,20 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
     return out
 
 
+def trl_field(text: str) -> tuple[str, object]:
+    """--trl-config FIELD=VALUE: the value read as JSON when it parses (numbers, true, lists), else as a string."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not FIELD=VALUE")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--method", choices=[*METHODS, "all"], default="dpo")
+    parser.add_argument("--method", choices=[*METHODS, "rloo", "all"], default="dpo", help="rloo: with --fork")
     parser.add_argument("--loss-type", default=None, help="dpo: sigmoid|ipo|robust; grpo: grpo|bnpo|dr_grpo|dapo")
     parser.add_argument("--model", default=None, help="path or alias (smollm2-135m); default: a tiny model built here")
     parser.add_argument("--steps", type=int, default=3)
@@ -967,12 +985,31 @@ def main(argv=None):
     parser.add_argument("--chat", action="store_true", help="keep conversational rows (shows the tokenization gap)")
     parser.add_argument("--center-rewards-coefficient", type=float, default=None, help="rm")
     parser.add_argument("--rm-margin", action="store_true", help="rm: a margin column (0, 0.5, 1.0 in turn)")
+    parser.add_argument("--num-iterations", type=int, default=1, help="GRPO: updates per rollout, both sides")
+    parser.add_argument("--epsilon", type=float, default=0.2, help="GRPO: the clip's lower side, both sides")
+    parser.add_argument("--epsilon-high", type=float, default=None, help="GRPO: the clip's upper side (None: epsilon)")
+    parser.add_argument("--fork", default=None, help="a patched copy of the method's script to run as ours")
+    parser.add_argument(
+        "--trl-config",
+        nargs="+",
+        type=trl_field,
+        default=[],
+        metavar="FIELD=VALUE",
+        help="TRL config fields that switch TRL to the fork's idea, e.g. importance_sampling_level=sequence",
+    )
+    parser.add_argument("--keys", nargs="+", default=None, help="the logged keys to compare (default: the method's)")
     parser.add_argument("--out", default="outputs/compare_with_trl")
     parser.add_argument("--mapping", action="store_true", help="print the hyperparameter mapping table and exit")
     args = parser.parse_args(argv)
     if args.mapping:
         print(mapping_markdown())
         return None
+    if args.fork and args.method == "all":  # checked before any model is built
+        raise SystemExit("--fork runs one method's fork: pass --method, not all")
+    if args.method == "rloo" and not args.fork:
+        raise SystemExit("--method rloo compares a fork of grpo.py (docs/forks/rloo.patch): pass --fork grpo_rloo.py")
+    if args.fork and not os.path.isfile(args.fork):
+        raise SystemExit(f"--fork {args.fork}: no such file (apply a docs/forks/ patch to a copy of the script first)")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import datasets
 

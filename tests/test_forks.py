@@ -135,3 +135,34 @@ def test_grpo_with_the_harness_and_plugins_deleted_trains_as_grpo_does(tiny_mode
     skip = ("time/", "perf/", "memory/")
     for ours, theirs in zip(out["history"], full["history"], strict=True):
         assert ours == {k: v for k, v in theirs.items() if not k.startswith(skip)}
+
+
+def test_compare_with_trl_reads_a_fork_and_trl_fields_from_the_command_line(tmp_path):
+    """--fork and --trl-config reach the Setup the comparison runs; bad input stops before any model is built."""
+    import argparse
+
+    from scripts.compare_with_trl import main, setups, trl_field
+
+    assert trl_field("importance_sampling_level=sequence") == ("importance_sampling_level", "sequence")
+    assert trl_field("num_generations=4") == ("num_generations", 4)
+    assert trl_field('loss_type=["apo_zero"]') == ("loss_type", ["apo_zero"])
+    with pytest.raises(argparse.ArgumentTypeError, match="FIELD=VALUE"):
+        trl_field("sequence")
+    args = argparse.Namespace(
+        method="rloo", loss_type=None, fork="grpo_rloo.py", out=str(tmp_path), steps=2, batch_size=4,
+        grad_accum=1, learning_rate=1e-3,
+        seed=42, chat=False, beta=0.05, fixed_rollout=True, max_completion_length=16, rewards=["length"],
+        center_rewards_coefficient=None, rm_margin=False, num_iterations=2, epsilon=3e-4, epsilon_high=4e-4,
+        trl_config=[("importance_sampling_level", "sequence")], keys=["loss"],
+    )  # fmt: skip
+    (setup,) = setups(args, "model", "adapter")
+    assert (setup.fork, setup.iterations, setup.epsilon, setup.epsilon_high) == ("grpo_rloo.py", 2, 3e-4, 4e-4)
+    assert setup.fixed_rollout and setup.trl_config == {"importance_sampling_level": "sequence"}
+    assert setup.keys == ("loss",)
+    with pytest.raises(SystemExit, match="--fork grpo_rloo.py"):
+        main(["--method", "rloo", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="pass --method, not all"):
+        main(["--method", "all", "--fork", "x.py", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no such file"):
+        main(["--method", "grpo", "--fork", str(tmp_path / "grpo_gspo.py"), "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # stopped before building the tiny model or the adapter
