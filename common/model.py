@@ -22,7 +22,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from common.data import looks_local
@@ -115,8 +116,6 @@ def load_model(
     kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
     if quantization is not None:
         require("bitsandbytes", f"--quantization {quantization}")
-        from transformers import BitsAndBytesConfig
-
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=quantization == "4bit",
             load_in_8bit=quantization == "8bit",
@@ -137,8 +136,6 @@ def load_model(
     if quantization is None:
         model.to(device)
     else:
-        from peft import prepare_model_for_kbit_training
-
         # Checkpointing is switched on below, as without quantization (PEFT's would use a deprecated alias).
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         # bitsandbytes on an AVX512-BF16 CPU repacks a 4-bit weight in place the first time it runs in eval mode
@@ -176,8 +173,6 @@ def attach_lora(
 ):
     """Wrap the model in PEFT with a trainable "default" adapter, loaded from `adapter` (e.g. an SFT run's final/)
     or new (r, alpha, dropout on all linear layers)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
     if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
         raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
     with warnings.catch_warnings():

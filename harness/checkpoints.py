@@ -24,6 +24,7 @@ import shutil
 import warnings
 
 import torch
+from peft import set_peft_model_state_dict
 
 from common.errors import CorruptCheckpointError, ResumeError, RunStopped
 from safetensors.torch import load_file
@@ -84,8 +85,6 @@ def load_weights(model, src_dir: str) -> None:
         if broken:
             raise RuntimeError(f"checkpoint {src_dir} does not match the model: {broken[:3]}")
         return
-    from peft import set_peft_model_state_dict
-
     for slot in model.peft_config:
         path = os.path.join(src_dir, "" if slot == DEFAULT else slot, "adapter_model.safetensors")
         if not os.path.exists(path):

@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 
+from transformers.utils import logging as hf_logging
+
 from common.errors import USER_ERRORS, ArgsError
 from plugins.embedded import MODEL_ALIASES
 
@@ -21,8 +23,6 @@ def one_line_errors():
     re-raised as it is). Off a terminal (a log file, CI) the hub, transformers and datasets loading bars are turned
     off first: their carriage-return frames fill a log."""
     if not sys.stderr.isatty():
-        from transformers.utils import logging as hf_logging
-
         hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's bars
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is first imported
     spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m evals.gsm8k` -> evals.gsm8k

@@ -9,6 +9,8 @@ import os
 import urllib.error
 import urllib.request
 
+from huggingface_hub import constants, snapshot_download, try_to_load_from_cache
+
 from common.data import looks_local
 from common.errors import HubUnavailable
 from plugins.embedded import resolve_model
@@ -20,8 +22,6 @@ PROBE_TIMEOUT_S = 3.0  # one HEAD request; a firewall that drops packets costs t
 def hub_unreachable() -> str | None:
     """None when the hub answers a HEAD request within PROBE_TIMEOUT_S, else the reason. Any HTTP status counts as
     reachable (the hub client reports gated or missing repos itself); proxies from the environment apply."""
-    from huggingface_hub import constants
-
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
     try:
@@ -34,8 +34,6 @@ def hub_unreachable() -> str | None:
 
 
 def _is_cached(repo_id: str, kind: str) -> bool:
-    from huggingface_hub import constants, try_to_load_from_cache
-
     if kind == "model":
         return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
     import datasets.config  # a hub dataset leaves its files in the hub cache and its Arrow tables in datasets' own
@@ -75,8 +73,6 @@ def locate_model(name: str) -> str:
     if path != name or looks_local(name) or os.path.isdir(name):
         return path
     if check_hub(name, "model"):  # cached, hub unreachable: the cached folder, no requests (no retries)
-        from huggingface_hub import snapshot_download
-
         return snapshot_download(name, local_files_only=True)
     return name
 

@@ -13,6 +13,9 @@ import dataclasses
 import json
 import os
 
+import torch
+from transformers import AutoConfig
+
 from common.errors import ArgsError, ModelError
 from common.model import pick_device, resolve_dtype
 from harness.hub import check_hub
@@ -75,8 +78,6 @@ def model_config(name: str, trust_remote_code: bool = False) -> dict:
     (no cache build); a hub id is checked as the model's load checks it (offline: the cache, or one line)."""
     if name in ALIAS_CONFIGS:
         return ALIAS_CONFIGS[name]
-    from transformers import AutoConfig
-
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         raise ModelError(f"--model {name}: the folder {name} has no config.json, so it is not a model")
     cached = not os.path.isdir(name) and check_hub(name, "model")  # hub unreachable: read the cached config.json
@@ -249,8 +250,6 @@ def device_memory(device: str) -> tuple[int, str]:
     """(bytes, description): CUDA: the card's total memory. CPU: physical RAM (MemTotal), the hard ceiling before
     the kernel's OOM killer or swap; MemAvailable would make the same command pass or fail with other processes."""
     if device == "cuda":
-        import torch
-
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.total_memory, f"{props.name} total memory"
     with open("/proc/meminfo") as f:
@@ -291,8 +290,6 @@ def plan_memory(
     it; `phases_checkpointed`: the passes under checkpointing, when they differ). A plan that does not fit is refused
     (ArgsError naming the script's `knobs` to try: (flag, least value)) unless --ignore-memory-plan or --plan.
     As the model will load: --dtype auto resolved for this device, and an --adapter's own rank and dropout."""
-    import torch
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget, what = device_memory(device)
     config = model_config(args.model, args.trust_remote_code)

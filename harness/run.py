@@ -12,6 +12,8 @@ import sys
 import time
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
+from tqdm.auto import tqdm
 
 from common.errors import OutputDirError
 
@@ -81,9 +83,6 @@ class Logger:
         every: int = 1,
     ):
         """config: the run's resolved arguments, written to args.json; every: log each every-th step (and the last)."""
-        from torch.utils.tensorboard import SummaryWriter
-        from tqdm.auto import tqdm
-
         self.run_dir = run_dir
         self.show = show
         with open(os.path.join(run_dir, "args.json"), "w") as f:

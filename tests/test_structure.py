@@ -108,6 +108,27 @@ def test_shared_modules_import_project_modules_at_the_top():
         assert local == [], f"{path} imports {local} inside a function"
 
 
+# Packages a shared module may import inside a function: each is optional or heavy and needed by one path only
+# (vllm: the vLLM engine; datasets and pyarrow: hub and Parquet data; numpy: seeded when installed; fcntl: POSIX, the
+# embedded model's cache lock).
+LAZY = {"vllm", "datasets", "pyarrow", "numpy", "fcntl"}
+
+
+def test_shared_modules_import_required_packages_at_the_top():
+    """STYLE.md: function-local imports only for optional heavy packages. torch, transformers, peft, safetensors,
+    tensorboard, huggingface_hub are dependencies every run loads: a reader sees them at the top."""
+    for path in SHARED:
+        local = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Import):
+                        local |= {alias.name.split(".")[0] for alias in inner.names}
+                    elif isinstance(inner, ast.ImportFrom) and inner.module and inner.level == 0:
+                        local.add(inner.module.split(".")[0])
+        assert local <= LAZY, f"{path} imports {sorted(local - LAZY)} inside a function"
+
+
 def test_no_import_cycle():
     graph = {name: {m for m, _ in imports(path)} for name, path in MODULES.items()}
     state = {}
