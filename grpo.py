@@ -490,11 +490,9 @@ def check_args(args: Args) -> None:
     at_least(args, 1, "prompts_per_step", "group_size", "groups_per_micro_batch", "num_iterations")
     at_least(args, 1, "max_completion_length", "logging_steps", "lora_r", "breaker_patience")
     at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "eval_limit", "beta")
-    at_least(args, 0, "weight_decay", "epsilon", "epsilon_high")
+    at_least(args, 0, "weight_decay", "epsilon", "epsilon_high", "max_steps")  # no epochs here: -1 means nothing
     if args.group_size < 2:  # G = 1 would make every advantage 0
         raise ArgsError(f"--group-size {args.group_size}: must be at least 2 (advantages compare samples in a group)")
-    if args.max_steps < -1:
-        raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
     check_sampling(args.top_p, args.top_k)
 
 

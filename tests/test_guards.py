@@ -48,6 +48,7 @@ NONSENSE = [
     ("rm", "per_device_train_batch_size", 0, "at least 1"),
     ("grpo", "epsilon", -0.2, ">= 0"),  # the clip bounds would cross
     ("grpo", "epsilon_high", -0.1, ">= 0"),
+    ("grpo", "max_steps", -1, ">= 0"),  # grpo has no epochs to count steps from: -1 trained nothing
     ("rm", "center_rewards_coefficient", -0.01, ">= 0"),  # would reward rewards far from 0
 ]
 
