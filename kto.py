@@ -317,13 +317,13 @@ def main(args: Args) -> dict:
             nonfinite += 1
         optimizer.zero_grad(set_to_none=True)
         metrics = {"loss": loss_sum, "kl": z0_sum, "nonfinite_updates": nonfinite}
-        label = torch.cat(labels)
-        reward = torch.cat(rewards)
-        logps = torch.cat(logps_all)
-        for name, rows_of_class in (("chosen", label), ("rejected", ~label)):
+        step_labels = torch.cat(labels)  # the step's rows, all micro-batches
+        step_rewards = torch.cat(rewards)
+        step_logps = torch.cat(logps_all)
+        for name, rows_of_class in (("chosen", step_labels), ("rejected", ~step_labels)):
             if rows_of_class.any():  # TRL's names; a class absent from the step is not logged (as TRL)
-                metrics[f"rewards/{name}"] = reward[rows_of_class].mean().item()
-                metrics[f"logps/{name}"] = logps[rows_of_class].mean().item()
+                metrics[f"rewards/{name}"] = step_rewards[rows_of_class].mean().item()
+                metrics[f"logps/{name}"] = step_logps[rows_of_class].mean().item()
         if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         metrics.update(
