@@ -32,12 +32,16 @@ BUILTIN_INSTRUCTION = "Solve it in one line with the calculation, and end with #
 def _problem(rng: random.Random):
     """One problem: (kind, question, solution steps, answer). Every step ends with its arithmetic 'a op b = c unit.'"""
     N, M = rng.sample(sorted(NAMES), 2)  # two different people; p, P, His refer to N
-    p, it = NAMES[N], rng.choice(ITEMS)
-    P, His = p.capitalize(), "His" if p == "he" else "Her"
+    p = NAMES[N]
+    it = rng.choice(ITEMS)
+    P = p.capitalize()
+    His = "His" if p == "he" else "Her"
     # 75% one-step (kinds 0-5) over one-digit numbers: a small model gets some of them right, and group-relative RL
     # learns only from groups that hold a right answer (measured rates: docs/results.md).
     kind = rng.randrange(6) if rng.random() < 0.75 else rng.randrange(6, 11)
-    a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
+    a = rng.randint(2, 9)
+    b = rng.randint(2, 9)
+    c = rng.randint(2, 9)
     if kind == 0:
         q = f"{N} has {a} {it}. {P} buys {b} more. How many {it} does {N} have now?"
         s = [(f"{N} buys {b} more, so {p} has ", a, "+", b, f"{it} now")]
@@ -56,7 +60,8 @@ def _problem(rng: random.Random):
         q = f"{N} has {a} bags with {b} {it} in each bag. How many {it} does {N} have in total?"
         s = [(f"{a} bags with {b} {it} each make ", a, "*", b, it)]
     elif kind == 5:
-        a, b = c * rng.randint(2, 9), c  # divides evenly by construction
+        a = c * rng.randint(2, 9)  # divides evenly by construction
+        b = c
         q = f"{N} shares {a} {it} equally among {b} friends. How many {it} does each friend get?"
         s = [("Each friend gets ", a, "/", b, it)]
     elif kind == 6:
@@ -64,11 +69,15 @@ def _problem(rng: random.Random):
         q = f"{N} has {a} {it}. {P} finds {b} more and then loses {c}. How many {it} does {N} have now?"
         s = [(f"After finding {b}, {N} has ", a, "+", b, it), (f"After losing {c}, {p} has ", a + b, "-", c, it)]
     elif kind == 7:
-        a, b, c = c, rng.randint(2, 9), rng.randint(2, 9)
+        a = c
+        b = rng.randint(2, 9)
+        c = rng.randint(2, 9)
         q = f"A box holds {a} {it}. {N} has {b} boxes and {c} loose {it}. How many {it} does {N} have altogether?"
         s = [("The boxes hold ", b, "*", a, it), (f"With the loose ones, {N} has ", a * b, "+", c, it)]
     elif kind == 8:
-        a, b, thing = rng.randint(1, 9), rng.randint(2, 5), rng.choice(PRICED)
+        a = rng.randint(1, 9)
+        b = rng.randint(2, 5)
+        thing = rng.choice(PRICED)
         c = rng.choice([x for x in (10, 20, 50, 100) if x >= a * b])
         q = f"A {thing} costs ${a}. {N} buys {b} of them and pays with a ${c} bill. How much change does {N} get?"
         s = [(f"{b} of them cost ", b, "*", a, "dollars"), ("The change is ", c, "-", a * b, "dollars")]
@@ -77,8 +86,10 @@ def _problem(rng: random.Random):
         q = f"{N} is {a} years old. {His} sister is {b} years older. How old will she be in {c} years?"
         s = [(f"{N}'s sister is ", a, "+", b, "years old"), (f"In {c} years she will be ", a + b, "+", c, "years old")]
     else:
-        k, b = rng.randint(3, 9), c
-        a, c = k * b, rng.randint(1, k - 1)
+        k = rng.randint(3, 9)
+        b = c
+        a = k * b
+        c = rng.randint(1, k - 1)
         q = f"{N} puts {a} {it} equally into {b} jars. Then {p} takes {c} out of one jar. "
         q += f"How many {it} are left in it?"
         s = [("Each jar gets ", a, "/", b, it), (f"After taking {c} out, that jar has ", k, "-", c, it)]
