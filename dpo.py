@@ -27,7 +27,7 @@ from transformers import DynamicCache, get_scheduler
 from common.data import concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset, training_steps
 from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, completion_logps, disable_dropout
-from common.model import head_is_plain_linear, is_checkpointing, load_model, masked_mean, masked_sum, prompt_cache
+from common.model import load_model, masked_mean, masked_sum, shares_prompt_pass
 from common.model import save_final, seed_everything, snapshot_ref, trainable_parameters, unwrap
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
@@ -190,20 +190,14 @@ def pair_completion_logps(model, batch: dict):
     prompt run through the backbone ONCE: its KV cache feeds the chosen completion, then, rebuilt from the same
     prompt keys/values (gradients flow back through both), the rejected one. Each sequence runs unpadded. The same
     numbers to fp32 rounding, for P + C + R tokens a pair instead of 2P + C + R; the same call as completion_logps,
-    so either is dpo's logps_of. Falls back to completion_logps where sharing is not exact: an empty prompt, a head
-    that is not a plain linear layer, a model whose cache holds more than keys and values (prompt_cache), activation
-    checkpointing in train mode (no KV cache then)."""
+    so either is dpo's logps_of. Falls back to completion_logps where sharing is not exact: an empty prompt, or
+    what common.model.shares_prompt_pass refuses."""
     lm = unwrap(model)
     half = batch["input_ids"].shape[0] // 2
     # concat_pairs: row i and row half + i hold pair i's prompt, then its chosen / rejected completion
     prompt_lengths = batch["completion_mask"].int().argmax(-1).tolist()
     completion_lengths = batch["completion_mask"].sum(-1).tolist()
-    if (
-        not head_is_plain_linear(lm)
-        or (lm.training and is_checkpointing(lm))
-        or min(prompt_lengths) == 0
-        or prompt_cache(lm) is None
-    ):
+    if not shares_prompt_pass(lm) or min(prompt_lengths) == 0:
         return completion_logps(model, batch)
     decoder = lm.get_decoder()
     head = lm.get_output_embeddings()

@@ -36,9 +36,9 @@ from transformers import get_scheduler
 from common.data import concat_prompt_completion, dataset_label, load_rows, micro_batch, pad_batch
 from common.data import setup_chat_template, tokenize_dataset, validate_rows
 from common.errors import ArgsError
-from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, head_is_plain_linear, is_checkpointing
-from common.model import load_model, masked_mean, masked_sum, pick_device, prompt_cache, resolve_dtype, save_final
-from common.model import seed_everything, sequence_logps, snapshot_ref, trainable_parameters, unwrap
+from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
+from common.model import pick_device, prompt_cache, resolve_dtype, save_final, seed_everything, sequence_logps
+from common.model import shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import check_sampling, hf_generate
 
@@ -323,11 +323,7 @@ def grouped_completion_logps(
     decoder = lm.get_decoder()
     head = lm.get_output_embeddings()
     c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)  # (B*G, C), the layout returned
-    cache = prompt_cache(lm)
-    if cache is None or not head_is_plain_linear(lm) or (lm.training and is_checkpointing(lm)):
-        # Score the concatenated rows instead (same numbers, no sharing) when the head is not a plain linear layer,
-        # the model keeps recurrent states (prompt_cache), or under activation checkpointing in train mode, where
-        # transformers drops the KV cache (the completions would silently not see their prompt).
+    if not shares_prompt_pass(lm):  # score the concatenated rows instead: the same numbers, no sharing
         rows = [p for p in prompt_ids for _ in range(group_size)]
         seqs = {k: v.to(device) for k, v in concat_prompt_completion(rows, completion_ids, pad_id).items()}
         out = sequence_logps(
@@ -346,6 +342,7 @@ def grouped_completion_logps(
         return (picked[0], c_mask, picked[1]) if return_entropy else (picked[0], c_mask)
     p_ids = pad_batch(prompt_ids, pad_id, "left").to(device)  # (B, P): every prompt ends in the last column
     p_mask = pad_batch([[1] * len(p) for p in prompt_ids], 0, "left").to(device)
+    cache = prompt_cache(lm)
     cache_kw = {cache_kwarg(decoder): cache}
     p_out = decoder(
         input_ids=p_ids,

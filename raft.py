@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import tyro
 
 from common.data import collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, setup_chat_template
-from common.data import tokenize_dataset, validate_rows
+from common.data import tokenize_dataset, training_steps, validate_rows
 from common.errors import DataError, ResumeError, RunStopped
 from common.model import as_reference, attach_lora, check_finite, completion_logps, disable_dropout, load_model
 from common.model import save_final, save_weights, seed_everything, sequence_logps, snapshot_ref, trainable_parameters
@@ -238,7 +238,7 @@ def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dic
         pathlib.Path(tmp, name).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
     if model is not None:  # only the policy: a plain PEFT adapter that --adapter of every script loads
-        check_finite(model, run_dir)  # a NaN policy is never written as a round
+        check_finite(model, f" in {run_dir}")  # a NaN policy is never written as a round
         save_weights(model, os.path.join(tmp, "adapter"), ["default"])
     os.replace(tmp, final)
     return final
@@ -278,7 +278,7 @@ def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, pre
     bs = args.per_device_train_batch_size
     totals = {}
     skipped = 0
-    steps = math.ceil(math.ceil(len(examples) / bs) * args.num_train_epochs)  # each epoch's batches, its last short
+    steps, _ = training_steps(len(examples), bs, 1, -1, args.num_train_epochs)  # each epoch's batches, its last short
     model.train()
     for step in range(steps):
         loss, stats = step_loss(micro_batch(examples, step, bs, seed))

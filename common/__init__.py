@@ -1,1 +1,1 @@
-"""OnlyOne shared toolbox: the dual-adapter model, numerics, data, rewards, rollouts and run plumbing."""
+"""OnlyOne's core: the dual-adapter model and its log-probs, data and chat templates, rule rewards, HF rollouts."""

@@ -10,7 +10,7 @@ templates, tokenize with loss masks, pad and pack. Row formats are TRL's, "stand
     hub KTO sets' layout): the last, assistant, message becomes the completion
 Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages.
 Truncation: supervised rows keep the start (TRL's "keep_start"). preference/binary keep the END of the prompt
-(max_prompt_length, TRL < 1.0's "keep_end"), then cut completions from the right to fit max_length
+(max_prompt_length, TRL's former "keep_end"), then cut completions from the right to fit max_length
 (max_prompt_length=None: TRL's default). A row whose completion would be cut away is dropped, never trained as a
 silent zero loss. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated: that would cut the question
 and the chat header, and rewards would score answers to a question the model never saw (TRL's GRPO does not
@@ -241,7 +241,7 @@ def sharegpt_row(row: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- GSM8K layout
-# Chosen by measurement (docs/results.md): SmolLM2-135M ended 43/50 answers with "#### N" under it.
+# Chosen by measurement: the instruction the embedded model most often follows with "#### N" (docs/results.md).
 MATH_INSTRUCTION = "Solve it step by step. On the last line, write the final answer as #### followed by the number."
 
 
@@ -699,7 +699,7 @@ def micro_batch(
     """The index-th micro-batch of an endless, epoch-wise reshuffled stream: a pure function of (index, seed), so
     resuming at a step needs no saved iterator, and accumulation 1 x 4 sees the same rows as 4 x 1. drop_last: every
     batch is full (the epoch's remainder is skipped; fewer rows than batch_size repeat rows). min_rows: an epoch's
-    last batch shorter than that is topped up with the epoch's first rows (KTO's mismatched pairs need two)."""
+    last batch shorter than that is topped up with the epoch's first rows (e.g. a loss that pairs rows needs two)."""
     per_epoch = max(1, len(examples) // batch_size) if drop_last else math.ceil(len(examples) / batch_size)
     epoch, pos = divmod(index, per_epoch)
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()

@@ -6,7 +6,8 @@ adapter in a second slot "ref", switched in under no_grad by `as_reference` (a r
 
 Log-probs come from the final hidden states through the output head chunk by chunk (`chunked_logps`), recomputed in
 backward, so a full-vocabulary fp32 logits tensor of the batch never exists. `sequence_logps` scores padded or
-packed rows; `grouped_completion_logps` runs each prompt through the backbone once for its group of completions.
+packed rows; `prompt_cache` and `shares_prompt_pass` let a script run each prompt through the backbone once for
+several completions (a group of samples, a preference pair).
 Every formula is stated in its docstring and checked against a naive reference in tests/test_logps.py.
 """
 
@@ -146,11 +147,11 @@ def load_model(
                 module.support_avx512bf16_for_cpu = False
     if gradient_checkpointing:
         # Non-reentrant works with frozen inputs (LoRA): no enable_input_require_grads needed
-        kwargs = {"use_reentrant": False}
+        checkpoint_kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # the newer name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
     model.config.use_cache = not gradient_checkpointing
     return model, tokenizer
 
@@ -189,7 +190,7 @@ def attach_lora(
         name = model.config._name_or_path
         try:
             peft_model = PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
-        except RuntimeError as e:  # PEFT lists every mismatched tensor (52 lines for a 135M model): name the models
+        except RuntimeError as e:  # PEFT lists every mismatched tensor, one line each: name the models instead
             if "size mismatch" not in str(e):
                 raise
             first = next(line.strip() for line in str(e).splitlines() if "size mismatch" in line)
@@ -458,19 +459,19 @@ def sequence_logps(
         for rows, a, b in groups:  # each group's (g, b - a) result back in its columns of the (B, T) layout
             idx = torch.tensor(rows, device=input_ids.device)
             cut = [x[idx, a:b] for x in (input_ids, attention_mask, logps_mask)]
-            out = sequence_logps(model, *cut, None, temperature, chunk_size, return_entropy)
-            parts = out if return_entropy else (out,)
+            group_out = sequence_logps(model, *cut, None, temperature, chunk_size, return_entropy)
+            parts = group_out if return_entropy else (group_out,)
             outs.append([F.pad(x, (a, input_ids.shape[1] - b)) for x in parts])
         order = torch.tensor([r for rows, _, _ in groups for r in rows], device=input_ids.device).argsort()
-        out = [torch.cat(x)[order] for x in zip(*outs)]  # rows back in the caller's order
-        return tuple(out) if return_entropy else out[0]
+        merged = [torch.cat(x)[order] for x in zip(*outs)]  # rows back in the caller's order
+        return tuple(merged) if return_entropy else merged[0]
     lm = unwrap(model)
     if attention_mask is None and position_ids is None:
         raise ValueError("sequence_logps needs attention_mask, or position_ids for packed rows (attention_mask=None)")
     if position_ids is None:
         # Positions count real tokens only, so a left-padded row is scored as if unpadded. HF's default arange(T)
         # shifts each padded row by its pad count: a no-op for RoPE (relative), wrong for absolute-position models
-        # (TRL issue #6800: 34 nats on GPT-2). clamp: the pads before the first token.
+        # (TRL issue #6800, GPT-2). clamp: the pads before the first token.
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     # Shift: the hidden state at t-1 predicts token t, so targets are input_ids[:, 1:] under logps_mask[:, 1:]. A
     # target whose predecessor is padding has no context (the first real token of a left-padded row): 0, like t=0.
@@ -486,8 +487,8 @@ def sequence_logps(
         head = lm.get_output_embeddings()
         h = hidden[:, :-1][target_mask]  # (N, H): only the scored rows
         labels = targets[target_mask]  # (N,)
-        out = chunked_logps(h, head.weight, labels, temperature, chunk_size, head.bias, return_entropy)
-        logps, entropy = out if return_entropy else (out, None)
+        head_out = chunked_logps(h, head.weight, labels, temperature, chunk_size, head.bias, return_entropy)
+        logps, entropy = head_out if return_entropy else (head_out, None)
         # Scatter the N values back into (B, T-1); unscored slots are exact zeros (no logits exist for them).
         zeros = torch.zeros(target_mask.shape, dtype=torch.float32, device=logps.device)  # (B, T-1)
         logps = zeros.masked_scatter(target_mask, logps)
@@ -534,6 +535,14 @@ def prompt_cache(lm):
     cache = DynamicCache(config=lm.config)
     plain = all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
     return cache if plain else None
+
+
+def shares_prompt_pass(lm) -> bool:
+    """Whether a prompt's KV cache can feed its completions with the same numbers as scoring whole rows: the head is
+    a plain linear layer (chunked_logps reads it), the cache holds keys and values only (prompt_cache), and
+    activation checkpointing is off in train mode (transformers then drops the KV cache: the completions would
+    silently not see their prompt)."""
+    return head_is_plain_linear(lm) and prompt_cache(lm) is not None and not (lm.training and is_checkpointing(lm))
 
 
 def completion_logps(model, batch: dict):

@@ -275,7 +275,7 @@ def check_reward_fields(rows: list[dict], funcs) -> None:
     train on a constant 0 reward (e.g. SFT or preference rows under `math`, which needs `answer`)."""
     needs = [(name, getattr(fn, "needs", ())) for name, fn, _ in funcs]
     if not needs or any(not fields for _, fields in needs):
-        return  # no rewards (SPIN), or one that scores any row
+        return  # no reward functions, or one that scores any row
     wanted = " or ".join(f"'{name}' needs {', '.join(fields)}" for name, fields in needs)
     bad = [r for r in rows if not any(all(r.get(f) is not None for f in fields) for _, fields in needs)]
     if bad:
@@ -294,7 +294,7 @@ def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torc
     """Call every (name, fn, weight) on the batch -> (rewards (B,), rewards_per_func (B, F)).
 
     None becomes NaN in rewards_per_func, and rewards = nansum_f weight_f * reward_f leaves it out, as TRL does. A
-    row that no function applies to gets 0 (nansum; group_advantages needs finite rewards): TRL makes it NaN
+    row that no function applies to gets 0 (nansum; advantages need finite rewards): TRL makes it NaN
     and zeroes its advantage, which gives the same loss but keeps it out of its group's mean and std."""
     per_func = torch.zeros(len(completions), len(funcs))
     for i, (name, fn, _) in enumerate(funcs):
