@@ -319,7 +319,7 @@ def main(args: Args) -> dict:
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    checkpoints = Checkpoints(run_dir, run_identity(model, args), keep=args.save_total_limit)
+    checkpoints = Checkpoints(run_dir, run_identity(model, args, free=("use_lora",)), keep=args.save_total_limit)
     start_step, state = checkpoints.resume(
         args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
     )

@@ -49,7 +49,6 @@ FREE_ON_RESUME = {
     # the model: recorded from the model itself (base hash, LoRA config, dtype, quantization); same-math speed knobs
     "model",
     "adapter",
-    "use_lora",
     "lora_r",
     "lora_alpha",
     "lora_dropout",

@@ -73,7 +73,8 @@ def training_lines(args, n_rows: int, lora: bool = True) -> dict[str, str]:
     }
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """A field's command-line flag: learning_rate -> --learning-rate (tyro's spelling)."""
     return "--" + name.replace("_", "-")
 
 
@@ -83,7 +84,7 @@ def at_least(args, bound: float, *names: str) -> None:
         value = getattr(args, name)
         if value is not None and not value >= bound:
             problem = "must be at least 1" if bound == 1 else f"must be >= {bound:g}"
-            raise ArgsError(f"{_flag(name)} {value}: {problem}")
+            raise ArgsError(f"{flag_name(name)} {value}: {problem}")
 
 
 def positive(args, *names: str) -> None:
@@ -91,7 +92,7 @@ def positive(args, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
-            raise ArgsError(f"{_flag(name)} {value}: must be a finite number > 0")
+            raise ArgsError(f"{flag_name(name)} {value}: must be a finite number > 0")
 
 
 class StopOnCtrlC:

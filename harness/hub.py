@@ -52,7 +52,7 @@ def check_hub(repo_id: str, kind: str) -> bool:
     HubUnavailable (one line) when it is neither cached nor reachable, and FileNotFoundError for a path that is not
     there (it would otherwise be looked up on the hub as a repo id)."""
     flag = {"model": "--model /path/to/folder", "dataset": "--dataset file.jsonl"}[kind]
-    if repo_id.startswith(("/", ".", "~")) or repo_id.count("/") > 1:
+    if looks_local(repo_id):
         raise FileNotFoundError(f"{kind} '{repo_id}': no such local {'folder' if kind == 'model' else 'file'}")
     why = hub_unreachable()
     if why is None:

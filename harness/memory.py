@@ -18,6 +18,7 @@ from transformers import AutoConfig
 
 from common.errors import ArgsError, ModelError
 from common.model import pick_device, resolve_dtype
+from harness.cli import flag_name
 from harness.hub import check_hub
 from plugins.embedded import ALIAS_CONFIGS
 
@@ -63,7 +64,8 @@ class Generate:
 @dataclasses.dataclass(frozen=True)
 class Trained:
     """What training holds besides activations: LoRA of rank lora_r (None: every weight) with `dropout` active on
-    its inputs, `frozen_copies` frozen copies of it (a "ref" slot), on a base of `dtype`, maybe `quantization`."""
+    its inputs, `frozen_copies` frozen copies of it (a "ref" slot), on a base of `dtype` ("fp32", "bf16" or "fp16"),
+    maybe `quantization`."""
 
     dtype: str
     quantization: str | None = None
@@ -178,7 +180,7 @@ def estimate(
 ) -> dict:
     """Peak memory by part (bytes): the lasting parts (weights, trainable state, `extra` such as a frozen reward
     model, an allowance) and, keyed "<phase>: ...", each phase's; total = lasting + the largest phase + 10 %."""
-    b = 4 if trained.dtype == "fp32" or (trained.dtype == "auto" and device == "cpu") else 2  # auto: bf16 on CUDA
+    b = 4 if trained.dtype == "fp32" else 2  # bf16 / fp16
     linear, other = param_counts(c)
     parts = {"weights": weight_bytes(c, trained.quantization, b)}
     if trained.lora_r is not None:  # PEFT keeps adapters in fp32: + fp32 grad, AdamW exp_avg and exp_avg_sq
@@ -238,7 +240,7 @@ def suggestion(knobs: list[tuple[str, object, object]], checkpointing: bool) -> 
     a knob left unset (None) whose `least` is a value suggests that value (e.g. quantization 4bit)."""
     tries = [] if checkpointing else ["--gradient-checkpointing"]
     for name, value, least in knobs:
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         if value is None and isinstance(least, str):
             tries.append(f"{flag} {least}")
         elif isinstance(value, int) and not isinstance(least, str) and value > least:

@@ -39,39 +39,64 @@ from common.rewards import text_of
 # In the sandbox, before the solution: the fallback's isolation, rlimits, the solution as __main__, then its
 # `queries` (run_code_tests), each value written as a line "\x1e<i> <repr>" in builtin types.
 _BOOT = r"""
-import ctypes, json, os, resource, runpy, signal, sys
-cfg, libc, src = json.load(open("cfg.json")), ctypes.CDLL(None, use_errno=True), open("solution.py").read()
-def check(failed, what):  # a refused step goes to stderr, where run_python finds it and warns
-    return not (failed and os.write(2, f"onlyone-sandbox: {what}: {os.strerror(ctypes.get_errno())}\n".encode()))
+import ctypes
+import json
+import os
+import resource
+import runpy
+import signal
+import sys
+
+cfg = json.load(open("cfg.json"))
+libc = ctypes.CDLL(None, use_errno=True)
+src = open("solution.py").read()
+
+
+def check(failed, what):  # True if the step worked; a refused one goes to stderr, where run_python finds it
+    if failed:
+        os.write(2, f"onlyone-sandbox: {what}: {os.strerror(ctypes.get_errno())}\n".encode())
+    return not failed
+
+
 if cfg["fallback"]:
-    uid, gid = os.getuid(), os.getgid()  # mount, PID, network, IPC, UTS (+ user, to mount, if not root) namespaces
-    ns = check(libc.unshare(0x6C020000 | (0x10000000 if uid else 0)), "unshare")
-    maps = (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1"))
-    for name, text in maps if ns and uid else ():  # keep our uid in the new user namespace
-        open(f"/proc/self/{name}", "w").write(text)
-    if pid := os.fork():  # we wait; the child is PID 1: when it dies the kernel kills all it left
+    uid = os.getuid()
+    gid = os.getgid()
+    # mount, PID, network, IPC, UTS (+ user, to mount, if not root) namespaces
+    in_namespaces = check(libc.unshare(0x6C020000 | (0x10000000 if uid else 0)), "unshare")
+    if in_namespaces and uid:  # keep our uid in the new user namespace
+        for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+            open(f"/proc/self/{name}", "w").write(text)
+    pid = os.fork()
+    if pid:  # we wait; the child is PID 1: when it dies the kernel kills all it left
         signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, 9))  # our timeout: kill PID 1, reap it here
         os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 255)
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG SIGKILL: if the waiter is killed, so is PID 1
-    tmp = ns and check(libc.mount(b"none", b"/", None, 0x44000, None), "private mounts")  # MS_REC | MS_PRIVATE
-    if tmp and libc.mount(b"proc", b"/proc", b"proc", 14, None):  # nosuid nodev noexec; else hide the host's
+    # private: our own mounts (MS_REC | MS_PRIVATE), and every world-writable directory under a fresh tmpfs
+    private = in_namespaces and check(libc.mount(b"none", b"/", None, 0x44000, None), "private mounts")
+    if private and libc.mount(b"proc", b"/proc", b"proc", 14, None):  # nosuid nodev noexec; else hide the host's
         check(libc.mount(b"tmpfs", b"/proc", b"tmpfs", 1, b"size=4k"), "mount /proc")
-    for d in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock") if tmp else ():  # the world-writable; nosuid nodev
-        tmp = tmp and (not os.path.isdir(d) or check(libc.mount(b"t", d, b"tmpfs", 6, b"size=64m,mode=1777"), "tmp"))
-    if tmp:  # into the private /tmp, which hides the host's
+    if private:
+        for d in (b"/tmp", b"/var/tmp", b"/dev/shm", b"/run/lock"):  # nosuid nodev
+            if private and os.path.isdir(d):
+                private = check(libc.mount(b"t", d, b"tmpfs", 6, b"size=64m,mode=1777"), "tmp")
+    if private:  # into the private /tmp, which hides the host's
         os.chdir("/tmp")
         open("solution.py", "w").write(src)
-    if tmp and not os.mkdir(".python"):  # Python's files, read-only, where nobody can read them and where hiding the
-        py = sys.base_prefix.encode()  # host's files below leaves them (nobody may not reach /root; a venv in a home)
+        # Python's files, read-only, where nobody can read them and where hiding the host's files below leaves them
+        # (nobody may not reach /root; a venv in a home)
+        os.mkdir(".python")
+        py = sys.base_prefix.encode()
         if check(libc.mount(py, b".python", None, 0x5000, None) or libc.mount(0, b".python", 0, 0x1021, 0), "bind"):
             packages = [m.__path__ for m in sys.modules.values() if type(vars(m).get("__path__")) is list]
             for paths in [sys.path] + packages:
                 paths[:] = [p.replace(sys.base_prefix, "/tmp/.python", 1) for p in paths]  # import from there
-    keep = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "tmp", sys.path[-1].split("/")[1]}
-    for d in sorted(set(os.listdir("/")) - keep) if tmp else ():  # the host's files (/etc, /root, /home, the data)
-        path = f"/{d}".encode()  # under an empty read-only tmpfs (Python's top directory stays, where it runs from)
-        if os.path.isdir(path) and not os.path.islink(path):
-            check(libc.mount(b"none", path, b"tmpfs", 15, b"size=4k,mode=555"), f"hide /{d}")  # ro nosuid nodev noexec
+        keep = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "proc", "dev", "tmp"}
+        keep.add(sys.path[-1].split("/")[1])  # Python's top directory stays, where it runs from
+        # The host's files (/etc, /root, /home, the data) go under an empty tmpfs: ro nosuid nodev noexec
+        for d in sorted(set(os.listdir("/")) - keep):
+            path = f"/{d}".encode()
+            if os.path.isdir(path) and not os.path.islink(path):
+                check(libc.mount(b"none", path, b"tmpfs", 15, b"size=4k,mode=555"), f"hide /{d}")
     for cap in range(64):
         libc.prctl(24, cap)  # PR_CAPBSET_DROP: no capability can come back
     if uid == 0:  # to nobody; leaving uid 0 clears the capabilities
@@ -86,15 +111,26 @@ if cfg["fallback"]:
     os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd(), PWD=os.getcwd())
 for res, soft, hard in cfg["limits"]:
     resource.setrlimit(res, (soft, hard))
-write, types = os.write, (bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
+write = os.write  # taken before the solution runs: it may replace os.write
+BUILTIN = (bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
+
+
 def plain(v):  # subclasses (defaultdict, namedtuple, IntEnum) as their builtin base, as an assert compares them
-    t = next((t for t in types if isinstance(v, t)), lambda v: v)
-    return {plain(k): plain(x) for k, x in v.items()} if t is dict else t(map(plain, v)) if t in types[6:10] else t(v)
+    t = next((t for t in BUILTIN if isinstance(v, t)), None)
+    if t is None:
+        return v
+    if t is dict:
+        return {plain(k): plain(x) for k, x in v.items()}
+    if t in (list, tuple, set, frozenset):
+        return t(map(plain, v))
+    return t(v)
+
+
 sys.argv = ["solution.py"]
-ns = runpy.run_path("solution.py", run_name="__main__")
+solution_globals = runpy.run_path("solution.py", run_name="__main__")
 for i, query in enumerate(cfg["queries"]):
     try:
-        value = repr(plain(eval(query, ns)))
+        value = repr(plain(eval(query, solution_globals)))
     except BaseException as e:  # SystemExit too: this query fails, the next ones still run
         value = f"!{type(e).__name__}"
     write(1, f"\n\x1e{i} {value}\n".encode(errors="replace"))
@@ -284,7 +320,7 @@ def run_python(
                 os.rmdir(cgroup)
             raise
         try:
-            while proc.poll() is None and time.monotonic() < start + timeout:  # (Popen.wait polls up to 50 ms late)
+            while proc.poll() is None and time.monotonic() < start + timeout:  # (Popen.wait's polling is coarser)
                 time.sleep(0.005)
         finally:  # also after a clean exit: the solution's children may still run
             _kill_all(proc, cgroups)

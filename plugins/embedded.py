@@ -83,8 +83,8 @@ def _is_complete(folder: pathlib.Path, source: dict) -> bool:
 
 def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
     """Dequantise the GGUF to a float32 safetensors folder (model + tokenizer) and check the reload is exact.
-    float32, not bfloat16: the Q4_1/Q8_0 dequantised values are not bf16-representable, and a bf16 copy moved
-    the logits by up to 1.6 and changed the greedy token; fp32 reloads bit-identical (538 MB on disk).
+    float32, not bfloat16: the Q4_1/Q8_0 dequantised values are not bf16-representable, so a bf16 copy changes the
+    logits (docs/usage.md has the measured gap); fp32 reloads bit-identical.
     Scripts still pick their own compute dtype when they load it."""
     if importlib.util.find_spec("gguf") is None:  # only converting needs it; a built cache loads without it
         raise ModuleNotFoundError("converting the GGUF weights needs the gguf reader: pip install gguf")

