@@ -8,10 +8,9 @@ allocator margin), from the script's own memory_plan(args, rows) with the rows t
 unbounded budget (the bench's plan is never refused nor switched to checkpointing). Every sequence reaches ~94-100 %
 of max_length (near_full_rows; GRPO: random models never emit EOS, SmolLM2 is asked for long stories), so the
 planner's worst case is the case that runs. Children run with MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight
-back to the OS when freed, so RSS follows the live tensors (glibc's default keeps freed blocks, 2-3 GB on DPO:
-docs/memory.md).
+back to the OS when freed, so RSS follows the live tensors (glibc's default keeps freed blocks: docs/memory.md).
 
-    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32] [--checkpointing]   # ~6 min on 2 busy cores
+    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32] [--checkpointing]
 
 On a CUDA machine, `--gpu` runs sft / dpo / grpo on a random-init Qwen2.5-1.5B (bench/qwen_shapes.py) in bf16 and
 compares torch.cuda.max_memory_allocated with the planner's tensors (without the CUDA context and the allocator

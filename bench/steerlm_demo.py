@@ -117,7 +117,7 @@ def main():
     results = {}
     for spec in CONDITIONS:
         t0 = time.perf_counter()
-        rows = gsm8k_rows("builtin:math", "test", args.limit, attributes=spec, attributes_in=args.attributes_in)
+        rows = gsm8k_rows("builtin:math", "test", args.limit, attributes=spec, where=args.attributes_in)
         out = evaluate_gsm8k(model, tokenizer, rows, 16, args.max_new_tokens)
         lengths = [len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) for r in out["records"]]
         results[spec] = {"accuracy": out["accuracy"], "n": out["n"], "mean_tokens": sum(lengths) / len(lengths)}

@@ -1,6 +1,6 @@
-"""What the eval scripts share (and raft.py's held-out eval): load the model to evaluate (base, base + adapter, or a
-run's checkpoint), batched greedy generation (through common.rollout), math-answer accuracy on GSM8K-style rows, and
-writing per-example JSONL plus a summary JSON.
+"""What the eval scripts share (and a training script's held-out GSM8K eval): load the model to evaluate (base,
+base + adapter, or a run's checkpoint), batched greedy generation (through common.rollout), math-answer accuracy on
+GSM8K-style rows, and writing per-example JSONL plus a summary JSON.
 
 A checkpoint is `runs/<run>/checkpoints/step-N` (its weights/ holds the PEFT adapter, or the full weights after
 --no-use-lora), a run's `final/` dir, or a run dir (its final/ if present, else its newest complete checkpoint).
@@ -15,8 +15,7 @@ import sys
 from tqdm.auto import tqdm
 
 
-from common.data import MATH_INSTRUCTION, load_rows, question_row, setup_chat_template, tokenize_prompt
-from common.data import validate_rows
+from common.data import MATH_INSTRUCTION, load_rows, question_row, setup_chat_template, tokenize_prompt, validate_rows
 from common.errors import ArgsError, DataError
 from common.model import attach_lora, load_model
 from common.rewards import extract_answer, math_reward
@@ -140,15 +139,15 @@ def gsm8k_rows(
     limit: int | None = None,
     instruction: str = MATH_INSTRUCTION,
     attributes: str | None = None,
-    attributes_in: str = "system",
+    where: str = "system",
 ) -> list[dict]:
     """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} through the same mapping as
     training (common.data.question_row: reference = the number after '####'), or prompt-only rows such as
     builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions.
-    attributes ("correct:1,length:0"): SteerLM's attribute string goes into each prompt (steer_prompt)."""
-    label = (
-        parse_attributes(attributes, "--attributes") if attributes else None
-    )  # a bad spec fails before any row loads
+    attributes ("correct:1,length:0"): SteerLM's attribute string goes into each prompt, in its system message or
+    its user turn (`where`, steer_prompt)."""
+    # A bad attribute spec fails before any row loads
+    label = parse_attributes(attributes, "--attributes") if attributes else None
     check_dataset(dataset)
     rows = [
         question_row(r, instruction) if "question" in r and "prompt" not in r else r
@@ -162,7 +161,7 @@ def gsm8k_rows(
         # A plain-string prompt becomes one user turn; builtin:math's question is its user turn, instruction included.
         prompt = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
         question = row.get("question", prompt[-1]["content"])
-        prompt = steer_prompt(prompt, label, attributes_in) if label else prompt
+        prompt = steer_prompt(prompt, label, where) if label else prompt
         out.append({"question": question, "prompt": prompt, "reference": str(row["answer"])})
     return out
 
@@ -188,7 +187,7 @@ def evaluate_gsm8k(
 ) -> dict:
     """Decode every row of gsm8k_rows() (greedy, or num_samples draws at temperature) and score each completion:
     {accuracy (mean over the judged completions), n (judged completions), unscored (completions whose reference has
-    no number: left out, as evals.common_eval.reward_eval does), records}. Restores the model's mode."""
+    no number: left out, as the GRPO held-out eval does), records}. Restores the model's mode."""
     # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
     prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
     completions = generate_completions(

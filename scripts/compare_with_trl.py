@@ -1008,6 +1008,8 @@ def main(argv=None):
         raise SystemExit("--fork runs one method's fork: pass --method, not all")
     if args.method == "rloo" and not args.fork:
         raise SystemExit("--method rloo compares a fork of grpo.py (docs/forks/rloo.patch): pass --fork grpo_rloo.py")
+    if args.trl_config and args.method not in ("grpo", "rloo"):
+        raise SystemExit("--trl-config: only the grpo and rloo comparisons pass fields to TRL's config")
     if args.fork and not os.path.isfile(args.fork):
         raise SystemExit(f"--fork {args.fork}: no such file (apply a docs/forks/ patch to a copy of the script first)")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -163,6 +163,8 @@ def test_compare_with_trl_reads_a_fork_and_trl_fields_from_the_command_line(tmp_
         main(["--method", "rloo", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="pass --method, not all"):
         main(["--method", "all", "--fork", "x.py", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="only the grpo and rloo"):
+        main(["--method", "dpo", "--trl-config", "beta=0.2", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="no such file"):
         main(["--method", "grpo", "--fork", str(tmp_path / "grpo_gspo.py"), "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # stopped before building the tiny model or the adapter

@@ -224,7 +224,7 @@ def test_sft_cli_bad_attribute_is_one_line(tiny_model_dir, tmp_path):
 def test_gsm8k_rows_write_the_attributes_like_training():
     plain = common_eval.gsm8k_rows("builtin:math", "test", limit=2)
     system = common_eval.gsm8k_rows("builtin:math", "test", limit=2, attributes="length:0,correct:1")
-    user = common_eval.gsm8k_rows("builtin:math", "test", limit=2, attributes="correct:0", attributes_in="user")
+    user = common_eval.gsm8k_rows("builtin:math", "test", limit=2, attributes="correct:0", where="user")
     for p, s, u in zip(plain, system, user):
         assert s["prompt"] == [{"role": "system", "content": "correct:1,length:0"}, *p["prompt"]]
         assert u["prompt"] == [{"role": "user", "content": p["prompt"][0]["content"] + "\ncorrect:0"}]
@@ -247,9 +247,7 @@ def test_eval_prompt_tokens_are_the_training_prompt_tokens(tiny_model_dir, where
     """The token ids evals.gsm8k feeds under --attributes are exactly the prompt ids sft.py trained on for the same
     question and attributes (the SteerLM demo's diagnosis: no format gap between training and steering)."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    (row,) = common_eval.gsm8k_rows(
-        "builtin:math", "test", limit=1, attributes="length:1,correct:0", attributes_in=where
-    )
+    (row,) = common_eval.gsm8k_rows("builtin:math", "test", limit=1, attributes="length:1,correct:0", where=where)
     (plain,) = common_eval.gsm8k_rows("builtin:math", "test", limit=1)
     trained = steered(
         [{"prompt": plain["prompt"], "completion": REPLY, "attributes": {"correct": 0, "length": 1}}], where

@@ -8,7 +8,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import tokenize
 
 import pytest
 
@@ -16,7 +15,9 @@ from tests.conftest import ROOT
 
 SCRIPTS = ("sft", "dpo", "orpo", "kto", "rm", "grpo", "raft")
 CORE = ROOT / "common"
+# Modules more than one script imports: the core, the harness, the plug-ins, and what the evals share with raft.py
 SHARED = [p for d in ("common", "harness", "plugins") for p in sorted((ROOT / d).glob("*.py"))]
+SHARED.append(ROOT / "evals" / "common_eval.py")
 OPTIONAL = ("harness", "plugins")  # plumbing and optional features: a copy of a script may drop them
 PROJECT_DIRS = ("common", "harness", "plugins", "evals", "scripts", "bench")
 
@@ -56,17 +57,20 @@ def imports(path: pathlib.Path, top_level_only: bool = False) -> list[tuple[str,
 
 
 def closure(script: str, skip: tuple[str, ...] = ()) -> list[str]:
-    """Modules the script imports at module level, transitively (what runs when it starts), minus `skip` packages."""
-    seen, todo = set(), [script]
+    """Modules the script imports at module level, transitively (what runs when it starts). `skip`: packages whose
+    modules a copy of the script may drop where the script itself imports them (the optional harness and plug-ins);
+    one that a kept module imports is needed all the same, and counted."""
+    seen = set()
+    todo = [(script, False)]
     while todo:
-        name = todo.pop()
-        if name in seen or name.split(".")[0] in skip:
+        name, droppable = todo.pop()
+        if name in seen or (droppable and name.split(".")[0] in skip):
             continue
         seen.add(name)
-        todo += [m for m, _ in imports(MODULES[name], top_level_only=True)]
+        todo += [(m, name == script) for m, _ in imports(MODULES[name], top_level_only=True)]
         parent = name.rpartition(".")[0]
         if parent in MODULES:  # importing common.data runs common/__init__.py
-            todo.append(parent)
+            todo.append((parent, False))
     return sorted(seen)
 
 
@@ -130,6 +134,9 @@ def test_shared_modules_import_required_packages_at_the_top():
 
 
 def test_no_import_cycle():
+    for path in MODULES.values():  # the graph below reads absolute imports only
+        relative = [n.lineno for n in ast.walk(ast.parse(path.read_text())) if getattr(n, "level", 0)]
+        assert relative == [], f"{path}: relative import at lines {relative}"
     graph = {name: {m for m, _ in imports(path)} for name, path in MODULES.items()}
     state = {}
 
@@ -149,7 +156,7 @@ def test_no_import_cycle():
 
 # ------------------------------------------------------------------------------------------------ shared modules
 def args_fields(script: str) -> set[str]:
-    tree = ast.parse((ROOT / f"{script}.py").read_text())
+    tree = ast.parse((ROOT / f"{script.replace('.', '/')}.py").read_text())
     args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
     return {n.target.id for n in args.body if isinstance(n, ast.AnnAssign)}
 
@@ -157,24 +164,29 @@ def args_fields(script: str) -> set[str]:
 def test_no_shared_module_names_a_script_or_a_field_only_one_script_has():
     fields = {s: args_fields(s) for s in SCRIPTS}
     own = {f for s in SCRIPTS for f in fields[s] if sum(f in fields[t] for t in SCRIPTS) == 1}
+    own -= args_fields("evals.gsm8k") | args_fields("evals.ifeval")  # shared with an eval CLI (--attributes)
     assert {"prompts_per_round", "groups_per_micro_batch", "precompute_ref_log_probs"} <= own  # the check bites
     names = re.compile(r"\b(" + "|".join(SCRIPTS) + r")\b")
     for path in SHARED:
         text = path.read_text()
         found = sorted(set(names.findall(text)))
         assert found == [], f"{path} names the script(s) {found}"
-        with open(path, "rb") as f:
-            tokens = list(tokenize.tokenize(f.readline))
-        for prev, tok in zip(tokens, tokens[1:]):
-            if tok.type == tokenize.NAME and prev.string == "." and tok.string in own:
-                raise AssertionError(f"{path}:{tok.start[0]}: reads the field .{tok.string} of one script")
-            if tok.type == tokenize.NAME and "_" in tok.string and tok.string in own:
-                raise AssertionError(f"{path}:{tok.start[0]}: names the field {tok.string} of one script")
-            if tok.type == tokenize.STRING:  # a one-word field ("attributes") may also be a data column's name
-                value = tok.string.strip("\"'rbuf")
+        for node in ast.walk(ast.parse(text)):  # f-strings too: their fields are Attribute nodes inside
+            if isinstance(node, ast.Attribute) and node.attr in own:
+                raise AssertionError(f"{path}:{node.lineno}: reads the field .{node.attr} of one script")
+            name = None
+            if isinstance(node, ast.Name):
+                name = node.id
+            elif isinstance(node, (ast.keyword, ast.arg)):
+                name = node.arg
+            if name and "_" in name and name in own:
+                raise AssertionError(f"{path}:{node.lineno}: names the field {name} of one script")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                # a one-word field ("attributes") may also be a data column's name
+                value = node.value
                 flag = value.removeprefix("--").replace("-", "_")
                 if (value in own and "_" in value) or (value.startswith("--") and flag in own):
-                    raise AssertionError(f"{path}:{tok.start[0]}: names the field {value!r} of one script")
+                    raise AssertionError(f"{path}:{node.lineno}: names the field {value!r} of one script")
 
 
 def test_every_error_type_lives_in_common_errors():
@@ -194,15 +206,20 @@ def test_no_walrus_in_scripts_core_harness_or_plugins():
 
 
 def test_importing_the_shared_modules_changes_nothing():
-    """No import-time side effects: the environment, the SIGINT handler and the hub's progress bars are as before."""
+    """No import-time side effects: the environment, the SIGINT handler, transformers' and the hub's progress bars,
+    torch's threads and default dtype are as before."""
     mods = [module_name(p) for p in SHARED]
     code = (
         "import os, signal, sys; sys.path.insert(0, '.')\n"
+        "import torch\n"
+        "from huggingface_hub.utils import are_progress_bars_disabled\n"
         "from transformers.utils import logging\n"
-        "env, bars, sigint = dict(os.environ), logging.is_progress_bar_enabled(), signal.getsignal(signal.SIGINT)\n"
+        "def state():\n"
+        "    return (dict(os.environ), logging.is_progress_bar_enabled(), are_progress_bars_disabled(),\n"
+        "            signal.getsignal(signal.SIGINT), torch.get_num_threads(), torch.get_default_dtype())\n"
+        "before = state()\n"
         f"for m in {mods!r}: __import__(m)\n"
-        "assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items())\n"
-        "assert logging.is_progress_bar_enabled() == bars and signal.getsignal(signal.SIGINT) == sigint\n"
+        "assert state() == before, (before[1:], state()[1:])\n"
         "print('clean')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -226,14 +243,17 @@ def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
 
 
 def test_closure_report():
-    """Prints every script's closure (core / with the harness and plug-ins), the figures docs/layout.md gives; no
-    script's closure holds another script."""
+    """Prints every script's closure (core / with the harness and plug-ins) and checks the table in docs/layout.md
+    gives these figures; no script's closure holds another script."""
+    table = (ROOT / "docs" / "layout.md").read_text()
     for script in SCRIPTS:
         core = counted(closure(script, skip=OPTIONAL))
         whole = counted(closure(script))
         with_all = f"with harness and plug-ins {len(whole)} / {lines(whole)}"
         print(f"{script}: {len(core)} files / {lines(core)} lines; {with_all}")
         assert [m for m in whole if m in SCRIPTS] == [script]
+        row = f"| {script}.py | {len(core)} / {lines(core):,} | {len(whole)} / {lines(whole):,} |"
+        assert row in table, f"docs/layout.md's closure table should read: {row}"
 
 
 def test_readme_is_short():
