@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import torch
 
-from common.data import MAX_SHOWN
+from common.data import MAX_SHOWN, bad_field
 from common.errors import DataError
 
 
@@ -232,6 +232,8 @@ REWARD_FUNCS = {
 }
 # The row fields a reward needs to score a row at all (without them it returns None); a custom module:function
 # reward may declare its own `fn.needs = ("field",)`. check_reward_fields refuses data no chosen reward can score.
+# A reward may also declare `fn.row_problem(row) -> (field, problem) | None`: what makes a row that has its fields
+# unusable (an answer without a number, a test case that does not parse), refused before the model loads.
 math_reward.needs = ("answer",)
 regex_reward.needs = ("pattern",)
 target_length_reward.needs = ("target_length",)
@@ -272,7 +274,15 @@ def load_reward_funcs(
 
 def check_reward_fields(rows: list[dict], funcs) -> None:
     """Before the model loads: every row must have the fields (not None) of at least one chosen reward, else it would
-    train on a constant 0 reward (e.g. SFT or preference rows under `math`, which needs `answer`)."""
+    train on a constant 0 reward (e.g. SFT or preference rows under `math`, which needs `answer`); and no chosen
+    reward's `row_problem` may find fault with a row that has its fields (raises DataError naming line and field)."""
+    for row in rows:  # a row a reward would read but cannot use is an error even if another reward can score it
+        for _, fn, _ in funcs:
+            fields = getattr(fn, "needs", ())
+            check = getattr(fn, "row_problem", None)
+            problem = check(row) if check and all(row.get(f) is not None for f in fields) else None
+            if problem is not None:
+                bad_field(row, *problem)
     needs = [(name, getattr(fn, "needs", ())) for name, fn, _ in funcs]
     if not needs or any(not fields for _, fields in needs):
         return  # no reward functions, or one that scores any row

@@ -141,6 +141,20 @@ def test_reward_needs_per_function():
     check_reward_fields(code_rows, load_reward_funcs(["code", "regex"], grpo.REWARDS))
 
 
+def test_a_rewards_row_problem_is_refused_even_when_another_reward_scores_the_row():
+    def needs_even(prompts, completions, n=None, **kw):
+        return [float(x % 2 == 0) for x in n]
+
+    needs_even.needs = ("n",)
+    needs_even.row_problem = lambda row: None if isinstance(row["n"], int) else ("n", "not an integer")
+    funcs = [("even", needs_even, 1.0), *load_reward_funcs(["format"])]
+    rows = [{"prompt": "p", "n": 2, "_loc": "f.jsonl:1"}, {"prompt": "q", "_loc": "f.jsonl:2"}]
+    check_reward_fields(rows, funcs)  # row 2 lacks n: the check is not called, format scores it
+    rows.append({"prompt": "r", "n": "two", "_loc": "f.jsonl:3"})
+    with pytest.raises(DataError, match=r"^f.jsonl:3: field 'n': not an integer$"):
+        check_reward_fields(rows, funcs)
+
+
 # ------------------------------------------------------------------------------------------------ --model, --adapter
 def test_a_data_folder_as_model_is_named(tmp_path):
     write_jsonl(tmp_path / "rows.jsonl", SFT_ROWS)
