@@ -33,8 +33,8 @@ from common.model import save_final, seed_everything, snapshot_ref, trainable_pa
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
-from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
-from harness.cli import training_lines
+from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
@@ -121,6 +121,8 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    breaker_max_nonfinite: int = 3
+    """updates skipped for a NaN/Inf loss or gradient (in all) that stop the run (checkpoint saved, exit 1)"""
     # logging/eval/checkpoint
     logging_steps: int = 1
     """[logging/eval/checkpoint] log every N steps"""
@@ -317,8 +319,8 @@ def evaluate(model, eval_examples: list[dict], args: Args, pad_id: int, device, 
 def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
     positive(args, "learning_rate", "max_grad_norm")
-    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "lora_r")
-    at_least(args, 1, "max_length")
+    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps")
+    at_least(args, 1, "max_length", "breaker_max_nonfinite")
     at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "beta", "rpo_alpha")
     at_least(args, 0, "weight_decay", "num_train_epochs")
     if args.max_steps < -1:
@@ -326,6 +328,9 @@ def check_args(args: Args) -> None:
     robust = args.loss_type == "robust"
     if not (0 <= args.label_smoothing < 0.5 if robust else args.label_smoothing == 0):
         raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
+    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
+        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -338,7 +343,9 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     if use_ref and not args.precompute_ref_log_probs:  # before the policy's pass: never beside its graph
         step.insert(0, Pass(n, T, n * T, name="reference pass"))
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
-    return plan_memory(args, {"step": step}, dropout_off=args.disable_dropout, frozen_copies=int(use_ref), knobs=knobs)
+    return plan_memory(
+        args, {"step": step}, dropout_off=args.disable_dropout, frozen_copies=int(use_ref), knobs=knobs, rows=rows
+    )
 
 
 def main(args: Args) -> dict:
@@ -392,7 +399,9 @@ def main(args: Args) -> dict:
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    checkpoints = Checkpoints(run_dir, run_identity(model, args), keep=args.save_total_limit)
+    # a resume may raise the NaN/Inf limit
+    identity = run_identity(model, args, free=("breaker_max_nonfinite",))
+    checkpoints = Checkpoints(run_dir, identity, keep=args.save_total_limit)
     start_step, state = checkpoints.resume(  # restores "ref" too, checked against the hash saved with it
         args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
     )
@@ -446,6 +455,9 @@ def main(args: Args) -> dict:
             checkpoints.save(step + 1, model, optimizer, scheduler, state)
         if interrupt.requested and not last:
             raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
+        if nonfinite >= args.breaker_max_nonfinite:  # a run that keeps making NaN/Inf has diverged: stop it
+            why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
+            raise checkpoints.stop(why, step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)

@@ -45,7 +45,8 @@ from common.rollout import check_sampling, hf_generate
 # The optional harness (plumbing: presets, memory plan, checkpoints, breakers, logging) and plug-ins; a copy of this
 # script that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
-from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import resolve_preset
 from harness.hub import check_dataset, locate_model
 from harness.memory import Generate, Pass, longest_row, plan_memory
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
@@ -220,7 +221,8 @@ def group_advantages(rewards, group_size: int, scale_rewards: str = "group"):
     As TRL's _generate_and_score_completions: grouped mean, std with Bessel's correction,
     `advantages / (std_rewards + 1e-4)` unless "none". Differences: rewards must be finite (TRL zeroes all-None
     rows), and under "batch" TRL logs frac_reward_zero_std from the batch std while std_grouped is always per group.
-    "batch" is over the rewards passed in: pass the whole generation batch.
+    "batch" is over the rewards passed in: pass the whole generation batch. A group of equal rewards gets std and
+    advantages exactly 0 (TRL: its float32 rounding, e.g. 1e-3 advantages for four rewards of 1.2).
     """
     if group_size < 2:
         raise ValueError(f"GRPO needs group_size >= 2 (the std of one sample is undefined), got {group_size}")
@@ -231,7 +233,12 @@ def group_advantages(rewards, group_size: int, scale_rewards: str = "group"):
     grouped = rewards.view(-1, group_size)  # (n_prompts, G): completions of one prompt are contiguous
     mean = grouped.mean(1).repeat_interleave(group_size)
     std_grouped = grouped.std(1).repeat_interleave(group_size)  # torch.std is unbiased, like TRL's nanstd
-    advantages = rewards - mean
+    # A group whose rewards are all equal carries no signal, but its float32 mean can miss the common value by one
+    # rounding (four rewards of 1.2: std ~1e-7, advantages ~1e-3 after the division, and the group escapes
+    # frac_reward_zero_std): its std and advantages are exactly 0. TRL keeps the rounding.
+    constant = (grouped.amax(1) == grouped.amin(1)).repeat_interleave(group_size)
+    std_grouped = torch.where(constant, 0.0, std_grouped)
+    advantages = torch.where(constant, 0.0, rewards - mean)
     if scale_rewards == "group":
         advantages = advantages / (std_grouped + 1e-4)  # +1e-4: an all-equal group gives 0, not 0/0
     elif scale_rewards == "batch":
@@ -485,12 +492,15 @@ def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
     positive(args, "learning_rate", "max_grad_norm", "temperature")
     at_least(args, 1, "prompts_per_step", "group_size", "groups_per_micro_batch", "num_iterations")
-    at_least(args, 1, "max_completion_length", "logging_steps", "lora_r", "breaker_patience")
+    at_least(args, 1, "max_completion_length", "logging_steps", "breaker_patience", "breaker_max_nonfinite")
     at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "eval_limit", "beta")
     at_least(args, 0, "weight_decay", "epsilon", "epsilon_high", "max_steps")  # no epochs here: -1 means nothing
     if args.group_size < 2:  # G = 1 would make every advantage 0
         raise ArgsError(f"--group-size {args.group_size}: must be at least 2 (advantages compare samples in a group)")
     check_sampling(args.top_p, args.top_k)
+    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
+        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -521,6 +531,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
             ("group_size", 2),
         ],
         extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
+        rows=rows,
     )
 
 

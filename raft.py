@@ -42,11 +42,12 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import check_run_dir_identity, run_identity
-from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
+from harness.checkpoints import check_run_dir_identity, run_identity, writing
+from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import resolve_preset
 from harness.hub import check_dataset, locate_model
 from harness.memory import Generate, Pass, longest_row, plan_memory
-from harness.run import Logger, make_run_dir, peak_memory_gb
+from harness.run import Logger, lock_run_dir, make_run_dir, peak_memory_gb
 from plugins.builtin_math import builtin_rows
 from plugins.code import code_reward
 from plugins.judge import api_reward
@@ -149,6 +150,8 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    breaker_max_nonfinite: int = 3
+    """updates skipped for a NaN/Inf loss or gradient in one round that stop the run (round not written, exit 1)"""
     # logging/eval/checkpoint
     eval_dataset: str | None = None
     """[logging/eval/checkpoint] held-out {prompt, answer} or GSM8K {question, answer} rows, scored by math_reward
@@ -233,13 +236,15 @@ def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dic
     final = os.path.join(run_dir, f"round-{n}")
     tmp = os.path.join(run_dir, f".tmp-round-{n}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash inside this round
-    os.makedirs(tmp)
-    for name, rows in files.items():
-        pathlib.Path(tmp, name).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if model is not None:  # only the policy: a plain PEFT adapter that --adapter of every script loads
-        check_finite(model, f" in {run_dir}")  # a NaN policy is never written as a round
-        save_weights(model, os.path.join(tmp, "adapter"), ["default"])
+    last_good = os.path.join(run_dir, f"round-{n - 1}") if n > 0 else "none"
+    with writing(tmp, f"round-{n}", last_good):  # a failed write (a full disk) removes tmp and says so
+        os.makedirs(tmp)
+        for name, rows in files.items():
+            pathlib.Path(tmp, name).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+        pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
+        if model is not None:  # only the policy: a plain PEFT adapter that --adapter of every script loads
+            check_finite(model, f" in {run_dir}")  # a NaN policy is never written as a round
+            save_weights(model, os.path.join(tmp, "adapter"), ["default"])
     os.replace(tmp, final)
     return final
 
@@ -367,11 +372,13 @@ def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
     positive(args, "learning_rate", "dpo_learning_rate", "max_grad_norm", "temperature")
     at_least(args, 1, "group_size", "max_completion_length", "prompts_per_round", "num_rounds", "keep_per_prompt")
-    at_least(
-        args, 1, "eval_batch_size", "generation_batch_size", "lora_r", "max_length", "per_device_train_batch_size"
-    )
+    at_least(args, 1, "eval_batch_size", "generation_batch_size", "max_length", "per_device_train_batch_size")
     at_least(args, 0, "eval_limit", "beta", "weight_decay", "num_train_epochs")
+    at_least(args, 1, "breaker_max_nonfinite")
     check_sampling(args.top_p, args.top_k)
+    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
+        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -404,6 +411,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         frozen_copies=int(use_ref),
         knobs=knobs,
         extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
+        rows=rows,
     )
 
 
@@ -439,6 +447,7 @@ def main(args: Args) -> dict:
     if args.resume_from and not 0 <= done < args.num_rounds:  # nothing to continue, or nothing left to run
         why = f"round {done} is done, at or past this run's {args.num_rounds} rounds" if done >= 0 else "no round-N/"
         raise ResumeError(f"--resume-from {run_dir}: {why}")
+    lock_run_dir(run_dir)  # a resume writes into the run dir itself: one process at a time, before any write
 
     # ---- 3 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
     model, tokenizer = load_model(
@@ -457,7 +466,7 @@ def main(args: Args) -> dict:
         disable_dropout(model)
     bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
     # A resumed run must be the same experiment (model, LoRA, math args); how many rounds may change
-    identity = run_identity(model, args, free=("num_rounds", "resume_from"))
+    identity = run_identity(model, args, free=("num_rounds", "resume_from", "breaker_max_nonfinite"))
     check_run_dir_identity(run_dir, identity, args.resume_ignore_mismatch)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
@@ -515,6 +524,12 @@ def main(args: Args) -> dict:
         if use_ref and pair_rows:  # (4) DPO on the pairs against the round-start policy: dpo.py's sigmoid loss
             pairs = tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length)
             stats |= run_phase(model, pairs, args, args.dpo_learning_rate, dpo_loss_of, "dpo/", args.seed + rnd)
+        skipped = stats.get("sft/nonfinite_updates", 0) + stats.get("dpo/nonfinite_updates", 0)
+        if skipped >= args.breaker_max_nonfinite:  # diverged: this round is not written, the last written one stays
+            last_good = os.path.join(run_dir, f"round-{rnd - 1}")
+            why = f"raft: stopped in round {rnd} ({skipped} updates skipped for a NaN/Inf loss or gradient)"
+            resume = f"round and final/ not written; last good: {last_good} (--resume-from {run_dir})"
+            raise RunStopped(f"{why}; {resume}", rnd - 1, last_good, stats)
         if spin:
             snapshot_ref(model)  # SPIN: the policy just trained is the next iteration's opponent (Chen et al., Alg. 1)
         t3 = time.perf_counter()

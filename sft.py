@@ -32,8 +32,8 @@ from common.model import attach_lora, load_model, save_final, seed_everything, s
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
-from harness.cli import StopOnCtrlC, at_least, one_line_errors, positive, print_config, resolve_preset
-from harness.cli import training_lines
+from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
@@ -116,6 +116,8 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    breaker_max_nonfinite: int = 3
+    """updates skipped for a NaN/Inf loss or gradient (in all) that stop the run (checkpoint saved, exit 1)"""
     # logging/eval/checkpoint
     logging_steps: int = 1
     """[logging/eval/checkpoint] log every N steps"""
@@ -234,12 +236,15 @@ def evaluate(model, examples, collate, forward_logps, batch_size) -> float:
 def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
     positive(args, "learning_rate", "max_grad_norm")
-    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "lora_r")
-    at_least(args, 1, "max_length")
+    at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps")
+    at_least(args, 1, "max_length", "breaker_max_nonfinite")
     at_least(args, 0, "save_steps", "eval_steps", "warmup_steps", "save_total_limit", "weight_decay")
     at_least(args, 0, "num_train_epochs")
     if args.max_steps < -1:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
+    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
+        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -253,6 +258,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         {"step": step},
         lora=args.use_lora,
         knobs=[("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)],
+        rows=rows,
     )
 
 
@@ -319,7 +325,9 @@ def main(args: Args) -> dict:
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
-    checkpoints = Checkpoints(run_dir, run_identity(model, args, free=("use_lora",)), keep=args.save_total_limit)
+    # a resume may raise the NaN/Inf limit
+    identity = run_identity(model, args, free=("use_lora", "breaker_max_nonfinite"))
+    checkpoints = Checkpoints(run_dir, identity, keep=args.save_total_limit)
     start_step, state = checkpoints.resume(
         args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
     )
@@ -383,6 +391,9 @@ def main(args: Args) -> dict:
             checkpoints.save(step + 1, model, optimizer, scheduler, state)
         if interrupt.requested and not last:
             raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
+        if nonfinite >= args.breaker_max_nonfinite:  # a run that keeps making NaN/Inf has diverged: stop it
+            why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
+            raise checkpoints.stop(why, step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)

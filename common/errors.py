@@ -34,6 +34,10 @@ class CorruptCheckpointError(UserError, RuntimeError):
     """A checkpoint whose files or tensors do not match the hashes recorded when it was written."""
 
 
+class RewardError(UserError, RuntimeError):
+    """A reward function returned what cannot train (NaN, Inf, a non-number): the message names the function."""
+
+
 class NonFiniteWeightsError(UserError, RuntimeError):
     """Raised instead of saving a model with NaN/Inf weights."""
 

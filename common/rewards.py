@@ -19,7 +19,7 @@ from fractions import Fraction
 import torch
 
 from common.data import MAX_SHOWN, bad_field
-from common.errors import DataError
+from common.errors import ArgsError, DataError, RewardError
 
 
 def text_of(x, last_assistant: bool = True) -> str:
@@ -262,6 +262,8 @@ def load_reward_funcs(
             funcs.append(loaders[prefix](spec))
             continue
         name, weight = split_weight(spec)
+        if not math.isfinite(weight):  # `math:nan` parses as a weight: every reward would become NaN, then 0
+            raise ArgsError(f"--rewards {spec}: the weight must be a finite number, got {weight}")
         if ":" in name:
             module, fn_name = name.split(":", 1)
             funcs.append((fn_name, getattr(importlib.import_module(module), fn_name), weight))
@@ -314,6 +316,11 @@ def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torc
         if all(r is None for r in out) and name not in _warned_all_none:
             _warned_all_none.add(name)  # once per function: a missing dataset column would repeat it every step
             warnings.warn(f"reward '{name}' returned None for a whole batch: is its dataset column missing?")
+        for j, r in enumerate(out):  # None: "does not apply" (NaN below, left out); NaN/Inf: a broken reward
+            if r is not None and not math.isfinite(float(r)):
+                shown = f"completion {j} of {len(out)} ({str(completions[j])[:60]!r})"
+                problem = "a reward must be a finite number or None"
+                raise RewardError(f"reward '{name}' returned {r} for {shown}: {problem}")
         per_func[:, i] = torch.tensor([math.nan if r is None else float(r) for r in out])
     weights = torch.tensor([w for _, _, w in funcs])
     return (per_func * weights).nansum(dim=1), per_func

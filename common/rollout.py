@@ -16,6 +16,7 @@ import torch
 from transformers import GenerationConfig
 
 from common.data import pad_batch
+from common.errors import ArgsError
 from common.model import cache_kwarg, prompt_cache, unwrap
 
 
@@ -38,9 +39,9 @@ def check_sampling(top_p: float, top_k: int) -> None:
     """Refuse what the two engines would read differently: top_p = 0 (HF: silently greedy; vLLM: an error), top_k < 0
     (vLLM: -1 = off; HF: an error), NaN; the message names the flag."""
     if not 0 < top_p <= 1:
-        raise ValueError(f"--top-p {top_p}: must be in (0, 1] (1 = off)")
+        raise ArgsError(f"--top-p {top_p}: must be in (0, 1] (1 = off)")
     if not top_k >= 0:
-        raise ValueError(f"--top-k {top_k}: must be >= 0 (0 = off)")
+        raise ArgsError(f"--top-k {top_k}: must be >= 0 (0 = off)")
 
 
 def _result(prompt_ids, completion_ids, eos, tokenizer, logprobs=None) -> dict:

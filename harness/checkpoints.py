@@ -12,7 +12,9 @@ write and log, how far to train), the model flags (their effect is recorded from
 eval_* (they only evaluate), and whatever fields the script names as free (its speed knobs, its stop rules).
 """
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import inspect
 import json
@@ -26,7 +28,8 @@ import warnings
 import torch
 from peft import set_peft_model_state_dict
 
-from common.errors import CorruptCheckpointError, ResumeError, RunStopped
+from common.errors import CorruptCheckpointError, OutputDirError, ResumeError, RunStopped, UserError
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from common.model import DEFAULT, REF, check_finite, is_peft, pick_device, resolve_dtype, save_weights, slot_params
@@ -197,21 +200,59 @@ def _read_verified_meta(ckpt: str) -> dict:
         found = _file_hashes(ckpt)
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{ckpt}: unreadable ({e})") from None
-    for rel, digest in meta.get("files_sha256", {}).items():
-        if found.get(rel) != digest:
-            raise CorruptCheckpointError(f"{ckpt}: {rel} is missing or does not match the hash recorded at save time")
+    recorded = meta.get("files_sha256") if isinstance(meta, dict) else None
+    if not isinstance(recorded, dict) or "state.pt" not in recorded:  # a marker that cannot be checked is not trusted
+        raise CorruptCheckpointError(f"{ckpt}: {COMPLETE} records no file hashes, so nothing in it can be verified")
+    for rel in sorted(recorded.keys() | found.keys()):  # a file added since the save could be loaded: refused too
+        if found.get(rel) != recorded.get(rel):
+            problem = "is not listed in" if rel not in recorded else "is missing or does not match"
+            raise CorruptCheckpointError(f"{ckpt}: {rel} {problem} the hashes recorded at save time")
     return meta
 
 
 def _load_verified_weights(ckpt: str, meta: dict, model) -> None:
     """Every LoRA slot (or the full model) from the checkpoint, then each adapter checked against its saved hash."""
     hashes = meta.get("adapter_sha256") or {}
+    if is_peft(model) and not hashes:  # saved from a LoRA model, it recorded them: a marker without them was edited
+        raise CorruptCheckpointError(
+            f"{ckpt}: {COMPLETE} records no adapter hashes, so the adapters cannot be verified"
+        )
     if REF in hashes and is_peft(model) and REF not in model.peft_config:
         snapshot_ref(model)  # create the slot; its content is overwritten by the saved 'ref' below
     load_weights(model, os.path.join(ckpt, "weights"))
-    for slot, digest in hashes.items():
-        if adapter_hash(model, slot) != digest:
+    slots = set(model.peft_config) if is_peft(model) else set()
+    for slot in sorted(slots | hashes.keys()):
+        if slot not in hashes or slot not in slots or adapter_hash(model, slot) != hashes[slot]:
             raise CorruptCheckpointError(f"{ckpt}: the '{slot}' adapter does not match the hash recorded at save time")
+
+
+def _out_of_space(e: Exception, folder: str) -> bool:
+    """Whether a failed write ran out of space: ENOSPC / EDQUOT from Python, the OS's words inside safetensors'
+    error, or torch's writer, whose message drops the errno ('[enforce fail at inline_container.cc:672] . unexpected
+    pos ...'), on a file system left with under 1 MiB (measured before the partial files are removed)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+        return True
+    return "unexpected pos" in str(e) and shutil.disk_usage(folder).free < 2**20
+
+
+@contextlib.contextmanager
+def writing(tmp: str, what: str, last_good: str):
+    """Around writing `what` into the temp dir `tmp` (renamed into place when complete): if the writing fails, tmp
+    is removed and a failed write becomes one line that says when the disk is full and names the last good
+    checkpoint, instead of torch's or safetensors' message."""
+    try:
+        yield
+    except Exception as e:
+        full = not isinstance(e, UserError) and _out_of_space(e, os.path.dirname(tmp))
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, UserError) or not isinstance(e, (OSError, RuntimeError, SafetensorError)):
+            raise
+        cause = "no space left on device" if full else f"{type(e).__name__}: {e}"
+        raise OutputDirError(
+            f"cannot write {what} ({cause}); removed the half-written {tmp}. Last good checkpoint: {last_good}"
+        ) from None
 
 
 def list_checkpoints(run_dir: str) -> list[str]:
@@ -254,7 +295,6 @@ class Checkpoints:
         final = os.path.join(root, f"step-{step}")
         tmp = os.path.join(root, f".tmp-step-{step}")
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash during an earlier save of this step
-        save_weights(model, os.path.join(tmp, "weights"))
         rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -266,19 +306,21 @@ class Checkpoints:
             "scheduler": scheduler.state_dict() if scheduler else None,
             "tensors": tensors,
         }
-        torch.save(saved, os.path.join(tmp, "state.pt"))
-        meta = {
-            "step": step,
-            "trainer_state": {k: v for k, v in state.items() if k not in tensors},
-            "identity": self.identity,
-            "files_sha256": _file_hashes(tmp),
-        }
-        if is_peft(model):
-            meta["adapter_sha256"] = {slot: adapter_hash(model, slot) for slot in model.peft_config}
-        with open(os.path.join(tmp, COMPLETE), "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        with writing(tmp, f"checkpoint step-{step}", last):
+            save_weights(model, os.path.join(tmp, "weights"))
+            torch.save(saved, os.path.join(tmp, "state.pt"))
+            meta = {
+                "step": step,
+                "trainer_state": {k: v for k, v in state.items() if k not in tensors},
+                "identity": self.identity,
+                "files_sha256": _file_hashes(tmp),
+            }
+            if is_peft(model):
+                meta["adapter_sha256"] = {slot: adapter_hash(model, slot) for slot in model.peft_config}
+            with open(os.path.join(tmp, COMPLETE), "w") as f:
+                json.dump(meta, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)

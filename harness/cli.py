@@ -1,17 +1,20 @@
 """What a script's command line needs around its main(): one-line errors, presets, the start-up block, flag checks
-before any weights load, and Ctrl-C as "stop after this step"."""
+before any weights load (LoRA settings, an --adapter's files), and Ctrl-C as "stop after this step"."""
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import signal
 import sys
 import threading
 
+import torch
+from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
-from common.errors import USER_ERRORS, ArgsError
+from common.errors import USER_ERRORS, ArgsError, ModelError
 from plugins.embedded import MODEL_ALIASES
 
 
@@ -93,6 +96,50 @@ def positive(args, *names: str) -> None:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise ArgsError(f"{flag_name(name)} {value}: must be a finite number > 0")
+
+
+def check_lora(r: int, alpha: float, dropout: float) -> None:
+    """Refuse LoRA settings that cannot train, naming the flag, before any weights load: PEFT scales the adapter's
+    output by alpha / r, so alpha 0 trains an adapter that never changes the model (and a negative one flips its
+    sign); dropout must be a probability below 1."""
+    if not r >= 1:
+        raise ArgsError(f"--lora-r {r}: must be at least 1")
+    if not alpha > 0:
+        raise ArgsError(f"--lora-alpha {alpha}: must be > 0 (the adapter's output is scaled by alpha / r)")
+    if not 0 <= dropout < 1:
+        raise ArgsError(f"--lora-dropout {dropout}: must be in [0, 1)")
+
+
+def check_adapter_weights(folder: str, what: str) -> None:
+    """ModelError naming the tensor when a PEFT adapter folder's weights are missing or hold a NaN/Inf: read before
+    anything loads them (PEFT loads them without a look, and one NaN trains or scores NaN from the first step)."""
+    file = os.path.join(folder, "adapter_model.safetensors")
+    if os.path.isfile(file):
+        tensors = load_file(file)
+    elif os.path.isfile(os.path.join(folder, "adapter_model.bin")):  # PEFT's older format
+        file = os.path.join(folder, "adapter_model.bin")
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
+    else:
+        raise ModelError(f"{what} {folder}: no adapter_model.safetensors (or .bin) there")
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ModelError(f"{what} {folder}: tensor {name} in {os.path.basename(file)} holds NaN/Inf; not loaded")
+
+
+def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
+    """Before the base loads: `adapter` is a PEFT adapter folder with finite weights. It trains with its own r,
+    alpha and dropout (PEFT reads them from its adapter_config.json): --lora-* flags that differ are named."""
+    config_file = os.path.join(adapter, "adapter_config.json")
+    if not os.path.isfile(config_file):
+        raise ModelError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
+    with open(config_file) as f:
+        config = json.load(f)
+    check_adapter_weights(adapter, "--adapter")
+    flags = {"--lora-r": ("r", r), "--lora-alpha": ("lora_alpha", alpha), "--lora-dropout": ("lora_dropout", dropout)}
+    unused = [f"{flag} {value}" for flag, (key, value) in flags.items() if config.get(key, value) != value]
+    if unused:
+        own = ", ".join(f"{key} {config[key]}" for key, _ in flags.values())
+        print(f"note: --adapter {adapter} trains with its own {own}: {', '.join(unused)} not applied")
 
 
 class StopOnCtrlC:

@@ -12,6 +12,7 @@ is held when it runs. Per-token activation counts are what autograd saves in tra
 import dataclasses
 import json
 import os
+import sys
 
 import torch
 from transformers import AutoConfig
@@ -228,6 +229,30 @@ def _size(x) -> int:
     return sum(map(_size, x)) if isinstance(x, list) else 0
 
 
+def rows_bytes(rows: list[dict], sample: int = 1000) -> int:
+    """Host memory the loaded rows hold: CPython's object sizes, followed through dicts, lists and strings (an object
+    shared between rows counted once), over an even sample of `sample` rows scaled to all of them. Python's objects
+    cost a multiple of the file's size (per-object headers, a dict per row, every row's "_loc")."""
+    if not rows:
+        return 0
+    picked = rows[:: max(1, len(rows) // sample)]
+    seen = set()
+    total = 0
+    stack = list(picked)
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        total += sys.getsizeof(x)
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return int(total * len(rows) / len(picked)) + sys.getsizeof(rows)
+
+
 def longest_row(rows: list[dict]) -> int:
     """A bound on the longest row in tokens: prompt + the longest of completion / chosen / rejected / messages;
     0 without rows (no bound)."""
@@ -283,6 +308,7 @@ def plan_memory(
     phases_checkpointed: dict[str, list] | None = None,
     knobs: list[tuple[str, object]] = (),
     extra: dict[str, int] | None = None,
+    rows: list[dict] | None = None,
 ) -> tuple[dict, bool]:
     """Print the plan of what the script declared (`phases`, its training state: LoRA or every weight, dropout off,
     `frozen_copies` of the LoRA such as a "ref" slot, `extra` lasting parts) with the model flags every script has
@@ -291,9 +317,13 @@ def plan_memory(
     memory turns checkpointing on when that makes it fit (TRL's default is on; off is faster where the memory allows
     it; `phases_checkpointed`: the passes under checkpointing, when they differ). A plan that does not fit is refused
     (ArgsError naming the script's `knobs` to try: (flag, least value)) unless --ignore-memory-plan or --plan.
-    As the model will load: --dtype auto resolved for this device, and an --adapter's own rank and dropout."""
+    As the model will load: --dtype auto resolved for this device, and an --adapter's own rank and dropout. The loaded
+    `rows` are a lasting part on a CPU run (the same RAM); on a GPU they are printed as host memory."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     budget, what = device_memory(device)
+    data = rows_bytes(rows or [])
+    if device == "cpu":
+        extra = (extra or {}) | {"dataset rows": data}
     config = model_config(args.model, args.trust_remote_code)
     fp32 = resolve_dtype(args.dtype, pick_device()) == torch.float32
     lora_r = args.lora_r
@@ -328,6 +358,8 @@ def plan_memory(
             parts = fits
             checkpointing = True
     print(format_plan(parts, budget, what), flush=True)
+    if device != "cpu":
+        print(f"  host RAM (not in the total): dataset rows {data / GiB:.2f} GiB", flush=True)
     if parts["total"] > budget and not ignore and not args.plan:
         values = [(name, getattr(args, name), least) for name, least in knobs]
         raise ArgsError(

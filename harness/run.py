@@ -2,6 +2,7 @@
 terminal), the cost of each step (seconds per phase, peak memory, tokens per second), and circuit-breaker
 bookkeeping (conditions that must hold for several steps in a row before they fire)."""
 
+import fcntl
 import json
 import math
 import os
@@ -38,7 +39,32 @@ def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs") -> st
         raise OutputDirError(
             f"--output-dir {root}: cannot write a run there ({type(e).__name__}: {e.strerror or e})"
         ) from None
+    lock_run_dir(path)
     return path
+
+
+_LOCKED: dict[str, int] = {}  # run dirs this process writes: real path -> the descriptor holding the lock
+
+
+def lock_run_dir(run_dir: str) -> None:
+    """Make this process the only writer of run_dir until it exits: an exclusive flock on run_dir/.lock, which the
+    kernel drops when the process ends, however it ends (a SIGKILL leaves no stale lock). A second process is refused
+    with one line naming the holder's pid (a run resumed in place: two resumes of one dir raced and broke it). The
+    process holding it may call again (a resumed run in the same interpreter)."""
+    path = os.path.realpath(run_dir)
+    if path in _LOCKED:
+        return
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        why = f"another process (pid {holder}) is writing this run; one writer per run dir"
+        raise OutputDirError(f"{run_dir}: {why}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _LOCKED[path] = fd
 
 
 def peak_memory_gb() -> float:

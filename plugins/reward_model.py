@@ -12,6 +12,7 @@ as loaders={"model": model_reward}); `label_rows` writes the scores into rows' `
 
 import hashlib
 import json
+import math
 import os
 import warnings
 
@@ -21,11 +22,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from common.data import collate_sft, tokenize_sft
-from common.errors import DataError
+from common.errors import ArgsError, DataError, ModelError
 from common.model import REWARD, as_reference, is_peft, load_model, pick_device, resolve_dtype
 from common.model import same_base, unwrap
 from common.rewards import split_weight
 from harness.checkpoints import adapter_hash
+from harness.cli import check_adapter_weights
 from harness.memory import lora_params, model_config, weight_bytes
 from plugins.embedded import resolve_model
 
@@ -54,13 +56,18 @@ def save_reward(final_dir, head, base_model, loss_type, attributes: list[str], q
 
 
 def read_config(path: str) -> dict:
+    """A reward model folder's config (base model, attribute names, ...), once its weights are checked finite."""
     file = os.path.join(path, CONFIG_FILE)
     if not (os.path.isfile(file) and os.path.isfile(os.path.join(path, HEAD_FILE))):
         raise DataError(
             f"{path}: not a reward model (a trained reward model's folder has {CONFIG_FILE} and {HEAD_FILE})"
         )
     with open(file) as f:
-        return json.load(f)
+        config = json.load(f)
+    check_adapter_weights(path, "reward model")  # a NaN/Inf weight would score every completion NaN
+    if not bool(torch.isfinite(load_file(os.path.join(path, HEAD_FILE))["weight"]).all()):
+        raise ModelError(f"reward model {path}: {HEAD_FILE} holds NaN/Inf; not loaded")
+    return config
 
 
 class RewardModel:
@@ -165,6 +172,8 @@ def model_reward(spec: str):
     when the model has one (a Bradley-Terry model's is "reward"). fn scores once bind_model_rewards gave it a model;
     several specs on one directory share it, and a batch scored for one attribute is reused by the others."""
     body, weight = split_weight(spec.removeprefix("model:"))
+    if not math.isfinite(weight):  # as load_reward_funcs: a NaN weight would turn every reward into 0
+        raise ArgsError(f"--rewards {spec}: the weight must be a finite number, got {weight}")
     path, _, attribute = body.partition("@")
     attributes = read_config(path)["attributes"]
     if not attribute and len(attributes) > 1:

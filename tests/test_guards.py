@@ -50,6 +50,13 @@ NONSENSE = [
     ("grpo", "epsilon_high", -0.1, ">= 0"),
     ("grpo", "max_steps", -1, ">= 0"),  # grpo has no epochs to count steps from: -1 trained nothing
     ("rm", "center_rewards_coefficient", -0.01, ">= 0"),  # would reward rewards far from 0
+    ("grpo", "top_p", 0.0, "must be in (0, 1]"),  # HF samples greedily at 0, vLLM refuses it
+    ("raft", "top_p", 5.0, "must be in (0, 1]"),
+    ("sft", "lora_dropout", 1.5, "must be in [0, 1)"),  # PEFT raised only after the model loaded
+    ("grpo", "lora_dropout", -0.1, "must be in [0, 1)"),
+    ("dpo", "lora_alpha", 0, "must be > 0"),  # scales the adapter by alpha / r = 0: a no-op adapter trained
+    ("kto", "lora_r", 0, "at least 1"),
+    ("orpo", "breaker_max_nonfinite", 0, "at least 1"),
 ]
 
 
@@ -88,6 +95,7 @@ def test_nan_loss_skips_every_update_in_dpo(tiny_model_dir, prefs, tmp_path, mon
             max_steps=3,
             per_device_train_batch_size=4,
             learning_rate=1e-2,
+            breaker_max_nonfinite=4,  # one more than the steps: this test is about the skip, not the stop
         )
     )
     assert [h["nonfinite_updates"] for h in out["history"]] == [1, 2, 3]

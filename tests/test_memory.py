@@ -357,3 +357,19 @@ def test_cli_plan_subprocess(tiny_model_dir, tmp_path):
     table = subprocess.run([sys.executable, "bench/capability_table.py", "--gpu-memory", "24"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert table.returncode == 0 and "Qwen2.5-7B" in table.stdout and "(no)" in table.stdout
+
+
+def test_the_plan_counts_the_loaded_rows_in_ram(tiny_model_dir, tmp_path):
+    """A 200 MB data file took 1.03 GB of RSS before the model loaded and the CPU plan did not count it."""
+    words = "the quick brown fox jumps over the lazy dog and some more words".split()
+    rows = [{"prompt": " ".join(words[i % 7 :]), "completion": " ".join(words[: 3 + i % 9])} for i in range(20000)]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(f'{{"prompt": "{r["prompt"]}", "completion": "{r["completion"]}"}}\n' for r in rows))
+    args = sft.Args(model=tiny_model_dir, dataset=str(data), output_dir=str(tmp_path), plan=True)
+    plan = sft.main(args)["memory_plan"]
+    loaded = sft.load_splits(str(data), "train", None, "supervised", 0, None, None)[0]
+    exact = memory.rows_bytes(loaded, sample=len(loaded))  # every row walked
+    assert plan["dataset rows"] == pytest.approx(exact, rel=0.05)  # the plan's even sample of 1,000 rows
+    assert exact > 2 * data.stat().st_size  # Python's objects cost a multiple of the file
+    without = {k: v for k, v in plan.items() if k not in ("total", "allocator (10 %)", "dataset rows")}
+    assert plan["total"] >= sum(without.values()) + plan["dataset rows"]

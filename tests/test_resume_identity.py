@@ -7,12 +7,13 @@ import os
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 import dpo
 import sft
 from common.errors import CorruptCheckpointError, ResumeError
-from harness.checkpoints import run_identity
+from harness.checkpoints import _file_hashes, run_identity
 from tests.prefs_helpers import preference_rows, write_jsonl
 from tests.tiny import write_tiny
 
@@ -165,10 +166,38 @@ def test_a_flipped_default_adapter_is_refused(tiny_model_dir, run_copy, memo, tm
     # Even with the file hashes rewritten to match, the tensor hash of "default" recorded at save time catches it.
     marker = os.path.join(step2, "checkpoint_complete.json")
     meta = json.load(open(marker))
-    meta.pop("files_sha256")
+    meta["files_sha256"] = _file_hashes(step2)
     json.dump(meta, open(marker, "w"))
     with pytest.raises(CorruptCheckpointError, match="'default' adapter does not match the hash"):
         sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=step2)
+
+
+@pytest.mark.parametrize("removed", [("files_sha256",), ("adapter_sha256",), ("files_sha256", "adapter_sha256")])
+def test_a_marker_that_cannot_be_verified_is_corrupt(tiny_model_dir, run_copy, memo, tmp_path, removed):
+    """A marker stripped of its hash keys was trusted: with an exponent bit flipped in the adapter the resume went
+    ahead and trained on (loss 6.23 where the intact checkpoint gives 5.79)."""
+    step2 = ckpt(run_copy, 2)
+    weights = os.path.join(step2, "weights", "adapter_model.safetensors")
+    tensors = load_file(weights)
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key].view(torch.int32).view(-1)[0] ^= 1 << 29  # one exponent bit: a value 2**64 times larger or smaller
+    save_file(tensors, weights)
+    marker = os.path.join(step2, "checkpoint_complete.json")
+    meta = json.load(open(marker))
+    meta["files_sha256"] = _file_hashes(step2)  # the file check alone would not see the flip now
+    for k in removed:
+        meta.pop(k)
+    json.dump(meta, open(marker, "w"))
+    with pytest.raises(CorruptCheckpointError, match="records no (file|adapter) hashes"):
+        sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, resume_from_checkpoint=step2)
+
+
+def test_a_file_added_to_a_checkpoint_is_refused(tiny_model_dir, run_copy, memo, tmp_path):
+    step2 = ckpt(run_copy, 2)
+    with open(os.path.join(step2, "weights", "extra.safetensors"), "wb") as f:
+        f.write(b"not saved by the run")
+    with pytest.raises(CorruptCheckpointError, match="weights/extra.safetensors is not listed in the hashes"):
+        sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, resume_from_checkpoint=step2)
 
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, run_copy, memo, tmp_path):
