@@ -32,14 +32,32 @@ def text_of(x, last_assistant: bool = True) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- math
-# Never hangs: only the last 2,000 characters are read and every pattern runs in linear time (no nested
-# quantifiers). No signal.alarm timeout: alarms are process-wide and not thread safe (the verl bug that silently
-# zeroed MATH rewards).
+# Never hangs: only the last 2,000 characters are read and every pattern runs in linear time (no nested quantifiers).
+# No signal.alarm timeout: alarms are process-wide and not thread safe (verl's bug that silently zeroed MATH rewards).
 _TAIL = 2000
-_NUM = r"-?\$?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?%?"  # '.5' whole: not the 5 after its dot
-_FRAC = r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}"
-# '*': markdown bold around the phrase or the number ("**Answer:** 18", "the answer is **18**")
-_PHRASE = re.compile(r"answer(?:\s+is)?[\s:=*]*(?:\\?\$)?(" + _NUM + ")", re.IGNORECASE)
+# Groups: sign ('+18'), a mixed number's whole part ('2 1/2' is 5/2, not 21/2), numerator ('1,080', '.5'), denominator
+_NUM = r"([-+]?)\$?(?:(\d+) +(?=\d+/\d))?(\d[\d,]*(?:\.\d+)?|\.\d+)(?:/(\d[\d,]*(?:\.\d+)?))?%?"
+_ANY_NUMBER = re.compile(_NUM)
+_LEADING = re.compile(r"[\s*_${(\[]*" + _NUM)  # after markup that may open an answer: '**18**', '$18', '(18)'
+# A sentence ends at a line break, '. ' or '; ' ('18. Check: 18 / 2 = 9' is 18), not ', ' ('9 eggs, 9 * 2 = 18' is 18)
+_SENTENCE_END = re.compile(r"\n|[.;](?=\s|$)")
+_OPERATOR = re.compile(r"\s*(?:[-+*/^x\u00d7\u00f7\u22c5]|\\times|\\cdot|\\div)\s*[-+$(.\d]")  # '9 * 2' is no 9
+_PHRASE = re.compile(r"answer(?:\s+is)?[\s:=*]*\$?(?=[-+]?\.?\d)", re.IGNORECASE)  # '*': "**Answer:** 18"
+_LATEX = (  # the LaTeX a model writes around numbers, as plain text, in this order
+    (re.compile(r"\u2212"), "-"),  # the typographic minus
+    # \frac{1}{2}, \dfrac12, -\tfrac{1}{2}: a/b after a space, so that 2\frac{1}{2} is 2 1/2 (a mixed number), not 21/2
+    (re.compile(r"([-+]?)\\[dt]?frac(?:\{([^{}]*)\}|(\d))(?:\{([^{}]*)\}|(\d))"), r" \1\2\3/\4\5"),
+    (re.compile(r"\\text(?:normal)?\{[^{}\d]*\}"), " "),  # a label or unit without digits: '12\text{ cm}' is 12
+    (re.compile(r"\\(?:text|textbf|mathbf|mathrm|boldsymbol|bm)\{([^{}]*)\}"), r"\1"),  # '\textbf{18}' is 18
+    (re.compile(r"(?<=\d)(?:\{,\}|\\,|\\ |\u2009|\u202f)(?=\d{3})"), ","),  # thousands: '1{,}080', '1\,080'
+    (re.compile(r"\\left|\\right|\\[()\[\]!,;: ]|\\(?=[$%])"), " "),  # delimiters, spaces; '\$' is '$'
+)
+
+
+def _plain(text: str) -> str:
+    for pattern, replacement in _LATEX:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 def _boxed(text: str) -> str | None:
@@ -57,36 +75,43 @@ def _boxed(text: str) -> str | None:
 
 
 def extract_answer(text) -> str | None:
-    """The final answer of a solution: GSM8K `#### 42`, else the last \\boxed{...}, else the last "the answer is 42"
-    / "answer: 42", else (fallback) the last number in the text; None when there is none."""
-    text = text_of(text)[-_TAIL:].replace("\u2212", "-")  # U+2212 is the typographic minus
+    """A solution's final answer: GSM8K's last `####` line, else the last \\boxed{...}'s content, else the rest of the
+    line after the last "the answer is" / "answer:", else (fallback) the last number in the text; None without one."""
+    text = _plain(text_of(text)[-_TAIL:])
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().split("\n")[0]
     boxed = _boxed(text)
     if boxed is not None:
         return boxed
-    numbers = _PHRASE.findall(text) or [m.group() for m in re.finditer(_FRAC + "|" + _NUM, text)]
+    phrases = [m.end() for m in _PHRASE.finditer(text)]
+    if phrases:
+        return text[phrases[-1] :].split("\n", 1)[0]  # the whole line: "The answer is 9 * 2 = 18." is 18
+    numbers = [m.group() for m in _ANY_NUMBER.finditer(text)]
     return numbers[-1] if numbers else None
 
 
 def exact_number(s: str | None) -> Fraction | None:
-    """'1,234' '$18.00.' '25%' '-3' '3/4' '\\frac{3}{4}' 'x = 5' '12 \\text{cm}' '**18**' -> its exact value (a
-    Fraction: huge integers stay distinct, 1/3 stays 1/3); None without a number. Units-free: whatever follows the
-    leading number is dropped (so '12 cm' is 12)."""
-    if s is None:
+    """An answer's exact value ('1,234' '$18.00.' '25%' '+18' '3/4' '2 1/2' '\\frac{3}{4}' '**18**' '12 cm'), or None.
+    In its first sentence a calculation or name before '=' ('9 * 2 = 18', 'x = 5') gives the last '=''s result; a lone
+    number before '=' is the answer restated ('18 = 9 * 2', '40 minutes = 2/3 hour'); '9 * 2' alone has no value."""
+    sentence = _SENTENCE_END.split(_plain(s or ""), maxsplit=1)[0]  # None: no answer, so no value
+    left, equals, _ = sentence.partition("=")
+    if equals and not (_LEADING.match(left) and len(_ANY_NUMBER.findall(left)) == 1):
+        sentence = sentence.rsplit("=", 1)[1]
+    m = _LEADING.match(sentence)
+    if m is None or _OPERATOR.match(sentence, m.end()):
         return None
-    s = re.sub(_FRAC, r"\1/\2", s.rsplit("=", 1)[-1])  # \frac{a}{b} -> a/b
-    s = re.sub(r"\\text\{[^{}]*\}|\\boxed|\\[,!%$ ]|[${}()\s,%]", "", s)  # units in \text{}, LaTeX spaces, $ , %
-    m = re.match(r"(-?\d*\.?\d+)(?:/(-?\d*\.?\d+))?", s.lstrip("*_"))  # markdown bold or italics: '#### **18**'
-    if m is None or Fraction(m.group(2) or 1) == 0:  # no number, or x/0
+    sign, whole, numerator, denominator = m.groups()
+    divisor = Fraction(denominator.replace(",", "")) if denominator else Fraction(1)
+    if divisor == 0:  # x/0
         return None
-    return Fraction(m.group(1)) / Fraction(m.group(2) or 1)
+    value = int(whole or 0) + Fraction(numerator.replace(",", "")) / divisor
+    return -value if sign == "-" else value
 
 
 def same_number(guess: Fraction | None, truth: Fraction) -> bool:
-    """Exactly equal; a non-integer reference (1/3) also takes a decimal within 1e-6 of it relatively (0.3333333).
-    No tolerance on integers: a relative one let 2,880,001 pass for GSM8K's 2,880,000 (math-verify rounds to 6
-    decimal places, an absolute tolerance)."""
+    """Exactly equal; a non-integer reference (1/3) also takes a decimal within 1e-6 of it relatively (0.3333333). No
+    tolerance on integers: a relative one let 2,880,001 pass for 2,880,000 (math-verify rounds to 6 decimal places)."""
     if guess is None:
         return False
     return guess == truth or (truth.denominator != 1 and abs(guess - truth) <= abs(truth) / 10**6)
@@ -94,13 +119,18 @@ def same_number(guess: Fraction | None, truth: Fraction) -> bool:
 
 def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
     """1.0 if the completion's final answer equals the row's `answer` (same_number), else 0.0; None for rows without
-    one or whose answer has no number. The reference may be a whole GSM8K solution ending `#### 72`: same
-    extraction."""
+    one or whose answer has no number. The reference may be a whole GSM8K solution ending `#### 72`: same reading."""
     rewards = []
     for completion, ref in zip(completions, answer or [None] * len(completions), strict=True):
         truth = None if ref is None else exact_number(extract_answer(str(ref)))
         rewards.append(None if truth is None else float(same_number(exact_number(extract_answer(completion)), truth)))
     return rewards
+
+
+def math_row_problem(row: dict) -> tuple[str, str] | None:
+    """An `answer` without a number ('', 'p - q'): every completion of the row would score None, at every step."""
+    problem = f"has no number the math reward can read: {str(row['answer'])[:80]!r}"
+    return ("answer", problem) if exact_number(extract_answer(str(row["answer"]))) is None else None
 
 
 # ---------------------------------------------------------------------------------------------------- format
@@ -235,6 +265,7 @@ REWARD_FUNCS = {
 # A reward may also declare `fn.row_problem(row) -> (field, problem) | None`: what makes a row that has its fields
 # unusable (an answer without a number, a test case that does not parse), refused before the model loads.
 math_reward.needs = ("answer",)
+math_reward.row_problem = math_row_problem
 regex_reward.needs = ("pattern",)
 target_length_reward.needs = ("target_length",)
 

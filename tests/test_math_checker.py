@@ -1,0 +1,143 @@
+"""The math checker (common.rewards: extract_answer, exact_number, math_reward) on its regression set
+(tests/math_cases.py), on the cases issue 28 reported wrong, on input built to make regexes backtrack, from threads,
+and the row check that refuses an `answer` it cannot read (math_row_problem through check_reward_fields and grpo)."""
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+
+import pytest
+
+import grpo
+from common.data import load_rows, validate_rows
+from common.errors import DataError
+from common.rewards import check_reward_fields, exact_number, load_reward_funcs, math_reward
+from tests.math_cases import CASES
+from tests.prefs_helpers import write_jsonl
+
+
+def score(completion, reference) -> float | None:
+    return math_reward(None, [completion], answer=[reference])[0]
+
+
+@pytest.mark.parametrize("completion, reference, expected", CASES)
+def test_the_regression_set(completion, reference, expected):
+    assert score(completion, reference) == expected
+
+
+def test_the_regression_set_is_large_and_goes_both_ways():
+    assert len(CASES) >= 150
+    assert 50 <= sum(expected for _, _, expected in CASES) <= len(CASES) - 50  # enough of each verdict
+    assert len({(c, r) for c, r, _ in CASES}) == len(CASES)  # no case twice
+
+
+# Issue 28, section 4: each of these scored 0 (the value the old checker read is in the comment).
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("The answer is 9 * 2 = 18.", "18"),  # read 9: the phrase took the first operand
+        ("The answer is 3 + 4 + 11 = 18", "18"),  # read 3
+        ("#### 18 = 9 * 2", "18"),  # read 9: the right side of the last '='
+        ("#### 40 minutes = 2/3 hour", "40"),  # read 2/3
+        ("So the total is $1{,}080$.", "1080"),  # read 80: '{,}' split the number
+        ("So the total is 1\\,080.", "1080"),  # read 80
+        ("#### +18", "18"),  # read nothing: no '+' sign
+        ("\\boxed{\\textbf{18}}", "18"),  # read nothing
+        ("\\boxed{\\dfrac12}", "1/2"),  # read nothing: only \frac{a}{b} with braces
+    ],
+)
+def test_issue_28_cases_score_1(completion, reference):
+    assert score(completion, reference) == 1.0
+
+
+@pytest.mark.parametrize(
+    "s, value",
+    [
+        ("2 1/2", Fraction(5, 2)),  # read 21/2
+        ("-2 1/2", Fraction(-5, 2)),
+        ("2\\frac{1}{2}", Fraction(5, 2)),
+        ("21/2", Fraction(21, 2)),
+        ("2 1/2 = 5/2", Fraction(5, 2)),
+        ("+18", Fraction(18)),
+        ("18 = 9 * 2", Fraction(18)),
+        ("9 * 2 = 18", Fraction(18)),
+        ("x = 9 * 2 = 18", Fraction(18)),
+        ("9 * 2", None),  # a calculation without its result
+        ("1{,}080", Fraction(1080)),
+        ("\\dfrac12", Fraction(1, 2)),
+        ("\\tfrac{1}{2}", Fraction(1, 2)),
+        ("\\frac{1}{0}", None),
+    ],
+)
+def test_exact_number_reads_mixed_numbers_signs_and_derivations(s, value):
+    assert exact_number(s) == value
+
+
+def test_extraction_stays_linear_on_adversarial_text():
+    # Each would take seconds or hang with a backtracking pattern; exact_number is public and reads whole strings.
+    texts = [
+        "\\frac{" * 50_000,
+        "1 " * 100_000 + "/",
+        ("1" * 4000 + " ") * 25,  # long whole parts of a mixed number that never comes (short enough for int())
+        "answer is 1 * " * 20_000,
+        "$" * 200_000,
+        "1{,}" * 50_000,
+        "\\text{" * 50_000 + "x",
+        "= 9 * " * 30_000,
+        "answer" + "*" * 100_000,
+    ]
+    for text in texts:
+        start = time.time()
+        math_reward(None, [text], answer=["18"])
+        exact_number(text)
+        assert time.time() - start < 2.0  # hang guard
+
+
+def test_scoring_from_threads_matches_scoring_in_order():
+    # No signal-based timeout: rewards are scored from worker threads (the code reward runs 8 at once).
+    completions = [c for c, _, _ in CASES] * 4
+    references = [r for _, r, _ in CASES] * 4
+    alone = math_reward(None, completions, answer=references)
+    with ThreadPoolExecutor(8) as pool:
+        threaded = list(pool.map(score, completions, references))
+    assert threaded == alone
+
+
+# ---------------------------------------------------------------------------------------------------- row check
+@pytest.mark.parametrize("answer", ["", "   ", "p - q", "seventy-two", "#### "])
+def test_an_answer_without_a_number_is_refused(answer):
+    rows = [
+        {"prompt": "p", "answer": "72", "_loc": "f.jsonl:1"},
+        {"prompt": "q", "answer": answer, "_loc": "f.jsonl:2"},
+    ]
+    expected = rf"^f.jsonl:2: field 'answer': has no number the math reward can read: {re.escape(repr(answer))}$"
+    with pytest.raises(DataError, match=expected):
+        check_reward_fields(rows, load_reward_funcs(["math"]))
+    check_reward_fields(rows[:1], load_reward_funcs(["math"]))  # the good row alone passes
+    check_reward_fields(rows[1:], load_reward_funcs(["format"]))  # a reward that does not read `answer`
+
+
+def test_grpo_refuses_an_empty_answer_before_the_model_loads(tmp_path, monkeypatch):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the data was checked")
+
+    monkeypatch.setattr(grpo, "load_model", load_model)
+    rows = [{"question": "2 + 2?", "answer": "#### 4"}, {"question": "3 + 3?", "answer": "#### "}]
+    data = write_jsonl(tmp_path / "math.jsonl", rows)
+    args = grpo.Args(model="unused", dataset=data, output_dir=str(tmp_path / "runs"), rewards=["math"], preset="demo")
+    expected = rf"^{re.escape(data)}:2: field 'answer': has no number the math reward can read: ''$"
+    with pytest.raises(DataError, match=expected):
+        grpo.main(args)
+
+
+def test_every_gsm8k_row_passes_the_row_check(shared_data):
+    funcs = load_reward_funcs(["math"])
+    for split, n in (("train", 7473), ("test", 1319)):
+        rows = validate_rows(load_rows(str(shared_data / "gsm8k" / f"{split}.jsonl")), "prompt")
+        assert len(rows) == n
+        check_reward_fields(rows, funcs)
+    with open(shared_data / "gsm8k" / "test.jsonl") as f:
+        answers = [json.loads(line)["answer"] for line in f]
+    assert math_reward(None, answers, answer=answers) == [1.0] * len(answers)  # each solution reads as its own answer
