@@ -236,10 +236,11 @@ def test_each_script_shows_its_update_and_imports_no_other_script(script):
 
 
 def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
-    """What a forker of grpo.py must read: itself and the core it imports (6 files, <= 2,600 lines)."""
+    """What a forker of grpo.py must read: itself and the core it imports (6 files; STYLE.md's ~2,600 lines, held at
+    2,650 once the math checker read derivations and non-finite rewards became errors)."""
     core = counted(closure("grpo", skip=OPTIONAL))
     assert core == ["common.data", "common.errors", "common.model", "common.rewards", "common.rollout", "grpo"]
-    assert lines(core) <= 2600, lines(core)
+    assert lines(core) <= 2650, lines(core)
 
 
 def test_closure_report():
