@@ -194,8 +194,8 @@ def test_longest_row_caps_the_planned_length(monkeypatch, on_cpu):
     assert memory.longest_row(rows) == (2 + 16) + (4 + 16)  # UTF-8 bytes + 16 template tokens per text
     assert memory.longest_row([]) == 0  # no rows: no bound
     short = plan_of(sft, monkeypatch, rows, **SFT | dict(max_length=1000))
-    assert short == plan_of(sft, monkeypatch, **SFT | dict(max_length=38))  # rows of <= 38 tokens cap max_length
-    assert short != plan_of(sft, monkeypatch, **SFT | dict(max_length=1000))
+    assert short == plan_of(sft, monkeypatch, rows, **SFT | dict(max_length=38))  # rows of <= 38 tokens cap it
+    assert short["step: activations"] != plan_of(sft, monkeypatch, **SFT | dict(max_length=1000))["step: activations"]
 
 
 def test_model_config_reads_config_json_only(tiny_model_dir, tmp_path):

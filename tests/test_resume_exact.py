@@ -69,6 +69,7 @@ def test_skipped_updates_count_on_after_a_resume(script, tiny_model_dir, prefs, 
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", nan_norm)
     module, args = args_for(script, tiny_model_dir, prefs, tmp_path / "a", max_steps=1, save_steps=1)
+    args = dataclasses.replace(args, breaker_max_nonfinite=4)  # counting on, not the stop (tests/test_nonfinite.py)
     first = module.main(args)
     ckpt = os.path.join(first["run_dir"], "checkpoints", "step-1")
     again = dataclasses.replace(args, output_dir=str(tmp_path / "b"), max_steps=3, resume_from_checkpoint=ckpt)
