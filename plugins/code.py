@@ -713,7 +713,7 @@ def _cases(tests, queries: list) -> list:
         if len(inputs) != len(outputs):
             raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
         tests = [{"input": i, "output": o} for i, o in zip(inputs, outputs, strict=True)]
-    if not isinstance(tests, list):
+    if not isinstance(tests, (list, tuple)):
         raise ValueError(f"a list of tests, not {type(tests).__name__}")
     cases = []
     for i, test in enumerate(tests):

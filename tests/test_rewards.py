@@ -232,7 +232,7 @@ def test_asserts_count_once_and_early_exit_scores_zero(no_leftovers):
     assert run_code_tests("import os\ndef f(x):\n    return x + 1\nos._exit(0)", tests) == 0.0
     assert run_code_tests("import sys\ndef f(x):\n    return x + 1\nsys.exit(0)", tests) == 0.0
     assert run_code_tests("raise SystemExit", tests) == 0.0
-    # printing tokens that look like test results cannot pass without the nonce
+    # printing lines that look like test results passes nothing (records need the expected values)
     assert run_code_tests("for i in range(3):\n    print(f'ok:{i}')\nimport os\nos._exit(0)", tests) == 0.0
 
 
@@ -312,7 +312,8 @@ CHEATS = {
 
 @pytest.mark.parametrize("name", list(CHEATS))
 def test_cheats_score_zero(name, no_leftovers):
-    """The verdict is reached outside the sandbox, from values only: no trick of the solution can pass a test."""
+    """The verdict is reached outside the sandbox, from values only: no trick passes a test without its expected
+    value (what forging does achieve: test_code_reward_attacks.py's test_forged_records_...)."""
     tests = ["assert add(1, 2) == 3", "assert add(20, 22) == 42"] if "def add" in CHEATS[name] else SECRET
     assert run_code_tests(CHEATS[name], tests) == 0.0
 
