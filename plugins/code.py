@@ -7,13 +7,14 @@ The sandbox is chosen once and printed once:
   a read-only /dev with a 64 MiB /dev/shm;
 - else (or if ONLYONE_SANDBOX=fallback) _BOOT's: new mount, PID, network, IPC, UTS (+ user, if not root)
   namespaces, a fresh /proc, private tmpfs /tmp /var/tmp /dev/shm /run/lock, every other top directory but the
-  system's programs and libraries (/usr, /lib...) and Python's hidden, uid nobody (if root), no capabilities, an
-  empty bounding set, no_new_privs; what the kernel refuses is warned about.
+  system's programs and libraries (/usr, /lib...) and Python's hidden, a uid of its own (if root: _UIDS), no
+  capabilities, an empty bounding set, no_new_privs; what the kernel refuses is warned about.
 Both: `python -I -S` (stdlib only), env PATH LANG HOME TMPDIR only, rlimits, pids and memory cgroups as root
 (RLIMIT_NPROC does not bind root, RLIMIT_AS binds each process alone), a wall-clock timeout, then SIGKILL to all
 it started."""
 
 import ast
+import builtins
 import concurrent.futures
 import contextlib
 import functools
@@ -21,8 +22,10 @@ import json
 import math
 import os
 import pathlib
+import operator
 import re
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -30,14 +33,15 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import uuid
 import warnings
 
 from common.rewards import text_of
 
 # In the sandbox, before the solution: the fallback's isolation, rlimits, the solution as __main__, then its
-# `queries` (run_code_tests), each value written as a line "\x1e<i> <repr>" in builtin types.
+# `queries` (run_code_tests), each value written as a line "\x1e<i> <json>" (encode: builtin types, tagged where
+# JSON has none). Our own messages go to cfg["messages"], a descriptor closed before the solution runs: it cannot
+# forge them.
 _BOOT = r"""
 import ctypes
 import json
@@ -50,11 +54,12 @@ import sys
 cfg = json.load(open("cfg.json"))
 libc = ctypes.CDLL(None, use_errno=True)
 src = open("solution.py").read()
+messages = cfg["messages"]
 
 
-def check(failed, what):  # True if the step worked; a refused one goes to stderr, where run_python finds it
+def check(failed, what):  # True if the step worked; a refused one is reported to run_python
     if failed:
-        os.write(2, f"onlyone-sandbox: {what}: {os.strerror(ctypes.get_errno())}\n".encode())
+        os.write(messages, f"{what}: {os.strerror(ctypes.get_errno())}\n".encode())
     return not failed
 
 
@@ -68,6 +73,7 @@ if cfg["fallback"]:
             open(f"/proc/self/{name}", "w").write(text)
     pid = os.fork()
     if pid:  # we wait; the child is PID 1: when it dies the kernel kills all it left
+        os.close(messages)  # else the solution could reach it through our /proc/<pid>/fd (where no PID namespace)
         signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, 9))  # our timeout: kill PID 1, reap it here
         os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) & 255)
     libc.prctl(1, 9)  # PR_SET_PDEATHSIG SIGKILL: if the waiter is killed, so is PID 1
@@ -99,45 +105,64 @@ if cfg["fallback"]:
                 check(libc.mount(b"none", path, b"tmpfs", 15, b"size=4k,mode=555"), f"hide /{d}")
     for cap in range(64):
         libc.prctl(24, cap)  # PR_CAPBSET_DROP: no capability can come back
-    if uid == 0:  # to nobody; leaving uid 0 clears the capabilities
-        os.chown(".", 65534, 65534)
+    if uid == 0:  # to this run's own uid (RLIMIT_NPROC counts per uid); leaving uid 0 clears the capabilities
+        os.chown(".", cfg["uid"], cfg["uid"])
         os.setgroups([])
-        os.setresgid(65534, 65534, 65534)
-        os.setresuid(65534, 65534, 65534)
+        os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
+        os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
         if not os.access(sys.path[-1], os.X_OK):  # (without namespaces, Python's files stay where they are)
-            os.write(2, b"onlyone-sandbox: nobody may not read Python's files: every import fails\n")
+            os.write(messages, b"other users may not read Python's files: every import fails\n")
     check(libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()), "capset")  # none left
     check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
     os.environ.update(HOME=os.getcwd(), TMPDIR=os.getcwd(), PWD=os.getcwd())
 for res, soft, hard in cfg["limits"]:
     resource.setrlimit(res, (soft, hard))
 write = os.write  # taken before the solution runs: it may replace os.write
+truth = bool
 BUILTIN = (bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
 
 
-def plain(v):  # subclasses (defaultdict, namedtuple, IntEnum) as their builtin base, as an assert compares them
+def encode(v):  # subclasses (defaultdict, namedtuple, IntEnum) as their builtin base, as an assert compares them
     t = next((t for t in BUILTIN if isinstance(v, t)), None)
+    if v is None:
+        return None
     if t is None:
-        return v
+        raise TypeError(f"{type(v).__name__} is not a value the trainer compares")
+    if t in (bool, int, float, str):
+        return t(v)
+    if t is list:
+        return [encode(x) for x in v]
     if t is dict:
-        return {plain(k): plain(x) for k, x in v.items()}
-    if t in (list, tuple, set, frozenset):
-        return t(map(plain, v))
-    return t(v)
+        return {"dict": [[encode(k), encode(x)] for k, x in v.items()]}
+    if t is bytes:
+        return {"bytes": bytes(v).decode("latin-1")}
+    if t is complex:
+        return {"complex": [v.real, v.imag]}
+    return {t.__name__: [encode(x) for x in v]}
 
 
+os.write(messages, b"started\n")
+os.close(messages)
 sys.argv = ["solution.py"]
 solution_globals = runpy.run_path("solution.py", run_name="__main__")
-for i, query in enumerate(cfg["queries"]):
+for i, (query, wants_truth) in enumerate(cfg["queries"]):
     try:
-        value = repr(plain(eval(query, solution_globals)))
+        value = eval(query, solution_globals)
+        record = json.dumps(truth(value) if wants_truth else encode(value))
     except BaseException as e:  # SystemExit too: this query fails, the next ones still run
-        value = f"!{type(e).__name__}"
-    write(1, f"\n\x1e{i} {value}\n".encode(errors="replace"))
+        record = f"!{type(e).__name__}"
+    write(1, f"\n\x1e{i} {record}\n".encode(errors="replace"))
 """
 
 _PYTHON = os.path.realpath(sys.executable)  # a venv's link would point outside the sandbox
 _KIND_LOCK = threading.Lock()  # code_reward's threads ask at once: probe and print once
+# As root the fallback runs each solution as a uid of its own: RLIMIT_NPROC counts every process of a uid, so runs that
+# shared one (nobody) shared one limit, and one run's children made a concurrent run's fork fail. A block of uids that
+# no account or container mapping should use; other processes draw from it too, at random.
+_UIDS = range(0x7F000000, 0x7F010000)
+_UIDS_TAKEN: set[int] = set()
+_UIDS_LOCK = threading.Lock()
+_MAX_WARNINGS = 8  # lines relayed from one run (each cut to 200 characters)
 
 
 def _bwrap(tmp: str) -> list[str]:
@@ -270,6 +295,33 @@ def _kill_all(proc: subprocess.Popen, cgroups: list[str]) -> None:
     warnings.warn(f"sandbox process group {proc.pid} or cgroups {cgroups} not empty 10 s after SIGKILL")
 
 
+@contextlib.contextmanager
+def _own_uid():
+    """A uid of _UIDS that no other run of this process holds, for as long as the block runs."""
+    with _UIDS_LOCK:
+        uid = _UIDS[secrets.randbelow(len(_UIDS))]
+        while uid in _UIDS_TAKEN:
+            uid = _UIDS[secrets.randbelow(len(_UIDS))]
+        _UIDS_TAKEN.add(uid)
+    try:
+        yield uid
+    finally:
+        with _UIDS_LOCK:
+            _UIDS_TAKEN.discard(uid)
+
+
+def _relay(kind: str, messages: int, stderr: int) -> None:
+    """Warn of the isolation steps the kernel refused: the bootstrap's messages (its own descriptor, closed before the
+    solution runs), and bwrap's lines on stderr only if the bootstrap never started (else they are the solution's)."""
+    lines = os.pread(messages, 1 << 12, 0).decode(errors="replace").splitlines()
+    warned = [f"onlyone-sandbox: {line}" for line in lines if line != "started"]
+    if "started" not in lines:
+        stderr_lines = os.pread(stderr, 1 << 12, 0).decode(errors="replace").splitlines()
+        warned += [line for line in stderr_lines if line.startswith("bwrap: ")]
+    for line in warned[:_MAX_WARNINGS]:
+        warnings.warn(f"code sandbox ({kind}): {line[:200]}")
+
+
 def run_python(
     source: str,
     stdin: str = "",
@@ -280,7 +332,8 @@ def run_python(
     queries: tuple | list = (),
 ) -> str:
     """Run `source` with `stdin` in the sandbox; return its stdout (the first max_output bytes), to which each of
-    `queries`, evaluated in the solution's globals after it ran, adds a line "\\x1e<i> <repr>".
+    `queries` ([expression, truth]), evaluated in the solution's globals after it ran, adds a line "\\x1e<i> <json>"
+    (its value, or bool(value) if truth, encoded by _BOOT's encode; "!<exception name>" if it raised).
     rlimits: CPU timeout + 1 s, AS memory_mb, FSIZE max_output (stdout and stderr are files: this caps them),
     NOFILE 64, NPROC max_procs; as root, cgroups cap all its processes together at max_procs and memory_mb.
     stdin, stdout and stderr are unnamed files."""
@@ -300,10 +353,13 @@ def run_python(
         tempfile.TemporaryFile() as i,
         tempfile.TemporaryFile() as o,
         tempfile.TemporaryFile() as e,
+        tempfile.TemporaryFile() as m,
+        _own_uid() as uid,
     ):
         pathlib.Path(tmp, "solution.py").write_text(source, encoding="utf-8")
-        cfg = {"fallback": kind == "fallback", "limits": limits, "queries": list(queries)}  # (argv is limited)
-        pathlib.Path(tmp, "cfg.json").write_text(json.dumps(cfg))
+        cfg = {"fallback": kind == "fallback", "limits": limits, "queries": list(queries), "uid": uid}
+        cfg["messages"] = m.fileno()  # the same number in the sandbox (pass_fds)
+        pathlib.Path(tmp, "cfg.json").write_text(json.dumps(cfg))  # (not argv: its strings are limited)
         i.write(stdin.encode())
         i.seek(0)
         cgroups = _cgroups(max_procs, mem)
@@ -314,7 +370,9 @@ def run_python(
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": tmp, "TMPDIR": tmp}
         start = time.monotonic()
         try:
-            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdin=i, stdout=o, stderr=e, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=tmp, env=env, stdin=i, stdout=o, stderr=e, pass_fds=(m.fileno(),), start_new_session=True
+            )
         except OSError:
             for cgroup in cgroups:  # else nothing removes them
                 os.rmdir(cgroup)
@@ -324,89 +382,312 @@ def run_python(
                 time.sleep(0.005)
         finally:  # also after a clean exit: the solution's children may still run
             _kill_all(proc, cgroups)
-        for line in os.pread(e.fileno(), 1 << 16, 0).decode(errors="replace").splitlines():
-            if line.startswith(("onlyone-sandbox: ", "bwrap: ")):  # an isolation step the kernel refused
-                warnings.warn(f"code sandbox ({kind}): {line}")
+        _relay(kind, m.fileno(), e.fileno())
         return os.pread(o.fileno(), max_output, 0).decode("utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------------------------------------------- code
-# An assert test is judged here, out of the solution's reach: the sandbox evaluates only its parts that need the
-# solution (a call of its function, a name it defines: "queries") and returns their values as literals; the rest
-# (==, <, abs(), sorted(), math.isclose(), the expected values) is evaluated here on those values.
+# An assert test is judged here, out of the solution's reach. The sandbox evaluates only the parts that are the
+# solution's: calls of its functions (with their arguments, its inputs) and its names, the "queries"; their values
+# come back as data. Everything else is the expected side and is evaluated here by _value: literals, operators,
+# comparisons, the builtins in _PURE and math's functions in _MATH, on those values. The solution can read its queries
+# (they are code it runs), so a query never holds an expected value, and a test whose parts fit neither side is
+# refused (_Split): a comprehension or lambda would run where the solution can touch it. Every operation here on the
+# solution's values has its cost bounded first (_bounded, _binop, _call): the solution picks those values.
 _PURE = {
-    f.__name__: f
-    for f in (
-        abs,
-        all,
-        any,
-        bool,
-        dict,
-        float,
-        frozenset,
-        int,
-        len,
-        list,
-        max,
-        min,
-        round,
-        set,
-        sorted,
-        str,
-        sum,
-        tuple,
-    )
-} | {"math": types.SimpleNamespace(isclose=math.isclose)}
-_HERE = (
-    ast.Constant,
-    ast.Tuple,
-    ast.List,
-    ast.Set,
-    ast.Dict,
-    ast.BinOp,
-    ast.UnaryOp,
-    ast.BoolOp,
-    ast.Compare,
-    ast.IfExp,
-    ast.Subscript,
-    ast.Slice,
-    ast.Starred,
-    ast.keyword,
-    ast.operator,
-    ast.unaryop,
-    ast.boolop,
-    ast.cmpop,
-    ast.expr_context,
-)
+    name: getattr(builtins, name)
+    for name in "abs all any bool dict float frozenset int len list max min round set sorted str sum tuple".split()
+}
+_MATH = {  # math's own, whatever the solution binds to the name `math`
+    name: getattr(math, name)
+    for name in "isclose sqrt floor ceil trunc fabs exp log log2 log10 sin cos tan atan atan2 hypot degrees radians "
+    "isnan isinf isfinite gcd pi e tau inf nan".split()
+}
+_HERE = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare)
+_HERE += (ast.IfExp, ast.Subscript, ast.Slice, ast.Starred)
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.LShift: operator.lshift,
+    ast.RShift: operator.rshift,
+    ast.BitOr: operator.or_,
+    ast.BitXor: operator.xor,
+    ast.BitAnd: operator.and_,
+    ast.MatMult: operator.matmul,
+}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_, ast.Invert: operator.invert}
+_COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Is: operator.is_,
+    ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+_DECODE = {  # _BOOT's encode, undone: JSON has no tuples, sets, bytes, complex numbers or non-string keys
+    "tuple": tuple,
+    "set": set,
+    "frozenset": frozenset,
+    "dict": dict,
+    "bytes": lambda text: text.encode("latin-1"),
+    "complex": lambda parts: complex(*parts),
+}
+_MAX_BITS = 1 << 16  # an int operand or result here (a literal in a test has at most 4,300 digits, ~14,300 bits)
+_MAX_DIGITS = 4300  # an int the solution sends, in digits: Python's own default limit for int(str)
+_MAX_ITEMS = 1 << 20  # a sequence built here by repetition (`[0] * n`)
+_MAX_VALUES = 1 << 20  # characters of the solution's values parsed per run
 
 
-def _split_assert(test: str, queries: list[str]):
-    """`assert f(1) == 2` -> compiled `_q0 == 2`, "f(1)" appended to queries: every largest part that is neither in
-    _HERE nor a call of a _PURE function becomes a query."""
-    body = ast.parse(test).body
-    if len(body) != 1 or not isinstance(body[0], ast.Assert):
-        raise ValueError(f"an assert test is one assert statement, e.g. 'assert f(1) == 2'; got {test!r}")
+class _Split:
+    """One assert's test, split: `test` to evaluate here by _value, with the names `_q<i>` for what the sandbox
+    evaluates, `queries[i]` ([expression, truth]; truth: only its truth matters, `assert f(1)`, `not f(1)`)."""
 
-    class Split(ast.NodeTransformer):
-        def visit(self, node):
-            if isinstance(node, ast.Call) and ast.unparse(node.func) in {*_PURE, "math.isclose"} - {"math"}:
-                node.args, node.keywords = [self.visit(a) for a in node.args], [self.visit(k) for k in node.keywords]
-            elif isinstance(node, _HERE):
-                self.generic_visit(node)
-            else:
-                queries.append(ast.unparse(node))
-                return ast.Name(f"_q{len(queries) - 1}", ast.Load())
+    def __init__(self, test: str, queries: list):
+        try:
+            body = ast.parse(test).body
+        except SyntaxError as e:
+            raise ValueError(f"not valid Python ({e.msg}): {test!r}") from None
+        if len(body) != 1 or not isinstance(body[0], ast.Assert):
+            raise ValueError(f"an assert test is one assert statement, e.g. 'assert f(1) == 2'; got {test!r}")
+        self.queries = queries
+        first = len(queries)
+        self.test = self.split(body[0].test, truth=True)
+        if len(queries) == first and not _holds(self, {}):  # (`assert True` passes anyway)
+            raise ValueError(
+                f"'{ast.unparse(body[0].test)}' holds nothing of the solution's and fails here, where "
+                f"{', '.join(_PURE)} are Python's own"
+            )
+
+    def split(self, node: ast.AST, truth: bool = False) -> ast.AST:
+        """node, with each of its largest parts that are the solution's replaced by a name `_q<i>`."""
+        if isinstance(node, ast.Call) and _here_function(node.func):
+            text = ast.unparse(node)
+            node.args = [self.split(a) for a in node.args]
+            for k in node.keywords:
+                k.value = self.split(k.value)
+            if isinstance(node.func, ast.Attribute) and node.func.attr == "isclose":
+                self.expected_side(text, node.args[:2])
             return node
+        if isinstance(node, ast.Name) and node.id in _PURE or _is_math(node):
+            return node  # a builtin as a value (key=len), math.pi
+        if isinstance(node, (ast.Call, ast.Name, ast.Attribute)):
+            self.queries.append([_query(node), truth])
+            return ast.Name(f"_q{len(self.queries) - 1}", ast.Load())
+        if not isinstance(node, _HERE):
+            raise ValueError(
+                f"'{ast.unparse(node)}' would be evaluated where the solution's code can touch it: an expected value "
+                f"is made of literals, operators, builtins such as sorted() and math's functions (docs/rewards.md)"
+            )
+        text = ast.unparse(node) if isinstance(node, ast.Compare) else ""
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            node.operand = self.split(node.operand, truth=True)
+        elif isinstance(node, ast.BoolOp):
+            node.values = [self.split(v, truth) for v in node.values]
+        elif isinstance(node, ast.IfExp):
+            node.test = self.split(node.test, truth=True)
+            node.body = self.split(node.body, truth)
+            node.orelse = self.split(node.orelse, truth)
+        else:
+            for field, value in ast.iter_fields(node):
+                if isinstance(value, ast.expr):
+                    setattr(node, field, self.split(value))
+                elif isinstance(value, list):  # (a Compare's ops, a Dict's None keys for ** are no expressions)
+                    setattr(node, field, [self.split(v) if isinstance(v, ast.expr) else v for v in value])
+        if isinstance(node, ast.Compare):
+            self.expected_side(text, [node.left, *node.comparators])
+        return node
 
-    return compile(ast.fix_missing_locations(ast.Expression(Split().visit(body[0].test))), "<test>", "eval")
+    def expected_side(self, text: str, operands: list) -> None:
+        """A comparison needs an operand free of the solution's values (the expected one), else it passes for any
+        solution whose values agree with each other: `len(h(K)) == K`, `f(x) == collections.Counter(...)`."""
+        names = [{n.id for n in ast.walk(o) if isinstance(n, ast.Name) and n.id.startswith("_q")} for o in operands]
+        if all(names):
+            raise ValueError(f"'{text}' compares the solution's values only with each other: no side is expected")
 
 
-def _holds(test, values: dict) -> bool:
-    """A split test on the solution's values; a missing value (NameError) or a wrong one's TypeError etc. fails."""
+def _is_math(node: ast.AST) -> bool:
+    """`math.<name>` of _MATH: math's own function or constant, evaluated here (the solution may rebind `math`)."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
+        if node.attr not in _MATH:
+            raise ValueError(f"math.{node.attr} is not evaluated by the trainer; it takes math.<{', '.join(_MATH)}>")
+        return True
+    return False
+
+
+def _here_function(func: ast.AST) -> bool:
+    """A builtin of _PURE or a function of _MATH, called here."""
+    return isinstance(func, ast.Name) and func.id in _PURE or _is_math(func)
+
+
+def _query(node: ast.AST) -> str:
+    """The solution's part: a name it defines, or a chain of calls, attributes and subscripts starting at one; a
+    standard module's attribute is refused, as an expected value the solution could rebind."""
+    chain = [node]
+    while isinstance(chain[-1], (ast.Call, ast.Attribute, ast.Subscript)):
+        chain.append(chain[-1].func if isinstance(chain[-1], ast.Call) else chain[-1].value)
+    root = chain[-1]
+    text = ast.unparse(node)
+    if not isinstance(root, ast.Name) or root.id in _PURE or root.id == "math":
+        raise ValueError(f"'{text}' is neither the solution's (a call of its functions, its names) nor evaluated here")
+    if root.id in sys.stdlib_module_names and len(chain) > 1 and isinstance(chain[-2], ast.Attribute):
+        raise ValueError(
+            f"'{text}' takes an attribute of the module {root.id}, which the solution's code could rebind: an "
+            f"expected value is written as a literal"
+        )
+    return text
+
+
+def _bounded(*values) -> None:
+    """Refuse an int operand too large to compute on here (the solution picks it: `3 ** f(1)`)."""
+    for v in values:
+        if isinstance(v, int) and v.bit_length() > _MAX_BITS:
+            raise ValueError(f"an int of {v.bit_length()} bits is not computed on here")
+
+
+def _binop(op: ast.operator, a, b):
+    """a <op> b, refused where the result would be too large to compute: an int power or shift past _MAX_BITS, a
+    sequence repeated past _MAX_ITEMS, printf-style formatting (its width and precision are unbounded)."""
+    _bounded(a, b)
+    ints = isinstance(a, int) and isinstance(b, int)
+    if ints and isinstance(op, ast.Pow) and b > 0 and abs(a) > 1 and a.bit_length() * b > _MAX_BITS:
+        raise ValueError(f"{a} ** {b} is not computed here")
+    if ints and isinstance(op, ast.LShift) and a and a.bit_length() + b > _MAX_BITS:
+        raise ValueError(f"{a} << {b} is not computed here")
+    if isinstance(op, ast.Mult) and isinstance(a, int) != isinstance(b, int):
+        count = a if isinstance(a, int) else b
+        sequence = b if isinstance(a, int) else a
+        if hasattr(sequence, "__len__") and len(sequence) * count > _MAX_ITEMS:
+            raise ValueError(f"a sequence repeated past {_MAX_ITEMS} items is not built here")
+    if isinstance(op, ast.Mod) and isinstance(a, (str, bytes)):
+        raise ValueError("printf-style formatting is not evaluated here")
+    return _BINOPS[type(op)](a, b)
+
+
+def _call(fn, args: list, kwargs: dict):
+    """A builtin of _PURE or a function of _MATH on these arguments, refused where its cost has no bound: round()'s
+    ndigits (10 ** -ndigits is computed), int() of a long string, sum() of sequences (each addition copies)."""
+    _bounded(*args, *kwargs.values())
+    if fn is round and len(args) > 1 and isinstance(args[1], int) and abs(args[1]) > _MAX_DIGITS:
+        raise ValueError(f"round(x, {args[1]}) is not computed here")
+    if fn is int and args and isinstance(args[0], (str, bytes)) and len(args[0]) > _MAX_DIGITS:
+        raise ValueError(f"int() of {len(args[0])} characters is not computed here")
+    if fn is sum and not isinstance(args[1] if len(args) > 1 else kwargs.get("start", 0), (int, float, complex)):
+        raise ValueError("sum() with a start that is not a number is not computed here")
+    return fn(*args, **kwargs)
+
+
+def _items(nodes: list, values: dict) -> list:
+    """The values of a display's or a call's elements, `*x` unpacked."""
+    items = []
+    for node in nodes:
+        if isinstance(node, ast.Starred):
+            items.extend(_value(node.value, values))
+        else:
+            items.append(_value(node, values))
+    return items
+
+
+def _value(node: ast.AST, values: dict):
+    """A split test's node (_Split.test), evaluated here on the solution's values (`_q<i>`); a missing value raises
+    KeyError. _Split lets no other node types through."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return values[node.id] if node.id.startswith("_q") else _PURE[node.id]
+    if isinstance(node, ast.Attribute):
+        return _MATH[node.attr]  # (math.<name>)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](_items(node.elts, values))
+    if isinstance(node, ast.Dict):
+        result = {}
+        for key, item in zip(node.keys, node.values, strict=True):
+            if key is None:  # {**x}
+                result.update(_value(item, values))
+            else:
+                result[_value(key, values)] = _value(item, values)
+        return result
+    if isinstance(node, ast.UnaryOp):
+        operand = _value(node.operand, values)
+        _bounded(operand)
+        return _UNARY[type(node.op)](operand)
+    if isinstance(node, ast.BinOp):
+        return _binop(node.op, _value(node.left, values), _value(node.right, values))
+    if isinstance(node, ast.BoolOp):
+        result = None
+        for item in node.values:  # short-circuit, as Python does: the value that decided
+            result = _value(item, values)
+            if bool(result) != isinstance(node.op, ast.And):
+                return result
+        return result
+    if isinstance(node, ast.Compare):
+        left = _value(node.left, values)
+        for op, right_node in zip(node.ops, node.comparators, strict=True):
+            right = _value(right_node, values)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.IfExp):
+        return _value(node.body if _value(node.test, values) else node.orelse, values)
+    if isinstance(node, ast.Subscript):
+        return _value(node.value, values)[_value(node.slice, values)]
+    if isinstance(node, ast.Slice):
+        return slice(*(None if n is None else _value(n, values) for n in (node.lower, node.upper, node.step)))
+    if isinstance(node, ast.Call):
+        kwargs = {}
+        for k in node.keywords:
+            kwargs.update(_value(k.value, values) if k.arg is None else {k.arg: _value(k.value, values)})
+        return _call(_value(node.func, values), _items(node.args, values), kwargs)
+    raise TypeError(f"{type(node).__name__} is not evaluated here")
+
+
+def _holds(split: _Split, values: dict) -> bool:
+    """A split test on the solution's values; a missing value (KeyError) or a wrong one's TypeError etc. fails, and
+    so does an operation refused as too costly (ValueError)."""
     try:
-        return bool(eval(test, {"__builtins__": {}, **_PURE, **values}))
-    except (NameError, TypeError, ValueError, ArithmeticError, LookupError, MemoryError, RecursionError):
+        return bool(_value(split.test, values))
+    except (KeyError, TypeError, ValueError, ArithmeticError, LookupError, MemoryError, RecursionError):
         return False
+
+
+def _parse_int(digits: str) -> int:
+    """json's int parser with Python's default limit on digits, which the process may have lifted."""
+    if len(digits.lstrip("-")) > _MAX_DIGITS:
+        raise ValueError(f"an int of {len(digits)} digits")
+    return int(digits)
+
+
+def _decoded(obj: dict):
+    """One of _BOOT's tagged values ({"tuple": [...]}, ...) as itself."""
+    if len(obj) != 1:
+        raise ValueError(f"not a tagged value: {sorted(obj)[:3]}")
+    kind = next(iter(obj))
+    return _DECODE[kind](obj[kind])
+
+
+def _values(out: str, count: int) -> dict:
+    """The sandbox's values `_q<i>` from its output's records (the last one of each query), at most _MAX_VALUES
+    characters parsed: a record that is no value (an exception, a fake) or past the budget leaves its value out."""
+    records = dict(re.findall(r"^\x1e(\d+) (.*)$", out, re.MULTILINE))
+    values = {}
+    budget = _MAX_VALUES
+    for i in range(count):  # (only these: parsing costs us, not the sandbox)
+        record = records.get(str(i), "!")
+        budget -= len(record)
+        if budget < 0:
+            break
+        with contextlib.suppress(ValueError, TypeError, KeyError, RecursionError, MemoryError):
+            values[f"_q{i}"] = json.loads(record, object_hook=_decoded, parse_int=_parse_int)
+    return values
 
 
 def _lines(s: str) -> list[str]:
@@ -414,36 +695,79 @@ def _lines(s: str) -> list[str]:
     return [line.rstrip() for line in s.rstrip().splitlines()]
 
 
+def _cases(tests, queries: list) -> list:
+    """`tests` (see run_code_tests) as a list of {"input": str, "output": str} dicts and _Splits (their queries
+    appended to `queries`); raises ValueError naming the first case that is neither: "[i] <problem>"."""
+    if isinstance(tests, str) and tests.lstrip().startswith(("[", "{")):
+        try:
+            tests = json.loads(tests)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON ({e})") from None
+    elif isinstance(tests, str):
+        tests = [tests]
+    if isinstance(tests, dict):  # APPS
+        inputs = tests.get("inputs")
+        outputs = tests.get("outputs")
+        if "fn_name" in tests or not isinstance(inputs, list) or not isinstance(outputs, list):
+            raise ValueError("APPS-style tests are stdin/stdout ones: {'inputs': [str, ...], 'outputs': [str, ...]}")
+        if len(inputs) != len(outputs):
+            raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
+        tests = [{"input": i, "output": o} for i, o in zip(inputs, outputs, strict=True)]
+    if not isinstance(tests, (list, tuple)):
+        raise ValueError(f"a list of tests, not {type(tests).__name__}")
+    cases = []
+    for i, test in enumerate(tests):
+        try:
+            cases.append(_case(test, queries))
+        except ValueError as e:
+            raise ValueError(f"[{i}] {e}") from None
+    return cases
+
+
+def _case(test, queries: list):
+    """One test: an assert string as a _Split, or a stdin/stdout dict as it is."""
+    if isinstance(test, str):
+        return _Split(test, queries)
+    if not isinstance(test, dict) or set(test) != {"input", "output"}:
+        shape = sorted(test) if isinstance(test, dict) else type(test).__name__
+        raise ValueError(f"a test is an assert string or {{'input': str, 'output': str}}, not {shape}")
+    for field in ("input", "output"):
+        if not isinstance(test[field], str):
+            raise ValueError(f"'{field}' is {type(test[field]).__name__}, not str: {test[field]!r:.60}")
+    return test
+
+
 def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
     """Fraction of `tests` that `code` passes, run by run_python (the sandbox kwargs go there). `tests` is a list
     (or its JSON string, or APPS' {"inputs": [...], "outputs": [...]}) of
       {"input": str, "output": str}: one run each; passes if the stdout lines equal ALL expected lines after rstrip
         (extra or missing lines fail: open-r1's zip() let half an answer pass);
-      "assert f(1) == 2" strings, one assert each: one run for all; the sandbox evaluates only "f(1)" and returns
-        its value as a literal, the comparison runs here (_split_assert).
-    Either way the expected values never enter the sandbox and the verdict is reached outside it, so no trick of
-    the solution's (rebinding exec or builtins, sys.modules, AssertionError, exiting early, atexit, signals,
-    printing fake results, reading its files or /proc, an object equal to everything) can pass a test it fails."""
-    if isinstance(tests, str):
-        tests = json.loads(tests) if tests.lstrip().startswith(("[", "{")) else [tests]
-    if isinstance(tests, dict):
-        tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"], strict=True)]
-    passed = sum(
-        _lines(run_python(code, t["input"], timeout, **sandbox)) == _lines(t["output"])
-        for t in tests
-        if isinstance(t, dict)
-    )
+      "assert f(1) == 2" strings, one assert each: one run for all; the sandbox evaluates only the solution's parts
+        ("f(1)") and returns their values as data, the rest runs here on them (_Split, _value).
+    Either way the expected values never enter the sandbox and the verdict is reached outside it: what the solution
+    controls is its own values, as a correct solution does. A test that cannot be judged so raises ValueError
+    (code_reward.row_problem refuses its row before the model loads)."""
     queries = []
-    asserts = [_split_assert(t, queries) for t in tests if isinstance(t, str)]
+    cases = _cases(tests, queries)
+    passed = sum(
+        _lines(run_python(code, c["input"], timeout, **sandbox)) == _lines(c["output"])
+        for c in cases
+        if isinstance(c, dict)
+    )
+    asserts = [c for c in cases if isinstance(c, _Split)]
     if asserts:
-        out = run_python(code, "", timeout, queries=queries, **sandbox)
-        values = {}
-        records = dict(re.findall(r"^\x1e(\d+) (.*)$", out, re.MULTILINE))  # the last one of each query
-        for i in range(len(queries)):  # (only these: parsing costs us, not the sandbox)
-            with contextlib.suppress(KeyError, ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                values[f"_q{i}"] = ast.literal_eval(records[str(i)])  # none or not a literal: its test fails
-        passed += sum(_holds(test, values) for test in asserts)
-    return passed / max(len(tests), 1)
+        values = _values(run_python(code, "", timeout, queries=queries, **sandbox), len(queries))
+        passed += sum(_holds(split, values) for split in asserts)
+    return passed / max(len(cases), 1)
+
+
+def _row_problem(row: dict) -> tuple[str, str] | None:
+    """code_reward.row_problem: the first test case of the row that run_code_tests would refuse."""
+    try:
+        _cases(row["test_cases"], [])
+    except ValueError as e:
+        return ("test_cases", str(e))
+    return None
 
 
 def extract_code(text) -> str:
@@ -464,3 +788,4 @@ def code_reward(prompts, completions, test_cases=None, **kw) -> list[float | Non
 
 
 code_reward.needs = ("test_cases",)
+code_reward.row_problem = _row_problem

@@ -232,7 +232,7 @@ def test_asserts_count_once_and_early_exit_scores_zero(no_leftovers):
     assert run_code_tests("import os\ndef f(x):\n    return x + 1\nos._exit(0)", tests) == 0.0
     assert run_code_tests("import sys\ndef f(x):\n    return x + 1\nsys.exit(0)", tests) == 0.0
     assert run_code_tests("raise SystemExit", tests) == 0.0
-    # printing tokens that look like test results cannot pass without the nonce
+    # printing lines that look like test results passes nothing (records need the expected values)
     assert run_code_tests("for i in range(3):\n    print(f'ok:{i}')\nimport os\nos._exit(0)", tests) == 0.0
 
 
@@ -249,7 +249,7 @@ def test_assert_forms_are_judged_on_the_solutions_values(no_leftovers):
         "assert g('aab') == {'a': 2, 'b': 1}",
         "assert sorted(h(3)) == [1, 2, 3]",
         "assert h(2)[0] == 2",
-        "assert len(h(K)) == K",
+        "assert len(h(K)) == 3",  # K is the solution's, an input here (`== K` would compare it with itself)
         "assert not h(0)",
         "assert f(1) == 0.5, 'message'",
         "assert f(2) is None",
@@ -259,6 +259,14 @@ def test_assert_forms_are_judged_on_the_solutions_values(no_leftovers):
     assert run_code_tests(code, [big, "assert max(*h(3)) == 3"]) == 1.0
     with pytest.raises(ValueError, match="one assert statement"):
         run_code_tests(code, ["x = f(1)\nassert x == 0.5"])
+
+
+def test_a_truth_test_takes_any_value(no_leftovers):
+    """`assert f(x)` and `assert not f(x)` ask the sandbox only for the value's truth: MBPP's regex tasks return
+    re.Match objects, which are no data to send (they scored 0 when correct)."""
+    code = "import re\ndef m(text):\n    return re.search('^a.*b$', text)"
+    tests = ["assert m('aab')", "assert not m('ba')", "assert m('ab') and not m('b')", "assert m('ab') == True"]
+    assert run_code_tests(code, tests) == 0.75  # the last compares the value itself: a Match is not True
 
 
 SECRET = ["assert secret(1) == 7919", "assert secret(2) == 104729"]  # values no solution can derive
@@ -304,7 +312,8 @@ CHEATS = {
 
 @pytest.mark.parametrize("name", list(CHEATS))
 def test_cheats_score_zero(name, no_leftovers):
-    """The verdict is reached outside the sandbox, from values only: no trick of the solution can pass a test."""
+    """The verdict is reached outside the sandbox, from values only: no trick passes a test without its expected
+    value (what forging does achieve: test_code_reward_attacks.py's test_forged_records_...)."""
     tests = ["assert add(1, 2) == 3", "assert add(20, 22) == 42"] if "def add" in CHEATS[name] else SECRET
     assert run_code_tests(CHEATS[name], tests) == 0.0
 

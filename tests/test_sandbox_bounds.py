@@ -1,14 +1,15 @@
 """The code sandbox's bounds on what a solution may take from the machine, in both sandboxes (the fixtures of
-tests/test_rewards.py): RAM-backed writable mounts are small, memory is capped for all its processes together, and
-the host's files are out of sight."""
+tests/test_rewards.py): RAM-backed writable mounts are small, memory is capped for all its processes together, the
+host's files are out of sight, and concurrent samples share no process limit."""
 
+import concurrent.futures
 import json
 import os
 import pathlib
 
 import pytest
 
-from plugins.code import run_python
+from plugins.code import run_code_tests, run_python
 from tests import test_rewards
 
 # test_rewards.py's fixtures: each test runs in both sandboxes and must leave no process or cgroup behind
@@ -62,3 +63,22 @@ def test_the_hosts_files_are_out_of_sight(namespaced, no_leftovers):
         f"    except OSError:\n        pass\nprint('ran')"
     )
     assert run_python(program) == "ran\n"
+
+
+def test_concurrent_samples_share_no_process_limit(no_leftovers):
+    """The fallback ran every sample as root's nobody, and RLIMIT_NPROC counts all of a uid's processes: one sample's
+    30 sleeping children made a concurrent correct sample's single fork fail (0.0). Each run has its own uid now."""
+    hog = (
+        "import os, time\nfor _ in range(30):\n    if os.fork() == 0:\n        time.sleep(8)\n        os._exit(0)\n"
+        "time.sleep(8)"
+    )
+    # forks once, after the hog's children are up (it starts at the same time; 30 forks take far less than 2 s)
+    forks_once = (
+        "import os, time\ntime.sleep(2)\ndef f(x):\n    pid = os.fork()\n    if pid == 0:\n        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n    return x + 1"
+    )
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        hogging = pool.submit(run_python, hog, timeout=10)
+        correct = pool.submit(run_code_tests, forks_once, ["assert f(1) == 2"], timeout=10)
+        assert correct.result() == 1.0
+        assert hogging.result() == ""
