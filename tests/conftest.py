@@ -37,6 +37,15 @@ def shared_data() -> pathlib.Path:
     return SHARED_DATA
 
 
+def pytest_configure(config):
+    # .ci/run reruns the numerics tests under other CPU kernels through ATEN_CPU_CAPABILITY; torch ignores a value it
+    # was not built with (a warning only), and that rerun would then repeat the native kernels and prove nothing.
+    asked = os.environ.get("ATEN_CPU_CAPABILITY")
+    running = torch.backends.cpu.get_cpu_capability()
+    if asked and asked.upper() != running:
+        raise pytest.UsageError(f"ATEN_CPU_CAPABILITY={asked} asked for, but torch runs its {running} CPU kernels")
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")

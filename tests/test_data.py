@@ -486,6 +486,7 @@ def sum_ce(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return (ce * mask).sum(), mask.sum()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_loss_equals_unpacked(tiny_model_dir, tok, attn):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attn).eval()

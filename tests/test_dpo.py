@@ -66,6 +66,7 @@ REF_C, REF_R = torch.tensor([-11.0, -5.5]), torch.tensor([-11.0, -4.5])
 LEN_C, LEN_R = torch.tensor([5, 2]), torch.tensor([4, 2])
 
 
+@pytest.mark.numerics
 def test_sigmoid_at_zero_margin_is_ln2():
     x = torch.tensor([-3.0, -7.5])
     losses, chosen, rejected = dpo_loss(**pairs(x, x - 1, x, x - 1, LEN_C, LEN_R))
@@ -85,6 +86,7 @@ def test_sigmoid_at_zero_margin_is_ln2():
         ("simpo", [nls(0.1 * (-2 - -3) - 0.5), nls(0.1 * (-2.5 - -2) - 0.5)]),  # averages (-2, -3) and (-2.5, -2)
     ],
 )
+@pytest.mark.numerics
 def test_loss_types_by_hand(loss_type, expected):
     losses, chosen, rejected = dpo_loss(
         **pairs(C, R, REF_C, REF_R, LEN_C, LEN_R), loss_type=loss_type, beta=0.1, label_smoothing=0.1, simpo_gamma=0.5
@@ -131,6 +133,7 @@ def trl_dpo(loss_type, beta, label_smoothing, chosen, rejected, ref_chosen, ref_
     return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "robust"])
 def test_matches_trl_dpo_trainer(loss_type):
     pytest.importorskip("trl")
@@ -149,6 +152,7 @@ def test_matches_trl_dpo_trainer(loss_type):
     assert (chosen_rewards > rejected_rewards).float().mean().item() == trl_metrics["rewards/accuracies"]
 
 
+@pytest.mark.numerics
 def test_simpo_matches_trl_cpo_trainer():
     pytest.importorskip("trl")
     from trl.experimental.cpo import CPOTrainer
@@ -209,6 +213,7 @@ def test_learns_a_separable_preference_set(tiny_model_dir, prefs, tmp_path):
     assert out["loss"] < out["history"][0]["loss"]
 
 
+@pytest.mark.numerics
 def test_rpo_alpha_adds_the_token_mean_nll_of_the_chosen_responses(tiny_model_dir, prefs, tmp_path):
     plain = run(tiny_model_dir, prefs, tmp_path / "plain", max_steps=1)
     rpo = run(tiny_model_dir, prefs, tmp_path / "rpo", max_steps=1, rpo_alpha=0.5)
@@ -216,6 +221,7 @@ def test_rpo_alpha_adds_the_token_mean_nll_of_the_chosen_responses(tiny_model_di
     assert rpo["loss"] - plain["loss"] == pytest.approx(0.5 * nll, rel=1e-5)
 
 
+@pytest.mark.numerics
 def test_precomputed_reference_gives_the_same_losses(tiny_model_dir, prefs, tmp_path):
     common = dict(max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=3)
     live = run(tiny_model_dir, prefs, tmp_path / "live", **common)
@@ -273,6 +279,7 @@ def both_paths_policy(tiny_model_dir, adapter_dir):
     return model, tokenizer
 
 
+@pytest.mark.numerics
 def test_pair_and_batched_log_prob_paths_give_the_same_losses(tiny_model_dir, prefs, tmp_path, monkeypatch):
     make_sft_adapter(tiny_model_dir, tmp_path / "sft")
     model, tokenizer = both_paths_policy(tiny_model_dir, str(tmp_path / "sft"))
@@ -308,6 +315,7 @@ def test_pair_and_batched_log_prob_paths_give_the_same_losses(tiny_model_dir, pr
         assert value == pytest.approx(batched["metrics"][key], rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.numerics
 def test_a_run_on_the_batched_path_matches_the_pair_path(tiny_model_dir, prefs, tmp_path, monkeypatch):
     """dpo.main as it runs on CUDA (completion_logps as logps_of), here on the CPU: the same per-step history."""
     common = dict(max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=3, rpo_alpha=0.5)

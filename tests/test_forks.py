@@ -82,6 +82,7 @@ GSPO = dict(
 )
 
 
+@pytest.mark.numerics
 def test_gspo_fork_matches_trl_sequence_level_importance_sampling(trl_harness, tmp_path):
     report = run(trl_harness, fork=apply_fork("gspo", tmp_path), **GSPO)
     assert_series_match(report)
@@ -93,6 +94,7 @@ def test_gspo_fork_matches_trl_sequence_level_importance_sampling(trl_harness, t
 RLOO = dict(method="rloo", fixed_rollout=True, steps=2, beta=0.05)
 
 
+@pytest.mark.numerics
 def test_rloo_fork_matches_trl_rloo_trainer(trl_harness, tmp_path):
     report = run(trl_harness, fork=apply_fork("rloo", tmp_path), **RLOO)
     assert_series_match(report)
@@ -101,6 +103,7 @@ def test_rloo_fork_matches_trl_rloo_trainer(trl_harness, tmp_path):
     assert differs(plain, ("loss", "grad_norm")), "grpo.py already matched RLOO: no power"
 
 
+@pytest.mark.numerics
 def test_apo_zero_fork_matches_trl_dpo_apo_zero(trl_harness, tmp_path):
     report = run(trl_harness, method="dpo", loss_type="apo_zero", fork=apply_fork("apo_zero", tmp_path), steps=2)
     assert report["tokenization"]["identical"]

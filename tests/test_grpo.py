@@ -42,6 +42,7 @@ def objective(logps, old, ref, advantages, epsilon, epsilon_high, beta) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- objective
+@pytest.mark.numerics
 def test_ratio_one_gives_the_policy_gradient():
     """num_iterations = 1: old = logps.detach(), so rho = 1 and d l_t / d logp_t = -A exactly (beta = 0)."""
     logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.5]], requires_grad=True)
@@ -54,6 +55,7 @@ def test_ratio_one_gives_the_policy_gradient():
     assert kl is None and not low.any() and not high.any()
 
 
+@pytest.mark.numerics
 def test_clipping_by_hand():
     """rho = 1.5 and 0.5 with A = +1 and -1, epsilon 0.2 / epsilon_high 0.28: the clip removes the gradient exactly
     where the ratio left the trust region in the direction the advantage pushes it."""
@@ -71,6 +73,7 @@ def test_clipping_by_hand():
     assert region == 0.5  # clip_ratio/region_mean over these 4 tokens
 
 
+@pytest.mark.numerics
 def test_kl_term_is_added_after_the_clip():
     """beta k3 with ref - logp = 0.5: k3 = e^0.5 - 1.5; its gradient beta (1 - e^0.5) survives on a clipped token."""
     logps = torch.log(torch.tensor([[1.5]])).requires_grad_()
@@ -85,6 +88,7 @@ def test_kl_term_is_added_after_the_clip():
     assert logps.grad.item() == pytest.approx(0.1 * (1 - math.exp(0.5)))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("loss_type, expected", [("grpo", 1.0), ("bnpo", 1 / 3), ("dapo", 1 / 3), ("dr_grpo", 1 / 8)])
 def test_each_loss_type_end_to_end(loss_type, expected):
     """rho = 1, A = (1, -3), completion lengths 2 and 1: per-token losses [[-1, -1], [3, -]].

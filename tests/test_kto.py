@@ -41,6 +41,7 @@ def sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
 
+@pytest.mark.numerics
 def test_reference_point_is_a_detached_mean_clamped_at_zero():
     kl_logps = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
     z0 = kto_reference_point(kl_logps, torch.tensor([-1.5, -3.5, -5.5]))
@@ -48,6 +49,7 @@ def test_reference_point_is_a_detached_mean_clamped_at_zero():
     assert kto_reference_point(kl_logps, torch.tensor([0.0, 0.0, 0.0])).item() == 0.0  # mean -2 -> clamped
 
 
+@pytest.mark.numerics
 def test_loss_with_a_known_z0_by_hand():
     logps, ref_logps = torch.tensor([-4.0, -6.3, -5.8]), torch.tensor([-5.0, -6.0, -6.0])  # h = (1.0, -0.3, 0.2)
     labels = torch.tensor([True, False, True])
@@ -70,6 +72,7 @@ def test_loss_with_a_known_z0_by_hand():
     assert rewards.tolist() == pytest.approx([0.5, -0.15, 0.1], rel=1e-5)
 
 
+@pytest.mark.numerics
 def test_at_the_start_every_row_costs_one_half():
     x = torch.tensor([-3.0, -9.0])
     losses, _ = kto_loss(logps=x, ref_logps=x, labels=torch.tensor([True, False]), z0=kto_reference_point(x, x))
@@ -85,6 +88,7 @@ def test_mismatched_pairs_rotate_completions_by_one_like_trl():
     assert matched["input_ids"][2].tolist() == [12, 22, 22, 22]  # matched rows come tokenized to fit already
 
 
+@pytest.mark.numerics
 def test_matches_trl_kto_trainer():
     pytest.importorskip("trl")
     from trl import KTOTrainer

@@ -45,6 +45,7 @@ def log_odds_by_hand(lc, lr):
     return (lc - math.log(-math.expm1(lc))) - (lr - math.log(-math.expm1(lr)))
 
 
+@pytest.mark.numerics
 def test_log1mexp_is_accurate_where_the_naive_formula_breaks():
     x = torch.tensor(XS)
     expected = torch.tensor([math.log(-math.expm1(v)) for v in XS], dtype=torch.float64)
@@ -59,6 +60,7 @@ def test_log1mexp_is_accurate_where_the_naive_formula_breaks():
     )
 
 
+@pytest.mark.numerics
 def test_orpo_loss_by_hand_including_a_near_certain_chosen():
     chosen, rejected = torch.tensor([-0.5, -1e-7, -3.0]), torch.tensor([-1.0, -2.0, -0.2])
     odds = [log_odds_by_hand(c, r) for c, r in zip(chosen.tolist(), rejected.tolist())]
@@ -69,6 +71,7 @@ def test_orpo_loss_by_hand_including_a_near_certain_chosen():
     assert orpo_log_odds(chosen[:1], chosen[:1]).item() == 0.0  # equal likelihoods: odds ratio 1
 
 
+@pytest.mark.numerics
 def test_matches_trl_orpo_trainer():
     pytest.importorskip("trl")
     from trl.experimental.orpo import ORPOTrainer
@@ -126,6 +129,7 @@ def test_learns_a_separable_preference_set(tiny_model_dir, prefs, tmp_path):
     assert out["rewards/accuracies"] >= 0.9 and out["log_odds_chosen"] > out["history"][0]["log_odds_chosen"]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("completion_only_loss", [True, False])
 def test_nll_covers_the_response_or_prompt_plus_response(tiny_model_dir, prefs, tmp_path, completion_only_loss):
     """Step 1's nll_loss is transformers' cross-entropy on the chosen rows, with labels on the response (the paper)

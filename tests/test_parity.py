@@ -22,6 +22,7 @@ from scripts.compare_with_trl import (
     trl_trainer,
 )
 
+pytestmark = pytest.mark.numerics  # every test here compares our per-step numbers with TRL's
 RTOL, ATOL, ATOL_SUMS = 1e-5, 1e-5, 1e-4
 SUMS = {"logps/chosen", "logps/rejected"}
 

@@ -220,6 +220,7 @@ SCORED = (  # 5 prompts x 6 completions: scores spread over the reward model's r
 )
 
 
+@pytest.mark.numerics
 def test_reward_slot_on_a_4bit_base_scores_as_the_unquantised_model(tiny_model_dir, reward_model, monkeypatch, capsys):
     """The reward adapter attaches to the NF4 layers (PEFT's bnb LoRA) of the one backbone; scoring restores the
     active adapter, every requires_grad flag and train mode, also on an error, and leaves "reward" as loaded. The

@@ -45,6 +45,7 @@ def swapped(rows):
 
 
 # ------------------------------------------------------------------------------------------------ losses
+@pytest.mark.numerics
 def test_bradley_terry_loss_by_hand():
     c, r = torch.tensor([0.0, 2.0]), torch.tensor([0.0, -1.0])
     assert bradley_terry_loss(c, r).item() == pytest.approx((math.log(2) + math.log1p(math.exp(-3))) / 2)
@@ -55,11 +56,13 @@ def test_bradley_terry_loss_by_hand():
     assert centred == pytest.approx(bradley_terry_loss(c, r).item() + 0.05)
 
 
+@pytest.mark.numerics
 def test_regression_loss_is_the_mean_of_per_attribute_mse():
     predictions, targets = torch.tensor([[1.0, 0.0], [3.0, 0.0]]), torch.tensor([[0.0, 0.0], [1.0, 2.0]])
     assert regression_loss(predictions, targets).item() == pytest.approx(((1 + 4) / 2 + (0 + 4) / 2) / 2)
 
 
+@pytest.mark.numerics
 def test_head_reads_the_last_real_token_whatever_the_padding(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -106,6 +109,7 @@ def test_learns_a_separable_preference_set_either_way(tiny_model_dir, prefs, tmp
         assert json.load(f) == config | {"quantization": None, "max_length": 1024}
 
 
+@pytest.mark.numerics
 def test_readme_recipe_scores_as_plugins_reward_model_does(tiny_model_dir, prefs, tmp_path):
     """The README's rm-plain block (AutoModelForCausalLM + PeftModel + the head on the backbone's last real token),
     run as written on a trained model, gives the scores plugins.reward_model.score gives."""
@@ -124,6 +128,7 @@ def test_readme_recipe_scores_as_plugins_reward_model_does(tiny_model_dir, prefs
     assert scope["rewards"]["reward"] == pytest.approx(ours[0, 0].item(), abs=1e-5)
 
 
+@pytest.mark.numerics
 def test_slot_scores_equal_rm_pys_own_after_training(tiny_model_dir_pad_eos, tmp_path):
     """pad == eos, LoRA dropout asked for (rm.py turns it off), a chosen cut at max_length: the trained model loaded
     as the "reward" slot of a policy in training scores every pair as rm.py's model did at its end, and the policy

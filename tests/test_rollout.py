@@ -5,6 +5,7 @@ test_vllm.py)."""
 import importlib.util
 
 import pytest
+import torch
 from transformers import LogitsProcessorList
 
 from common.model import attach_lora, load_model
@@ -22,6 +23,24 @@ def policy(tiny_model_dir):
 
 def ids(tokenizer, text):
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def assert_clear_greedy(model, prompts, completions, gap=1e-4):
+    """Each greedy token beats every other token's logit by more than `gap` in a plain forward over its prompt and
+    the completion so far. Two generation paths (padded or not, a shared prefill or not) give logits equal to fp32
+    rounding, far below 1e-4 on these models' logits of magnitude ~1, so their greedy tokens agree on any CPU and the
+    tests below may compare completions exactly; a near tie would make that comparison depend on the CPU's kernels."""
+    was_training = model.training
+    model.eval()
+    try:
+        for prompt, completion in zip(prompts, completions, strict=True):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+            chosen = torch.tensor(completion)[:, None]
+            margin = logits.gather(1, chosen)[:, 0] - logits.scatter(1, chosen, float("-inf")).max(1).values
+            assert margin.min() > gap, f"near tie in the greedy completion {completion} of {prompt}: {margin.tolist()}"
+    finally:
+        model.train(was_training)
 
 
 def test_cut_at_eos_keeps_the_first_eos_and_drops_the_rest():
@@ -134,14 +153,17 @@ def test_eval_mode_and_kv_cache_during_generation_even_with_gradient_checkpointi
     assert model.training
 
 
+@pytest.mark.numerics
 def test_left_padding_gives_the_unpadded_greedy_completion(policy):
     model, tokenizer = policy
     short, long = ids(tokenizer, "hi"), ids(tokenizer, "The quick brown fox jumps over the lazy dog. What is 12 + 7?")
     alone = hf_generate(model, tokenizer, [short], 1, temperature=0.0, max_new_tokens=8)
     batched = hf_generate(model, tokenizer, [long, short], 1, temperature=0.0, max_new_tokens=8)
+    assert_clear_greedy(model, [short], alone["completion_ids"])
     assert batched["completion_ids"][1] == alone["completion_ids"][0]
 
 
+@pytest.mark.numerics
 def test_shared_prompt_prefill_gives_the_unshared_completions(policy):
     """Group members share one prefill of their prompt: greedy completions equal those of the prompt repeated as
     separate rows (group_size 1), for prompts of different lengths (left padding) and a 1-token prompt."""
@@ -150,14 +172,17 @@ def test_shared_prompt_prefill_gives_the_unshared_completions(policy):
     shared = hf_generate(model, tokenizer, prompts, 3, temperature=0.0, max_new_tokens=8)
     rows = [p for p in prompts for _ in range(3)]
     unshared = hf_generate(model, tokenizer, rows, 1, temperature=0.0, max_new_tokens=8)
+    assert_clear_greedy(model, rows, unshared["completion_ids"])
     assert shared["completion_ids"] == unshared["completion_ids"]
     one_token = ids(tokenizer, "hi")
     assert len(one_token) == 1  # nothing to prefill: the unshared path
     alone = hf_generate(model, tokenizer, [one_token], 1, temperature=0.0, max_new_tokens=4)
+    assert_clear_greedy(model, [one_token], alone["completion_ids"])
     one_token = hf_generate(model, tokenizer, [one_token], 2, temperature=0.0, max_new_tokens=4)
     assert one_token["completion_ids"] == alone["completion_ids"] * 2
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("arch", ["falcon_h1", "recurrent_gemma"])
 def test_models_with_recurrent_states_sample_without_a_shared_prefill(arch):
     """Their caches hold conv / recurrent states that batch_repeat_interleave does not repeat: group_size > 1
@@ -170,6 +195,7 @@ def test_models_with_recurrent_states_sample_without_a_shared_prefill(arch):
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]  # ids inside the tiny model's vocabulary
     out = hf_generate(model, tokenizer, prompts, 2, temperature=0.0, max_new_tokens=5)
     alone = [hf_generate(model, tokenizer, [p], 1, temperature=0.0, max_new_tokens=5) for p in prompts]
+    assert_clear_greedy(model, prompts, [a["completion_ids"][0] for a in alone])
     assert out["completion_ids"] == [a["completion_ids"][0] for a in alone for _ in range(2)]
 
 

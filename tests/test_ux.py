@@ -240,6 +240,7 @@ def _random_adapter(tiny_model_dir, out_dir):
     return out_dir
 
 
+@pytest.mark.numerics
 def test_merge_adapter_writes_a_plain_transformers_model_with_the_adapter_models_logits(tiny_model_dir, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
