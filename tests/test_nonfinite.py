@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import grpo
-import raft
 from common.errors import ArgsError, ModelError, RewardError, RunStopped
 from common.model import attach_lora, load_model
 from common.rewards import compute_rewards, load_reward_funcs
 from plugins.reward_model import model_reward
 from tests.prefs_helpers import preference_rows, write_jsonl
+from tests.test_raft import run as run_raft
 
 KTO_ROWS = [{"prompt": f"Say {w}", "completion": w, "label": i % 2 == 0} for i, w in enumerate(["red", "blue"] * 4)]
 SFT_ROWS = [{"prompt": f"Say {w}", "completion": f"{w} {w}"} for w in ("red", "blue", "green", "yes") * 2]
@@ -82,26 +82,9 @@ def test_dpo_with_a_runaway_learning_rate_stops_with_exit_1(tiny_model_dir, tmp_
 
 
 def test_raft_stops_in_the_round_that_skips_too_many_updates(tiny_model_dir, tmp_path, nan_gradients):
-    args = raft.Args(
-        preset="demo",
-        model=tiny_model_dir,
-        dataset=data_for("raft", tmp_path),
-        eval_dataset="builtin:math",
-        eval_limit=2,
-        output_dir=str(tmp_path / "runs"),
-        rewards=["format"],
-        num_rounds=2,
-        prompts_per_round=4,
-        group_size=2,
-        max_completion_length=4,
-        reward_threshold=None,
-        mask_truncated_completions=False,
-        per_device_train_batch_size=2,
-        num_train_epochs=1.0,
-        breaker_max_nonfinite=1,
-    )
+    kw = dict(rewards=["format"], num_rounds=2, prompts_per_round=4, group_size=2, breaker_max_nonfinite=1)
     with pytest.raises(RunStopped, match=r"stopped in round 1 \(\d+ updates skipped.*last good: .*round-0") as stop:
-        raft.main(args)
+        run_raft(tiny_model_dir, data_for("raft", tmp_path), tmp_path / "runs", **kw)
     run_dir = os.path.dirname(stop.value.checkpoint)
     assert not os.path.exists(os.path.join(run_dir, "round-1")) and not os.path.exists(os.path.join(run_dir, "final"))
 
