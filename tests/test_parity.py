@@ -23,7 +23,9 @@ from scripts.compare_with_trl import (
 )
 
 pytestmark = pytest.mark.numerics  # every test here compares our per-step numbers with TRL's
-RTOL, ATOL, ATOL_SUMS = 1e-5, 1e-5, 1e-4
+RTOL = 1e-5
+ATOL = 1e-5
+ATOL_SUMS = 1e-4
 SUMS = {"logps/chosen", "logps/rejected"}
 
 
