@@ -219,10 +219,20 @@ def slot_params(model, slot: str) -> dict[str, torch.nn.Parameter]:
 
 
 def snapshot_ref(model) -> None:
-    """Copy "default" into the frozen "ref" slot: the reference policy is the starting policy (e.g. the SFT
-    adapter). Called again, it overwrites "ref" with the current "default"."""
+    """The reference policy is the starting policy (e.g. the SFT adapter). LoRA: "default" copied into the frozen
+    "ref" slot. Full fine-tuning: every weight copied into CPU memory (pinned when the model is on a GPU), so the
+    card holds one backbone; as_reference swaps the copy in. Called again, it overwrites the reference with the
+    current policy."""
     if not is_peft(model):
-        raise ValueError("snapshot_ref needs a LoRA policy (attach_lora); full fine-tuning has no 'ref' slot")
+        base = unwrap(model)
+        if getattr(base, "reference_weights", None) is None:
+            pin = next(model.parameters()).is_cuda  # pinned host memory: faster copies to and from the card
+            weights = {n: torch.empty_like(p, device="cpu", pin_memory=pin) for n, p in model.named_parameters()}
+            base.reference_weights = weights  # a plain dict attribute: not in state_dict, never saved with the model
+        with torch.no_grad():
+            for n, p in model.named_parameters():  # tied weights (embeddings = head) appear once
+                base.reference_weights[n].copy_(p)
+        return
     if REF not in model.peft_config:
         config = copy.deepcopy(model.peft_config[DEFAULT])
         config.inference_mode = True
@@ -239,11 +249,41 @@ def snapshot_ref(model) -> None:
 
 
 @contextlib.contextmanager
+def swapped_weights(model, weights: dict):
+    """Run the block with every parameter's tensor replaced by weights[name] (CPU tensors), one tensor at a time: the
+    trained tensor is parked in CPU memory before the reference's is brought to the device, so the device never
+    holds two copies of the backbone. On a CPU model both moves are no-ops (`.to` of a tensor already there returns
+    it): the parameters point at the reference's tensors and back at their own, bit for bit. Put back on exit, even
+    if the block raises; gradients and optimizer states are separate tensors and are not touched."""
+    params = dict(model.named_parameters())
+    parked = {}
+    try:
+        for n, p in params.items():
+            parked[n] = p.data.to("cpu")
+            p.data = weights[n].to(p.device, non_blocking=True)
+        yield model
+    finally:
+        for n, tensor in parked.items():
+            params[n].data = tensor.to(params[n].device, non_blocking=True)
+
+
+@contextlib.contextmanager
 def as_reference(model, slot: str = REF):
     """Run the block as the reference policy (or another frozen slot, e.g. REWARD): `slot` active, eval mode,
     no_grad; the active adapter, every requires_grad flag and train mode restored on exit, even if the block raises.
     PEFT's set_adapter() also flips requires_grad (the active slot becomes trainable, the other frozen), so the
-    exact requires_grad of every parameter is saved first and put back."""
+    exact requires_grad of every parameter is saved first and put back. Full fine-tuning (no adapters): snapshot_ref's
+    CPU copy of the starting weights is swapped in for the block (swapped_weights)."""
+    reference_weights = getattr(unwrap(model), "reference_weights", None)
+    if not is_peft(model) and slot == REF and reference_weights is not None:
+        was_training = model.training
+        try:
+            model.eval()  # dropout off: the reference must be deterministic
+            with torch.no_grad(), swapped_weights(model, reference_weights):
+                yield model
+        finally:
+            model.train(was_training)
+        return
     if not is_peft(model) or slot not in model.peft_config:
         raise RuntimeError(f"no '{slot}' adapter: call snapshot_ref(model) (or load_reward) before using it")
     flags = {n: p.requires_grad for n, p in model.named_parameters()}

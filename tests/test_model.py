@@ -21,6 +21,7 @@ from common.model import (
     save_weights,
     snapshot_ref,
     trainable_parameters,
+    unwrap,
 )
 from harness.checkpoints import (
     Checkpoints,
@@ -107,6 +108,46 @@ def test_as_reference_restores_everything_when_the_body_raises(tiny_model_dir):
             raise ZeroDivisionError  # an exception inside: the state must still be restored
     assert trainable_names(model) == names0
     assert model.active_adapter == DEFAULT and model.training and torch.is_grad_enabled()
+
+
+def test_a_full_fine_tunes_reference_is_the_starting_weights_bit_for_bit(tiny_model_dir):
+    """Full fine-tuning: snapshot_ref keeps the starting weights in CPU memory and as_reference swaps them in, one
+    tensor at a time (on a GPU the card never holds two backbones; here, on the CPU, the swap is of tensors alone).
+    After updates the reference is the starting policy exactly, and the trained weights, their gradients and the
+    optimizer's states come back untouched, also when the block raises."""
+    torch.manual_seed(0)
+    model, _ = load_model(tiny_model_dir)
+    ids = torch.randint(3, 300, (2, 12))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.eval()
+    with torch.no_grad():
+        start_logits = logits(model, ids)
+    snapshot_ref(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(3):
+        with as_reference(model):
+            assert not model.training and not torch.is_grad_enabled()
+            ref_out = logits(model, ids)
+        assert model.training and torch.is_grad_enabled() and torch.equal(ref_out, start_logits)
+        loss = logits(model, ids).logsumexp(-1).mean() - ref_out.mean()
+        loss.backward()
+        opt.step()
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(not torch.equal(trained[n], start[n]) for n in start), "every weight should have moved"
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    with pytest.raises(ZeroDivisionError), as_reference(model):
+        assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())
+        assert torch.equal(logits(model, ids), start_logits)
+        raise ZeroDivisionError  # an exception inside: the trained weights must still come back
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(model.parameters(), moments, strict=True))
+    assert all(torch.equal(unwrap(model).reference_weights[n], start[n]) for n in start)
+    snapshot_ref(model)  # called again: the reference becomes the current policy (raft's round start)
+    with as_reference(model):
+        assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
 
 
 def test_reference_before_snapshot_fails_loudly(tiny_model_dir):
