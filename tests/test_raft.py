@@ -1,7 +1,8 @@
 """raft.py: selection and pairing on hand-made scored groups, SPIN pairs, one round end to end on the tiny model
-(round files valid for sft.py / dpo.py, metrics, adapters), exact resume at a round boundary, SPIN's reference
-refresh, CLI."""
+(round files valid for sft.py / dpo.py, metrics, adapters), exact resume at a round boundary, the reference = each
+round's starting policy (LoRA and full fine-tuning), CLI."""
 
+import functools
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import torch
 
 import raft
 from common.data import load_rows, validate_rows
-from harness.checkpoints import adapter_hash
+from safetensors.torch import load_file
 from raft import Args, main, make_pairs, select_best, spin_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,12 +135,44 @@ def spy_model(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def reference_spy(monkeypatch):
+    """Each call of raft.reference_logps: the policy it scored with (what a round writes: the "default" adapter's or
+    every weight's tensors, as saved) and the pairs with the log-probs it stored in them."""
+    from peft import get_peft_model_state_dict
+
+    from common.model import is_peft
+
+    calls = []
+    original = raft.reference_logps
+
+    @functools.wraps(original)  # spy.__wrapped__: raft's own, to score again
+    def spy(model, pairs, *args, **kwargs):
+        state = get_peft_model_state_dict(model) if is_peft(model) else model.state_dict()
+        calls.append({"policy": {k: v.detach().clone() for k, v in state.items()}, "pairs": pairs})
+        return original(model, pairs, *args, **kwargs)
+
+    monkeypatch.setattr(raft, "reference_logps", spy)
+    return calls
+
+
+def saved_policy(round_dir: str) -> dict:
+    """The policy a round wrote: its adapter's tensors, or the full model's."""
+    folder = os.path.join(round_dir, "adapter")
+    lora = os.path.exists(os.path.join(folder, "adapter_config.json"))
+    return load_file(os.path.join(folder, "adapter_model.safetensors" if lora else "model.safetensors"))
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
 
 
-def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl, tmp_path, spy_model):
+def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl, tmp_path, spy_model, reference_spy):
     out = run(tiny_model_dir, prompts_jsonl, tmp_path / "a", dpo=True)
     run_dir = out["run_dir"]
     assert sorted(d for d in os.listdir(run_dir) if "round" in d) == ["round-0", "round-1"]  # no temp dir left
@@ -191,12 +224,15 @@ def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl
         assert json.load(f)["sft/loss"] == pytest.approx(logged[1]["sft/loss"])
     assert out["kept_fraction"] == 2 / 8 and out["num_pairs"] == len(pairs)
 
-    # "ref" = the round-start policy (the fresh adapter), base bit-identical, "default" moved
+    # The reference = the round-start policy (the fresh adapter), scored once before the SFT phase moved it, with no
+    # "ref" slot; base bit-identical, "default" moved
     model, before = spy_model["model"], spy_model["before"]
+    assert "ref" not in model.peft_config and len(reference_spy) == 1
+    fresh = {k: before[k.replace(".weight", ".default.weight")] for k in reference_spy[0]["policy"]}
+    assert same_tensors(reference_spy[0]["policy"], fresh)
+    assert all(math.isfinite(e["ref_chosen_logps"] + e["ref_rejected_logps"]) for e in reference_spy[0]["pairs"])
     for name, p in model.named_parameters():
-        if ".ref." in name:
-            assert torch.equal(p, before[name.replace(".ref.", ".default.")]), name
-        elif "lora_" not in name:
+        if "lora_" not in name:
             assert torch.equal(p, before[name]), f"base weight {name} changed"
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if ".default." in n)
 
@@ -220,19 +256,91 @@ def test_raft_without_dpo_has_no_reference(tiny_model_dir, prompts_jsonl, tmp_pa
     assert "eval/builtin_math/accuracy" not in out
 
 
-def test_spin_pairs_ground_truth_and_refreshes_the_reference(tiny_model_dir, prompts_jsonl, tmp_path, spy_model):
-    out = run(tiny_model_dir, prompts_jsonl, tmp_path, mode="spin", prompts_per_round=4)
-    model, r1 = spy_model["model"], os.path.join(out["run_dir"], "round-1")
+def test_spin_pairs_ground_truth_and_refreshes_the_reference(tiny_model_dir, prompts_jsonl, tmp_path, reference_spy):
+    out = run(tiny_model_dir, prompts_jsonl, tmp_path, mode="spin", prompts_per_round=4, num_rounds=2)
+    r1 = os.path.join(out["run_dir"], "round-1")
     assert "sft.jsonl" not in os.listdir(r1) and len(read_jsonl(os.path.join(r1, "samples.jsonl"))) == 4  # K = 1
     pairs = validate_rows(load_rows(os.path.join(r1, "pairs.jsonl")), "preference")
     truth = {json.dumps(r["prompt"]): r["completion"] for r in load_rows(prompts_jsonl)}
     assert pairs and all(p["chosen"] == truth[json.dumps(p["prompt"])] != p["rejected"] for p in pairs)
-    assert out["dpo/steps"] == math.ceil(len(pairs) / 2) and math.isfinite(out["dpo/loss"])
-    # After the iteration "ref" is the trained policy: the next iteration's opponent
-    assert adapter_hash(model, "ref") == adapter_hash(model, "default")
-    start = {n.replace(".default.", ".#."): p for n, p in spy_model["before"].items() if ".default." in n}
-    now = {n.replace(".default.", ".#."): p for n, p in model.named_parameters() if ".default." in n}
-    assert any(not torch.equal(now[k], start[k]) for k in start)
+    assert out["history"][1]["dpo/steps"] == math.ceil(len(pairs) / 2) and math.isfinite(out["dpo/loss"])
+    # Iteration 2's reference is the policy iteration 1 trained (written to round-1): the next opponent
+    assert len(reference_spy) == 2 and same_tensors(reference_spy[1]["policy"], saved_policy(r1))
+    assert not same_tensors(reference_spy[0]["policy"], saved_policy(r1))  # iteration 1 moved it
+
+
+# ---------------------------------------------------------------------------------------------------- full fine-tuning
+@pytest.mark.parametrize("mode", ["raft", "spin"])
+def test_full_fine_tuning_scores_each_rounds_pairs_with_the_round_start_policy(prompts_jsonl, tmp_path, reference_spy,
+                                                                              mode):  # fmt: skip
+    """--no-use-lora, 2 rounds with a DPO loss: every weight trains; each round's reference log-probs are those of the
+    policy it started from (round 1: the starting weights; round 2: the weights round 1 wrote), scored before any
+    update of the round (raft's SFT phase included) and bit for bit what that policy gives; round-N/adapter/ holds the
+    full model; final/ is a plain transformers model that stops at the trained end of turn."""
+    from common.model import disable_dropout, load_model
+    from tests.test_grpo import base_stopping_at_endoftext, check_full_final
+
+    base, stops = base_stopping_at_endoftext(tmp_path)
+    kw = dict(mode="spin", prompts_per_round=4) if mode == "spin" else dict(dpo=True)
+    out = run(base, prompts_jsonl, tmp_path / "runs", use_lora=False, num_rounds=2, **kw)
+    start = load_model(base)[0].state_dict()
+    rounds = [os.path.join(out["run_dir"], f"round-{r}") for r in (1, 2)]
+    assert all(sorted(os.listdir(os.path.join(r, "adapter"))) == ["config.json", "generation_config.json",
+                                                                   "model.safetensors"] for r in rounds)  # fmt: skip
+    written = [saved_policy(r) for r in rounds]
+    assert len(reference_spy) == 2
+    assert same_tensors(reference_spy[0]["policy"], start) and same_tensors(reference_spy[1]["policy"], written[0])
+    assert not same_tensors(start, written[0]) and not same_tensors(written[0], written[1])  # each round trained
+    unmoved = [k for k in start if torch.equal(written[1][k], start[k])]
+    assert not unmoved, f"weights that did not train: {unmoved}"
+    for call in reference_spy:  # the stored log-probs are the round-start policy's, scored again from its weights
+        model, tokenizer = load_model(base)
+        model.load_state_dict(call["policy"])
+        disable_dropout(model)
+        again = [{k: v for k, v in e.items() if not k.startswith("ref_")} for e in call["pairs"]]
+        raft.reference_logps.__wrapped__(model, again, 2, tokenizer.pad_token_id, model.device)
+        assert [(e["ref_chosen_logps"], e["ref_rejected_logps"]) for e in call["pairs"]] == [
+            (e["ref_chosen_logps"], e["ref_rejected_logps"]) for e in again
+        ]
+    losses = [h[k] for h in out["history"][1:] for k in ("sft/loss", "dpo/loss") if k in h]
+    assert len(losses) == (2 if mode == "spin" else 4) and all(map(math.isfinite, losses))
+    trained = {n: p.detach() for n, p in out["model"].named_parameters()}
+    assert same_tensors(trained, written[1])
+    check_full_final(out["final_dir"], trained, stops)
+
+
+def test_a_full_fine_tune_resumes_by_rounds(tiny_model_dir, prompts_jsonl, tmp_path):
+    """Round 2 of a run resumed after round 1 (the full model's weights read back from round-1/adapter/) writes the
+    same samples, pairs, metrics and weights as round 2 of the straight 2-round run."""
+    from tests.test_grpo import without_timing
+
+    first = run(tiny_model_dir, prompts_jsonl, tmp_path / "a", use_lora=False, dpo=True)
+    resumed = run(tiny_model_dir, prompts_jsonl, tmp_path / "unused", use_lora=False, dpo=True, num_rounds=2,
+                  resume_from=first["run_dir"])  # fmt: skip
+    straight = run(tiny_model_dir, prompts_jsonl, tmp_path / "b", use_lora=False, dpo=True, num_rounds=2)
+    a, b = resumed["run_dir"], straight["run_dir"]
+    for name in ("round-2/samples.jsonl", "round-2/sft.jsonl", "round-2/pairs.jsonl", "round-2/eval.jsonl"):
+        assert read_jsonl(os.path.join(a, name)) == read_jsonl(os.path.join(b, name)), name
+    assert [h["step"] for h in resumed["history"]] == [2]
+    assert without_timing(resumed["history"]) == without_timing(straight["history"][-1:])
+    assert "dpo/loss" in resumed["history"][0]
+    assert same_tensors(saved_policy(os.path.join(a, "round-2")), saved_policy(os.path.join(b, "round-2")))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(quantization="4bit"), "--quantization 4bit with --no-use-lora: a quantized base trains only through"),
+        (dict(adapter="some/adapter"), "--adapter some/adapter with --no-use-lora: merge it first"),
+    ],
+)
+def test_full_fine_tuning_refuses_what_needs_an_adapter_before_loading(tmp_path, monkeypatch, flags, message):
+    from common.errors import ArgsError
+
+    monkeypatch.setattr(raft, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ArgsError, match=message):
+        main(Args(preset="demo", output_dir=str(tmp_path), use_lora=False, **flags))
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_round_is_sampled_in_slices_with_each_prompts_samples_together(
