@@ -16,6 +16,8 @@ How the two runs are made identical (each point is checked by the harness, not a
 - Start: one LoRA adapter (r=16, alpha=32, all-linear, dropout 0; lora_B drawn from N(0, 0.02) so the start is not the
   base model and both LoRA factors get gradients) is saved once; ours loads it with --adapter, TRL with
   PeftModel.from_pretrained. Both copy it into a frozen "ref" adapter (TRL does so for a PeftModel it is given).
+  GRPO --no-use-lora: no adapter, every weight trains from the base model on both sides; TRL loads its reference as
+  a second model from the base's path, ours keeps the starting weights in CPU memory and swaps them in.
 - Data: the built-in math rows rendered through the chat template into standard strings. TRL 1.16 tokenizes a
   conversational completion through the template's text, so the '\\n' after <|im_end|> is a trained token there, while
   ours stops at the end-of-turn token (what generation emits). As strings, both append EOS and nothing else, and the
@@ -127,6 +129,7 @@ class Setup:
     max_completion_length: int = 16
     rewards: list[str] = field(default_factory=lambda: list(DEFAULT_REWARDS))
     fixed_rollout: bool = False
+    use_lora: bool = True  # GRPO: False = full fine-tuning on both sides (ours --no-use-lora, TRL without PEFT)
     iterations: int = 1  # GRPO / RLOO: optimizer updates per rollout (num_iterations on both sides)
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -142,6 +145,7 @@ class Setup:
             [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
         )
         parts += (["margin"] if self.rm_margin else []) + (["center"] if self.center_rewards_coefficient else [])
+        parts += [] if self.use_lora else ["full", f"beta={self.run_beta:g}"]
         parts += [os.path.splitext(os.path.basename(self.fork))[0]] if self.fork else []
         parts += [f"{k}={v}" for k, v in sorted(self.trl_config.items())]
         return "-".join(parts)
@@ -365,6 +369,7 @@ def our_args(s: Setup, data_path: str) -> dict:
             "lr_scheduler_type": "constant",
             "lora_dropout": 0.0,
             "breaker_action": "warn",
+            **({} if s.use_lora else {"adapter": None, "use_lora": False}),
         }
     common |= {
         "per_device_train_batch_size": s.batch_size,
@@ -426,6 +431,8 @@ def trl_model(s: Setup):
     model = cls.from_pretrained(s.model, dtype=torch.float32, attn_implementation="sdpa", **kw)
     if s.method == "rm":
         model.score.weight.data.copy_(importlib.import_module("rm").new_head(model.config, 1, s.seed).weight)
+    if not s.use_lora:  # full fine-tuning: the base model itself, as TRL trains it without a peft_config
+        return model
     config = PeftConfig.from_pretrained(s.adapter)
     if s.method == "rm":  # a CAUSAL_LM adapter on a seq-cls model: the plain PeftModel (no generation hooks)
         config.task_type = None
@@ -693,7 +700,8 @@ def plot(name: str, series: dict, path: str) -> str:
 def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, trainer=None) -> list[dict]:
     """One fixed batch (prompts_per_step x group_size completions from the bank) split into `micro` micro-batches:
     TRL's GRPOTrainer._compute_loss vs our grpo_per_token_loss + aggregate_loss, on the same model (TRL's PeftModel
-    with its "default" and "ref" adapters), advantages and reference log-probs. Per loss_type: summed loss and every
+    with its "default" and "ref" adapters; without LoRA its model and its reference model), advantages and reference
+    log-probs. Per loss_type: summed loss and every
     LoRA gradient, each side's gradient norm. bnpo also gets the normaliser that reproduces TRL (num_items = the
     micro-batch's tokens x micro, see grpo.aggregate_loss): grpo.py divides by the whole step's tokens."""
     grpo = importlib.import_module("grpo")  # the script under test: its loss, aggregation and advantages
@@ -725,7 +733,10 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     seqs = concat_prompt_completion(prompt_rows, completions, pad)
     mask = seqs["completion_mask"]
     ref = torch.zeros(mask.shape)  # unused at beta = 0 (TRL then makes no "ref" adapter either)
-    if s.run_beta != 0.0:
+    if s.run_beta != 0.0 and trainer.ref_model is not None:  # full fine-tuning: TRL's second model
+        with torch.no_grad():
+            ref = sequence_logps(trainer.ref_model, seqs["input_ids"], seqs["attention_mask"], mask)
+    elif s.run_beta != 0.0:
         with as_reference(model):
             ref = sequence_logps(model, seqs["input_ids"], seqs["attention_mask"], mask)  # (n, P + C)
     p_len = [len(p) for p in prompt_rows]
@@ -745,7 +756,11 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     }
     mb = n // micro
     chunks = [slice(i, i + mb) for i in range(0, n, mb)]
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad and ".default." in name]
+    params = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.requires_grad and (".default." in name or not s.use_lora)
+    ]
 
     def grads():
         g = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for name, p in params}
@@ -940,6 +955,7 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
                 chat=args.chat,
                 beta=args.beta,
                 fixed_rollout=fixed,
+                use_lora=args.use_lora,
                 max_completion_length=args.max_completion_length,
                 rewards=list(args.rewards),
                 center_rewards_coefficient=args.center_rewards_coefficient,
@@ -982,6 +998,9 @@ def main(argv=None):
     parser.add_argument("--max-completion-length", type=int, default=16, help="GRPO")
     parser.add_argument("--rewards", nargs="+", default=list(DEFAULT_REWARDS), help="GRPO, ours' syntax")
     parser.add_argument("--fixed-rollout", action="store_true", help="GRPO: feed the same completions to both")
+    parser.add_argument(
+        "--no-use-lora", dest="use_lora", action="store_false", help="GRPO: full fine-tuning on both (no adapter)"
+    )
     parser.add_argument("--chat", action="store_true", help="keep conversational rows (shows the tokenization gap)")
     parser.add_argument("--center-rewards-coefficient", type=float, default=None, help="rm")
     parser.add_argument("--rm-margin", action="store_true", help="rm: a margin column (0, 0.5, 1.0 in turn)")

@@ -103,6 +103,26 @@ def test_grpo_fixed_rollouts_match_trl_per_step_and_per_loss_type(harness):
     assert r["ours_loss"] == pytest.approx(dapo["ours_loss"], rel=1e-6)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_full_fine_tuning_matches_trl_without_peft(harness, beta):
+    """grpo.py --no-use-lora against GRPOTrainer without a peft_config, from the same base weights and fixed rollouts
+    (TRL's reference: a second model loaded from the base's path; ours: the starting weights swapped in): per step to
+    the LoRA parity's tolerances, then one batch's loss and every weight's gradient per loss_type."""
+    report = run(harness, "grpo", fixed_rollout=True, use_lora=False, beta=beta)
+    assert report["name"] == f"grpo-fixed-full-beta={beta:g}"
+    assert_series_match(report)
+    kl = report["series"]["kl"]["trl"]
+    assert kl[-1] > 1e-4 if beta else all(k != k for k in kl)  # beta 0: no KL logged on either side
+    parity = [  # TRL without the KL bias correction; bnpo with TRL's normaliser (as the LoRA test)
+        r
+        for r in report["loss_parity"]
+        if r["trl"].endswith("False") and (r["loss_type"] != "bnpo" or "x GA" in r["ours"])
+    ]
+    assert {r["loss_type"] for r in parity} == {"grpo", "bnpo", "dr_grpo", "dapo"}
+    for r in parity:
+        assert r["loss_abs_diff"] <= 1e-6 and r["grad_rel_diff"] <= 1e-5, r
+
+
 def test_chat_rows_pinned_difference_trl_trains_the_newline_after_end_of_turn(harness):
     """With conversational rows TRL 1.16 keeps the template's '\\n' after <|im_end|> in every completion; ours ends at
     <|im_end|>. Exactly one extra token per completion, nothing else (tokenization only, no training)."""
