@@ -12,8 +12,11 @@
 #   4. runs bench/grpo_gpu.py (ours against TRL 1.16's GRPOTrainer, 512-token completions to fit the budget),
 #   5. runs bench/memory_check.py --gpu: each script's memory plan (its memory_plan over harness/memory.py) against
 #      torch.cuda.max_memory_allocated for sft / dpo / grpo on a random-init Qwen2.5-1.5B in bf16,
-#   6. writes one Markdown table to $OUT/gpu_check.md (s/step per phase, tokens/s, peak GPU memory, TRL ratio) and
-#      the planner's table after it.
+#   6. runs bench/reference_swap.py --gpu: a full fine-tune's reference pass (8 x 512 tokens, Qwen2.5-1.5B shapes,
+#      bf16) with the starting weights swapped in from pinned host memory (grpo.py --no-use-lora) against a resident
+#      second copy on the card (TRL without PEFT): seconds per pass and peak GPU memory, two repetitions each
+#   7. writes one Markdown table to $OUT/gpu_check.md (s/step per phase, tokens/s, peak GPU memory, TRL ratio) and
+#      the planner's and the reference pass's tables after it.
 #
 # Here, with PyPI (fills bench/wheels/, ~55 MiB):   bash bench/gpu_check.sh --download
 # which runs, for each of $PACKAGES below:
@@ -61,16 +64,18 @@ else
 fi
 python -c "import tyro, trl, datasets, pytest" || { echo "tyro/trl/datasets/pytest not importable" >&2; exit 1; }
 
-# ---- 2 pytest -m gpu; 3 the headline path; 4 ours vs TRL; 5 the memory planner. Each stage has its own limit
-# (sum <= 9.5 min on the GPU).
+# ---- 2 pytest -m gpu; 3 the headline path; 4 ours vs TRL; 5 the memory planner; 6 the full fine-tune's reference
+# pass. Each stage has its own limit (sum <= 9.5 min on the GPU).
 if [ "$DRY" = 1 ]; then
-    T_TEST=300 T_HEAD=600 T_TRL=900 T_MEM=600
+    T_TEST=300 T_HEAD=600 T_TRL=900 T_MEM=600 T_REF=600
     MEMORY=(--gpu --tiny)
+    REFERENCE=(--gpu --tiny --runs 1 --reps 2 --rows 2 --tokens 32)
     HEADLINE=(--tiny --steps 2 --prompts-per-step 1 --group-size 2 --max-completion-length 16)
     VS_TRL=(--dry-run --steps 2)
 else
-    T_TEST=90 T_HEAD=170 T_TRL=200 T_MEM=100
+    T_TEST=90 T_HEAD=150 T_TRL=170 T_MEM=100 T_REF=60
     MEMORY=(--gpu)
+    REFERENCE=(--gpu --runs 1 --reps 2 --passes 2)
     HEADLINE=(--steps 3 --prompts-per-step 8 --group-size 4 --max-completion-length 512)
     VS_TRL=(--completion-len 512)
 fi
@@ -83,8 +88,11 @@ timeout "$T_TRL" python bench/grpo_gpu.py "${VS_TRL[@]}" --out "$OUT/grpo_gpu" >
 echo "grpo_gpu: exit $? (log $OUT/grpo_gpu.log)"
 timeout "$T_MEM" python bench/memory_check.py "${MEMORY[@]}" --md "$OUT/memory_check.md" > "$OUT/memory_check.log" 2>&1
 echo "memory_check: exit $? (log $OUT/memory_check.log)"
+timeout "$T_REF" python bench/reference_swap.py "${REFERENCE[@]}" --json "$OUT/reference_swap.json" \
+    > "$OUT/reference_swap.log" 2>&1
+echo "reference_swap: exit $? (log $OUT/reference_swap.log)"
 
-# ---- 6 one table from what the stages left (a stage that failed or ran out of time shows as such)
+# ---- 7 one table from what the stages left (a stage that failed or ran out of time shows as such)
 python - "$OUT" "$(( $(date +%s) - start ))" "$MODE" <<'EOF'
 import json, os, sys
 out, seconds, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -119,6 +127,9 @@ mem_md = f"{out}/memory_check.md"
 lines += ["", "Memory planner (bench/memory_check.py " + ("--gpu" if torch.cuda.is_available() else "--gpu --tiny, CPU RSS")
           + "): estimated tensors vs measured peak", ""]
 lines.append(open(mem_md).read().strip() if os.path.isfile(mem_md) else "failed or timed out: see memory_check.log")
+ref = load(f"{out}/reference_swap.json")
+lines += ["", "Full fine-tune's reference pass (bench/reference_swap.py): swapped in from host memory vs resident", ""]
+lines.append(ref["table"].strip() if ref else "failed or timed out: see reference_swap.log")
 table = "\n".join(lines) + "\n"
 open(f"{out}/gpu_check.md", "w").write(table)
 print(table)
