@@ -162,7 +162,9 @@ def main():
 def report(args, out: dict) -> str:
     """The Markdown table of the results so far, also written to --json with them."""
     sums = sorted({r["logps_sum"] for rows in out.values() for r in rows})
-    what = "random-init Qwen2.5-1.5B" if args.gpu and not args.tiny else args.model
+    what = args.model
+    if args.gpu:
+        what = "random-init Qwen2.5-1.5B" if not args.tiny else "random-init Qwen2.5 cut-down shapes (--tiny)"
     peak = "peak GB (GPU allocated; RSS on a CPU)" if args.gpu else "peak RSS GB"
     lines = [
         f"Reference pass, {what}: {args.rows} rows x {args.tokens} tokens, median of {args.passes} passes; "
