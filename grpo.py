@@ -41,6 +41,7 @@ from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
 from common.model import pick_device, prompt_cache, resolve_dtype, save_final, seed_everything, sequence_logps
 from common.model import shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
+from common.model import adamw_8bit, require
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import check_sampling, hf_generate
 
@@ -149,6 +150,8 @@ class Args:
     # optimisation
     learning_rate: float | None = None
     """[optimisation] peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)"""
+    optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
+    """adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)"""
     groups_per_micro_batch: int = 1
     """groups of G per forward/backward micro-batch: memory only, the update is the same (loss normalised per step)"""
     max_steps: int | None = None
@@ -507,6 +510,8 @@ def check_args(args: Args) -> None:
         check_full_fine_tuning(args)
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
+        require("bitsandbytes", "--optim adamw_8bit")
 
 
 def check_full_fine_tuning(args: Args) -> None:
@@ -669,7 +674,10 @@ def main(args: Args) -> dict:
     eval_examples = tokenize_dataset(tokenizer, eval_rows, "prompt", args.max_prompt_length) if eval_rows else []
     # The optimizer's LR schedule counts updates: max_steps x num_iterations
     params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    if args.optim == "adamw_8bit":
+        optimizer = adamw_8bit(model, params, args.learning_rate, args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(
         args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps * args.num_iterations
     )

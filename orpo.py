@@ -28,6 +28,7 @@ from common.data import concat_pairs, load_splits, micro_batch, setup_chat_templ
 from common.errors import ArgsError
 from common.model import attach_lora, disable_dropout, load_model, masked_mean, save_final, seed_everything
 from common.model import sequence_logps, trainable_parameters
+from common.model import adamw_8bit, require
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
@@ -98,6 +99,8 @@ class Args:
     # optimisation
     learning_rate: float = 5e-6
     """[optimisation] peak learning rate"""
+    optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
+    """adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)"""
     per_device_train_batch_size: int = 8
     """preference pairs per micro-batch (2x sequences in the forward)"""
     gradient_accumulation_steps: int = 1
@@ -179,6 +182,8 @@ def check_args(args: Args) -> None:
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
+        require("bitsandbytes", "--optim adamw_8bit")
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -237,7 +242,10 @@ def main(args: Args) -> dict:
     ga = args.gradient_accumulation_steps
     total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
     params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    if args.optim == "adamw_8bit":
+        optimizer = adamw_8bit(model, params, args.learning_rate, args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     # a resume may raise the NaN/Inf limit
     identity = run_identity(model, args, free=("use_lora", "breaker_max_nonfinite"))

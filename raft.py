@@ -38,8 +38,8 @@ import tyro
 from common.data import collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, setup_chat_template
 from common.data import tokenize_dataset, training_steps, validate_rows
 from common.errors import ArgsError, DataError, ResumeError, RunStopped
-from common.model import attach_lora, check_finite, completion_logps, disable_dropout, load_model, save_final
-from common.model import save_weights, seed_everything, sequence_logps, trainable_parameters
+from common.model import adamw_8bit, attach_lora, check_finite, completion_logps, disable_dropout, load_model, require
+from common.model import save_final, save_weights, seed_everything, sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 from evals.common_eval import evaluate_gsm8k, gsm8k_rows
@@ -149,6 +149,8 @@ class Args:
     """[optimisation] AdamW learning rate of the SFT phase (constant)"""
     dpo_learning_rate: float = 5e-6
     """AdamW learning rate of the DPO phase (constant; dpo.py's LoRA default)"""
+    optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
+    """adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)"""
     per_device_train_batch_size: int = 8
     """sequences (SFT) or pairs (DPO) per optimizer step"""
     num_train_epochs: float = 2.0
@@ -303,7 +305,10 @@ def dpo_step(model, chunk: list[dict], pad_id: int, device, beta: float):
 def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, prefix: str, seed: int) -> dict:
     """num_train_epochs over the examples with a fresh AdamW (constant lr); each value's mean over the steps."""
     params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
+    if args.optim == "adamw_8bit":
+        optimizer = adamw_8bit(model, params, lr, args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
     bs = args.per_device_train_batch_size
     totals = {}
     skipped = 0
@@ -413,6 +418,8 @@ def check_args(args: Args) -> None:
         )
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
+        require("bitsandbytes", "--optim adamw_8bit")
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:

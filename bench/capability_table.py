@@ -1,5 +1,5 @@
-"""The capability matrix: Qwen2.5 sizes x methods x (bf16 full, bf16 LoRA, 4-bit QLoRA), each cell the memory plan of
-the script's own declaration (its memory_plan) as on a CUDA card: no download, no GPU.
+"""The capability matrix: Qwen2.5 sizes x methods x (bf16 full with torch's or 8-bit AdamW, bf16 LoRA, 4-bit QLoRA),
+each cell the memory plan of the script's own declaration (its memory_plan) as on a CUDA card: no download, no GPU.
 `python bench/capability_table.py --gpu-memory 24 48` (docs/memory.md shows its output).
 `plan_on_card(module, args, size, card)` is the same planning step for any script and Args (bench/preset_plans.py and
 tests/test_memory.py use it)."""
@@ -35,7 +35,12 @@ for _size, _config in QWEN25.items():  # all Qwen2 (q/k/v biases); 2 kv heads be
     _config["num_key_value_heads"] = {"7B": 4, "14B": 8}.get(_size, 2)
 
 METHODS = {"SFT": "sft", "ORPO": "orpo", "DPO": "dpo", "GRPO G=4": "grpo"}
-VARIANTS = {"bf16 full": dict(use_lora=False), "bf16 LoRA": {}, "QLoRA 4-bit": dict(quantization="4bit")}
+VARIANTS = {
+    "bf16 full": dict(use_lora=False),
+    "bf16 full, 8-bit AdamW": dict(use_lora=False, optim="adamw_8bit"),
+    "bf16 LoRA": {},
+    "QLoRA 4-bit": dict(quantization="4bit"),
+}
 # The table's configuration: bf16, LoRA r 16, checkpointing on, 2 rows (pairs) x 1,024 tokens; GRPO 8 prompts x G 4
 COMMON = dict(dtype="bf16", lora_r=16, gradient_checkpointing=True, attn_implementation="sdpa", plan=True)
 PER_SCRIPT = {
@@ -47,7 +52,8 @@ PER_SCRIPT = {
     ),
 }
 NOTE = (
-    " cards it fits, (no) = none. bf16, LoRA r 16 all-linear, gradient checkpointing on, sdpa. SFT: 2 rows x 1,024 "
+    " cards it fits, (no) = none. bf16, LoRA r 16 all-linear, gradient checkpointing on, sdpa, torch's AdamW unless "
+    "8-bit AdamW (bitsandbytes; the embedding's moments fp32). SFT: 2 rows x 1,024 "
     "tokens; ORPO/DPO: 2 pairs x 1,024 tokens; GRPO: 8 prompts x G 4, prompts <= 256 and completions <= 512 tokens, "
     "HF rollout, 1 group per micro-batch, beta 0.04. n/a: dpo.py trains LoRA only (reference = a slot); grpo.py's "
     "full fine-tune keeps its reference in host RAM."

@@ -28,6 +28,7 @@ CHUNK = 1024  # common.model.chunked_logps's default chunk_size (rows of logits 
 CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces, outside torch's allocator (docs/memory.md)
 CPU_RUNTIME = GiB // 2  # torch + transformers + peft imported (docs/memory.md: measured)
 ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, docs/memory.md)
+MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps fp32 moments under --optim adamw_8bit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Generate:
 class Trained:
     """What training holds besides activations: LoRA of rank lora_r (None: every weight) with `dropout` active on
     its inputs, `frozen_copies` frozen copies of it (a "ref" slot), on a base of `dtype` ("fp32", "bf16" or "fp16"),
-    maybe `quantization`."""
+    maybe `quantization`, updated by `optim` ("adamw_torch" or "adamw_8bit")."""
 
     dtype: str
     quantization: str | None = None
@@ -74,6 +75,7 @@ class Trained:
     dropout: bool = False
     frozen_copies: int = 0
     flash_attention: bool = False
+    optim: str = "adamw_torch"
 
 
 def model_config(name: str, trust_remote_code: bool = False) -> dict:
@@ -109,6 +111,37 @@ def lora_params(c: dict, r: int) -> int:
     """PEFT all-linear LoRA: r * (in + out) for each of q, k, v, o, gate, up, down (lm_head is never a target)."""
     L, H, F, Hq, K = _shape(c)
     return L * r * ((H + Hq) + 2 * (H + K) + (Hq + H) + 2 * (H + F) + (F + H))
+
+
+def trained_tensors(c: dict, lora_r: int | None) -> list[tuple[int, int, bool]]:
+    """(elements, how many, an nn.Embedding weight) of the tensors the optimizer holds: PEFT's all-linear LoRA A
+    (r x in) and B (out x r) of q, k, v, o, gate, up and down in every layer, or every weight of the model."""
+    L, H, F, Hq, K = _shape(c)
+    if lora_r is not None:
+        modules = [(H, Hq), (H, K), (H, K), (Hq, H), (H, F), (H, F), (F, H)]  # (in, out) features
+        return [(lora_r * features, L, False) for module in modules for features in module]
+    bias = [Hq, K, K] if c.get("attention_bias", c.get("model_type") == "qwen2") else []
+    layer = [H * Hq, H * K, H * K, Hq * H, H * F, H * F, F * H, H, H] + bias  # + the two RMSNorm weights
+    V = c["vocab_size"]
+    head = [] if c.get("tie_word_embeddings") else [(V * H, 1, False)]
+    return [(n, L, False) for n in layer] + [(V * H, 1, True), (H, 1, False)] + head  # + the final norm
+
+
+def adamw_state_bytes(tensors: list[tuple[int, int, bool]], optim: str, b: int) -> int:
+    """AdamW's two moments of each trained tensor (trained_tensors). adamw_torch: in the parameter's dtype, `b` bytes
+    each (torch.optim.AdamW: zeros_like the parameter). adamw_8bit (common.model.adamw_8bit): a uint8 code per element
+    and an fp32 absmax per 256 elements for each moment; a tensor under MIN_8BIT elements and an nn.Embedding weight
+    keep two fp32 moments, whatever the weights' dtype."""
+    total = 0
+    for n, count, embedding in tensors:
+        if optim == "adamw_8bit" and not embedding and n >= MIN_8BIT:
+            each = 2 * (n + 4 * -(-n // 256))
+        elif optim == "adamw_8bit":
+            each = 2 * 4 * n
+        else:
+            each = 2 * b * n
+        total += count * each
+    return total
 
 
 def weight_bytes(c: dict, quantization: str | None, b: int) -> int:
@@ -184,10 +217,13 @@ def estimate(
     b = 4 if trained.dtype == "fp32" else 2  # bf16 / fp16
     linear, other = param_counts(c)
     parts = {"weights": weight_bytes(c, trained.quantization, b)}
-    if trained.lora_r is not None:  # PEFT keeps adapters in fp32: + fp32 grad, AdamW exp_avg and exp_avg_sq
-        parts["LoRA + grads + AdamW"] = lora_params(c, trained.lora_r) * (16 + 4 * trained.frozen_copies)
-    else:  # full fine-tuning: a gradient and two AdamW states per weight, in the weights' dtype (torch.optim.AdamW)
-        parts["grads + AdamW (full)"] = (linear + other) * 3 * b
+    eight_bit = " 8-bit" if trained.optim == "adamw_8bit" else ""
+    states = trained_tensors(c, trained.lora_r)
+    if trained.lora_r is not None:  # PEFT keeps adapters in fp32: + an fp32 grad, the optimizer's two moments
+        own = lora_params(c, trained.lora_r) * (8 + 4 * trained.frozen_copies)
+        parts[f"LoRA + grads + AdamW{eight_bit}"] = own + adamw_state_bytes(states, trained.optim, 4)
+    else:  # full fine-tuning: a gradient per weight in the weights' dtype, the optimizer's two moments
+        parts[f"grads + AdamW{eight_bit} (full)"] = (linear + other) * b + adamw_state_bytes(states, trained.optim, b)
     parts |= {k: v for k, v in (extra or {}).items() if v}
     parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
     peaks = []
@@ -312,7 +348,7 @@ def plan_memory(
 ) -> tuple[dict, bool]:
     """Print the plan of what the script declared (`phases`, its training state: LoRA or every weight, dropout off,
     `frozen_copies` of the LoRA such as a "ref" slot, `extra` lasting parts) with the model flags every script has
-    (--model, --dtype, --quantization, --lora-r, --lora-dropout, --adapter, --attn-implementation,
+    (--model, --dtype, --quantization, --lora-r, --lora-dropout, --adapter, --attn-implementation, --optim,
     --gradient-checkpointing, --trust-remote-code); return (parts, gradient checkpointing). A plan over the device's
     memory turns checkpointing on when that makes it fit (TRL's default is on; off is faster where the memory allows
     it; `phases_checkpointed`: the passes under checkpointing, when they differ). A plan that does not fit is refused
@@ -341,6 +377,7 @@ def plan_memory(
         dropout=rate > 0 and not dropout_off,
         frozen_copies=frozen_copies,
         flash_attention=args.attn_implementation == "flash_attention_2",
+        optim=args.optim,
     )
     checkpointing = args.gradient_checkpointing
     ignore = args.ignore_memory_plan

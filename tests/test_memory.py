@@ -19,7 +19,8 @@ import rm
 import sft
 from common.errors import ArgsError, ModelError
 from harness import memory
-from harness.memory import CPU_RUNTIME, Pass, Trained, estimate, lora_params, param_counts
+from harness.memory import CPU_RUNTIME, Pass, Trained, adamw_state_bytes, estimate, lora_params, param_counts
+from harness.memory import trained_tensors
 from tests.conftest import ROOT
 
 # L 2, H 8, intermediate F 16, 2 heads of 4 (Hq 8), 1 kv head (K 4), vocab 32, untied, no attention bias
@@ -101,6 +102,91 @@ def test_weights_by_dtype_quantization_and_full_fine_tuning(monkeypatch, on_cpu)
     full = estimate(CFG, Trained("fp32", None, None), STEP, device="cpu")
     assert full["grads + AdamW (full)"] == 1704 * 3 * 4 and "LoRA + grads + AdamW" not in full
     assert plan_of(sft, monkeypatch, **SFT | dict(use_lora=False)) == full  # sft.py --no-use-lora
+
+
+# L 1, H 64, F 128, 4 heads of 16 (Hq 64), 2 kv heads (K 32), vocab 100, untied: tensors on both sides of 4,096
+CFG64 = dict(model_type="llama", num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_trained_tensors_are_the_models_tensors(tied, tiny_model_dir):
+    """Tensor by tensor (the 4,096-element threshold is per tensor): every weight of the tiny Qwen2 (q/k/v biases, a
+    tied or untied head), or the LoRA tensors PEFT creates; the nn.Embedding weight flagged."""
+    from common.model import attach_lora, trainable_parameters
+    from tests.tiny import build_tiny_model
+
+    def expanded(tensors):
+        return sorted((n, embedding) for n, count, embedding in tensors for _ in range(count))
+
+    model = build_tiny_model(400, tie_word_embeddings=tied)
+    cfg = model.config.to_dict()
+    embedding = model.get_input_embeddings().weight
+    assert expanded(trained_tensors(cfg, None)) == sorted((p.numel(), p is embedding) for p in model.parameters())
+    lora = trainable_parameters(attach_lora(model, r=8, alpha=16))
+    assert expanded(trained_tensors(cfg, 8)) == sorted((p.numel(), False) for p in lora)
+    assert sum(n * k for n, k, _ in trained_tensors(CFG, None)) == sum(param_counts(CFG))
+    assert sum(n * k for n, k, _ in trained_tensors(CFG, 2)) == lora_params(CFG, 2)
+
+
+def test_optimizer_state_by_hand(monkeypatch, on_cpu):
+    """adamw_torch: two moments in the weights' dtype. adamw_8bit: per moment a uint8 code and an fp32 absmax per 256
+    elements in a tensor of >= 4,096 elements, two fp32 moments in a smaller one and in the embedding."""
+    # CFG64, every weight: 8-bit q, o 64x64, gate, up, down 64x128 and the head 100x64 (39,168 elements, 153 blocks of
+    # 256); fp32 k, v 32x64, 3 norms of 64 and the embedding 100x64 (10,688 elements); 49,856 in all
+    assert sum(param_counts(CFG64)) == 49856
+    full8 = estimate(CFG64, Trained("fp32", None, None, optim="adamw_8bit"), STEP, device="cpu")
+    assert full8["grads + AdamW 8-bit (full)"] == 49856 * 4 + 2 * (39168 + 4 * 153) + 8 * 10688
+    bf16 = estimate(CFG64, Trained("bf16", None, None, optim="adamw_8bit"), STEP, device="cuda")
+    assert bf16["grads + AdamW 8-bit (full)"] == 49856 * 2 + 2 * (39168 + 4 * 153) + 8 * 10688  # fp32 moments stay
+    torch_bf16 = estimate(CFG64, Trained("bf16", None, None), STEP, device="cuda")
+    assert torch_bf16["grads + AdamW (full)"] == 49856 * (2 + 2 * 2)  # torch.optim.AdamW: moments in bf16
+    assert "grads + AdamW (full)" not in full8 and "grads + AdamW 8-bit (full)" not in torch_bf16
+    # LoRA r 32: 8-bit down's A 32x128 and gate's, up's B 128x32 (12,288 elements, 48 blocks); the rest of the 32,768
+    # fp32 (A of q, k, v, o, gate, up 32x64, B of q, o, down 64x32, of k, v 32x32)
+    assert lora_params(CFG64, 32) == 32768
+    lora8 = estimate(CFG64, Trained("fp32", None, 32, optim="adamw_8bit"), STEP, device="cpu")
+    assert lora8["LoRA + grads + AdamW 8-bit"] == 32768 * 8 + 2 * (12288 + 4 * 48) + 8 * 20480
+    lora = estimate(CFG64, Trained("fp32", None, 32), STEP, device="cpu")
+    assert lora["LoRA + grads + AdamW"] == 32768 * 16
+    assert {k: v for k, v in lora8.items() if "AdamW" not in k and "total" not in k and "allocator" not in k} == {
+        k: v for k, v in lora.items() if "AdamW" not in k and "total" not in k and "allocator" not in k
+    }
+    # on CFG every tensor is under 4,096 elements: 8-bit AdamW keeps fp32 moments throughout, as many bytes
+    assert plan_of(sft, monkeypatch, **SFT | dict(optim="adamw_8bit"))["LoRA + grads + AdamW 8-bit"] == 512 * 16
+    full = plan_of(sft, monkeypatch, **SFT | dict(use_lora=False, optim="adamw_8bit"))
+    assert full["grads + AdamW 8-bit (full)"] == 1704 * 12
+
+
+def held_state_bytes(state: dict) -> int:
+    """Bytes of an optimizer state_dict's moments (torch: exp_avg, exp_avg_sq; bitsandbytes: state1, state2 and the
+    absmax of 8-bit ones), not its step counters nor bitsandbytes' two shared 256-entry maps."""
+    total = 0
+    for s in state["state"].values():
+        held = s.get("__bnb_optimizer_quant_state__", s)
+        for name in ("exp_avg", "exp_avg_sq", "state1", "state2", "absmax1", "absmax2"):
+            total += held[name].numel() * held[name].element_size() if name in held else 0
+    return total
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_8bit"])
+@pytest.mark.parametrize("lora", [True, False])
+def test_the_planned_optimizer_state_is_what_the_optimizer_holds(optim, lora, tiny_model_dir, tmp_path, on_cpu):
+    """One sft.py step on the tiny model (LoRA r 64 or every weight): the optimizer state in its checkpoint, byte for
+    byte, is what the plan counts."""
+    pytest.importorskip("bitsandbytes")
+    args = sft.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), max_steps=1, save_steps=1,
+                    per_device_train_batch_size=2, optim=optim, use_lora=lora, lora_r=64, lora_alpha=128)  # fmt: skip
+    run_dir = sft.main(args)["run_dir"]
+    saved = torch.load(os.path.join(run_dir, "checkpoints", "step-1", "state.pt"), weights_only=True)["optimizer"]
+    cfg = memory.model_config(tiny_model_dir)
+    planned = adamw_state_bytes(trained_tensors(cfg, 64 if lora else None), optim, 4)
+    assert held_state_bytes(saved) == planned
+    plan = sft.memory_plan(args, [])[0]
+    eight_bit = " 8-bit" if optim == "adamw_8bit" else ""
+    part = f"LoRA + grads + AdamW{eight_bit}" if lora else f"grads + AdamW{eight_bit} (full)"
+    # LoRA: the fp32 adapter and its gradient (the base is under weights); every weight: its gradient
+    assert plan[part] == (lora_params(cfg, 64) * 8 if lora else sum(param_counts(cfg)) * 4) + planned
 
 
 def test_dpo_reference_and_grpo_rollout_parts(monkeypatch, on_cpu):
@@ -206,15 +292,22 @@ def test_model_config_reads_config_json_only(tiny_model_dir, tmp_path):
 
 
 def test_table_states_its_assumptions():
-    from bench.capability_table import capability_table
+    from bench.capability_table import METHODS, capability_table
 
     out = capability_table([24, 48])
     assert "Qwen2.5-14B" in out and "2 rows x 1,024 tokens" in out and "gradient checkpointing on" in out
-    assert out.count("| n/a") == 5  # dpo.py has no full fine-tuning, 5 sizes
+    assert "torch's AdamW unless 8-bit AdamW" in out
+    fields = {s: {f.name for f in dataclasses.fields(importlib.import_module(s).Args)} for s in METHODS.values()}
+    lora_only = [s for s, names in fields.items() if "use_lora" not in names]
+    assert out.count("| n/a") == 5 * 2 * len(lora_only)  # no full fine-tuning: 5 sizes x 2 full rows each
     rows = [line for line in out.splitlines() if line.startswith("| Qwen2.5-")]
-    assert len(rows) == 5 * 3  # sizes x (bf16 full, bf16 LoRA, QLoRA 4-bit)
+    assert len(rows) == 5 * 4  # sizes x (bf16 full, bf16 full with 8-bit AdamW, bf16 LoRA, QLoRA 4-bit)
     cells = [c.strip() for row in rows for c in row.strip("|").split("|")[2:]]
-    assert len(cells) == 15 * 4 and all(re.fullmatch(r"n/a|\d+\.\d \((24|48|no)\)", c) for c in cells), cells
+    assert len(cells) == 20 * 4 and all(re.fullmatch(r"n/a|\d+\.\d \((24|48|no)\)", c) for c in cells), cells
+    full = [[c.strip() for c in row.strip("|").split("|")[2:]] for row in rows if "| bf16 full" in row]
+    for torch_adamw, eight_bit in zip(full[::2], full[1::2]):  # 8-bit moments: each full fine-tuning cell smaller
+        for a, b in zip(torch_adamw, eight_bit):
+            assert a == b == "n/a" or float(b.split()[0]) < float(a.split()[0]), (a, b)
 
 
 SCRIPTS = ["sft", "dpo", "orpo", "kto", "grpo", "raft", "rm"]
