@@ -49,7 +49,8 @@ PER_SCRIPT = {
 NOTE = (
     " cards it fits, (no) = none. bf16, LoRA r 16 all-linear, gradient checkpointing on, sdpa. SFT: 2 rows x 1,024 "
     "tokens; ORPO/DPO: 2 pairs x 1,024 tokens; GRPO: 8 prompts x G 4, prompts <= 256 and completions <= 512 tokens, "
-    "HF rollout, 1 group per micro-batch, beta 0.04. n/a: dpo.py and grpo.py train LoRA only (reference = a slot)."
+    "HF rollout, 1 group per micro-batch, beta 0.04. n/a: grpo.py trains LoRA only (reference = a slot); DPO full "
+    "fine-tuning precomputes its reference log-probs (no reference pass, no second copy)."
 )
 
 

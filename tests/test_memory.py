@@ -210,7 +210,7 @@ def test_table_states_its_assumptions():
 
     out = capability_table([24, 48])
     assert "Qwen2.5-14B" in out and "2 rows x 1,024 tokens" in out and "gradient checkpointing on" in out
-    assert out.count("| n/a") == 10  # dpo.py and grpo.py have no full fine-tuning, 5 sizes each
+    assert out.count("| n/a") == 5  # grpo.py has no full fine-tuning, 5 sizes
     rows = [line for line in out.splitlines() if line.startswith("| Qwen2.5-")]
     assert len(rows) == 5 * 3  # sizes x (bf16 full, bf16 LoRA, QLoRA 4-bit)
     cells = [c.strip() for row in rows for c in row.strip("|").split("|")[2:]]
