@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
 
 import dpo
+import kto
 from common.data import concat_pairs
 from common.errors import ArgsError
 from common.model import as_reference, load_model, unwrap
@@ -172,3 +173,80 @@ def test_dpo_plan_counts_every_weights_training_state_and_no_reference_pass(tiny
     assert "grads + AdamW (full)" in plan and not any("reference pass" in k for k in plan)
     live = dpo.memory_plan(dataclasses.replace(args, precompute_ref_log_probs=False), [])[0]
     assert any("reference pass" in k for k in live)
+
+
+# ------------------------------------------------------------------------------------------------------------ kto
+def run_kto(model_dir, data, tmp_path, **kw):
+    defaults = dict(
+        model=model_dir,
+        dataset=data,
+        output_dir=str(tmp_path / "runs"),
+        max_length=64,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        max_steps=2,
+        seed=1,
+        use_lora=False,
+    )
+    return kto.main(kto.Args(**{**defaults, **kw}))
+
+
+def test_kto_full_fine_tune_scores_its_reference_once_from_the_starting_weights(
+    base_dir, binary, tmp_path, monkeypatch
+):
+    scored = []  # (matched batch, mismatched batch, the reference's log-probs of each) per precomputed micro-batch
+    steps = []  # how many micro-batches were scored when each optimizer step ran
+
+    def recording(model, matched, mismatched):
+        out = kto_reference(model, matched, mismatched)
+        scored.append((matched, mismatched, out))
+        return out
+
+    kto_reference = kto.reference_logps
+    monkeypatch.setattr(kto, "reference_logps", recording)
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(len(scored)))
+    out = run_kto(base_dir, binary, tmp_path, gradient_accumulation_steps=2)
+    # step 1: policy == reference, h = 0 and z0 = 0 exactly; every micro-batch (2 steps x 2) scored before step 1
+    assert out["history"][0]["loss"] == pytest.approx(0.5, abs=1e-6) and out["history"][0]["kl"] == 0.0
+    assert steps == [4, 4] and len(scored) == 4
+    assert unwrap(out["model"]).reference_weights is None
+    fresh = load_model(base_dir, "fp32")[0].eval()
+    with torch.no_grad():
+        for matched, mismatched, (ref, ref_kl) in scored:
+            assert torch.equal(kto.completion_logps(fresh, matched)[0], ref)
+            assert torch.equal(kto.completion_logps(fresh, mismatched)[0], ref_kl)
+
+
+@pytest.mark.numerics
+def test_kto_full_fine_tune_per_step_reference_is_the_start_bit_for_bit(base_dir, binary, tmp_path):
+    """The precomputed run trains as the per-step reference pass (the starting weights swapped in) does."""
+    pre = run_kto(base_dir, binary, tmp_path / "pre", max_steps=3)
+    live = run_kto(base_dir, binary, tmp_path / "live", max_steps=3, precompute_ref_log_probs=False)
+    for key in ("loss", "kl", "rewards/chosen", "logps/rejected", "grad_norm"):
+        assert [h[key] for h in pre["history"]] == pytest.approx([h[key] for h in live["history"]], rel=1e-5), key
+    assert all(math.isfinite(h["loss"]) for h in pre["history"])
+    start = start_weights(base_dir)
+    assert_every_weight_moved(pre["model"], start)
+    model = live["model"]
+    with as_reference(model):
+        assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())
+    assert_plain_model_stops_at_end_of_turn(pre["final_dir"])
+
+
+@pytest.mark.parametrize("precompute", [None, False])
+def test_kto_full_fine_tune_resumes_exactly(base_dir, binary, tmp_path, precompute):
+    common = dict(max_steps=4, precompute_ref_log_probs=precompute)
+    straight = run_kto(base_dir, binary, tmp_path / "a", save_steps=2, **common)
+    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    resumed = run_kto(base_dir, binary, tmp_path / "b", resume_from_checkpoint=ckpt, **common)
+    assert [h["step"] for h in resumed["history"]] == [3, 4]
+    assert computed(resumed["history"]) == computed(straight["history"][2:])
+    a, b = (load_file(os.path.join(o["final_dir"], "model.safetensors")) for o in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kto_adapter_with_full_fine_tuning_is_refused_before_the_model_loads(binary, tmp_path):
+    with pytest.raises(ArgsError, match=r"^--adapter .* with --no-use-lora: merge it first"):
+        kto.main(
+            kto.Args(model=str(tmp_path / "no-such-model"), dataset=binary, use_lora=False, adapter=str(tmp_path))
+        )
