@@ -8,14 +8,17 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor
 
 import dpo
 import kto
-from common.data import concat_pairs
-from common.errors import ArgsError
+import rm
+from common.data import concat_pairs, tokenize_dataset
+from common.errors import ArgsError, ModelError
 from common.model import as_reference, load_model, unwrap
+from harness.memory import model_config, weight_bytes
+from plugins.reward_model import HEAD_FILE, load_reward, model_reward, reward_logits, reward_model_bytes, score
 from tests.prefs_helpers import binary_rows, preference_rows, write_jsonl
 from tests.tiny import write_tiny
 
@@ -250,3 +253,76 @@ def test_kto_adapter_with_full_fine_tuning_is_refused_before_the_model_loads(bin
         kto.main(
             kto.Args(model=str(tmp_path / "no-such-model"), dataset=binary, use_lora=False, adapter=str(tmp_path))
         )
+
+
+# ------------------------------------------------------------------------------------------------------------- rm
+def run_rm(model_dir, data, tmp_path, **kw):
+    defaults = dict(
+        model=model_dir,
+        dataset=data,
+        output_dir=str(tmp_path / "runs"),
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        max_steps=3,
+        save_steps=0,
+        use_lora=False,
+    )
+    return rm.main(rm.Args(**{**defaults, **kw}))
+
+
+def test_rm_full_fine_tune_saves_a_plain_model_and_head_that_score_as_trained(base_dir, prefs, tmp_path, capsys):
+    out = run_rm(base_dir, prefs, tmp_path)
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in out["history"])
+    start = start_weights(base_dir)
+    assert_every_weight_moved(out["model"], start, frozen=("lm_head.weight",))  # a reward never reads the LM head
+    final = out["final_dir"]
+    assert set(load_file(os.path.join(final, "model.safetensors"))) == set(start)  # no head, no adapter inside
+    assert_plain_model_stops_at_end_of_turn(final)
+    # plugins.reward_model reads the folder as it does a LoRA one: the head on the backbone's last real token
+    rows = preference_rows(6)
+    head = torch.nn.Linear(64, 1, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(load_file(os.path.join(final, HEAD_FILE))["weight"])
+        tokenizer = AutoTokenizer.from_pretrained(final)
+        examples = tokenize_dataset(tokenizer, [r | {"_loc": str(i)} for i, r in enumerate(rows)], "preference", 1024)
+        batch = concat_pairs(examples, tokenizer.pad_token_id, "cpu")
+        own = reward_logits(out["model"].eval(), head, batch["input_ids"], batch["attention_mask"])
+    prompts, chosen, rejected = ([r[k] for r in rows] for k in ("prompt", "chosen", "rejected"))
+    alone = load_reward(final)
+    assert alone.slot is None and not alone.model.training
+    torch.testing.assert_close(score(alone, prompts * 2, chosen + rejected), own, rtol=0, atol=1e-6)
+    policy = load_model(base_dir, "fp32")[0]
+    with_policy = load_reward(final, policy)
+    assert (
+        with_policy.model is not policy
+        and "a full model (trained without LoRA): loaded apart" in capsys.readouterr().out
+    )
+    assert set(unwrap(policy).reward_identity) == {"reward.model", "reward.head"}
+    torch.testing.assert_close(score(with_policy, prompts, chosen), own[:6], rtol=0, atol=1e-6)
+    assert reward_model_bytes([f"model:{final}"], base_dir) == weight_bytes(model_config(final), None, 4)
+    assert model_reward(f"model:{final}")[0] == "model"
+
+
+def test_rm_full_model_with_a_nan_weight_is_refused_naming_the_tensor(base_dir, prefs, tmp_path):
+    final = run_rm(base_dir, prefs, tmp_path, max_steps=1)["final_dir"]
+    weights = load_file(os.path.join(final, "model.safetensors"))
+    weights["model.norm.weight"][3] = math.nan
+    save_file(weights, os.path.join(final, "model.safetensors"))
+    with pytest.raises(ModelError, match=r"tensor model\.norm\.weight in model\.safetensors holds NaN/Inf"):
+        load_reward(final)
+
+
+def test_rm_full_fine_tune_resumes_exactly(base_dir, prefs, tmp_path):
+    straight = run_rm(base_dir, prefs, tmp_path / "a", max_steps=4, save_steps=2)
+    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    resumed = run_rm(base_dir, prefs, tmp_path / "b", max_steps=4, resume_from_checkpoint=ckpt)
+    assert [h["step"] for h in resumed["history"]] == [3, 4]
+    assert computed(resumed["history"]) == computed(straight["history"][2:])
+    for name in ("model.safetensors", HEAD_FILE):
+        a, b = (load_file(os.path.join(o["final_dir"], name)) for o in (straight, resumed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_rm_adapter_with_full_fine_tuning_is_refused_before_the_model_loads(prefs, tmp_path):
+    with pytest.raises(ArgsError, match=r"^--adapter .* with --no-use-lora: merge it first"):
+        rm.main(rm.Args(model=str(tmp_path / "no-such-model"), dataset=prefs, use_lora=False, adapter=str(tmp_path)))
