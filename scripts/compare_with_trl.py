@@ -144,6 +144,9 @@ class Setup:
     trl_config: dict = field(default_factory=dict)
     keys: tuple[str, ...] | None = None
     full_finetune: bool = False  # DPO: every weight, no adapter; the reference's log-probs precomputed on both sides
+    # full_finetune without precomputing (bench/vs_trl.py's memory presets): ours swaps a CPU copy of the starting
+    # weights in for each step's reference pass, TRL holds a second model as its reference
+    precompute_ref: bool = True
 
     @property
     def name(self) -> str:
@@ -151,6 +154,7 @@ class Setup:
             [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
         )
         parts += ["full"] if self.full_finetune else []
+        parts += ["live-ref"] if self.full_finetune and not self.precompute_ref else []
         parts += (["margin"] if self.rm_margin else []) + (["center"] if self.center_rewards_coefficient else [])
         parts += [os.path.splitext(os.path.basename(self.fork))[0]] if self.fork else []
         parts += [f"{k}={v}" for k, v in sorted(self.trl_config.items())]
@@ -396,7 +400,7 @@ def our_args(s: Setup, data_path: str) -> dict:
             "label_smoothing": s.label_smoothing if s.run_loss_type == "robust" else 0.0,
             "simpo_gamma": 0.5,
             "rpo_alpha": s.cpo_alpha if s.method == "simpo" else 0.0,
-            "precompute_ref_log_probs": s.full_finetune,
+            "precompute_ref_log_probs": s.full_finetune and s.precompute_ref,
         }
     if s.method == "orpo":
         return {**common, "completion_only_loss": False}  # TRL's NLL covers prompt + response
@@ -518,7 +522,7 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
             loss_type=[s.run_loss_type],
             label_smoothing=s.label_smoothing if s.run_loss_type == "robust" else 0.0,
             max_length=s.max_length,
-            precompute_ref_log_probs=s.full_finetune,
+            precompute_ref_log_probs=s.full_finetune and s.precompute_ref,
             disable_dropout=True,
         )
         return DPOTrainer(args=args, **kw)
