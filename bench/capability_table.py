@@ -55,8 +55,8 @@ NOTE = (
     " cards it fits, (no) = none. bf16, LoRA r 16 all-linear, gradient checkpointing on, sdpa, torch's AdamW unless "
     "8-bit AdamW (bitsandbytes; the embedding's moments fp32). SFT: 2 rows x 1,024 "
     "tokens; ORPO/DPO: 2 pairs x 1,024 tokens; GRPO: 8 prompts x G 4, prompts <= 256 and completions <= 512 tokens, "
-    "HF rollout, 1 group per micro-batch, beta 0.04. n/a: dpo.py trains LoRA only (reference = a slot); grpo.py's "
-    "full fine-tune keeps its reference in host RAM."
+    "HF rollout, 1 group per micro-batch, beta 0.04. Full fine-tuning keeps no second copy on the card: DPO "
+    "precomputes its reference log-probs, GRPO swaps the starting weights in from host RAM for the reference pass."
 )
 
 

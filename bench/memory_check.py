@@ -10,7 +10,10 @@ of max_length (near_full_rows; GRPO: random models never emit EOS, SmolLM2 is as
 planner's worst case is the case that runs. Children run with MALLOC_MMAP_THRESHOLD_=65536: large blocks go straight
 back to the OS when freed, so RSS follows the live tensors (glibc's default keeps freed blocks: docs/memory.md).
 
-    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32] [--checkpointing]
+    OMP_NUM_THREADS=1 python bench/memory_check.py [--only sft-tiny-32] [--checkpointing] [--full]
+
+--full trains every weight (--no-use-lora) in the sft and dpo cases (named <case>-full; DPO's reference is then
+precomputed before the first update, its default): a gradient and two AdamW states per weight instead of the LoRA's.
 
 On a CUDA machine, `--gpu` runs sft / dpo / grpo on a random-init Qwen2.5-1.5B (bench/qwen_shapes.py) in bf16 and
 compares torch.cuda.max_memory_allocated with the planner's tensors (without the CUDA context and the allocator
@@ -214,6 +217,7 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="random Qwen2.5-1.5B in bf16 on CUDA (see above)")
     ap.add_argument("--tiny", action="store_true", help="with --gpu: cut-down shapes on a CPU (dry run)")
     ap.add_argument("--checkpointing", action="store_true", help="every case with --gradient-checkpointing")
+    ap.add_argument("--full", action="store_true", help="sft and dpo cases with --no-use-lora (grpo's are skipped)")
     ap.add_argument("--md", help="also write the table to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     cli = ap.parse_args()
@@ -238,11 +242,12 @@ def main() -> None:
     rows, worst = [], 0.0
     for (script, model), (batches, seq) in cases.items():
         for batch in batches:
-            name = f"{script}-{model}-{batch}"
-            if cli.only and name not in cli.only:
+            name = f"{script}-{model}-{batch}" + ("-full" if cli.full else "")
+            if (cli.only and name not in cli.only) or (cli.full and script == "grpo"):
                 continue
             spec_args = case_args(script, paths[model], batch, seq, data[script], tmp)
-            spec = dict(script=script, args=spec_args | dict(gradient_checkpointing=cli.checkpointing))
+            spec_args |= dict(gradient_checkpointing=cli.checkpointing) | (dict(use_lora=False) if cli.full else {})
+            spec = dict(script=script, args=spec_args)
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", json.dumps(spec)],
                 cwd=ROOT,
@@ -257,9 +262,10 @@ def main() -> None:
             err = r["estimate"] / r["measured"] - 1
             worst = max(worst, abs(err))
             shape = f"{batch} x {seq}" if script != "grpo" else f"{batch} x G 4 x {seq}"
+            trained = " full" if cli.full else ""
             rows.append(
-                f"| {script} | {model} | {shape} | {r['estimate'] / 2**20:,.0f} | {r['measured'] / 2**20:,.0f} "
-                f"| {err:+.1%} |"
+                f"| {script}{trained} | {model} | {shape} | {r['estimate'] / 2**20:,.0f} | "
+                f"{r['measured'] / 2**20:,.0f} | {err:+.1%} |"
             )
             print(
                 rows[-1],

@@ -14,12 +14,15 @@ does not, so when the load average exceeds the cores the CPU ratio is the steadi
     OMP_NUM_THREADS=1 python bench/vs_trl.py --cpu 1                # issue #19's three presets on SmolLM2-135M
     OMP_NUM_THREADS=1 python bench/vs_trl.py --preset sft-8 dpo-4 grpo-2x8   # the first bench's, on the ~26M model
     OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-4x512 --repeats 3 --steps 5
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-full-4 dpo-full-live-4 --repeats 2 --steps 3  # full FT
 
 Presets (PRESETS below): grpo-4x4 = 4 built-in math prompts (asking for "#### N") x G 4, <= 64 new tokens, T 1.0,
 beta 0.04, loss grpo; dpo-4x512 = 4 pairs of single-turn dpo_en_demo rows, max_length 512, sigmoid; sft-4x512 = 4
 alpaca_en_demo rows, max_length 512, completion-only loss (both from ../shared/data/llamafactory-demo, truncated
-from the right on both sides). Each side's phases come back too: ours from the scripts' time/* metrics, TRL's from
-TRLPhases (wrappers around its model's forward, accelerator.backward and GRPO's generation). With --cpu every
+from the right on both sides); dpo-full-4 / dpo-full-live-4 = 4 built-in math pairs with every weight trained, the
+reference precomputed on both sides / scored every step (docs/memory.md). Each side's phases come back too: ours
+from the scripts' time/* metrics, TRL's from TRLPhases (wrappers around its model's forward, accelerator.backward
+and GRPO's generation). With --cpu every
 measured process is pinned to that core (taskset), and the 1-minute load average is recorded before and after each.
 Allocators: --ours-malloc / --trl-malloc preload jemalloc or tcmalloc (LD_PRELOAD, MALLOCS below) into that side's
 processes, or nothing (system: glibc); --allocator puts both sides under the same one. The scripts never choose an
@@ -68,10 +71,20 @@ PRESETS = {
     "sft-8": ("sft", dict(batch_size=8, learning_rate=2e-5), "builtin"),
     "dpo-4": ("dpo", dict(batch_size=4, learning_rate=5e-6), "builtin"),  # 4 pairs = 8 sequences per step
     "grpo-2x8": ("grpo", dict(prompts_per_step=2, group_size=8, max_completion_length=32), "builtin"),
+    # full fine-tuning (issue #27): the reference precomputed on both sides (ours' default with --no-use-lora; TRL:
+    # precompute_ref_log_probs=True, no peft_config), or scored every step (ours: the starting weights' CPU copy
+    # swapped in; TRL's default: a second model)
+    "dpo-full-4": ("dpo", dict(batch_size=4, learning_rate=1e-6, full_finetune=True), "builtin"),
+    "dpo-full-live-4": (
+        "dpo",
+        dict(batch_size=4, learning_rate=1e-6, full_finetune=True, precompute_ref=False),
+        "builtin",
+    ),
 }
 for _method, _over, _ in PRESETS.values():  # GRPO: the harness's 1e-3 is for its tiny model
     _over.setdefault("learning_rate", 1e-4)
 ISSUE_PRESETS = ("grpo-4x4", "dpo-4x512", "sft-4x512")
+FULL_PRESETS = ("dpo-full-4", "dpo-full-live-4")  # issue #27's memory comparison, on SmolLM2-135M too
 # --ours-malloc / --trl-malloc / --allocator: the child's LD_PRELOAD (system = glibc's malloc, nothing preloaded)
 MALLOCS = {
     "system": None,
@@ -344,7 +357,7 @@ def main():
         "--model",
         default=None,
         help="'bench' (the ~26M model built here) or a path / alias; "
-        f"default: smollm2-135m for {', '.join(ISSUE_PRESETS)}, bench for the others",
+        f"default: smollm2-135m for {', '.join(ISSUE_PRESETS + FULL_PRESETS)}, bench for the others",
     )
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is warm-up)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
@@ -392,7 +405,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     results = []
     for preset in args.preset:
-        name = args.model or ("smollm2-135m" if preset in ISSUE_PRESETS else "bench")
+        name = args.model or ("smollm2-135m" if preset in ISSUE_PRESETS + FULL_PRESETS else "bench")
         model = write_bench_model(args.out) if name == "bench" else locate_model(name)  # alias: its folder
         adapter = make_start_adapter(model, os.path.join(args.out, f"adapter_{os.path.basename(model)}"))
         runs = {"ours": [], "trl": []}

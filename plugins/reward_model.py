@@ -1,11 +1,13 @@
-"""A reward model on a causal LM: LoRA on the backbone + a linear head (K outputs) on the final hidden state of each
-sequence's last real token. The reward-model trainer writes one to its final/: the PEFT adapter, HEAD_FILE
+"""A reward model on a causal LM: LoRA on the backbone (or the whole backbone trained) + a linear head (K outputs) on
+the final hidden state of each sequence's last real token. The reward-model trainer writes one to its final/: the PEFT
+adapter (or, trained with --no-use-lora, the full causal LM as transformers saves it), HEAD_FILE
 {"weight": (K, hidden)}, the tokenizer and CONFIG_FILE {"base_model", "loss_type": "bradley_terry" | "regression",
 "attributes": [K names], "quantization", "max_length"} (the last two: how it was trained; a directory written
 before them scores without a cut).
 
 `load_reward(dir, policy)` puts the adapter into a third slot "reward" of a policy on the same base (no second
-backbone; scoring runs under as_reference(model, "reward")), else loads the base once more; `score` -> (N, K).
+backbone; scoring runs under as_reference(model, "reward")), else loads the base once more (a full model: always,
+frozen and in eval mode); `score` -> (N, K).
 `model_reward` reads a `--rewards model:<dir>[@attribute][:weight]` spec (pass it to common.rewards.load_reward_funcs
 as loaders={"model": model_reward}); `label_rows` writes the scores into rows' `attributes` (SteerLM labelling).
 """
@@ -18,6 +20,7 @@ import warnings
 
 import torch
 from peft import PeftModel
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -55,6 +58,30 @@ def save_reward(final_dir, head, base_model, loss_type, attributes: list[str], q
         json.dump(config | {"quantization": quantization, "max_length": max_length}, f, indent=2)
 
 
+def is_full_model(path: str) -> bool:
+    """A reward model trained with --no-use-lora: its folder holds the whole causal LM, no adapter."""
+    return not os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+def model_files(path: str) -> list[str]:
+    """A full reward model's weight files (the head's own file left out)."""
+    return [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors") and n != HEAD_FILE]
+
+
+def check_model_weights(path: str) -> None:
+    """ModelError when a full reward model's folder has no model, or one of its tensors holds NaN/Inf (read one
+    tensor at a time: the check never holds a second copy of the backbone)."""
+    files = model_files(path)
+    if not files or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelError(f"reward model {path}: no adapter_config.json, nor a full model (config.json, *.safetensors)")
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise ModelError(f"reward model {path}: tensor {key} in {os.path.basename(file)} holds NaN/Inf")
+
+
 def read_config(path: str) -> dict:
     """A reward model folder's config (base model, attribute names, ...), once its weights are checked finite."""
     file = os.path.join(path, CONFIG_FILE)
@@ -64,14 +91,18 @@ def read_config(path: str) -> dict:
         )
     with open(file) as f:
         config = json.load(f)
-    check_adapter_weights(path, "reward model")  # a NaN/Inf weight would score every completion NaN
+    if is_full_model(path):  # a NaN/Inf weight would score every completion NaN
+        check_model_weights(path)
+    else:
+        check_adapter_weights(path, "reward model")
     if not bool(torch.isfinite(load_file(os.path.join(path, HEAD_FILE))["weight"]).all()):
         raise ModelError(f"reward model {path}: {HEAD_FILE} holds NaN/Inf; not loaded")
     return config
 
 
 class RewardModel:
-    """A loaded reward model: `model` scores with adapter `slot` active, `head` maps to the K outputs `names`."""
+    """A loaded reward model: `model` scores with adapter `slot` active (None: a full model of its own), `head` maps
+    to the K outputs `names`."""
 
     def __init__(self, model, slot: str, head, tokenizer, config: dict):
         self.model = model
@@ -97,11 +128,21 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
     """The reward model in `path`. With `model` (a LoRA policy) on the same base: its adapter becomes the frozen slot
     "reward" of that model, and the policy records the slot's and the head's hashes (run_identity: a resume with
     another reward model is refused; the slot is saved in checkpoints and hash-checked like "ref"). Otherwise the
-    base is loaded once more (its memory is printed). `tokenizer` None = the one saved with the reward model."""
+    base is loaded once more (its memory is printed). A full model (trained with --no-use-lora) is always loaded
+    apart, frozen in eval mode; its weight files' hash goes into the policy's identity. `tokenizer` None = the one
+    saved with the reward model."""
     config = read_config(path)
     weight = load_file(os.path.join(path, HEAD_FILE))["weight"]
-    shared = model is not None and is_peft(model) and same_base(config["base_model"], unwrap(model).name_or_path)
-    if shared:
+    full = is_full_model(path)
+    slot = None if full else REWARD
+    shared = not full and model is not None and is_peft(model)
+    shared = shared and same_base(config["base_model"], unwrap(model).name_or_path)
+    if full:
+        rm_model = load_model(path, dtype)[0].eval().requires_grad_(False)
+        gb = sum(p.numel() * p.element_size() for p in rm_model.parameters()) / 2**30
+        if model is not None:
+            print(f"reward model {path}: a full model (trained without LoRA): loaded apart, {gb:.2f} GB")
+    elif shared:
         if REWARD in model.peft_config:
             raise ValueError("the policy already holds a 'reward' adapter: one reward model per run")
         was_training = model.training  # PEFT's load_adapter(is_trainable=False) puts the whole policy in eval mode
@@ -133,9 +174,22 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
     head.requires_grad_(False).to(next(rm_model.parameters()).device)
     if model is not None:
         digest = hashlib.sha256(weight.numpy().tobytes()).hexdigest()
-        unwrap(model).reward_identity = {"reward.adapter": adapter_hash(rm_model, REWARD), "reward.head": digest}
+        if full:
+            backbone = {"reward.model": files_hash(model_files(path))}
+        else:
+            backbone = {"reward.adapter": adapter_hash(rm_model, REWARD)}
+        unwrap(model).reward_identity = backbone | {"reward.head": digest}
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
-    return RewardModel(rm_model, REWARD, head, tokenizer, config)
+    return RewardModel(rm_model, slot, head, tokenizer, config)
+
+
+def files_hash(files: list[str]) -> str:
+    """sha256 over the files' bytes, in the order given."""
+    h = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()
 
 
 def score_rows(scorer: RewardModel, rows: list[dict], batch_size: int = 16) -> torch.Tensor:
@@ -148,7 +202,9 @@ def score_rows(scorer: RewardModel, rows: list[dict], batch_size: int = 16) -> t
     ids = [tokenize_sft(scorer.tokenizer, row, None)["input_ids"][:max_length] for row in rows]
     device = scorer.head.weight.device
     out = []
-    with as_reference(scorer.model, scorer.slot):
+    # a slot on the policy: switched in and out; a model of its own: frozen and in eval mode since load_reward
+    guard = torch.no_grad() if scorer.slot is None else as_reference(scorer.model, scorer.slot)
+    with guard:
         for i in range(0, len(ids), batch_size):
             chunk = [{"input_ids": x, "completion_mask": [1] * len(x)} for x in ids[i : i + batch_size]]
             batch = collate_sft(chunk, scorer.tokenizer.pad_token_id)
@@ -230,13 +286,15 @@ def label_rows(path: str | None, *row_lists: list[dict]) -> tuple[list[dict], ..
 def reward_model_bytes(specs: list[str], policy_model: str) -> int:
     """What a `model:<dir>` reward among `specs` adds to the memory plan: its LoRA as a frozen fp32 slot on the
     policy's base, or, on another base, that base (dtype auto, quantized as trained, as load_reward loads it) + its
-    LoRA, loaded apart. 0 without one."""
+    LoRA, loaded apart; a full model, loaded apart. 0 without one."""
     specs = [s for s in specs if s.startswith("model:")]
     if not specs:
         return 0
     bytes_per_weight = resolve_dtype("auto", pick_device()).itemsize
     path = split_weight(specs[0].removeprefix("model:"))[0].partition("@")[0]  # one reward-model directory a run
     config = read_config(path)
+    if is_full_model(path):  # loaded apart as load_reward does, unquantized (full fine-tuning refuses quantization)
+        return weight_bytes(model_config(path), None, bytes_per_weight)
     with open(os.path.join(path, "adapter_config.json")) as f:
         r = json.load(f)["r"]
     if same_base(config["base_model"], policy_model):

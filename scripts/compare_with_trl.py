@@ -2,6 +2,7 @@
 hyperparameters; writes both per-step series, the largest per-step difference and a PNG overlay of the curves.
 
     python scripts/compare_with_trl.py --method dpo [--loss-type ipo] [--model PATH|smollm2-135m] [--steps N]
+    python scripts/compare_with_trl.py --method dpo --full-finetune  # every weight, reference log-probs precomputed
     python scripts/compare_with_trl.py --method grpo --fixed-rollout   # same completions fed to both, per loss_type
     python scripts/compare_with_trl.py --method all                    # every method and loss type, one summary.md
     python scripts/compare_with_trl.py --mapping                       # the hyperparameter mapping table (Markdown)
@@ -18,6 +19,11 @@ How the two runs are made identical (each point is checked by the harness, not a
   PeftModel.from_pretrained. Both copy it into a frozen "ref" adapter (TRL does so for a PeftModel it is given).
   GRPO --no-use-lora: no adapter, every weight trains from the base model on both sides; TRL loads its reference as
   a second model from the base's path, ours keeps the starting weights in CPU memory and swaps them in.
+  --full-finetune (DPO): no adapter; both train every weight of the base, and both score the reference once before
+  the first update (ours: --no-use-lora, whose default precomputes; TRL: precompute_ref_log_probs=True, no
+  peft_config), from the same starting weights. Its learning rate defaults to FULL_FINETUNE_LR: on the tiny model,
+  Adam's first, sign-like step of 1e-3 on every weight turns rounding-level gradient differences (the two sides batch
+  and pad differently) into 1e-5 reward differences by step 3.
 - Data: the built-in math rows rendered through the chat template into standard strings. TRL 1.16 tokenizes a
   conversational completion through the template's text, so the '\\n' after <|im_end|> is a trained token there, while
   ours stops at the end-of-turn token (what generation emits). As strings, both append EOS and nothing else, and the
@@ -73,6 +79,8 @@ KIND = {
 }
 SCRIPT = {"sft": "sft", "dpo": "dpo", "simpo": "dpo", "orpo": "orpo", "kto": "kto", "grpo": "grpo", "rm": "rm"}
 SCRIPT["rloo"] = "grpo"  # the rloo fork's origin (Setup.fork names the patched copy to run)
+LORA_LR = 1e-3
+FULL_FINETUNE_LR = 1e-4  # every weight takes the step: a smaller one, as full fine-tuning's defaults are
 PREF_KEYS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -114,7 +122,7 @@ class Setup:
     steps: int = 3
     batch_size: int = 4  # sequences (SFT), pairs (DPO/ORPO/SimPO), rows (KTO) per micro-batch
     grad_accum: int = 1
-    learning_rate: float = 1e-3
+    learning_rate: float = LORA_LR
     seed: int = 42
     max_length: int = 1024
     beta: float | None = None  # None: the method's default (0.1; GRPO 0.04)
@@ -138,12 +146,18 @@ class Setup:
     fork: str | None = None
     trl_config: dict = field(default_factory=dict)
     keys: tuple[str, ...] | None = None
+    full_finetune: bool = False  # DPO: every weight, no adapter; the reference's log-probs precomputed on both sides
+    # full_finetune without precomputing (bench/vs_trl.py's memory presets): ours swaps a CPU copy of the starting
+    # weights in for each step's reference pass, TRL holds a second model as its reference
+    precompute_ref: bool = True
 
     @property
     def name(self) -> str:
         parts = (
             [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
         )
+        parts += ["full"] if self.full_finetune else []
+        parts += ["live-ref"] if self.full_finetune and not self.precompute_ref else []
         parts += (["margin"] if self.rm_margin else []) + (["center"] if self.center_rewards_coefficient else [])
         parts += [] if self.use_lora else ["full", f"beta={self.run_beta:g}"]
         parts += [os.path.splitext(os.path.basename(self.fork))[0]] if self.fork else []
@@ -383,13 +397,15 @@ def our_args(s: Setup, data_path: str) -> dict:
         return {**common, "loss_type": "bradley_terry", "disable_dropout": True, **_rm_center(s)}
     common |= {"beta": s.run_beta, "disable_dropout": True, "max_prompt_length": None}
     if s.method in ("dpo", "simpo"):
+        full = {"adapter": None, "use_lora": False} if s.full_finetune else {}
         return {
             **common,
+            **full,
             "loss_type": s.run_loss_type,
             "label_smoothing": s.label_smoothing if s.run_loss_type == "robust" else 0.0,
             "simpo_gamma": 0.5,
             "rpo_alpha": s.cpo_alpha if s.method == "simpo" else 0.0,
-            "precompute_ref_log_probs": False,
+            "precompute_ref_log_probs": s.full_finetune and s.precompute_ref,
         }
     if s.method == "orpo":
         return {**common, "completion_only_loss": False}  # TRL's NLL covers prompt + response
@@ -422,7 +438,8 @@ def _rm_center(s: Setup) -> dict:
 # ------------------------------------------------------------------------------------------------- TRL side
 def trl_model(s: Setup):
     """The shared adapter on the base; rm: on AutoModelForSequenceClassification(num_labels=1), whose `score` gets
-    rm.py's seeded head and is made trainable (TRL's advice with PEFT: modules_to_save=["score"])."""
+    rm.py's seeded head and is made trainable (TRL's advice with PEFT: modules_to_save=["score"]). full_finetune: the
+    base alone (TRL then trains every weight)."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -431,7 +448,7 @@ def trl_model(s: Setup):
     model = cls.from_pretrained(s.model, dtype=torch.float32, attn_implementation="sdpa", **kw)
     if s.method == "rm":
         model.score.weight.data.copy_(importlib.import_module("rm").new_head(model.config, 1, s.seed).weight)
-    if not s.use_lora:  # full fine-tuning: the base model itself, as TRL trains it without a peft_config
+    if not s.use_lora or s.full_finetune:  # full fine-tuning: the base model itself, as TRL trains it without PEFT
         return model
     config = PeftConfig.from_pretrained(s.adapter)
     if s.method == "rm":  # a CAUSAL_LM adapter on a seq-cls model: the plain PeftModel (no generation hooks)
@@ -510,7 +527,7 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
             loss_type=[s.run_loss_type],
             label_smoothing=s.label_smoothing if s.run_loss_type == "robust" else 0.0,
             max_length=s.max_length,
-            precompute_ref_log_probs=False,
+            precompute_ref_log_probs=s.full_finetune and s.precompute_ref,
             disable_dropout=True,
         )
         return DPOTrainer(args=args, **kw)
@@ -928,8 +945,10 @@ def _trl_version() -> str:
 
 
 def setups(args, model: str, adapter: str) -> list[Setup]:
-    """--method all: every method, DPO's three loss types, GRPO sampled and with fixed rollouts."""
+    """--method all: every method, DPO's three loss types and its full fine-tune, GRPO sampled and with fixed
+    rollouts."""
     every = args.method == "all"
+    learning_rate = args.learning_rate or (FULL_FINETUNE_LR if args.full_finetune else LORA_LR)
     out = []
     for method in METHODS if every else (args.method,):
         if args.loss_type and (args.loss_type in LOSS_TYPES.get(method, ()) or args.fork):
@@ -950,7 +969,7 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
                 steps=args.steps,
                 batch_size=args.batch_size,
                 grad_accum=args.grad_accum,
-                learning_rate=args.learning_rate,
+                learning_rate=learning_rate,
                 seed=args.seed,
                 chat=args.chat,
                 beta=args.beta,
@@ -966,10 +985,14 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
                 fork=args.fork,
                 trl_config=dict(args.trl_config),
                 keys=tuple(args.keys) if args.keys else None,
+                full_finetune=args.full_finetune,
             )
             for loss_type in loss_types
             for fixed in fixed_modes
         ]
+    if every:  # DPO trained in full, its reference precomputed on both sides
+        dpo = next(x for x in out if x.method == "dpo" and x.run_loss_type == "sigmoid")
+        out.append(replace(dpo, full_finetune=True, learning_rate=args.learning_rate or FULL_FINETUNE_LR))
     return out
 
 
@@ -992,7 +1015,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--learning-rate", type=float, default=None, help="default 1e-3; --full-finetune 1e-4")
     parser.add_argument("--beta", type=float, default=None)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--max-completion-length", type=int, default=16, help="GRPO")
@@ -1017,6 +1040,9 @@ def main(argv=None):
         help="TRL config fields that switch TRL to the fork's idea, e.g. importance_sampling_level=sequence",
     )
     parser.add_argument("--keys", nargs="+", default=None, help="the logged keys to compare (default: the method's)")
+    parser.add_argument(
+        "--full-finetune", action="store_true", help="dpo: every weight, reference log-probs precomputed on both sides"
+    )
     parser.add_argument("--out", default="outputs/compare_with_trl")
     parser.add_argument("--mapping", action="store_true", help="print the hyperparameter mapping table and exit")
     args = parser.parse_args(argv)
@@ -1027,6 +1053,8 @@ def main(argv=None):
         raise SystemExit("--fork runs one method's fork: pass --method, not all")
     if args.method == "rloo" and not args.fork:
         raise SystemExit("--method rloo compares a fork of grpo.py (docs/forks/rloo.patch): pass --fork grpo_rloo.py")
+    if args.full_finetune and args.method != "dpo":
+        raise SystemExit("--full-finetune: only the dpo comparison has it (--method all runs it too)")
     if args.trl_config and args.method not in ("grpo", "rloo"):
         raise SystemExit("--trl-config: only the grpo and rloo comparisons pass fields to TRL's config")
     if args.fork and not os.path.isfile(args.fork):
@@ -1147,7 +1175,13 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
         "the shared adapter -> 'ref' on both",
         "a fresh adapter's 'ref' is the base model, as TRL",
     ),
-    ("dpo", "precompute_ref_log_probs = False; disable_dropout = True", "the same", "the same", ""),
+    (
+        "dpo",
+        "precompute_ref_log_probs = False; disable_dropout = True",
+        "precompute_ref_log_probs = None: on for --no-use-lora, off with LoRA; disable_dropout = True",
+        "False (LoRA); --full-finetune: True, no adapter, lr 1e-4",
+        "a full fine-tune keeps no second copy of the weights for its reference",
+    ),
     (
         "simpo",
         "CPOTrainer: loss_type = sigmoid, cpo_alpha = 1.0, simpo_gamma = 0.5, beta = 0.1, lr 1e-6",
@@ -1171,9 +1205,16 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
     ),
     ("kto", "beta = 0.1, desirable/undesirable_weight = 1.0, lr 1e-6", "the same, lr 5e-6", "the same", ""),
     (
+        "kto",
+        "precompute_ref_log_probs = False (each row's KL pair fixed in the dataset)",
+        "None: on for --no-use-lora, off with LoRA (every micro-batch's pairs fixed at the start)",
+        "False",
+        "a full fine-tune keeps no second copy of the weights for its reference",
+    ),
+    (
         "rm",
         "RewardTrainer: AutoModelForSequenceClassification (score head), full fine-tuning, lr 1e-4",
-        "rm.py: LoRA + a Linear head on the last real token, lr 1e-4",
+        "rm.py: LoRA (or --no-use-lora: every weight) + a Linear head on the last real token, lr 1e-4",
         "the shared adapter on a seq-cls model, its score = rm.py's seeded head, trainable",
         "single-GPU default",
     ),

@@ -57,23 +57,47 @@ def assert_series_match(report):
         ("dpo", dict(loss_type="sigmoid")),
         ("dpo", dict(loss_type="ipo")),
         ("dpo", dict(loss_type="robust", label_smoothing=0.1)),
+        ("dpo", dict(full_finetune=True, learning_rate=1e-4)),  # every weight, both precompute the reference
         ("simpo", dict(cpo_alpha=0.5)),  # CPOTrainer(loss_type="simpo", cpo_alpha) == dpo.py simpo + rpo_alpha
         ("orpo", dict()),
         ("kto", dict()),
         ("rm", dict()),  # RewardTrainer on a seq-cls model holding the same LoRA and rm.py's seeded head
         ("rm", dict(rm_margin=True, center_rewards_coefficient=0.01)),
     ],
-    ids=["sft-ga2", "dpo-sigmoid", "dpo-ipo", "dpo-robust", "simpo", "orpo", "kto", "rm", "rm-margin-center"],
+    ids=[
+        "sft-ga2",
+        "dpo-sigmoid",
+        "dpo-ipo",
+        "dpo-robust",
+        "dpo-full",
+        "simpo",
+        "orpo",
+        "kto",
+        "rm",
+        "rm-margin-center",
+    ],
 )
 def test_per_step_metrics_match_trl(harness, method, kw):
     report = run(harness, method, **kw)
     assert report["tokenization"]["identical"], report["tokenization"]
     assert_series_match(report)
+    if kw.get("full_finetune"):  # step 1 scores the untouched policy against its own precomputed log-probs
+        for side in ("ours", "trl"):
+            first = report["history"][side][0]
+            assert first["loss"] == pytest.approx(0.6931471805599453, abs=1e-7) and first["rewards/margins"] == 0
     if method == "simpo":  # pinned metric difference: TRL's CPO logs logps/* length-averaged, ours summed
         beta = report["setup"]["beta"] or 0.1
         for ours, trl in zip(report["history"]["ours"], report["history"]["trl"], strict=True):
             for side in ("chosen", "rejected"):
                 assert trl[f"logps/{side}"] == pytest.approx(ours[f"rewards/{side}"] / beta, rel=1e-5)
+
+
+def test_full_finetune_is_refused_for_another_method_before_anything_is_built(tmp_path):
+    from scripts.compare_with_trl import main
+
+    with pytest.raises(SystemExit, match="--full-finetune: only the dpo comparison"):
+        main(["--method", "kto", "--full-finetune", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
 
 
 def test_grpo_fixed_rollouts_match_trl_per_step_and_per_loss_type(harness):

@@ -100,7 +100,7 @@ def test_learns_a_separable_preference_set_either_way(tiny_model_dir, prefs, tmp
         assert out["eval/margin"] > 0 and out["rewards/chosen"] > out["rewards/rejected"]
         for key in ("margin", "min_reward", "mean_reward", "max_reward", "grad_norm", "memory/peak_gb"):
             assert math.isfinite(history[-1][key]), key
-    del out["model"].get_base_model().score  # the head (saved, checked below) is not a base weight
+    assert not hasattr(out["model"].get_base_model(), "score")  # the head has its own file (checked below)
     assert_base_untouched(out["model"], tiny_model_dir)
     final = out["final_dir"]
     assert {"adapter_model.safetensors", "adapter_config.json", HEAD_FILE, CONFIG_FILE} <= set(os.listdir(final))
@@ -136,7 +136,6 @@ def test_slot_scores_equal_rm_pys_own_after_training(tiny_model_dir_pad_eos, tmp
     from transformers import AutoTokenizer
 
     from common.data import concat_pairs, tokenize_dataset
-    from common.model import unwrap
 
     rows = preference_rows(8)
     rows[0]["chosen"] = [{"role": "assistant", "content": "yes it is good " * 30}]
@@ -147,7 +146,9 @@ def test_slot_scores_equal_rm_pys_own_after_training(tiny_model_dir_pad_eos, tmp
     assert len(examples[0]["prompt_ids"] + examples[0]["chosen_ids"]) == 64  # rm.py trained on the cut row
     batch, trained = concat_pairs(examples, tokenizer.pad_token_id, "cpu"), out["model"].eval()
     with torch.no_grad():
-        own = reward_logits(trained, unwrap(trained).score, batch["input_ids"], batch["attention_mask"])
+        head = torch.nn.Linear(64, 1, bias=False)
+        head.weight.copy_(load_file(os.path.join(out["final_dir"], HEAD_FILE))["weight"])  # what rm.py trained
+        own = reward_logits(trained, head, batch["input_ids"], batch["attention_mask"])
     model = policy(tiny_model_dir_pad_eos).train()
     reward = load_reward(out["final_dir"], model)
     assert model.training and reward.config["max_length"] == 64
