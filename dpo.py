@@ -34,12 +34,12 @@ from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, completion_logps, disable_dropout
 from common.model import load_model, masked_mean, masked_sum, shares_prompt_pass
 from common.model import save_final, seed_everything, snapshot_ref, trainable_parameters, unwrap
-from common.model import adamw_8bit, require
+from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
-from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
@@ -348,16 +348,7 @@ def check_args(args: Args) -> None:
     robust = args.loss_type == "robust"
     if not (0 <= args.label_smoothing < 0.5 if robust else args.label_smoothing == 0):
         raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
-    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.adapter is not None and not args.use_lora:  # it would be silently dropped, and the reference with it
-        raise ArgsError(
-            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
-            f"{args.adapter} --out <dir>) and pass that folder as --model"
-        )
-    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
-        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
-        require("bitsandbytes", "--optim adamw_8bit")
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:

@@ -41,14 +41,14 @@ from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
 from common.model import pick_device, prompt_cache, resolve_dtype, save_final, seed_everything, sequence_logps
 from common.model import shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
-from common.model import adamw_8bit, require
+from common.model import adamw_8bit
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import check_sampling, hf_generate
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, breakers, logging) and plug-ins; a copy of this
 # script that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
-from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import resolve_preset
 from harness.hub import check_dataset, locate_model
 from harness.memory import Generate, Pass, longest_row, plan_memory
@@ -505,30 +505,10 @@ def check_args(args: Args) -> None:
     if args.group_size < 2:  # G = 1 would make every advantage 0
         raise ArgsError(f"--group-size {args.group_size}: must be at least 2 (advantages compare samples in a group)")
     check_sampling(args.top_p, args.top_k)
-    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
-    if not args.use_lora:
-        check_full_fine_tuning(args)
-    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
-        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
-        require("bitsandbytes", "--optim adamw_8bit")
-
-
-def check_full_fine_tuning(args: Args) -> None:
-    """--no-use-lora trains the base weights themselves: refuse what only works on an adapter, before any load."""
-    if args.quantization is not None:  # bitsandbytes' int8/NF4 weights take no gradient
-        raise ArgsError(
-            f"--quantization {args.quantization} with --no-use-lora: a quantized base trains only through "
-            "LoRA; drop one of them"
-        )
-    if args.engine == "vllm":  # plugins.vllm_engine serves the base + the synced "default" adapter
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
+    if not args.use_lora and args.engine == "vllm":  # plugins.vllm_engine syncs the "default" adapter
         raise ArgsError(
             "--engine vllm with --no-use-lora: the vLLM engine syncs a LoRA adapter, not full weights; use --engine hf"
-        )
-    if args.adapter is not None:
-        raise ArgsError(
-            f"--adapter {args.adapter} with --no-use-lora: merge it first (python "
-            "scripts/merge_adapter.py --adapter DIR) and pass the merged folder as --model"
         )
 
 

@@ -38,12 +38,12 @@ from common.data import training_steps, validate_rows
 from common.errors import ArgsError, DataError
 from common.model import as_reference, attach_lora, completion_logps, disable_dropout, load_model, save_final
 from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
-from common.model import adamw_8bit, require
+from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
-from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
@@ -223,16 +223,7 @@ def check_args(args: Args) -> None:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
     if args.per_device_train_batch_size < 2:  # the KL term pairs each row's prompt with ANOTHER row's completion
         raise ArgsError(f"--per-device-train-batch-size {args.per_device_train_batch_size}: KTO needs >= 2 rows")
-    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.adapter is not None and not args.use_lora:  # it would be silently dropped, and the reference with it
-        raise ArgsError(
-            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
-            f"{args.adapter} --out <dir>) and pass that folder as --model"
-        )
-    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
-        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
-        require("bitsandbytes", "--optim adamw_8bit")
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:

@@ -37,8 +37,8 @@ import tyro
 
 from common.data import collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, setup_chat_template
 from common.data import tokenize_dataset, training_steps, validate_rows
-from common.errors import ArgsError, DataError, ResumeError, RunStopped
-from common.model import adamw_8bit, attach_lora, check_finite, completion_logps, disable_dropout, load_model, require
+from common.errors import DataError, ResumeError, RunStopped
+from common.model import adamw_8bit, attach_lora, check_finite, completion_logps, disable_dropout, load_model
 from common.model import save_final, save_weights, seed_everything, sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
@@ -47,7 +47,7 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import check_run_dir_identity, load_weights, run_identity, writing
-from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import resolve_preset
 from harness.hub import check_dataset, locate_model
 from harness.memory import Generate, Pass, longest_row, plan_memory
@@ -405,21 +405,7 @@ def check_args(args: Args) -> None:
     at_least(args, 0, "eval_limit", "beta", "weight_decay", "num_train_epochs")
     at_least(args, 1, "breaker_max_nonfinite")
     check_sampling(args.top_p, args.top_k)
-    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
-    if not args.use_lora and args.quantization is not None:  # bitsandbytes' int8/NF4 weights take no gradient
-        raise ArgsError(
-            f"--quantization {args.quantization} with --no-use-lora: a quantized base trains only through LoRA; "
-            "drop one of them"
-        )
-    if not args.use_lora and args.adapter is not None:
-        raise ArgsError(
-            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
-            "DIR) and pass the merged folder as --model"
-        )
-    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
-        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
-        require("bitsandbytes", "--optim adamw_8bit")
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:

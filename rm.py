@@ -32,12 +32,12 @@ from common.data import training_steps
 from common.errors import ArgsError, DataError
 from common.model import attach_lora, disable_dropout, load_model, save_final, seed_everything, trainable_parameters
 from common.model import unwrap
-from common.model import adamw_8bit, require
+from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
-from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
@@ -243,16 +243,7 @@ def check_args(args: Args) -> None:
     at_least(args, 0, "num_train_epochs", "center_rewards_coefficient")
     if args.max_steps < -1:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
-    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.adapter is not None and not args.use_lora:  # it would be silently dropped
-        raise ArgsError(
-            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
-            f"{args.adapter} --out <dir>) and pass that folder as --model"
-        )
-    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
-        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
-        require("bitsandbytes", "--optim adamw_8bit")
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:

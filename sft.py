@@ -28,12 +28,12 @@ from common.data import bad_field, collate_sft, load_splits, micro_batch, need, 
 from common.data import sharegpt_row, tokenize_dataset, training_steps, without
 from common.errors import ArgsError
 from common.model import attach_lora, load_model, save_final, seed_everything, sequence_logps, trainable_parameters
-from common.model import adamw_8bit, require
+from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
-from harness.cli import StopOnCtrlC, at_least, check_adapter, check_lora, one_line_errors, positive, print_config
+from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
@@ -245,11 +245,7 @@ def check_args(args: Args) -> None:
     at_least(args, 0, "num_train_epochs")
     if args.max_steps < -1:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
-    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
-        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
-    if args.optim == "adamw_8bit":  # checked before any weights load: a missing bitsandbytes fails in seconds
-        require("bitsandbytes", "--optim adamw_8bit")
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:

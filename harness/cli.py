@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
 from common.errors import USER_ERRORS, ArgsError, ModelError
+from common.model import require
 from plugins.embedded import MODEL_ALIASES
 
 
@@ -140,6 +141,27 @@ def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
     if unused:
         own = ", ".join(f"{key} {config[key]}" for key, _ in flags.values())
         print(f"note: --adapter {adapter} trains with its own {own}: {', '.join(unused)} not applied")
+
+
+def check_model_flags(args) -> None:
+    """The model flags every script has, before any weights load: the LoRA settings (check_lora), an --adapter's files
+    (check_adapter), what --no-use-lora cannot take (a quantized base takes no gradient; an --adapter would be
+    dropped without a word: merge it first), and bitsandbytes for --optim adamw_8bit."""
+    check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
+    if not args.use_lora and args.quantization is not None:
+        raise ArgsError(
+            f"--quantization {args.quantization} with --no-use-lora: a quantized base trains only through LoRA; "
+            "drop one of them"
+        )
+    if not args.use_lora and args.adapter is not None:
+        raise ArgsError(
+            f"--adapter {args.adapter} with --no-use-lora: merge it first (python scripts/merge_adapter.py --adapter "
+            f"{args.adapter} --out <dir>) and pass that folder as --model"
+        )
+    if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
+        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.optim == "adamw_8bit":  # a missing bitsandbytes fails in seconds, not after the model loaded
+        require("bitsandbytes", "--optim adamw_8bit")
 
 
 class StopOnCtrlC:

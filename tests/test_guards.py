@@ -265,3 +265,15 @@ def test_eval_steps_without_an_eval_split_is_refused(script, prefs, tmp_path):
     args = module.Args(model=str(tmp_path / "no-such-model"), dataset=prefs, eval_steps=5)
     with pytest.raises(ArgsError, match=r"^--eval-steps 5: .*--eval-split"):
         module.main(args)
+
+
+@pytest.mark.parametrize("script", ["sft", "orpo", "dpo", "kto", "rm", "grpo", "raft"])
+def test_what_full_fine_tuning_cannot_take_is_refused_before_loading(script, tmp_path):
+    """sft.py and orpo.py dropped an --adapter given with --no-use-lora without a word (the other scripts refused it);
+    every script now refuses it, and a quantized base, in one shared check (harness.cli.check_model_flags)."""
+    module = importlib.import_module(script)
+    common = dict(model=str(tmp_path / "no-such-model"), output_dir=str(tmp_path), use_lora=False)
+    with pytest.raises(ArgsError, match=r"^--adapter some/adapter with --no-use-lora: merge it first"):
+        module.main(module.Args(**common, adapter="some/adapter"))
+    with pytest.raises(ArgsError, match=r"^--quantization 4bit with --no-use-lora: a quantized base trains only"):
+        module.main(module.Args(**common, quantization="4bit"))
