@@ -291,9 +291,10 @@ def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: i
         chunk = examples[i : i + batch_size]
         with as_reference(model):
             ref_logps = logps_of(model, concat_pairs(chunk, pad_id, device))[0]
-        for e, c, r in zip(chunk, *ref_logps.chunk(2), strict=True):
-            e["ref_chosen_logps"] = c.item()
-            e["ref_rejected_logps"] = r.item()
+        chosen, rejected = ref_logps.chunk(2)
+        for e, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True):  # one device sync per chunk
+            e["ref_chosen_logps"] = c
+            e["ref_rejected_logps"] = r
 
 
 def reward_metrics(*, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, prefix: str = "") -> dict:

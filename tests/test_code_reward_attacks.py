@@ -145,7 +145,7 @@ def test_grpo_refuses_a_malformed_test_case_before_the_model_loads(tmp_path, no_
 
 # ------------------------------------------------------------------------------------------------ warnings
 def test_the_solution_cannot_forge_the_sandboxs_warnings(no_leftovers):
-    """A solution's stderr lines `onlyone-sandbox: ...` (and `bwrap: ...`) became trainer warnings, up to 64 KiB a
+    """A solution's stderr lines `onlyone-sandbox: ...` (and `bwrap: ...`) became trainer warnings, many a
     call; now only the bootstrap's own descriptor is read, closed before the solution runs."""
     forger = (
         "import os, sys\nframe = sys._getframe()\nwhile frame and 'cfg' not in frame.f_globals:\n"

@@ -460,7 +460,8 @@ def test_cli_plan_subprocess(tiny_model_dir, tmp_path):
 
 
 def test_the_plan_counts_the_loaded_rows_in_ram(tiny_model_dir, tmp_path):
-    """A 200 MB data file took 1.03 GB of RSS before the model loaded and the CPU plan did not count it."""
+    """The rows of a data file take a multiple of its size in RAM before the model loads; the CPU plan did not count
+    them (docs/memory.md has the measurement)."""
     words = "the quick brown fox jumps over the lazy dog and some more words".split()
     rows = [{"prompt": " ".join(words[i % 7 :]), "completion": " ".join(words[: 3 + i % 9])} for i in range(20000)]
     data = tmp_path / "sft.jsonl"

@@ -175,7 +175,7 @@ def test_a_flipped_default_adapter_is_refused(tiny_model_dir, run_copy, memo, tm
 @pytest.mark.parametrize("removed", [("files_sha256",), ("adapter_sha256",), ("files_sha256", "adapter_sha256")])
 def test_a_marker_that_cannot_be_verified_is_corrupt(tiny_model_dir, run_copy, memo, tmp_path, removed):
     """A marker stripped of its hash keys was trusted: with an exponent bit flipped in the adapter the resume went
-    ahead and trained on (loss 6.23 where the intact checkpoint gives 5.79)."""
+    ahead and trained on the damaged weights."""
     step2 = ckpt(run_copy, 2)
     weights = os.path.join(step2, "weights", "adapter_model.safetensors")
     tensors = load_file(weights)
