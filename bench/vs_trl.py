@@ -74,10 +74,10 @@ PRESETS = {
     # full fine-tuning (issue #27): the reference precomputed on both sides (ours' default with --no-use-lora; TRL:
     # precompute_ref_log_probs=True, no peft_config), or scored every step (ours: the starting weights' CPU copy
     # swapped in; TRL's default: a second model)
-    "dpo-full-4": ("dpo", dict(batch_size=4, learning_rate=1e-6, full_finetune=True), "builtin"),
+    "dpo-full-4": ("dpo", dict(batch_size=4, learning_rate=1e-6, use_lora=False), "builtin"),
     "dpo-full-live-4": (
         "dpo",
-        dict(batch_size=4, learning_rate=1e-6, full_finetune=True, precompute_ref=False),
+        dict(batch_size=4, learning_rate=1e-6, use_lora=False, precompute_ref=False),
         "builtin",
     ),
 }

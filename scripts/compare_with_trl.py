@@ -2,7 +2,7 @@
 hyperparameters; writes both per-step series, the largest per-step difference and a PNG overlay of the curves.
 
     python scripts/compare_with_trl.py --method dpo [--loss-type ipo] [--model PATH|smollm2-135m] [--steps N]
-    python scripts/compare_with_trl.py --method dpo --full-finetune  # every weight, reference log-probs precomputed
+    python scripts/compare_with_trl.py --method dpo --no-use-lora    # every weight, reference log-probs precomputed
     python scripts/compare_with_trl.py --method grpo --fixed-rollout   # same completions fed to both, per loss_type
     python scripts/compare_with_trl.py --method all                    # every method and loss type, one summary.md
     python scripts/compare_with_trl.py --mapping                       # the hyperparameter mapping table (Markdown)
@@ -19,7 +19,7 @@ How the two runs are made identical (each point is checked by the harness, not a
   PeftModel.from_pretrained. Both copy it into a frozen "ref" adapter (TRL does so for a PeftModel it is given).
   GRPO --no-use-lora: no adapter, every weight trains from the base model on both sides; TRL loads its reference as
   a second model from the base's path, ours keeps the starting weights in CPU memory and swaps them in.
-  --full-finetune (DPO): no adapter; both train every weight of the base, and both score the reference once before
+  DPO --no-use-lora: no adapter; both train every weight of the base, and both score the reference once before
   the first update (ours: --no-use-lora, whose default precomputes; TRL: precompute_ref_log_probs=True, no
   peft_config), from the same starting weights. Its learning rate defaults to FULL_FINETUNE_LR: on the tiny model,
   Adam's first, sign-like step of 1e-3 on every weight turns rounding-level gradient differences (the two sides batch
@@ -137,7 +137,7 @@ class Setup:
     max_completion_length: int = 16
     rewards: list[str] = field(default_factory=lambda: list(DEFAULT_REWARDS))
     fixed_rollout: bool = False
-    use_lora: bool = True  # GRPO: False = full fine-tuning on both sides (ours --no-use-lora, TRL without PEFT)
+    use_lora: bool = True  # DPO, GRPO: False = full fine-tuning on both sides (ours --no-use-lora, TRL without PEFT)
     iterations: int = 1  # GRPO / RLOO: optimizer updates per rollout (num_iterations on both sides)
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -146,9 +146,9 @@ class Setup:
     fork: str | None = None
     trl_config: dict = field(default_factory=dict)
     keys: tuple[str, ...] | None = None
-    full_finetune: bool = False  # DPO: every weight, no adapter; the reference's log-probs precomputed on both sides
-    # full_finetune without precomputing (bench/vs_trl.py's memory presets): ours swaps a CPU copy of the starting
-    # weights in for each step's reference pass, TRL holds a second model as its reference
+    # DPO's full fine-tune (use_lora False) precomputes the reference's log-probs on both sides; without precomputing
+    # (bench/vs_trl.py's memory presets) ours swaps a CPU copy of the starting weights in for each step's reference
+    # pass, and TRL holds a second model as its reference
     precompute_ref: bool = True
 
     @property
@@ -156,10 +156,11 @@ class Setup:
         parts = (
             [self.method] + (["fixed"] if self.fixed_rollout else []) + ([self.loss_type] if self.loss_type else [])
         )
-        parts += ["full"] if self.full_finetune else []
-        parts += ["live-ref"] if self.full_finetune and not self.precompute_ref else []
+        full_dpo = not self.use_lora and self.method == "dpo"
+        parts += ["full"] if full_dpo else []
+        parts += ["live-ref"] if full_dpo and not self.precompute_ref else []
         parts += (["margin"] if self.rm_margin else []) + (["center"] if self.center_rewards_coefficient else [])
-        parts += [] if self.use_lora else ["full", f"beta={self.run_beta:g}"]
+        parts += ["full", f"beta={self.run_beta:g}"] if not self.use_lora and self.method == "grpo" else []
         parts += [os.path.splitext(os.path.basename(self.fork))[0]] if self.fork else []
         parts += [f"{k}={v}" for k, v in sorted(self.trl_config.items())]
         return "-".join(parts)
@@ -397,7 +398,7 @@ def our_args(s: Setup, data_path: str) -> dict:
         return {**common, "loss_type": "bradley_terry", "disable_dropout": True, **_rm_center(s)}
     common |= {"beta": s.run_beta, "disable_dropout": True, "max_prompt_length": None}
     if s.method in ("dpo", "simpo"):
-        full = {"adapter": None, "use_lora": False} if s.full_finetune else {}
+        full = {} if s.use_lora else {"adapter": None, "use_lora": False}
         return {
             **common,
             **full,
@@ -405,7 +406,7 @@ def our_args(s: Setup, data_path: str) -> dict:
             "label_smoothing": s.label_smoothing if s.run_loss_type == "robust" else 0.0,
             "simpo_gamma": 0.5,
             "rpo_alpha": s.cpo_alpha if s.method == "simpo" else 0.0,
-            "precompute_ref_log_probs": s.full_finetune and s.precompute_ref,
+            "precompute_ref_log_probs": not s.use_lora and s.precompute_ref,
         }
     if s.method == "orpo":
         return {**common, "completion_only_loss": False}  # TRL's NLL covers prompt + response
@@ -438,7 +439,7 @@ def _rm_center(s: Setup) -> dict:
 # ------------------------------------------------------------------------------------------------- TRL side
 def trl_model(s: Setup):
     """The shared adapter on the base; rm: on AutoModelForSequenceClassification(num_labels=1), whose `score` gets
-    rm.py's seeded head and is made trainable (TRL's advice with PEFT: modules_to_save=["score"]). full_finetune: the
+    rm.py's seeded head and is made trainable (TRL's advice with PEFT: modules_to_save=["score"]). use_lora False: the
     base alone (TRL then trains every weight)."""
     from peft import PeftConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -448,7 +449,7 @@ def trl_model(s: Setup):
     model = cls.from_pretrained(s.model, dtype=torch.float32, attn_implementation="sdpa", **kw)
     if s.method == "rm":
         model.score.weight.data.copy_(importlib.import_module("rm").new_head(model.config, 1, s.seed).weight)
-    if not s.use_lora or s.full_finetune:  # full fine-tuning: the base model itself, as TRL trains it without PEFT
+    if not s.use_lora:  # full fine-tuning: the base model itself, as TRL trains it without PEFT
         return model
     config = PeftConfig.from_pretrained(s.adapter)
     if s.method == "rm":  # a CAUSAL_LM adapter on a seq-cls model: the plain PeftModel (no generation hooks)
@@ -527,7 +528,7 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
             loss_type=[s.run_loss_type],
             label_smoothing=s.label_smoothing if s.run_loss_type == "robust" else 0.0,
             max_length=s.max_length,
-            precompute_ref_log_probs=s.full_finetune and s.precompute_ref,
+            precompute_ref_log_probs=not s.use_lora and s.precompute_ref,
             disable_dropout=True,
         )
         return DPOTrainer(args=args, **kw)
@@ -948,7 +949,8 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
     """--method all: every method, DPO's three loss types and its full fine-tune, GRPO sampled and with fixed
     rollouts."""
     every = args.method == "all"
-    learning_rate = args.learning_rate or (FULL_FINETUNE_LR if args.full_finetune else LORA_LR)
+    full_dpo = not args.use_lora and args.method == "dpo"  # see FULL_FINETUNE_LR
+    learning_rate = args.learning_rate or (FULL_FINETUNE_LR if full_dpo else LORA_LR)
     out = []
     for method in METHODS if every else (args.method,):
         if args.loss_type and (args.loss_type in LOSS_TYPES.get(method, ()) or args.fork):
@@ -985,14 +987,13 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
                 fork=args.fork,
                 trl_config=dict(args.trl_config),
                 keys=tuple(args.keys) if args.keys else None,
-                full_finetune=args.full_finetune,
             )
             for loss_type in loss_types
             for fixed in fixed_modes
         ]
     if every:  # DPO trained in full, its reference precomputed on both sides
         dpo = next(x for x in out if x.method == "dpo" and x.run_loss_type == "sigmoid")
-        out.append(replace(dpo, full_finetune=True, learning_rate=args.learning_rate or FULL_FINETUNE_LR))
+        out.append(replace(dpo, use_lora=False, learning_rate=args.learning_rate or FULL_FINETUNE_LR))
     return out
 
 
@@ -1015,14 +1016,14 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--learning-rate", type=float, default=None, help="default 1e-3; --full-finetune 1e-4")
+    parser.add_argument("--learning-rate", type=float, default=None, help="default 1e-3; dpo --no-use-lora 1e-4")
     parser.add_argument("--beta", type=float, default=None)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--max-completion-length", type=int, default=16, help="GRPO")
     parser.add_argument("--rewards", nargs="+", default=list(DEFAULT_REWARDS), help="GRPO, ours' syntax")
     parser.add_argument("--fixed-rollout", action="store_true", help="GRPO: feed the same completions to both")
     parser.add_argument(
-        "--no-use-lora", dest="use_lora", action="store_false", help="GRPO: full fine-tuning on both (no adapter)"
+        "--no-use-lora", dest="use_lora", action="store_false", help="dpo, grpo: full fine-tuning on both (no adapter)"
     )
     parser.add_argument("--chat", action="store_true", help="keep conversational rows (shows the tokenization gap)")
     parser.add_argument("--center-rewards-coefficient", type=float, default=None, help="rm")
@@ -1040,9 +1041,6 @@ def main(argv=None):
         help="TRL config fields that switch TRL to the fork's idea, e.g. importance_sampling_level=sequence",
     )
     parser.add_argument("--keys", nargs="+", default=None, help="the logged keys to compare (default: the method's)")
-    parser.add_argument(
-        "--full-finetune", action="store_true", help="dpo: every weight, reference log-probs precomputed on both sides"
-    )
     parser.add_argument("--out", default="outputs/compare_with_trl")
     parser.add_argument("--mapping", action="store_true", help="print the hyperparameter mapping table and exit")
     args = parser.parse_args(argv)
@@ -1053,8 +1051,8 @@ def main(argv=None):
         raise SystemExit("--fork runs one method's fork: pass --method, not all")
     if args.method == "rloo" and not args.fork:
         raise SystemExit("--method rloo compares a fork of grpo.py (docs/forks/rloo.patch): pass --fork grpo_rloo.py")
-    if args.full_finetune and args.method != "dpo":
-        raise SystemExit("--full-finetune: only the dpo comparison has it (--method all runs it too)")
+    if not args.use_lora and args.method not in ("dpo", "grpo"):
+        raise SystemExit("--no-use-lora: only the dpo and grpo comparisons have it (--method all runs DPO's)")
     if args.trl_config and args.method not in ("grpo", "rloo"):
         raise SystemExit("--trl-config: only the grpo and rloo comparisons pass fields to TRL's config")
     if args.fork and not os.path.isfile(args.fork):
@@ -1179,7 +1177,7 @@ MAPPING = [  # (method, TRL 1.16 argument = default, ours = default, what the ha
         "dpo",
         "precompute_ref_log_probs = False; disable_dropout = True",
         "precompute_ref_log_probs = None: on for --no-use-lora, off with LoRA; disable_dropout = True",
-        "False (LoRA); --full-finetune: True, no adapter, lr 1e-4",
+        "False (LoRA); --no-use-lora: True, no adapter, lr 1e-4",
         "a full fine-tune keeps no second copy of the weights for its reference",
     ),
     (

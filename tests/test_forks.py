@@ -156,7 +156,7 @@ def test_compare_with_trl_reads_a_fork_and_trl_fields_from_the_command_line(tmp_
         grad_accum=1, learning_rate=1e-3,
         seed=42, chat=False, beta=0.05, fixed_rollout=True, max_completion_length=16, rewards=["length"],
         center_rewards_coefficient=None, rm_margin=False, num_iterations=2, epsilon=3e-4, epsilon_high=4e-4,
-        trl_config=[("importance_sampling_level", "sequence")], keys=["loss"], use_lora=True, full_finetune=False,
+        trl_config=[("importance_sampling_level", "sequence")], keys=["loss"], use_lora=True,
     )  # fmt: skip
     (setup,) = setups(args, "model", "adapter")
     assert (setup.fork, setup.iterations, setup.epsilon, setup.epsilon_high) == ("grpo_rloo.py", 2, 3e-4, 4e-4)

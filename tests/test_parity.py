@@ -57,7 +57,7 @@ def assert_series_match(report):
         ("dpo", dict(loss_type="sigmoid")),
         ("dpo", dict(loss_type="ipo")),
         ("dpo", dict(loss_type="robust", label_smoothing=0.1)),
-        ("dpo", dict(full_finetune=True, learning_rate=1e-4)),  # every weight, both precompute the reference
+        ("dpo", dict(use_lora=False, learning_rate=1e-4)),  # every weight, both precompute the reference
         ("simpo", dict(cpo_alpha=0.5)),  # CPOTrainer(loss_type="simpo", cpo_alpha) == dpo.py simpo + rpo_alpha
         ("orpo", dict()),
         ("kto", dict()),
@@ -81,7 +81,7 @@ def test_per_step_metrics_match_trl(harness, method, kw):
     report = run(harness, method, **kw)
     assert report["tokenization"]["identical"], report["tokenization"]
     assert_series_match(report)
-    if kw.get("full_finetune"):  # step 1 scores the untouched policy against its own precomputed log-probs
+    if kw.get("use_lora") is False:  # step 1 scores the untouched policy against its own precomputed log-probs
         for side in ("ours", "trl"):
             first = report["history"][side][0]
             assert first["loss"] == pytest.approx(0.6931471805599453, abs=1e-7) and first["rewards/margins"] == 0
@@ -95,8 +95,8 @@ def test_per_step_metrics_match_trl(harness, method, kw):
 def test_full_finetune_is_refused_for_another_method_before_anything_is_built(tmp_path):
     from scripts.compare_with_trl import main
 
-    with pytest.raises(SystemExit, match="--full-finetune: only the dpo comparison"):
-        main(["--method", "kto", "--full-finetune", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--no-use-lora: only the dpo and grpo comparisons"):
+        main(["--method", "kto", "--no-use-lora", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
 
 
