@@ -40,7 +40,7 @@ from common.model import adamw_8bit
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import resolve_preset, training_lines
+from harness.cli import OptionalBool, resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
@@ -108,7 +108,7 @@ class Args:
     """simpo: target reward margin gamma"""
     rpo_alpha: float = 0.0
     """weight of an NLL term on the chosen completions (RPO; CPO's cpo_alpha for simpo); 0 = off"""
-    precompute_ref_log_probs: bool | None = None
+    precompute_ref_log_probs: OptionalBool = None
     """score the rows the run draws with the reference once, before the first update (one forward per step less, no
     reference weights kept); None = on for full fine-tuning, off with LoRA"""
     # optimisation

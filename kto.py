@@ -44,7 +44,7 @@ from common.model import adamw_8bit
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import resolve_preset, training_lines
+from harness.cli import OptionalBool, resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
@@ -106,7 +106,7 @@ class Args:
     """weight of the desirable (label true) losses; raise it when desirable rows are rarer"""
     undesirable_weight: float = 1.0
     """weight of the undesirable (label false) losses"""
-    precompute_ref_log_probs: bool | None = None
+    precompute_ref_log_probs: OptionalBool = None
     """score every micro-batch with the reference once, before the first update (no reference pass in the steps, no
     reference weights kept); None = on for full fine-tuning, off with LoRA"""
     # optimisation

@@ -9,10 +9,12 @@ import os
 import signal
 import sys
 import threading
+from typing import Annotated
 
 import torch
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
+from tyro.constructors import PrimitiveConstructorSpec
 
 from common.errors import USER_ERRORS, ArgsError, ModelError
 from common.model import require
@@ -75,6 +77,28 @@ def training_lines(args, n_rows: int, lora: bool = True) -> dict[str, str]:
         "backend": f"dtype {args.dtype}, quantization {args.quantization}",
         "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
     }
+
+
+def _flag_value(strings: list[str]) -> bool:
+    if not strings:  # the bare flag, as TRL's HfArgumentParser reads a bool field given without a value
+        return True
+    if len(strings) > 1 or strings[0].lower() not in ("true", "false"):
+        raise ValueError(f"expected nothing, True or False, got {' '.join(strings)!r}")
+    return strings[0].lower() == "true"
+
+
+# A `bool | None` field whose None means "decided by the run" (e.g. by --no-use-lora), that still reads as a flag:
+# `--x` = True, `--x False` = False, absent = None (tyro alone would demand a value: `--x {None,True,False}`).
+OptionalBool = Annotated[
+    bool | None,
+    PrimitiveConstructorSpec(
+        nargs="*",
+        metavar="[True|False]",
+        instance_from_str=_flag_value,
+        is_instance=lambda value: value is None or isinstance(value, bool),
+        str_from_instance=lambda value: [str(value)],
+    ),
+]
 
 
 def flag_name(name: str) -> str:

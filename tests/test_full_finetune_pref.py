@@ -352,3 +352,20 @@ def test_two_full_fine_tuning_steps_on_smollm2(script, tmp_path):
     assert final.keys() == start.keys()  # tied embeddings: one tensor, as in the base's file
     still = [k for k in final if torch.equal(final[k], start[k])]
     assert not still, f"{len(still)} of {len(final)} tensors did not move, e.g. {still[:3]}"
+
+
+@pytest.mark.parametrize("script", ["dpo", "kto"])
+def test_precompute_ref_log_probs_reads_as_a_flag_or_a_value(script, capsys):
+    """TRL's spelling works: the bare flag is True, `False` turns it off for a full fine-tune, absent leaves it to
+    --no-use-lora (None); anything else is a usage error naming the flag."""
+    import tyro
+
+    args_class = {"dpo": dpo, "kto": kto}[script].Args
+    flag = "--precompute-ref-log-probs"
+    assert tyro.cli(args_class, args=[]).precompute_ref_log_probs is None
+    assert tyro.cli(args_class, args=[flag, "--max-steps", "2"]).precompute_ref_log_probs is True
+    assert tyro.cli(args_class, args=[flag, "False"]).precompute_ref_log_probs is False
+    assert tyro.cli(args_class, args=[flag, "true"]).precompute_ref_log_probs is True
+    with pytest.raises(SystemExit):
+        tyro.cli(args_class, args=[flag, "maybe"])
+    assert flag in capsys.readouterr().err
