@@ -146,7 +146,7 @@ def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
 def check_model_flags(args) -> None:
     """The model flags every script has, before any weights load: the LoRA settings (check_lora), an --adapter's files
     (check_adapter), what --no-use-lora cannot take (a quantized base takes no gradient; an --adapter would be
-    dropped without a word: merge it first), and bitsandbytes for --optim adamw_8bit."""
+    dropped without a word: merge it first), bitsandbytes for --optim adamw_8bit and wandb for --report-to wandb."""
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
     if not args.use_lora and args.quantization is not None:
         raise ArgsError(
@@ -162,6 +162,8 @@ def check_model_flags(args) -> None:
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.optim == "adamw_8bit":  # a missing bitsandbytes fails in seconds, not after the model loaded
         require("bitsandbytes", "--optim adamw_8bit")
+    if args.report_to == "wandb":  # the same: a missing wandb fails before the model loads, not at the first log
+        require("wandb", "--report-to wandb")
 
 
 class StopOnCtrlC:
