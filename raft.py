@@ -574,7 +574,7 @@ def main(args: Args) -> dict:
         logger.log(rnd, metrics)
         if interrupt.requested and rnd < args.num_rounds:  # each round is saved whole: resuming needs only the run dir
             why = f"raft: stopped after round {rnd} (Ctrl-C); final/ not written. Resume with --resume-from {run_dir}"
-            raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics)
+            raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics, requested=True)
 
     # ---- 5 save: the final policy alone in final/ (a plain PEFT adapter or transformers model + tokenizer)
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])

@@ -9,14 +9,17 @@ import os
 import signal
 import sys
 import threading
+import warnings
 
 import torch
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
-from common.errors import USER_ERRORS, ArgsError, ModelError
+from common.errors import USER_ERRORS, ArgsError, ModelError, RunStopped
 from common.model import require
 from plugins.embedded import MODEL_ALIASES
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # a warning raised under it is ours
 
 
 @contextlib.contextmanager
@@ -24,24 +27,41 @@ def one_line_errors():
     """Wraps a CLI's `main(tyro.cli(Args))`: an error ends the process with one line on stderr and exit status 1
     (a second Ctrl-C: 130), not a traceback. Errors on the user's side (common.errors.USER_ERRORS) print their
     message; any other also names its type and that ONLYONE_DEBUG=1 shows the traceback (the exception is then
-    re-raised as it is). Off a terminal (a log file, CI) the hub, transformers and datasets loading bars are turned
-    off first: their carriage-return frames fill a log."""
+    re-raised as it is). A stop the user asked for (Ctrl-C: RunStopped.requested) is no error: its message alone
+    (it names the script, the checkpoint and the resume command) and status 130, the shell's code for an interrupt.
+    A warning is one line too, `<prog>: warning: <message>`, not Python's two (file:line: category, then the
+    warnings.warn( source line); one raised outside this project also names its category and origin. Off a terminal
+    (a log file, CI) the hub, transformers and datasets loading bars are turned off first: their carriage-return
+    frames fill a log."""
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's bars
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is first imported
     spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m evals.gsm8k` -> evals.gsm8k
     prog = spec.name if spec else os.path.basename(sys.argv[0])
+
+    def one_line_warning(message, category, filename, lineno, file=None, line=None):
+        ours = os.path.realpath(filename).startswith(PROJECT + os.sep)
+        origin = "" if ours else f" ({category.__name__} from {filename}:{lineno})"
+        print(f"{prog}: warning: {message}{origin}".replace("\n", " "), file=file or sys.stderr)
+
+    previous = warnings.showwarning
+    warnings.showwarning = one_line_warning  # the warnings module's documented hook for how a warning is shown
     try:
         yield
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except Exception as e:
+        if isinstance(e, RunStopped) and e.requested:  # the user's own stop: no error, nothing to debug
+            print(str(e).replace("\n", " "), file=sys.stderr)
+            raise SystemExit(130) from None
         if os.environ.get("ONLYONE_DEBUG"):
             raise
         hint = "" if isinstance(e, USER_ERRORS) else f" ({type(e).__name__}; ONLYONE_DEBUG=1 shows the traceback)"
         print(f"{prog}: error: {e}{hint}".replace("\n", " "), file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        warnings.showwarning = previous
 
 
 def resolve_preset(args, presets: dict[str, dict]):

@@ -15,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_dir, tmp_path):
     """stderr to a file (not a terminal): one plain line per logged step, no carriage-return bar frames, and no
-    transformers FutureWarning from PEFT wrapping the model (gradient checkpointing on, the path that used to warn)."""
+    transformers FutureWarning from PEFT wrapping the model (gradient checkpointing on, the path that used to warn).
+    Rows too long for --max-length are dropped with one line naming the script: it was Python's
+    `.../common/data.py:632: UserWarning: dropped ...` line and then its `warnings.warn(` source line."""
     log = tmp_path / "run.log"
     with open(log, "w") as err:
         done = subprocess.run(
@@ -29,7 +31,7 @@ def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_di
                 "--max-steps",
                 "2",
                 "--max-length",
-                "256",
+                "150",
                 "--gradient-checkpointing",
                 "--output-dir",
                 str(tmp_path / "runs"),
@@ -50,6 +52,9 @@ def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_di
     assert steps == ["1", "2"], text[-2000:]
     assert "\r" not in text, text[:2000]
     assert "is_gradient_checkpointing" not in text and "FutureWarning" not in text, text[-2000:]
+    assert "warnings.warn(" not in text and "UserWarning" not in text, text[-2000:]
+    [dropped] = [line for line in text.splitlines() if "dropped" in line]
+    assert re.match(r"sft\.py: warning: dropped \d+ of 2000 supervised rows because no completion token", dropped)
 
 
 def test_end_of_run_trend_averages_the_first_and_last_quarter_of_logged_values(tmp_path):
