@@ -137,6 +137,8 @@ class Args:
     # logging/eval/checkpoint
     logging_steps: int = 1
     """[logging/eval/checkpoint] log every N steps"""
+    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
+    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
     eval_steps: int = 0
     """eval every N steps (needs --eval-split); 0 = off"""
     save_steps: int = 100
@@ -349,7 +351,7 @@ def check_args(args: Args) -> None:
     robust = args.loss_type == "robust"
     if not (0 <= args.label_smoothing < 0.5 if robust else args.label_smoothing == 0):
         raise ArgsError(f"--label-smoothing {args.label_smoothing}: only robust uses it (0 <= label_smoothing < 0.5)")
-    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -438,7 +440,16 @@ def main(args: Args) -> dict:
     )
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "rewards/accuracies")
-    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
+    logger = Logger(
+        run_dir,
+        dataclasses.asdict(args),
+        total_steps,
+        show,
+        start_step,
+        args.logging_steps,
+        args.report_to,
+        args.resume_from_checkpoint,
+    )
     if use_ref and args.precompute_ref_log_probs:  # after a resume: "ref" restored (hash-checked), or the start's copy
         drawn = examples  # the rows the run's steps draw: all of them once it reaches an epoch's end
         if total_steps * ga < batches_per_epoch:

@@ -182,6 +182,8 @@ class Args:
     # logging/eval/checkpoint
     logging_steps: int = 1
     """[logging/eval/checkpoint] log every N steps"""
+    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
+    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
     eval_steps: int | None = None
     """greedy held-out eval before step 1, every N steps and at the end; 0 = off. None = preset (demo: 0; gsm8k: 50)"""
     save_steps: int | None = None
@@ -505,7 +507,7 @@ def check_args(args: Args) -> None:
     if args.group_size < 2:  # G = 1 would make every advantage 0
         raise ArgsError(f"--group-size {args.group_size}: must be at least 2 (advantages compare samples in a group)")
     check_sampling(args.top_p, args.top_k)
-    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
     if not args.use_lora and args.engine == "vllm":  # plugins.vllm_engine syncs the "default" adapter
         raise ArgsError(
             "--engine vllm with --no-use-lora: the vLLM engine syncs a LoRA adapter, not full weights; use --engine hf"
@@ -667,7 +669,16 @@ def main(args: Args) -> dict:
     )
     state = {"nonfinite_updates": 0} | resumed  # + the breakers' memory, which checkpoints keep
     show = ("reward", "kl", "loss")
-    logger = Logger(run_dir, dataclasses.asdict(args), args.max_steps, show, start_step, args.logging_steps)
+    logger = Logger(
+        run_dir,
+        dataclasses.asdict(args),
+        args.max_steps,
+        show,
+        start_step,
+        args.logging_steps,
+        args.report_to,
+        args.resume_from_checkpoint,
+    )
     breakers = circuit_breakers(args, state)
     generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by

@@ -135,6 +135,8 @@ class Args:
     # logging/eval/checkpoint
     logging_steps: int = 1
     """[logging/eval/checkpoint] log every N steps"""
+    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
+    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
     save_steps: int = 100
     """checkpoint every N steps (resumable with --resume-from-checkpoint); 0 = only the final save"""
     save_total_limit: int = 2
@@ -223,7 +225,7 @@ def check_args(args: Args) -> None:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
     if args.per_device_train_batch_size < 2:  # the KL term pairs each row's prompt with ANOTHER row's completion
         raise ArgsError(f"--per-device-train-batch-size {args.per_device_train_batch_size}: KTO needs >= 2 rows")
-    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -317,7 +319,16 @@ def main(args: Args) -> dict:
     )
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "kl")
-    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
+    logger = Logger(
+        run_dir,
+        dataclasses.asdict(args),
+        total_steps,
+        show,
+        start_step,
+        args.logging_steps,
+        args.report_to,
+        args.resume_from_checkpoint,
+    )
     precomputed = {}  # micro-batch index -> the reference's (matched, mismatched) log-probs, on the CPU
     if args.precompute_ref_log_probs:  # after a resume: "ref" restored (hash-checked), or the start's copy
         for i in range(start_step * ga, total_steps * ga):  # the micro-batches still to train

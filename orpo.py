@@ -122,6 +122,8 @@ class Args:
     # logging/eval/checkpoint
     logging_steps: int = 1
     """[logging/eval/checkpoint] log every N steps"""
+    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
+    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
     eval_steps: int = 0
     """eval every N steps (needs --eval-split); 0 = off"""
     save_steps: int = 100
@@ -179,7 +181,7 @@ def check_args(args: Args) -> None:
     at_least(args, 0, "num_train_epochs")
     if args.max_steps < -1:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
-    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -251,7 +253,16 @@ def main(args: Args) -> dict:
     )
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "rewards/accuracies")
-    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
+    logger = Logger(
+        run_dir,
+        dataclasses.asdict(args),
+        total_steps,
+        show,
+        start_step,
+        args.logging_steps,
+        args.report_to,
+        args.resume_from_checkpoint,
+    )
 
     def pair_losses(chunk):
         """ORPO loss of one micro-batch and its metrics; one forward scores chosen and rejected together."""

@@ -165,6 +165,8 @@ class Args:
     eval_dataset: str | None = None
     """[logging/eval/checkpoint] held-out {prompt, answer} or GSM8K {question, answer} rows, scored by math_reward
     (evals.gsm8k). None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
+    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
+    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
     eval_split: str = "test"
     """split of eval_dataset; logged as eval/<dataset>/accuracy (e.g. eval/gsm8k/accuracy)"""
     eval_limit: int | None = None
@@ -405,7 +407,7 @@ def check_args(args: Args) -> None:
     at_least(args, 0, "eval_limit", "beta", "weight_decay", "num_train_epochs")
     at_least(args, 1, "breaker_max_nonfinite")
     check_sampling(args.top_p, args.top_k)
-    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -505,7 +507,9 @@ def main(args: Args) -> dict:
     examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
     acc_key = f"eval/{dataset_label(args.eval_dataset)}/accuracy"
     show = ("reward", "kept_fraction", acc_key)
-    logger = Logger(run_dir, dataclasses.asdict(args), args.num_rounds, show, start_step=max(done, 0))
+    logger = Logger(
+        run_dir, dataclasses.asdict(args), args.num_rounds, show, start_step=max(done, 0), report_to=args.report_to
+    )
     if done < 0:  # round 0: the starting policy's held-out accuracy, the baseline every round is compared to
         metrics, records = evaluate(model, tokenizer, eval_rows, args)
         write_round(run_dir, 0, {"eval.jsonl": records}, metrics)
@@ -570,7 +574,7 @@ def main(args: Args) -> dict:
         logger.log(rnd, metrics)
         if interrupt.requested and rnd < args.num_rounds:  # each round is saved whole: resuming needs only the run dir
             why = f"raft: stopped after round {rnd} (Ctrl-C); final/ not written. Resume with --resume-from {run_dir}"
-            raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics)
+            raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics, requested=True)
 
     # ---- 5 save: the final policy alone in final/ (a plain PEFT adapter or transformers model + tokenizer)
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])

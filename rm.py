@@ -127,6 +127,8 @@ class Args:
     # logging/eval/checkpoint
     logging_steps: int = 1
     """[logging/eval/checkpoint] log every N steps"""
+    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
+    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
     eval_steps: int = 0
     """eval every N steps (needs --eval-split); 0 = off"""
     save_steps: int = 100
@@ -243,7 +245,7 @@ def check_args(args: Args) -> None:
     at_least(args, 0, "num_train_epochs", "center_rewards_coefficient")
     if args.max_steps < -1:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
-    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim
+    check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -326,7 +328,16 @@ def main(args: Args) -> dict:
         with torch.no_grad():
             head.weight.copy_(state["head"])  # saved in the hashed state.pt
     show = ("loss", "accuracy")
-    logger = Logger(run_dir, dataclasses.asdict(args), total_steps, show, start_step, args.logging_steps)
+    logger = Logger(
+        run_dir,
+        dataclasses.asdict(args),
+        total_steps,
+        show,
+        start_step,
+        args.logging_steps,
+        args.report_to,
+        args.resume_from_checkpoint,
+    )
 
     # ---- 4 loop
     model.train()

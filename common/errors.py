@@ -44,13 +44,17 @@ class NonFiniteWeightsError(UserError, RuntimeError):
 
 class RunStopped(UserError, RuntimeError):
     """A run stopped before its last step (a circuit breaker, Ctrl-C): its checkpoint was saved, final/ was not
-    written, and the CLI exits non-zero with this one-line message."""
+    written, and the CLI exits non-zero with this one-line message. requested: the user asked for the stop (Ctrl-C),
+    which the CLI reports as a stop, not an error, with the exit status of an interrupt (130)."""
 
-    def __init__(self, message: str, step: int, checkpoint: str | None, result: dict | None = None):
+    def __init__(
+        self, message: str, step: int, checkpoint: str | None, result: dict | None = None, requested: bool = False
+    ):
         super().__init__(message)
         self.step = step
         self.checkpoint = checkpoint
         self.result = result or {}
+        self.requested = requested
 
 
 # What one_line_errors prints as the message alone; any other error also names its type.

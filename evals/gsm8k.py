@@ -22,7 +22,7 @@ marked answer is found; its strict-match takes only `#### N` / "The answer is N.
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from typing import Literal
 
@@ -30,10 +30,15 @@ import torch
 import tyro
 
 from common.data import MATH_INSTRUCTION
+from common.model import require
 from common.errors import ArgsError
 from evals.common_eval import dataset_tag, evaluate_gsm8k, gsm8k_rows, load_eval_model, model_label, write_results
 from harness.cli import one_line_errors
+from harness.run import log_scores
 from plugins.steerlm import parse_attributes
+
+
+SCORES = ("accuracy", "correct", "n", "unscored")  # the summary's entries --report-to wandb logs
 
 
 @dataclass
@@ -79,12 +84,16 @@ class Args:
     """where the JSONL and JSON files go"""
     label: str | None = None
     """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
+    report_to: Literal["none", "wandb"] = "none"
+    """besides the JSON files: none, or W&B (a run named like the files: these args, the scores; pip install wandb)"""
 
 
 def main(args: Args) -> dict:
     # ---- 1 data (first: a bad path or setting fails before the model loads)
     if args.num_samples < 1 or (args.temperature == 0.0 and args.num_samples != 1):
         raise ArgsError(f"--num-samples {args.num_samples} needs --temperature > 0 (greedy decoding gives 1 sample)")
+    if args.report_to == "wandb":
+        require("wandb", "--report-to wandb")
     rows = gsm8k_rows(args.dataset, args.split, args.limit, args.instruction, args.attributes, args.attributes_in)
 
     # ---- 2 model: base, base + adapter, or a run's checkpoint
@@ -130,6 +139,7 @@ def main(args: Args) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     paths = write_results(args.output_dir, f"{label}__{task}", result["records"], summary)
+    log_scores(args.report_to, f"{label}__{task}", asdict(args), {f"eval/{task}/{k}": summary[k] for k in SCORES})
     unscored = f"; {result['unscored']} left out (reference without a number)" if result["unscored"] else ""
     print(
         f"{task}: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s"

@@ -23,7 +23,7 @@ import importlib.metadata
 import random
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import tyro
 from typing import Literal
@@ -33,6 +33,7 @@ from common.data import load_rows, tokenize_prompt
 from common.errors import DataError
 from common.model import require
 from harness.cli import one_line_errors
+from harness.run import log_scores
 from harness.hub import check_dataset
 from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
 
@@ -75,6 +76,8 @@ class Args:
     """where the JSONL and JSON files go"""
     label: str | None = None
     """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
+    report_to: Literal["none", "wandb"] = "none"
+    """besides the JSON files: none, or W&B (a run named like the files: these args, the scores; pip install wandb)"""
 
 
 @functools.cache
@@ -217,6 +220,8 @@ def check_row(row: dict, registry: dict) -> None:
 def main(args: Args) -> dict:
     # ---- 1 data and checkers (first: a missing package, bad path or unknown instruction fails before the model loads)
     registry, _ = _checkers()
+    if args.report_to == "wandb":
+        require("wandb", "--report-to wandb")
     check_dataset(args.dataset)  # a hub set offline and not cached: one line now
     rows = load_rows(args.dataset, args.split)[: args.limit]
     for row in rows:
@@ -256,6 +261,8 @@ def main(args: Args) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     paths = write_results(args.output_dir, f"{label}__ifeval", records, summary)
+    scores = {f"eval/ifeval/{k}": summary[k] for k in (*METRICS, "n_prompts")}
+    log_scores(args.report_to, f"{label}__ifeval", asdict(args), scores)
     n_skipped = summary["n_instructions_not_evaluated"]
     skipped = f"; {n_skipped} instructions not evaluated (NLTK data missing)" if n_skipped else ""
     print(

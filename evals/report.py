@@ -1,5 +1,6 @@
 """Side-by-side report: eval scores of several policies (base, SFT, DPO, GRPO, RAFT rounds, ...) with deltas against
-the first one, and the training curves of their runs, as Markdown + PNGs and one self-contained HTML page.
+a baseline (--baseline, default the first --evals entry's policy; its row is marked), and the training curves of their
+runs, as Markdown + PNGs and one self-contained HTML page.
 
 Inputs are what the other tools already write: the summary JSONs of evals.gsm8k / evals.ifeval (one per policy and
 task; rows are grouped by their "label", in order of first appearance) and run dirs with metrics.jsonl (one JSON
@@ -7,7 +8,8 @@ object per logged step: "step" plus metric keys). Nothing is recomputed.
 Run: `python -m evals.report --runs runs/sft__a runs/grpo__b --evals out/base__gsm8k.json out/grpo__gsm8k.json`
 Writes report/report.md, report/<metric>.png for each curve, report/report.html (PNGs inlined as base64 data URIs).
 Each curve's PNG has one panel per run kind (the exp_name before the first "__": sft, dpo, grpo, ...), since their
-losses mean different things; a faint raw line and a bold EMA line per run (TensorBoard's debiased smoothing).
+losses mean different things; a faint raw line and a bold EMA line per run (TensorBoard's debiased smoothing), or
+the raw line alone for a run of fewer than MIN_EMA_POINTS logged points, where an EMA lags far behind the values.
 """
 
 import base64
@@ -37,7 +39,9 @@ class Args:
     runs: tuple[str, ...] = ()
     """run dirs (each holding metrics.jsonl) whose training curves to draw"""
     evals: tuple[str, ...] = ()
-    """summary JSON files from evals.gsm8k / evals.ifeval; the first policy is the baseline for deltas"""
+    """summary JSON files from evals.gsm8k / evals.ifeval"""
+    baseline: str | None = None
+    """the policy (a summary's label) the deltas are against, its row marked; None = the first --evals entry's"""
     out: str = "report"
     """output folder for report.md, report.html and the PNGs"""
     metrics: tuple[str, ...] = ("loss", "reward", "kl", "completions/mean_length", "memory/peak_gb")
@@ -45,7 +49,8 @@ class Args:
     title: str = "OnlyOne report"
     """page title"""
     smoothing: float = 0.6
-    """EMA weight of the bold smoothed line beside each raw curve (TensorBoard's slider); 0 draws the raw line only"""
+    """EMA weight of the bold smoothed line beside each raw curve (TensorBoard's slider); 0 draws the raw line only,
+    as does a run of fewer than 10 logged points"""
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -95,18 +100,25 @@ def _cell(value, base, comparable: bool = True) -> str:
     return f"{value:.3f} ({value - base:+.3f})" if comparable else f"{value:.3f} (not comparable)"
 
 
-def table_cells(columns: list[str], rows: list[tuple[str, dict]], bases: dict | None = None) -> list[list[str]]:
-    """Header + one row of strings per policy; deltas are against the first policy's scores, where both were
-    measured on the same BASIS (bases from eval_table; None: assume they were)."""
-    base = rows[0][1] if rows else {}
+def table_cells(
+    columns: list[str], rows: list[tuple[str, dict]], bases: dict | None = None, baseline: str | None = None
+) -> list[list[str]]:
+    """Header + one row of strings per policy; deltas are against the baseline policy's scores (its label; None: the
+    first row's), where both were measured on the same BASIS (bases from eval_table; None: assume they were). The
+    baseline's row is marked "(baseline)" and has no deltas."""
+    labels = [label for label, _ in rows]
+    if baseline is not None and baseline not in labels:
+        raise ArgsError(f"--baseline {baseline}: no such policy in --evals (their labels: {', '.join(labels)})")
+    baseline = baseline if baseline is not None else (labels[0] if labels else None)
+    base = dict(rows).get(baseline, {})
     out = [["policy", *columns]]
-    for i, (label, scores) in enumerate(rows):
+    for label, scores in rows:
         cells = []
         for c in columns:
             task = c.rsplit("/", 1)[0]
-            same = bases is None or bases.get((label, task)) == bases.get((rows[0][0], task))
-            cells.append(_cell(scores.get(c), None if i == 0 else base.get(c), same))
-        out.append([label, *cells])
+            same = bases is None or bases.get((label, task)) == bases.get((baseline, task))
+            cells.append(_cell(scores.get(c), None if label == baseline else base.get(c), same))
+        out.append([f"{label} (baseline)" if label == baseline else label, *cells])
     return out
 
 
@@ -121,6 +133,9 @@ def ema(values: list[float], weight: float) -> list[float]:
     return out
 
 
+MIN_EMA_POINTS = 10  # below this an EMA trails the values by much of their range and is read as the value
+
+
 def run_kind(name: str) -> str:
     """The algorithm a run dir belongs to: its exp_name, the part of runs/<exp_name>__<model>__<seed>__<time> before
     the first "__" (a dir named otherwise is its own kind)."""
@@ -129,7 +144,8 @@ def run_kind(name: str) -> str:
 
 def curve_figure(histories: dict[str, list[dict]], metric: str, smoothing: float = 0.6):
     """A matplotlib figure of `metric` against step: one panel per run kind, one raw line (faint) and its EMA
-    (bold) per run; None when no run logged the metric."""
+    (bold) per run, or the raw line alone (solid) for a run of fewer than MIN_EMA_POINTS points; None when no run
+    logged the metric."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
@@ -150,7 +166,7 @@ def curve_figure(histories: dict[str, list[dict]], metric: str, smoothing: float
         for i, (name, pts) in enumerate(runs.items()):
             steps, values = zip(*pts)
             color = f"C{i}"
-            smooth = smoothing > 0 and len(pts) > 2  # an EMA of one or two points says nothing new
+            smooth = smoothing > 0 and len(pts) >= MIN_EMA_POINTS  # on a few points the EMA is read as the value
             ax.plot(
                 steps,
                 values,
@@ -185,8 +201,9 @@ def plot_curves(histories: dict[str, list[dict]], metric: str, path: str, smooth
 
 
 DELTAS_NOTE = (
-    "Deltas in parentheses are against the first row; none (not comparable) where the two were measured on a "
-    "different dataset, split, limit, number of scored examples or sampling."
+    "Deltas in parentheses are against the row marked (baseline) (--baseline; default the first --evals entry); "
+    "none (not comparable) where the two were measured on a different dataset, split, limit, number of scored "
+    "examples or sampling."
 )
 RUNS_NOTE = "Each metric column is the run's value at its last logged step (the curves below show every step)."
 
@@ -261,7 +278,7 @@ def main(args: Args) -> dict:
     histories = {os.path.basename(os.path.normpath(r)): read_metrics(r) for r in args.runs}
 
     # ---- 2 tables: eval scores with deltas; each run's length and last logged value of each plotted metric
-    cells = table_cells(*eval_table(summaries))
+    cells = table_cells(*eval_table(summaries), args.baseline)
     logged = {k for rows in histories.values() for r in rows for k in r}
     wanted = [*args.metrics, *sorted(k for k in logged if k.startswith("eval/"))]
     metrics = [m for m in dict.fromkeys(wanted) if m in logged]

@@ -379,7 +379,8 @@ class Checkpoints:
 
     def stop(self, reason: str, step: int, model, optimizer, scheduler, state: dict, result: dict) -> RunStopped:
         """The RunStopped a script raises to stop at `step`: a checkpoint of this step is saved first (unless the
-        loop's save just wrote it), and the message gives the command that resumes from it."""
+        loop's save just wrote it), and the message gives the command that resumes from it. reason "Ctrl-C" marks
+        the stop as requested (RunStopped.requested)."""
         path = os.path.join(self.run_dir, "checkpoints", f"step-{step}")
         if self.saved_step != step:
             path = self.save(step, model, optimizer, scheduler, state)
@@ -390,4 +391,5 @@ class Checkpoints:
             step,
             path,
             result,
+            requested=reason == "Ctrl-C",  # the user's own stop: the CLI reports it without "error:"
         )

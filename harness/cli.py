@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from typing import Annotated
 
 import torch
@@ -16,9 +17,11 @@ from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 from tyro.constructors import PrimitiveConstructorSpec
 
-from common.errors import USER_ERRORS, ArgsError, ModelError
+from common.errors import USER_ERRORS, ArgsError, ModelError, RunStopped
 from common.model import require
 from plugins.embedded import MODEL_ALIASES
+
+PROJECT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # a warning raised under it is ours
 
 
 @contextlib.contextmanager
@@ -26,24 +29,41 @@ def one_line_errors():
     """Wraps a CLI's `main(tyro.cli(Args))`: an error ends the process with one line on stderr and exit status 1
     (a second Ctrl-C: 130), not a traceback. Errors on the user's side (common.errors.USER_ERRORS) print their
     message; any other also names its type and that ONLYONE_DEBUG=1 shows the traceback (the exception is then
-    re-raised as it is). Off a terminal (a log file, CI) the hub, transformers and datasets loading bars are turned
-    off first: their carriage-return frames fill a log."""
+    re-raised as it is). A stop the user asked for (Ctrl-C: RunStopped.requested) is no error: its message alone
+    (it names the script, the checkpoint and the resume command) and status 130, the shell's code for an interrupt.
+    A warning is one line too, `<prog>: warning: <message>`, not Python's two (file:line: category, then the
+    warnings.warn( source line); one raised outside this project also names its category and origin. Off a terminal
+    (a log file, CI) the hub, transformers and datasets loading bars are turned off first: their carriage-return
+    frames fill a log."""
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's bars
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is first imported
     spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m evals.gsm8k` -> evals.gsm8k
     prog = spec.name if spec else os.path.basename(sys.argv[0])
+
+    def one_line_warning(message, category, filename, lineno, file=None, line=None):
+        ours = os.path.realpath(filename).startswith(PROJECT + os.sep)
+        origin = "" if ours else f" ({category.__name__} from {filename}:{lineno})"
+        print(f"{prog}: warning: {message}{origin}".replace("\n", " "), file=file or sys.stderr)
+
+    previous = warnings.showwarning
+    warnings.showwarning = one_line_warning  # the warnings module's documented hook for how a warning is shown
     try:
         yield
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except Exception as e:
+        if isinstance(e, RunStopped) and e.requested:  # the user's own stop: no error, nothing to debug
+            print(str(e).replace("\n", " "), file=sys.stderr)
+            raise SystemExit(130) from None
         if os.environ.get("ONLYONE_DEBUG"):
             raise
         hint = "" if isinstance(e, USER_ERRORS) else f" ({type(e).__name__}; ONLYONE_DEBUG=1 shows the traceback)"
         print(f"{prog}: error: {e}{hint}".replace("\n", " "), file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        warnings.showwarning = previous
 
 
 def resolve_preset(args, presets: dict[str, dict]):
@@ -170,7 +190,7 @@ def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
 def check_model_flags(args) -> None:
     """The model flags every script has, before any weights load: the LoRA settings (check_lora), an --adapter's files
     (check_adapter), what --no-use-lora cannot take (a quantized base takes no gradient; an --adapter would be
-    dropped without a word: merge it first), and bitsandbytes for --optim adamw_8bit."""
+    dropped without a word: merge it first), bitsandbytes for --optim adamw_8bit and wandb for --report-to wandb."""
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
     if not args.use_lora and args.quantization is not None:
         raise ArgsError(
@@ -186,6 +206,8 @@ def check_model_flags(args) -> None:
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.optim == "adamw_8bit":  # a missing bitsandbytes fails in seconds, not after the model loaded
         require("bitsandbytes", "--optim adamw_8bit")
+    if args.report_to == "wandb":  # the same: a missing wandb fails before the model loads, not at the first log
+        require("wandb", "--report-to wandb")
 
 
 class StopOnCtrlC:

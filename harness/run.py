@@ -1,5 +1,5 @@
-"""A run's directory, its metric log (TensorBoard + metrics.jsonl + a progress bar, or one plain line a step off a
-terminal), the cost of each step (seconds per phase, peak memory, tokens per second), and circuit-breaker
+"""A run's directory, its metric log (metrics.jsonl, TensorBoard or W&B, and a progress bar, or one plain line a step
+off a terminal), the cost of each step (seconds per phase, peak memory, tokens per second), and circuit-breaker
 bookkeeping (conditions that must hold for several steps in a row before they fire)."""
 
 import fcntl
@@ -17,6 +17,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 from common.errors import OutputDirError
+from common.model import require
 
 
 def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs") -> str:
@@ -95,9 +96,56 @@ class PhaseTimer:
         }
 
 
+WANDB_ID = "wandb-run-id.txt"  # in a run dir: the W&B run its metrics went to, which a resume of it continues
+
+
+def wandb_run(name: str, config: dict, run_id: str | None = None):
+    """A W&B run (wandb imported here: an optional package) in WANDB_PROJECT (default "onlyone") named `name`, with
+    `config` as its config; run_id continues that run instead (its name kept). As transformers' WandbCallback does,
+    every metric is plotted against "train/global_step", so a resume that logs a step again does not break W&B's
+    rule that its own step only grows; WANDB_MODE, WANDB_DIR, WANDB_ENTITY ... are read by wandb itself."""
+    wandb = require("wandb", "--report-to wandb")
+    run = wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "onlyone"),
+        name=None if run_id else name,
+        id=run_id,
+        resume="allow" if run_id else None,
+        reinit="finish_previous",  # an earlier run in this process (a stopped one, in a test) is closed, not reused
+    )
+    run.config.update(config, allow_val_change=True)  # a resume changes --resume-from-checkpoint
+    run.define_metric("train/global_step")
+    run.define_metric("*", step_metric="train/global_step", step_sync=True)
+    return run
+
+
+def log_scores(report_to: str, name: str, config: dict, scores: dict) -> None:
+    """An eval's scores to W&B (--report-to wandb): a run named like its files, with the eval's resolved args as its
+    config and the scores logged once (train/global_step 0, so they are also its summary); "none" logs nothing."""
+    if report_to != "wandb":
+        return
+    run = wandb_run(name, config)
+    run.log({**scores, "train/global_step": 0})
+    run.finish()
+
+
+def wandb_id_of(run_dir: str, resumed_from: str | None) -> str | None:
+    """The W&B run id recorded in run_dir (a run resumed in place) or in the run dir `resumed_from` belongs to (the
+    run dir itself or its checkpoints/step-N): the run a resume continues; None when neither holds one."""
+    dirs = [run_dir]
+    if resumed_from:
+        dirs += [resumed_from, os.path.dirname(os.path.dirname(os.path.normpath(resumed_from)))]
+    for folder in dirs:
+        path = os.path.join(folder, WANDB_ID)
+        if os.path.isfile(path):
+            with open(path) as f:
+                return f.read().strip()
+    return None
+
+
 class Logger:
-    """Every logged step goes to TensorBoard, to metrics.jsonl (one JSON object per step) and to a tqdm bar, or off a
-    terminal to one stderr line: step/total, the `show` metrics, s/step and ETA (averaged since the Logger started)."""
+    """Every logged step goes to metrics.jsonl (one JSON object per step), to TensorBoard or W&B (report_to; "none":
+    metrics.jsonl only) and to a tqdm bar, or off a terminal to one stderr line: step/total, the `show` metrics,
+    s/step and ETA (averaged since the Logger started)."""
 
     def __init__(
         self,
@@ -107,13 +155,23 @@ class Logger:
         show: tuple[str, ...] = ("loss",),
         start_step: int = 0,
         every: int = 1,
+        report_to: str = "tensorboard",
+        resumed_from: str | None = None,
     ):
-        """config: the run's resolved arguments, written to args.json; every: log each every-th step (and the last)."""
+        """config: the run's resolved arguments, written to args.json (and W&B's config); every: log each every-th
+        step (and the last); resumed_from: the checkpoint or run dir a resume starts from (its W&B run continues)."""
         self.run_dir = run_dir
         self.show = show
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(config, f, indent=2)
-        self.writer = SummaryWriter(run_dir)
+        self.writer = SummaryWriter(run_dir) if report_to == "tensorboard" else None
+        self.wandb = None
+        if report_to == "wandb":
+            self.wandb = wandb_run(
+                os.path.basename(os.path.normpath(run_dir)), config, wandb_id_of(run_dir, resumed_from)
+            )
+            with open(os.path.join(run_dir, WANDB_ID), "w") as f:
+                f.write(self.wandb.id)
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty())
         self.total = total_steps
@@ -127,8 +185,11 @@ class Logger:
         if step % self.every and step != self.total:
             return
         metrics = {k: float(v) for k, v in metrics.items()}
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, step)
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log({**metrics, "train/global_step": step})
         self.history.append({"step": step, **metrics})
         self.jsonl.write(json.dumps(self.history[-1]) + "\n")
         self.jsonl.flush()  # a crash loses at most the line being written
@@ -158,7 +219,10 @@ class Logger:
 
     def close(self) -> None:
         self.bar.close()
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         self.jsonl.close()
 
 

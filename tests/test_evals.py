@@ -446,7 +446,7 @@ def test_report_renders_tables_curves_and_one_html_file(tmp_path):
     for metric in ("loss", "reward", "kl", "completions/mean_length", "memory/peak_gb", "eval/gsm8k/accuracy"):
         assert os.path.getsize(out["plots"][metric]) > 1000 and out["plots"][metric].endswith(".png")
     md = open(out["markdown"]).read()
-    assert "| grpo | 0.350 (+0.150) |" in md and "| base | 0.200 |" in md and "![loss](loss.png)" in md
+    assert "| grpo | 0.350 (+0.150) |" in md and "| base (baseline) | 0.200 |" in md and "![loss](loss.png)" in md
     page = open(out["html"]).read()
     assert page.count("data:image/png;base64,") == 6 and "0.250 (-0.050)" in page and "0.450 (+0.050)" in page
     assert 'src="http' not in page and '.png"' not in page  # self-contained: no external or file references
@@ -475,6 +475,34 @@ def test_report_gives_no_delta_between_different_example_sets():
     ]
     with pytest.raises(ArgsError, match="two summaries for 'base' on gsm8k"):
         eval_table([summary("base", 0.2, limit=100, n=100), summary("base", 0.3, limit=100, n=100)])
+
+
+def test_report_marks_its_baseline_and_draws_a_short_curve_raw():
+    """The deltas were against whichever --evals came first and nothing said so: the baseline's row is marked, and
+    --baseline names another (an unknown one is refused). A 3-point curve was drawn as a faint raw line under a bold
+    EMA ending at 1.546 where the last value is 1.692: below MIN_EMA_POINTS (10) points the values alone are drawn."""
+    from common.errors import ArgsError
+    from evals.report import MIN_EMA_POINTS, curve_figure, eval_table, table_cells
+
+    summaries = [
+        {"task": "gsm8k", "label": "base", "accuracy": 0.2},
+        {"task": "gsm8k", "label": "grpo", "accuracy": 0.35},
+    ]
+    assert table_cells(*eval_table(summaries))[1:] == [["base (baseline)", "0.200"], ["grpo", "0.350 (+0.150)"]]
+    assert table_cells(*eval_table(summaries), "grpo")[1:] == [
+        ["base", "0.200 (-0.150)"],
+        ["grpo (baseline)", "0.350"],
+    ]
+    with pytest.raises(ArgsError, match=r"^--baseline sft: no such policy in --evals \(their labels: base, grpo\)"):
+        table_cells(*eval_table(summaries), "sft")
+
+    short = [{"step": 1, "loss": 1.3}, {"step": 2, "loss": 1.45}, {"step": 3, "loss": 1.692}]
+    [panel] = [ax for ax in curve_figure({"grpo__m__1__a": short}, "loss", 0.6).axes if ax.get_visible()]
+    [line] = panel.lines
+    assert list(line.get_ydata()) == [1.3, 1.45, 1.692] and line.get_alpha() in (None, 1.0)
+    long = [{"step": s, "loss": 1.0 + s / 10} for s in range(1, MIN_EMA_POINTS + 1)]
+    [panel] = [ax for ax in curve_figure({"grpo__m__1__a": long}, "loss", 0.6).axes if ax.get_visible()]
+    assert len(panel.lines) == 2  # from 10 points: the raw line and its EMA
 
 
 def test_cli_parsing():

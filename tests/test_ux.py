@@ -1,5 +1,6 @@
 """What a user watching, exporting and sharing a run sees: log-file output, merged exports, shareable adapters."""
 
+import dataclasses
 import json
 import os
 import re
@@ -14,7 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_dir, tmp_path):
     """stderr to a file (not a terminal): one plain line per logged step, no carriage-return bar frames, and no
-    transformers FutureWarning from PEFT wrapping the model (gradient checkpointing on, the path that used to warn)."""
+    transformers FutureWarning from PEFT wrapping the model (gradient checkpointing on, the path that used to warn).
+    Rows too long for --max-length are dropped with one line naming the script: it was Python's
+    `.../common/data.py:632: UserWarning: dropped ...` line and then its `warnings.warn(` source line."""
     log = tmp_path / "run.log"
     with open(log, "w") as err:
         done = subprocess.run(
@@ -28,7 +31,7 @@ def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_di
                 "--max-steps",
                 "2",
                 "--max-length",
-                "256",
+                "150",
                 "--gradient-checkpointing",
                 "--output-dir",
                 str(tmp_path / "runs"),
@@ -49,6 +52,9 @@ def test_log_file_run_prints_one_line_per_step_and_no_loading_bars(tiny_model_di
     assert steps == ["1", "2"], text[-2000:]
     assert "\r" not in text, text[:2000]
     assert "is_gradient_checkpointing" not in text and "FutureWarning" not in text, text[-2000:]
+    assert "warnings.warn(" not in text and "UserWarning" not in text, text[-2000:]
+    [dropped] = [line for line in text.splitlines() if "dropped" in line]
+    assert re.match(r"sft\.py: warning: dropped \d+ of 2000 supervised rows because no completion token", dropped)
 
 
 def test_end_of_run_trend_averages_the_first_and_last_quarter_of_logged_values(tmp_path):
@@ -156,7 +162,7 @@ def test_report_plots_one_panel_per_run_kind_with_ema_and_integer_steps(tmp_path
     fig = curve_figure(histories, "loss", 0.6)
     panels = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in panels] == ["sft: loss", "dpo: loss", "grpo: loss"]  # no shared loss axis
-    assert [len(ax.lines) for ax in panels] == [2, 2, 4]  # raw + EMA per run
+    assert [len(ax.lines) for ax in panels] == [1, 1, 4]  # raw + EMA per run of 10+ points; 8 points: raw only
     grpo = panels[2]
     raw, smooth = grpo.lines[0], grpo.lines[1]
     assert raw.get_alpha() < 1 and smooth.get_linewidth() > raw.get_linewidth()
@@ -339,3 +345,145 @@ def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path, mo
             assert (ours - model(ids).logits).abs().max() > 0.01  # the adapter does something
     assert torch.equal(ours, theirs)
     assert scope["tokenizer"].eos_token == "<|im_end|>"
+
+
+# ---- --report-to: TensorBoard (default), W&B (read back from its offline run files), none
+def wandb_offline_runs(wandb_dir) -> list[dict]:
+    """Every offline W&B run under wandb_dir, read back from its run-<id>.wandb file (W&B's record log: a 7-byte
+    header, then 32 KiB blocks of records, each a 7-byte header of crc, length, type and a piece of one protobuf
+    Record): {"id", "name", "project", "config", "history"} per run file."""
+    import glob
+    import struct
+
+    import wandb
+    from wandb.proto import wandb_internal_pb2
+
+    wandb.teardown()  # a finished run's last records reach its file from W&B's service process, which this waits for
+    runs = []
+    for path in sorted(glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb"))):
+        data = open(path, "rb").read()
+        run = {"config": {}, "history": []}
+        pos = 7
+        pieces = b""
+        while pos + 7 <= len(data):
+            left_in_block = 32768 - pos % 32768
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if left_in_block < 7 or (length == 0 and kind == 0):  # a block's zero padding
+                pos += left_in_block
+                continue
+            pieces += data[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            if kind not in (1, 4):  # FULL or LAST: a whole Record is in `pieces`
+                continue
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            field = record.WhichOneof("record_type")
+            if field == "run":
+                run |= {"id": record.run.run_id, "name": record.run.display_name, "project": record.run.project}
+            elif field == "config":
+                run["config"] |= {item.key: json.loads(item.value_json) for item in record.config.update}
+            elif field == "history":
+                items = record.history.item  # a key with "/" may come as nested_key parts
+                run["history"].append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+                )
+        runs.append(run)
+    return runs
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """W&B in offline mode with every file it writes under tmp_path/wandb-home."""
+    wandb = pytest.importorskip("wandb")
+    home = tmp_path / "wandb-home"
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(home))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    yield home
+    wandb.teardown()  # wandb reads its settings once per process: the next test's WANDB_DIR would be ignored
+
+
+def test_report_to_wandb_sends_the_resolved_args_and_every_logged_step(tiny_model_dir, wandb_offline, tmp_path):
+    """A one-step sft.py run with --report-to wandb: one W&B run named after the run dir, in project onlyone, whose
+    config is args.json and whose history holds the step's metrics (the keys of metrics.jsonl, at its step)."""
+    import sft
+
+    args = sft.Args(model=tiny_model_dir, dataset="builtin:math_sft", max_steps=1, max_length=256, save_steps=0)
+    out = sft.main(dataclasses.replace(args, output_dir=str(tmp_path / "runs"), report_to="wandb"))
+    [run] = wandb_offline_runs(wandb_offline)
+    run_dir = out["run_dir"]
+    assert run["name"] == os.path.basename(run_dir) and run["project"] == "onlyone"
+    assert open(os.path.join(run_dir, "wandb-run-id.txt")).read() == run["id"]
+    resolved = json.load(open(os.path.join(run_dir, "args.json")))
+    assert {k: run["config"][k] for k in resolved} == resolved and resolved["report_to"] == "wandb"
+    [logged] = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    [sent] = run["history"]
+    assert sent["train/global_step"] == logged["step"] == 1
+    assert {k: sent[k] for k in logged if k != "step"} == pytest.approx(
+        {k: v for k, v in logged.items() if k != "step"}
+    )
+    assert not [f for f in os.listdir(run_dir) if f.startswith("events.out.tfevents")]  # W&B instead of TensorBoard
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_none_writes_no_tensorboard_events(wandb_offline, tmp_path):
+    """The W&B run id is kept in the run dir; a resume from that run dir or one of its checkpoints (a new run dir)
+    logs to the same W&B run. --report-to none writes metrics.jsonl and no TensorBoard events; the default does."""
+    from harness.run import Logger
+
+    first = tmp_path / "sft__m__1__a"
+    resumed = tmp_path / "sft__m__1__b"
+    for folder in (first, resumed):
+        folder.mkdir()
+    logger = Logger(str(first), {"learning_rate": 0.1}, 2, report_to="wandb")
+    logger.log(1, {"loss": 1.5})
+    logger.close()
+    logger = Logger(
+        str(resumed),
+        {"learning_rate": 0.1},
+        2,
+        start_step=1,
+        report_to="wandb",
+        resumed_from=str(first / "checkpoints" / "step-1"),
+    )
+    logger.log(2, {"loss": 1.25})
+    logger.close()
+    runs = wandb_offline_runs(wandb_offline)
+    assert [r["id"] for r in runs] == [runs[0]["id"]] * 2
+    assert sorted((h["train/global_step"], h["loss"]) for r in runs for h in r["history"]) == [(1, 1.5), (2, 1.25)]
+
+    for report_to, events in (("none", 0), ("tensorboard", 1)):
+        folder = tmp_path / report_to
+        folder.mkdir()
+        logger = Logger(str(folder), {}, 1, report_to=report_to)
+        logger.log(1, {"loss": 1.0})
+        logger.close()
+        assert len([f for f in os.listdir(folder) if f.startswith("events.out.tfevents")]) == events
+        assert json.loads((folder / "metrics.jsonl").read_text()) == {"step": 1, "loss": 1.0}
+
+
+def test_report_to_wandb_without_wandb_fails_first_naming_the_pip_command(tmp_path, monkeypatch):
+    import importlib.util
+
+    import evals.gsm8k as gsm8k
+    import grpo
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    missing = str(tmp_path / "no-such-model")  # reached only if the check did not stop the run first
+    for main, args in ((grpo.main, grpo.Args(model=missing)), (gsm8k.main, gsm8k.Args(model=missing))):
+        with pytest.raises(ImportError, match=r"^--report-to wandb needs .*'wandb': pip install wandb$"):
+            main(dataclasses.replace(args, report_to="wandb", dataset="builtin:math"))
+
+
+def test_gsm8k_eval_reports_its_scores_to_wandb(tiny_model_dir, wandb_offline, tmp_path):
+    import evals.gsm8k as gsm8k
+
+    args = gsm8k.Args(model=tiny_model_dir, dataset="builtin:math", limit=2, max_new_tokens=3, label="tiny")
+    out = gsm8k.main(dataclasses.replace(args, output_dir=str(tmp_path), report_to="wandb"))
+    [run] = wandb_offline_runs(wandb_offline)
+    assert run["name"] == "tiny__builtin-math" and run["config"]["limit"] == 2
+    [sent] = run["history"]
+    assert sent["eval/builtin-math/accuracy"] == out["accuracy"] and sent["eval/builtin-math/n"] == 2
