@@ -20,6 +20,11 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
+
 import torch
 import tyro
 from transformers import get_scheduler

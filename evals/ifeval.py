@@ -24,10 +24,14 @@ import random
 import re
 import time
 from dataclasses import dataclass
-
-import tyro
 from typing import Literal
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, None)
+
+import tyro
 
 from common.data import load_rows, tokenize_prompt
 from common.errors import DataError

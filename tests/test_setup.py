@@ -1,0 +1,84 @@
+"""Getting started: --help without the heavy imports (harness.fast_help), progress lines off a terminal (the embedded
+model's conversion, the evals), the vLLM virtualenv made from inside a virtualenv (scripts/vllm_venv.py) and the one
+test command (scripts/test.py)."""
+
+import contextlib
+import importlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import tyro
+
+from harness.fast_help import help_before_imports
+from tests.conftest import ROOT
+
+SCRIPTS = ("sft", "dpo", "orpo", "kto", "rm", "grpo", "raft")
+# (command after `python`, the module tests import to build the same help the slow way, its description)
+TOOLS = [([f"{s}.py"], s, "doc") for s in SCRIPTS] + [
+    (["-m", "evals.gsm8k"], "evals.gsm8k", None),
+    (["-m", "evals.ifeval"], "evals.ifeval", None),
+    (["-m", "evals.report"], "evals.report", None),
+    (["scripts/merge_adapter.py"], "scripts.merge_adapter", None),
+]
+HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "datasets")
+
+
+def quiet_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="120")
+
+
+@pytest.mark.parametrize("command,module,description", TOOLS, ids=[" ".join(t[0]) for t in TOOLS])
+def test_help_imports_no_heavy_package_and_matches_tyros_own(command, module, description, monkeypatch):
+    """`--help` is answered before torch, transformers and peft load (-X importtime lists every module imported), and
+    prints what tyro prints for the script's real Args (both in this process: the same console)."""
+    for flag in ("--help", "-h") if module == "sft" else ("--help",):
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", *command, flag],
+            cwd=ROOT,
+            env=quiet_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported = {
+            line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")
+        }
+        assert not imported & set(HEAVY), f"{command} {flag} imported {sorted(imported & set(HEAVY))}"
+    mod = importlib.import_module(module)
+    if description == "doc":
+        description = mod.__doc__.split("\n\n")[0]
+    monkeypatch.setattr(sys, "argv", [command[-1], "--help"])
+    fast = io.StringIO()
+    with contextlib.redirect_stdout(fast), pytest.raises(SystemExit):
+        help_before_imports("__main__", mod.__file__, description)
+    slow = io.StringIO()
+    with contextlib.redirect_stdout(slow), pytest.raises(SystemExit):
+        tyro.cli(mod.Args, description=description)
+    assert "usage:" in fast.getvalue() and fast.getvalue() == slow.getvalue()
+
+
+def test_help_falls_back_to_the_full_import_when_args_needs_a_third_party_name(tmp_path):
+    """A fork whose Args default comes from a package: the fast path cannot build Args, so the script imports as
+    usual and tyro prints the help (with that default)."""
+    fork = tmp_path / "fork.py"
+    fork.write_text(
+        "import sys\n"
+        "from dataclasses import dataclass\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from harness.fast_help import help_before_imports\n"
+        "help_before_imports(__name__, __file__, None)\n"
+        "import tyro\n"
+        "@dataclass\n"
+        "class Args:\n"
+        "    backend: str = tyro.__name__\n"
+        '    """where the default comes from"""\n'
+        "if __name__ == '__main__':\n"
+        "    tyro.cli(Args)\n"
+    )
+    done = subprocess.run([sys.executable, str(fork), "--help"], env=quiet_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(default: tyro)" in done.stdout and "where the default comes from" in done.stdout
