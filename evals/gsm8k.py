@@ -103,7 +103,7 @@ def main(args: Args) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     result = evaluate_gsm8k(
-        model, tokenizer, rows, args.batch_size, args.max_new_tokens, args.temperature, args.num_samples
+        model, tokenizer, rows, args.batch_size, args.max_new_tokens, args.temperature, args.num_samples, progress=True
     )
     eval_s = time.perf_counter() - t0
 

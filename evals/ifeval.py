@@ -235,7 +235,7 @@ def main(args: Args) -> dict:
     t0 = time.perf_counter()
     chats = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     prompt_ids = [tokenize_prompt(tokenizer, chat, None)["prompt_ids"] for chat in chats]
-    responses = generate_completions(model, tokenizer, prompt_ids, args.batch_size, args.max_new_tokens)
+    responses = generate_completions(model, tokenizer, prompt_ids, args.batch_size, args.max_new_tokens, progress=True)
     records, metrics = score(rows, responses)
     eval_s = time.perf_counter() - t0
 
