@@ -6,6 +6,8 @@ import contextlib
 import importlib
 import io
 import os
+import pathlib
+import site
 import subprocess
 import sys
 
@@ -82,3 +84,26 @@ def test_help_falls_back_to_the_full_import_when_args_needs_a_third_party_name(t
     done = subprocess.run([sys.executable, str(fork), "--help"], env=quiet_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(default: tyro)" in done.stdout and "where the default comes from" in done.stdout
+
+
+def test_vllm_venv_made_from_inside_a_venv_sees_that_venvs_packages(tmp_path):
+    """scripts/vllm_venv.py run as a user inside a virtualenv runs it (that venv's python first on PATH): the new venv
+    imports what the outer venv has (a module only the outer venv holds; torch and transformers, which it reaches
+    through the test interpreter's site-packages, as if installed in it). `python -m venv --system-site-packages`
+    from the outer venv would miss the outer venv's module. --no-install: no pip, no vllm."""
+    outer = tmp_path / "outer"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(outer)], check=True)
+    outer_python = outer / "bin" / "python"
+    code = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site_packages = pathlib.Path(subprocess.check_output([outer_python, "-c", code], text=True).strip())
+    (site_packages / "onlyone_outer_marker.py").write_text("WHERE = 'outer venv'\n")
+    (site_packages / "test_interpreter.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    env = dict(os.environ, PATH=f"{outer / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(outer))
+    made = tmp_path / "vllm-venv"
+    cmd = ["python", "scripts/vllm_venv.py", "--venv", str(made), "--no-install"]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=120)
+    check = "import onlyone_outer_marker, torch, transformers; print(onlyone_outer_marker.WHERE, torch.__file__)"
+    done = subprocess.run([made / "bin" / "python", "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:2] == ["outer", "venv"]
+    assert done.stdout.split()[2] == importlib.import_module("torch").__file__
