@@ -1,6 +1,6 @@
 """Getting started: --help without the heavy imports (harness.fast_help), progress lines off a terminal (the embedded
 model's conversion, the evals), the vLLM virtualenv made from inside a virtualenv (scripts/vllm_venv.py) and the one
-test command (scripts/test.py)."""
+test command (scripts/run_tests.py)."""
 
 import contextlib
 import importlib
@@ -107,3 +107,36 @@ def test_vllm_venv_made_from_inside_a_venv_sees_that_venvs_packages(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[:2] == ["outer", "venv"]
     assert done.stdout.split()[2] == importlib.import_module("torch").__file__
+
+
+def test_run_tests_names_each_missing_requirement_with_the_command_that_gets_it(monkeypatch):
+    from scripts import run_tests
+
+    monkeypatch.setattr(run_tests.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else True)
+    monkeypatch.setattr(run_tests.shutil, "which", lambda name: None if name == "bwrap" else "/usr/bin/" + name)
+    assert run_tests.missing() == [
+        "bitsandbytes (for the QLoRA and 8-bit AdamW tests): pip install -r requirements-cpu-extras.txt",
+        "bwrap (for the code reward's bubblewrap sandbox tests): apt-get install bubblewrap",
+    ]
+    monkeypatch.setattr(sys, "argv", ["run_tests.py", "--dry-run"])
+    assert run_tests.main() == 2  # stops before running anything
+
+
+def test_run_tests_runs_lint_the_suite_two_numerics_reruns_and_the_vllm_tests_in_order():
+    from scripts import run_tests
+
+    steps = [(extra, cmd[1:]) for extra, cmd in run_tests.commands("/v/bin/python")]
+    assert steps == [
+        ({}, ["check", "."]),
+        ({}, ["format", "--check", "."]),
+        ({}, ["-m", "pytest", "-q", "-m", "not vllm"]),
+        (run_tests.SUITE[1][0], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
+        (run_tests.SUITE[2][0], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
+        ({}, ["-m", "pytest", "-q", "-m", "vllm"]),
+    ]
+    assert (
+        run_tests.SUITE[1][0]["ATEN_CPU_CAPABILITY"] == "avx2"
+        and run_tests.SUITE[2][0]["ATEN_CPU_CAPABILITY"] == "default"
+    )
+    assert run_tests.commands("/v/bin/python")[-1][1][0] == "/v/bin/python"
+    assert len(run_tests.commands(None)) == 5  # --no-vllm
