@@ -185,7 +185,8 @@ def test_every_script_prints_its_resolved_config_before_loading(module, tmp_path
         module.main(module.Args(model=str(tmp_path / "no-model"), dataset=data, output_dir=str(tmp_path), max_steps=3))
     printed = capsys.readouterr().out
     name = module.__name__
-    assert f"{name}: preset trl, model {tmp_path / 'no-model'}" in printed  # any other model: the trl preset
+    # any other model: the trl preset, with the demo's data given here instead of its own
+    assert f"{name}: preset trl (its settings, your dataset), model {tmp_path / 'no-model'}" in printed
     assert "3 steps x " in printed and "a checkpoint every 100 steps" in printed
 
 
