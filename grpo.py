@@ -30,6 +30,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
+
 import torch
 import torch.nn.functional as F
 import tyro
@@ -49,7 +54,7 @@ from common.rollout import check_sampling, hf_generate
 # script that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import resolve_preset
+from harness.cli import preset_label, resolve_preset
 from harness.hub import check_dataset, locate_model
 from harness.memory import Generate, Pass, longest_row, plan_memory
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
@@ -626,7 +631,9 @@ def main(args: Args) -> dict:
         eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column
-    print_config("grpo", args.preset, args.model, config_lines(args, len(rows), len(eval_rows), eval_src))
+    print_config(
+        "grpo", preset_label(args, PRESETS), args.model, config_lines(args, len(rows), len(eval_rows), eval_src)
+    )
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}

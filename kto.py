@@ -29,6 +29,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
+
 import torch
 import tyro
 from transformers import get_scheduler
@@ -44,7 +49,8 @@ from common.model import adamw_8bit
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import OptionalBool, resolve_preset, training_lines
+from harness.cli import preset_label, resolve_preset, training_lines
+from harness.flags import OptionalBool
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
@@ -263,7 +269,7 @@ def main(args: Args) -> dict:
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns
     if len(rows) < 2:  # (tokenize_dataset's drops are checked again below)
         raise DataError(f"{args.dataset}: one row; KTO needs >= 2 (its KL pairs take another row's completion)")
-    print_config("kto", args.preset, args.model, training_lines(args, len(rows), args.use_lora))
+    print_config("kto", preset_label(args, PRESETS), args.model, training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}

@@ -19,6 +19,11 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
+
 import torch
 import torch.nn.functional as F
 import tyro
@@ -34,7 +39,7 @@ from common.model import adamw_8bit
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import resolve_preset, training_lines
+from harness.cli import preset_label, resolve_preset, training_lines
 from harness.hub import check_dataset, locate_model
 from harness.memory import Pass, longest_row, plan_memory
 from harness.run import Logger, PhaseTimer, make_run_dir
@@ -207,7 +212,7 @@ def main(args: Args) -> dict:
     rows, eval_rows = load_splits(
         args.dataset, args.dataset_split, args.eval_split, "preference", args.eval_steps, builtin=builtin_rows
     )  # eval_rows [] without --eval-split
-    print_config("orpo", args.preset, args.model, training_lines(args, len(rows), args.use_lora))
+    print_config("orpo", preset_label(args, PRESETS), args.model, training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}

@@ -31,6 +31,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
+
 import torch
 import torch.nn.functional as F
 import tyro
@@ -48,7 +53,7 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import check_run_dir_identity, load_weights, run_identity, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import resolve_preset
+from harness.cli import preset_label, resolve_preset
 from harness.hub import check_dataset, locate_model
 from harness.memory import Generate, Pass, longest_row, plan_memory
 from harness.run import Logger, lock_run_dir, make_run_dir, peak_memory_gb
@@ -464,7 +469,9 @@ def main(args: Args) -> dict:
     eval_rows = gsm8k_rows(args.eval_dataset, args.eval_split, args.eval_limit) if args.eval_limit else []
     reward_funcs = [] if spin else load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})
     check_reward_fields(rows, reward_funcs)  # e.g. `math` needs an `answer` column
-    print_config("raft", args.preset, args.model, config_lines(args, len(rows), len(eval_rows), G, use_ref))
+    print_config(
+        "raft", preset_label(args, PRESETS), args.model, config_lines(args, len(rows), len(eval_rows), G, use_ref)
+    )
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}

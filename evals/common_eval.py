@@ -11,6 +11,7 @@ import os
 import pathlib
 import re
 import sys
+import time
 
 from tqdm.auto import tqdm
 
@@ -94,9 +95,12 @@ def generate_completions(
     max_new_tokens: int = 512,
     temperature: float = 0.0,
     num_samples: int = 1,
+    progress: bool = False,
 ) -> list[str]:
     """Completions (decoded, special tokens dropped) for tokenized prompts: greedy at temperature 0, else
     num_samples draws per prompt; prompt i's are at [i * num_samples, (i + 1) * num_samples).
+    progress (the eval CLIs): a line saying what runs, then a bar per batch in a terminal, or off one (a log file)
+    a plain stderr line per batch with the time left; without it (an eval inside training) only a terminal's bar.
 
     Each batch (batch_size prompts) is one `common.rollout.hf_generate` call, the engine the RL scripts sample with,
     so the same EOS ids stop a completion and the model's generation_config cannot add sampling or penalties.
@@ -106,7 +110,14 @@ def generate_completions(
     order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))
     texts: list[str] = [""] * (len(prompt_ids) * num_samples)
     starts = range(0, len(order), batch_size)
-    for start in tqdm(starts, desc="generate", unit="batch", disable=len(starts) < 2 or not sys.stderr.isatty()):
+    in_terminal = sys.stderr.isatty()
+    if progress:
+        size = f"{len(prompt_ids)} prompts x {num_samples}" if num_samples > 1 else f"{len(prompt_ids)} prompts"
+        say = f"{size} in {len(starts)} batches of up to {batch_size}, up to {max_new_tokens} new tokens each"
+        print(f"generate: {say}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    bar = tqdm(starts, desc="generate", unit="batch", disable=not in_terminal or (len(starts) < 2 and not progress))
+    for done, start in enumerate(bar, 1):
         idx = order[start : start + batch_size]
         out = hf_generate(
             model,
@@ -118,6 +129,15 @@ def generate_completions(
         )
         for j, text in enumerate(out["completions"]):  # hf_generate returns each prompt's group together
             texts[idx[j // num_samples] * num_samples + j % num_samples] = text
+        if progress and not in_terminal:
+            elapsed = time.perf_counter() - t0
+            left = elapsed / done * (len(starts) - done)
+            prompts = f"{start + len(idx)}/{len(order)} prompts"
+            print(
+                f"generate: batch {done}/{len(starts)} ({prompts}), {elapsed:.0f} s, ~{left:.0f} s left",
+                file=sys.stderr,
+                flush=True,
+            )
     return texts
 
 
@@ -184,6 +204,7 @@ def evaluate_gsm8k(
     max_new_tokens: int = 512,
     temperature: float = 0.0,
     num_samples: int = 1,
+    progress: bool = False,
 ) -> dict:
     """Decode every row of gsm8k_rows() (greedy, or num_samples draws at temperature) and score each completion:
     {accuracy (mean over the judged completions), n (judged completions), unscored (completions whose reference has
@@ -191,7 +212,7 @@ def evaluate_gsm8k(
     # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
     prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
     completions = generate_completions(
-        model, tokenizer, prompt_ids, batch_size, max_new_tokens, temperature, num_samples
+        model, tokenizer, prompt_ids, batch_size, max_new_tokens, temperature, num_samples, progress
     )
     rows = [row for row in rows for _ in range(num_samples)]  # completions come grouped by prompt
     scored = score(completions, [row["reference"] for row in rows])

@@ -26,6 +26,11 @@ from dataclasses import asdict, dataclass
 
 from typing import Literal
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, None)
+
 import torch
 import tyro
 
@@ -61,8 +66,9 @@ class Args:
     """split to evaluate (hub and builtin sets; ignored for files)"""
     limit: int | None = None
     """evaluate only the first N examples"""
-    instruction: str = MATH_INSTRUCTION
-    """appended to each {question} row on a new line ('' for the bare question); builtin:math rows carry their own"""
+    instruction: str | None = None
+    """appended to each {question} row on a new line ('' for the bare question); None = common.data.MATH_INSTRUCTION
+    (asks for the final answer as '#### N'); builtin:math rows carry their own"""
     attributes: str | None = None
     """SteerLM: the attribute levels to ask for, e.g. correct:1,length:0, written into every prompt the way sft.py
     wrote its rows' `attributes` (plugins.steerlm.steer_prompt); results are named with them"""
@@ -94,7 +100,8 @@ def main(args: Args) -> dict:
         raise ArgsError(f"--num-samples {args.num_samples} needs --temperature > 0 (greedy decoding gives 1 sample)")
     if args.report_to == "wandb":
         require("wandb", "--report-to wandb")
-    rows = gsm8k_rows(args.dataset, args.split, args.limit, args.instruction, args.attributes, args.attributes_in)
+    instruction = MATH_INSTRUCTION if args.instruction is None else args.instruction
+    rows = gsm8k_rows(args.dataset, args.split, args.limit, instruction, args.attributes, args.attributes_in)
 
     # ---- 2 model: base, base + adapter, or a run's checkpoint
     t0 = time.perf_counter()
@@ -105,7 +112,7 @@ def main(args: Args) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     result = evaluate_gsm8k(
-        model, tokenizer, rows, args.batch_size, args.max_new_tokens, args.temperature, args.num_samples
+        model, tokenizer, rows, args.batch_size, args.max_new_tokens, args.temperature, args.num_samples, progress=True
     )
     eval_s = time.perf_counter() - t0
 

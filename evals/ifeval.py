@@ -24,10 +24,14 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass
-
-import tyro
 from typing import Literal
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, None)
+
+import tyro
 
 from common.data import load_rows, tokenize_prompt
 from common.errors import DataError
@@ -236,7 +240,7 @@ def main(args: Args) -> dict:
     t0 = time.perf_counter()
     chats = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     prompt_ids = [tokenize_prompt(tokenizer, chat, None)["prompt_ids"] for chat in chats]
-    responses = generate_completions(model, tokenizer, prompt_ids, args.batch_size, args.max_new_tokens)
+    responses = generate_completions(model, tokenizer, prompt_ids, args.batch_size, args.max_new_tokens, progress=True)
     records, metrics = score(rows, responses)
     eval_s = time.perf_counter() - t0
 

@@ -22,6 +22,11 @@ import time
 import warnings
 from dataclasses import dataclass
 
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, None)
+
 import tyro
 
 from common.errors import ArgsError

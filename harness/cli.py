@@ -10,15 +10,13 @@ import signal
 import sys
 import threading
 import warnings
-from typing import Annotated
 
 import torch
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
-from tyro.constructors import PrimitiveConstructorSpec
 
 from common.errors import USER_ERRORS, ArgsError, ModelError, RunStopped
-from common.model import require
+from common.model import pick_device, require, resolve_dtype
 from plugins.embedded import MODEL_ALIASES
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # a warning raised under it is ours
@@ -78,6 +76,15 @@ def resolve_preset(args, presets: dict[str, dict]):
     return dataclasses.replace(args, preset=name, **values)
 
 
+def preset_label(args, presets: dict[str, dict]) -> str:
+    """How print_config names the preset after resolve_preset: its name, or when --dataset replaced the preset's
+    dataset, that too (a run on your own data filled from the demo preset is not the demo)."""
+    preset_dataset = presets[args.preset].get("dataset")
+    if preset_dataset is None or args.dataset == preset_dataset:
+        return args.preset
+    return f"{args.preset} (its settings, your dataset)"
+
+
 def print_config(script: str, preset: str, model: str, lines: dict[str, str]) -> None:
     """The resolved configuration a run starts with, one aligned line per topic (the full set is in args.json)."""
     width = max(map(len, lines))
@@ -94,31 +101,9 @@ def training_lines(args, n_rows: int, lora: bool = True) -> dict[str, str]:
         "data": f"{args.dataset} {args.dataset_split}: {n_rows} rows, max length {args.max_length}",
         "steps": f"{steps} x {rows}",
         "optimizer": f"lr {args.learning_rate:g} ({args.lr_scheduler_type}, warmup {args.warmup_steps}), {trained}",
-        "backend": f"dtype {args.dtype}, quantization {args.quantization}",
+        "backend": f"dtype {resolve_dtype(args.dtype, pick_device())}, quantization {args.quantization}",
         "output": f"{args.output_dir}/, a checkpoint every {args.save_steps} steps (keep {args.save_total_limit})",
     }
-
-
-def _flag_value(strings: list[str]) -> bool:
-    if not strings:  # the bare flag, as TRL's HfArgumentParser reads a bool field given without a value
-        return True
-    if len(strings) > 1 or strings[0].lower() not in ("true", "false"):
-        raise ValueError(f"expected nothing, True or False, got {' '.join(strings)!r}")
-    return strings[0].lower() == "true"
-
-
-# A `bool | None` field whose None means "decided by the run" (e.g. by --no-use-lora), that still reads as a flag:
-# `--x` = True, `--x False` = False, absent = None (tyro alone would demand a value: `--x {None,True,False}`).
-OptionalBool = Annotated[
-    bool | None,
-    PrimitiveConstructorSpec(
-        nargs="*",
-        metavar="[True|False]",
-        instance_from_str=_flag_value,
-        is_instance=lambda value: value is None or isinstance(value, bool),
-        str_from_instance=lambda value: [str(value)],
-    ),
-]
 
 
 def flag_name(name: str) -> str:

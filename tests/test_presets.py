@@ -8,6 +8,7 @@ import os
 import re
 
 import pytest
+import torch
 import tyro
 
 import dpo
@@ -184,5 +185,20 @@ def test_every_script_prints_its_resolved_config_before_loading(module, tmp_path
         module.main(module.Args(model=str(tmp_path / "no-model"), dataset=data, output_dir=str(tmp_path), max_steps=3))
     printed = capsys.readouterr().out
     name = module.__name__
-    assert f"{name}: preset trl, model {tmp_path / 'no-model'}" in printed  # any other model: the trl preset
+    # any other model: the trl preset, with the demo's data given here instead of its own
+    assert f"{name}: preset trl (its settings, your dataset), model {tmp_path / 'no-model'}" in printed
     assert "3 steps x " in printed and "a checkpoint every 100 steps" in printed
+
+
+def test_a_run_on_your_own_data_is_not_labelled_the_demo_and_shows_its_resolved_dtype():
+    """The start-up block names the preset a run took its settings from, and says so when --dataset replaced the
+    preset's data; the backend line gives the dtype the weights load in (as grpo.py's does), not `auto`."""
+    from harness.cli import preset_label, training_lines
+
+    demo = resolve_preset(sft.Args(), sft.PRESETS)
+    mine = resolve_preset(sft.Args(dataset="mine.jsonl"), sft.PRESETS)
+    assert (demo.preset, mine.preset) == ("demo", "demo")  # args.json keeps a replayable --preset
+    assert preset_label(demo, sft.PRESETS) == "demo"
+    assert preset_label(mine, sft.PRESETS) == "demo (its settings, your dataset)"
+    expected = "torch.bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "torch.float32"
+    assert training_lines(demo, 10)["backend"].startswith(f"dtype {expected},")

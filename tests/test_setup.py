@@ -1,0 +1,142 @@
+"""Getting started: --help without the heavy imports (harness.fast_help), progress lines off a terminal (the embedded
+model's conversion, the evals), the vLLM virtualenv made from inside a virtualenv (scripts/vllm_venv.py) and the one
+test command (scripts/run_tests.py)."""
+
+import contextlib
+import importlib
+import io
+import os
+import pathlib
+import site
+import subprocess
+import sys
+
+import pytest
+import tyro
+
+from harness.fast_help import help_before_imports
+from tests.conftest import ROOT
+
+SCRIPTS = ("sft", "dpo", "orpo", "kto", "rm", "grpo", "raft")
+# (command after `python`, the module tests import to build the same help the slow way, its description)
+TOOLS = [([f"{s}.py"], s, "doc") for s in SCRIPTS] + [
+    (["-m", "evals.gsm8k"], "evals.gsm8k", None),
+    (["-m", "evals.ifeval"], "evals.ifeval", None),
+    (["-m", "evals.report"], "evals.report", None),
+    (["scripts/merge_adapter.py"], "scripts.merge_adapter", None),
+]
+HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "datasets")
+
+
+def quiet_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="120")
+
+
+@pytest.mark.parametrize("command,module,description", TOOLS, ids=[" ".join(t[0]) for t in TOOLS])
+def test_help_imports_no_heavy_package_and_matches_tyros_own(command, module, description, monkeypatch):
+    """`--help` is answered before torch, transformers and peft load (-X importtime lists every module imported), and
+    prints what tyro prints for the script's real Args (both in this process: the same console)."""
+    for flag in ("--help", "-h") if module == "sft" else ("--help",):
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", *command, flag],
+            cwd=ROOT,
+            env=quiet_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported = {
+            line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")
+        }
+        assert not imported & set(HEAVY), f"{command} {flag} imported {sorted(imported & set(HEAVY))}"
+    mod = importlib.import_module(module)
+    if description == "doc":
+        description = mod.__doc__.split("\n\n")[0]
+    monkeypatch.setattr(sys, "argv", [command[-1], "--help"])
+    fast = io.StringIO()
+    with contextlib.redirect_stdout(fast), pytest.raises(SystemExit):
+        help_before_imports("__main__", mod.__file__, description)
+    slow = io.StringIO()
+    with contextlib.redirect_stdout(slow), pytest.raises(SystemExit):
+        tyro.cli(mod.Args, description=description)
+    assert "usage:" in fast.getvalue() and fast.getvalue() == slow.getvalue()
+
+
+def test_help_falls_back_to_the_full_import_when_args_needs_a_third_party_name(tmp_path):
+    """A fork whose Args default comes from a package: the fast path cannot build Args, so the script imports as
+    usual and tyro prints the help (with that default)."""
+    fork = tmp_path / "fork.py"
+    fork.write_text(
+        "import sys\n"
+        "from dataclasses import dataclass\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from harness.fast_help import help_before_imports\n"
+        "help_before_imports(__name__, __file__, None)\n"
+        "import tyro\n"
+        "@dataclass\n"
+        "class Args:\n"
+        "    backend: str = tyro.__name__\n"
+        '    """where the default comes from"""\n'
+        "if __name__ == '__main__':\n"
+        "    tyro.cli(Args)\n"
+    )
+    done = subprocess.run([sys.executable, str(fork), "--help"], env=quiet_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(default: tyro)" in done.stdout and "where the default comes from" in done.stdout
+
+
+def test_vllm_venv_made_from_inside_a_venv_sees_that_venvs_packages(tmp_path):
+    """scripts/vllm_venv.py run as a user inside a virtualenv runs it (that venv's python first on PATH): the new venv
+    imports what the outer venv has (a module only the outer venv holds; torch and transformers, which it reaches
+    through the test interpreter's site-packages, as if installed in it). `python -m venv --system-site-packages`
+    from the outer venv would miss the outer venv's module. --no-install: no pip, no vllm."""
+    outer = tmp_path / "outer"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(outer)], check=True)
+    outer_python = outer / "bin" / "python"
+    code = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site_packages = pathlib.Path(subprocess.check_output([outer_python, "-c", code], text=True).strip())
+    (site_packages / "onlyone_outer_marker.py").write_text("WHERE = 'outer venv'\n")
+    (site_packages / "test_interpreter.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    env = dict(os.environ, PATH=f"{outer / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(outer))
+    made = tmp_path / "vllm-venv"
+    cmd = ["python", "scripts/vllm_venv.py", "--venv", str(made), "--no-install"]
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=120)
+    check = "import onlyone_outer_marker, torch, transformers; print(onlyone_outer_marker.WHERE, torch.__file__)"
+    done = subprocess.run([made / "bin" / "python", "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:2] == ["outer", "venv"]
+    assert done.stdout.split()[2] == importlib.import_module("torch").__file__
+
+
+def test_run_tests_names_each_missing_requirement_with_the_command_that_gets_it(monkeypatch):
+    from scripts import run_tests
+
+    monkeypatch.setattr(run_tests.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else True)
+    monkeypatch.setattr(run_tests.shutil, "which", lambda name: None if name == "bwrap" else "/usr/bin/" + name)
+    assert run_tests.missing() == [
+        "bitsandbytes (for the QLoRA and 8-bit AdamW tests): pip install -r requirements-cpu-extras.txt",
+        "bwrap (for the code reward's bubblewrap sandbox tests): apt-get install bubblewrap",
+    ]
+    monkeypatch.setattr(sys, "argv", ["run_tests.py", "--dry-run"])
+    assert run_tests.main() == 2  # stops before running anything
+
+
+def test_run_tests_runs_lint_the_suite_two_numerics_reruns_and_the_vllm_tests_in_order():
+    from scripts import run_tests
+
+    steps = [(extra, cmd[1:]) for extra, cmd in run_tests.commands("/v/bin/python")]
+    assert steps == [
+        ({}, ["check", "."]),
+        ({}, ["format", "--check", "."]),
+        ({}, ["-m", "pytest", "-q", "-m", "not vllm"]),
+        (run_tests.SUITE[1][0], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
+        (run_tests.SUITE[2][0], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
+        ({}, ["-m", "pytest", "-q", "-m", "vllm"]),
+    ]
+    assert (
+        run_tests.SUITE[1][0]["ATEN_CPU_CAPABILITY"] == "avx2"
+        and run_tests.SUITE[2][0]["ATEN_CPU_CAPABILITY"] == "default"
+    )
+    assert run_tests.commands("/v/bin/python")[-1][1][0] == "/v/bin/python"
+    assert len(run_tests.commands(None)) == 5  # --no-vllm
