@@ -87,7 +87,7 @@ def shipped_only(name: str) -> bool:
     cache nor fetched: the plan reads the shipped one."""
     if name not in SHIPPED or os.path.exists(name):
         return False
-    return hub_unreachable() is not None and not isinstance(try_to_load_from_cache(name, "config.json"), str)
+    return not isinstance(try_to_load_from_cache(name, "config.json"), str) and hub_unreachable() is not None
 
 
 def model_config(name: str, trust_remote_code: bool = False) -> dict:

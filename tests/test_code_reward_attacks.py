@@ -135,12 +135,10 @@ def test_a_malformed_test_case_is_refused_naming_line_field_and_case(tests, prob
         run_code_tests("def f(x):\n    return 2", tests)
 
 
-def test_grpo_refuses_a_malformed_test_case_before_the_model_loads(tmp_path, tiny_model_dir, no_model_load):
+def test_grpo_refuses_a_malformed_test_case_before_the_model_loads(tmp_path, no_model_load):
     rows = [{"prompt": "p", "test_cases": ["assert f(1) == 2"]}, {"prompt": "q", "test_cases": ["assert f(1) =="]}]
     data = write_jsonl(tmp_path / "code.jsonl", rows)
-    args = grpo.Args(
-        model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "runs"), rewards=["code"], preset="demo"
-    )
+    args = grpo.Args(model="unused", dataset=data, output_dir=str(tmp_path / "runs"), rewards=["code"], preset="demo")
     with pytest.raises(DataError, match=r"code.jsonl:2: field 'test_cases': \[0\] not valid Python"):
         grpo.main(args)
 

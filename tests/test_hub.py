@@ -62,7 +62,7 @@ def run_grpo(tmp_path, *argv, endpoint: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("argv", "named", "hint"),
     [
-        (["--model", "onlyone-test/no-model"], "--model onlyone-test/no-model: not in", "--model /path/to/folder"),
+        (["--model", "onlyone-test/no-model"], "model 'onlyone-test/no-model'", "--model /path/to/folder"),
         (
             ["--dataset", "onlyone-test/no-set:main"],
             "--dataset onlyone-test/no-set:main: not in",
@@ -78,7 +78,9 @@ def test_uncached_hub_model_or_dataset_offline_is_one_line_without_retries(tmp_p
     # Our one line is the last; lines before it may come from installed packages' import-time warnings.
     ours = [line for line in res.stderr.splitlines() if line.startswith("grpo.py: error:")]
     assert res.returncode == 1 and ours == res.stderr.strip().splitlines()[-1:], res.stderr[-2000:]
-    assert ours[0].startswith("grpo.py: error: 1 input(s) missing") and named in ours[0], ours
+    # a missing dataset names every missing input at once; a model alone is found by the plan, after the rows
+    first = "cannot fetch " if named.startswith("model") else "1 input(s) missing"
+    assert ours[0].startswith("grpo.py: error: " + first) and named in ours[0], ours
     assert url in ours[0] and hint in ours[0] and "Traceback" not in res.stderr
     # One connection: the probe's single HEAD. The hub client alone retries (35-55 s with no DNS) before it fails.
     assert connections() == 1, connections()

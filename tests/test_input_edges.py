@@ -118,11 +118,9 @@ def test_hub_ids_are_not_local_paths():
 
 
 # ------------------------------------------------------------------------------------------------ rewards
-def test_grpo_refuses_rows_no_reward_can_score_before_loading(tmp_path, tiny_model_dir, no_model_load):
+def test_grpo_refuses_rows_no_reward_can_score_before_loading(tmp_path, no_model_load):
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
-    args = grpo.Args(
-        model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "runs"), rewards=["math"], preset="demo"
-    )
+    args = grpo.Args(model="unused", dataset=data, output_dir=str(tmp_path / "runs"), rewards=["math"], preset="demo")
     expected = r"(?s)2 of 2 rows cannot be scored .*'math' needs answer.*sft.jsonl:1: row has prompt, completion"
     with pytest.raises(DataError, match=expected):
         grpo.main(args)

@@ -119,16 +119,14 @@ def test_an_answer_without_a_number_is_refused(answer):
     check_reward_fields(rows[1:], load_reward_funcs(["format"]))  # a reward that does not read `answer`
 
 
-def test_grpo_refuses_an_empty_answer_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch):
+def test_grpo_refuses_an_empty_answer_before_the_model_loads(tmp_path, monkeypatch):
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the data was checked")
 
     monkeypatch.setattr(grpo, "load_model", load_model)
     rows = [{"question": "2 + 2?", "answer": "#### 4"}, {"question": "3 + 3?", "answer": "#### "}]
     data = write_jsonl(tmp_path / "math.jsonl", rows)
-    args = grpo.Args(
-        model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "runs"), rewards=["math"], preset="demo"
-    )
+    args = grpo.Args(model="unused", dataset=data, output_dir=str(tmp_path / "runs"), rewards=["math"], preset="demo")
     expected = rf"^{re.escape(data)}:2: field 'answer': has no number the math reward can read: ''$"
     with pytest.raises(DataError, match=expected):
         grpo.main(args)

@@ -98,10 +98,10 @@ def test_a_nan_reward_weight_is_refused():
         load_reward_funcs(["format:inf"])
 
 
-def test_grpo_refuses_a_nan_reward_weight_before_loading(tmp_path, tiny_model_dir, monkeypatch):
+def test_grpo_refuses_a_nan_reward_weight_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     data = data_for("grpo", tmp_path)
-    args = grpo.Args(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path), rewards=["math:nan"], preset="demo")
+    args = grpo.Args(model="unused", dataset=data, output_dir=str(tmp_path), rewards=["math:nan"], preset="demo")
     with pytest.raises(ArgsError, match="--rewards math:nan"):
         grpo.main(args)
 

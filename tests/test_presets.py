@@ -17,7 +17,6 @@ import orpo
 import raft
 import rm
 import sft
-from common.errors import HubUnavailable
 from harness.cli import resolve_preset
 
 # grpo.py's defaults before the presets existed (the demo run in docs/results.md): the demo must resolve to
@@ -154,11 +153,12 @@ def test_the_gsm8k_path_runs_end_to_end_on_the_shared_files(tiny_model_dir, shar
 
 def test_a_local_train_file_runs_without_an_eval_set(tmp_path):
     """TRL trains without an eval_dataset: a file (no test split) under the gsm8k preset runs without the eval and
-    the start-up block says how to add one; only what is really missing (here the model) stops the run."""
+    the start-up block says how to add one; only what is really missing (here the model) stops the run, after the
+    rows are read and before anything loads."""
     rows = tmp_path / "train.jsonl"
     rows.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
     args = grpo.Args(model=str(tmp_path / "no-model"), dataset=str(rows), output_dir=str(tmp_path))
-    with pytest.raises(HubUnavailable, match=r"^1 input\(s\) missing, nothing loaded: --model \S+no-model: no such"):
+    with pytest.raises(FileNotFoundError, match=r"^model '\S+no-model': no such local folder"):
         grpo.main(args)
     args = grpo.resolve_preset(args, grpo.PRESETS)
     assert grpo.eval_source(args.dataset, args.eval_dataset) is None and args.eval_steps == 50
