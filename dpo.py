@@ -47,8 +47,8 @@ from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.flags import OptionalBool
-from harness.hub import check_dataset, locate_model
-from harness.memory import Pass, longest_row, plan_memory
+from harness.hub import check_inputs, locate_model
+from harness.memory import Pass, plan_memory, row_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 
@@ -156,7 +156,9 @@ class Args:
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
     plan: bool = False
-    """print the memory plan and exit without loading weights"""
+    """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
+    gpu_memory: float | None = None
+    """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
     ignore_memory_plan: bool = False
     """start even when the memory plan exceeds the device's memory"""
 
@@ -366,7 +368,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     args = resolve_reference(args)
     use_ref = args.loss_type != "simpo"
     n = 2 * args.per_device_train_batch_size  # chosen + rejected
-    T = min(args.max_length, longest_row(rows) or args.max_length)
+    T = min(args.max_length, row_tokens(args, rows) or args.max_length)
     step = [Pass(n, T, n * T, grad=True)]
     if use_ref and not args.precompute_ref_log_probs:  # before the policy's pass: never beside its graph
         step.insert(0, Pass(n, T, n * T, name="reference pass"))
@@ -379,6 +381,8 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         frozen_copies=int(use_ref),
         knobs=knobs,
         rows=rows,
+        # full fine-tuning scoring the reference every step keeps the starting weights in host RAM (snapshot_ref)
+        reference_copy=not args.use_lora and use_ref and not args.precompute_ref_log_probs,
     )
 
 
@@ -390,7 +394,9 @@ def main(args: Args) -> dict:
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
 
     # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
-    check_dataset(args.dataset)
+    # every missing input named at once; --plan without the data plans at the length limits
+    if not check_inputs(args.model, {"--dataset": args.dataset}, args.plan):
+        return {"memory_plan": memory_plan(args, [])[0]}
     rows, eval_rows = load_splits(
         args.dataset, args.dataset_split, args.eval_split, "preference", args.eval_steps, builtin=builtin_rows
     )  # eval_rows [] without --eval-split

@@ -55,8 +55,8 @@ from common.rollout import check_sampling, hf_generate
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset
-from harness.hub import check_dataset, locate_model
-from harness.memory import Generate, Pass, longest_row, plan_memory
+from harness.hub import check_inputs, locate_model
+from harness.memory import Generate, Pass, plan_memory, row_tokens
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.code import code_reward
@@ -107,7 +107,7 @@ class Args:
     dataset_split: str = "train"
     """split to train on"""
     eval_dataset: str | None = None
-    """held-out prompts for the greedy eval; None = --dataset's eval_split (a local file has none: give this)"""
+    """held-out prompts for the greedy eval; None = --dataset's eval_split (a local file has none: no eval)"""
     eval_split: str = "test"
     """split of the eval dataset"""
     eval_limit: int = 250
@@ -200,7 +200,9 @@ class Args:
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
     plan: bool = False
-    """print the memory plan and exit without loading weights"""
+    """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
+    gpu_memory: float | None = None
+    """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
     ignore_memory_plan: bool = False
     """start even when the memory plan exceeds the device's memory"""
 
@@ -492,13 +494,14 @@ def reward_eval(generate, examples: list[dict], reward_funcs, max_new_tokens: in
     return metrics
 
 
-def eval_source(dataset: str, eval_dataset: str | None) -> str:
-    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set; a file is the train data)."""
+def eval_source(dataset: str, eval_dataset: str | None) -> str | None:
+    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set); None for a file, which is all
+    train data: no eval, as TRL trains without an eval_dataset (config_lines says how to add one)."""
     if eval_dataset:
         return eval_dataset
     if not (os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet"))):
         return dataset
-    raise ArgsError(f"--dataset {dataset}: a file has no test split; give --eval-dataset FILE, or --eval-steps 0")
+    return None
 
 
 # ------------------------------------------------------------------------------- what the harness reads
@@ -526,7 +529,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     g = args.groups_per_micro_batch
     G = args.group_size
     C = args.max_completion_length
-    P = min(args.max_prompt_length, longest_row(rows) or args.max_prompt_length)
+    P = min(args.max_prompt_length, row_tokens(args, rows) or args.max_prompt_length)
     vllm_share = args.vllm_gpu_memory_utilization if args.engine == "vllm" else None
     rollout = [Generate(args.prompts_per_step, G, P, C, vllm_share)]
     reference = []
@@ -549,6 +552,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         ],
         extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
         rows=rows,
+        reference_copy=not args.use_lora and args.beta != 0.0,  # snapshot_ref: the starting weights in host RAM
     )
 
 
@@ -593,6 +597,8 @@ def rollout_engine(args: Args, model, tokenizer):
 def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> dict[str, str]:
     """What this run will do, for the start-up block."""
     evals = f"; eval: {n_eval} of {eval_src} {args.eval_split} every {args.eval_steps} steps" if n_eval else ""
+    if args.eval_steps and not eval_src:
+        evals = f"; no eval (a file has no test split: --eval-dataset FILE scores one every {args.eval_steps} steps)"
     return {
         "data": f"{args.dataset} {args.dataset_split}: {n_rows} prompts{evals}",
         "steps": f"{args.max_steps} x {args.prompts_per_step} prompts x G {args.group_size} completions of <= "
@@ -621,12 +627,13 @@ def main(args: Args) -> dict:
     seed_everything(args.seed)
 
     # ---- 2 data and rewards, checked before any weights load (a bad row fails in seconds, naming its line)
-    check_dataset(args.dataset)
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split, builtin=builtin_rows), "prompt")
     eval_src = eval_source(args.dataset, args.eval_dataset) if args.eval_steps else None
+    data = {"--dataset": args.dataset, "--eval-dataset": eval_src}
+    if not check_inputs(args.model, data, args.plan):  # every missing input at once; --plan: plans without the data
+        return {"memory_plan": memory_plan(args, [])[0]}
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split, builtin=builtin_rows), "prompt")
     eval_rows = []
     if eval_src:
-        check_dataset(eval_src)
         eval_rows = load_rows(eval_src, args.eval_split, builtin=builtin_rows)[: args.eval_limit]
         eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})

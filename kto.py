@@ -51,8 +51,8 @@ from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.flags import OptionalBool
-from harness.hub import check_dataset, locate_model
-from harness.memory import Pass, longest_row, plan_memory
+from harness.hub import check_inputs, locate_model
+from harness.memory import Pass, plan_memory, row_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 
@@ -152,7 +152,9 @@ class Args:
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
     plan: bool = False
-    """print the memory plan and exit without loading weights"""
+    """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
+    gpu_memory: float | None = None
+    """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
     ignore_memory_plan: bool = False
     """start even when the memory plan exceeds the device's memory"""
 
@@ -240,7 +242,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     (plan, gradient checkpointing)."""
     args = resolve_reference(args)
     bs = args.per_device_train_batch_size
-    T = min(args.max_length, longest_row(rows) or args.max_length)
+    T = min(args.max_length, row_tokens(args, rows) or args.max_length)
     no_grad = "mismatched pairs" if args.precompute_ref_log_probs else "mismatched pairs, reference pass"
     step = [Pass(bs, T, bs * T, grad=True), Pass(bs, T, bs * T, name=no_grad)]
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
@@ -252,6 +254,8 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         frozen_copies=1,
         knobs=knobs,
         rows=rows,
+        # full fine-tuning scoring the reference every step keeps the starting weights in host RAM (snapshot_ref)
+        reference_copy=not args.use_lora and not args.precompute_ref_log_probs,
     )
 
 
@@ -262,7 +266,9 @@ def main(args: Args) -> dict:
     check_args(args)
 
     # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
-    check_dataset(args.dataset)
+    # every missing input named at once; --plan without the data plans at the length limits
+    if not check_inputs(args.model, {"--dataset": args.dataset}, args.plan):
+        return {"memory_plan": memory_plan(args, [])[0]}
     rows = load_rows(args.dataset, args.dataset_split, builtin=builtin_rows)
     if rows and "chosen" in rows[0] and "rejected" in rows[0]:
         rows = unpair(validate_rows(rows, "preference"))

@@ -54,8 +54,8 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 from harness.checkpoints import check_run_dir_identity, load_weights, run_identity, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset
-from harness.hub import check_dataset, locate_model
-from harness.memory import Generate, Pass, longest_row, plan_memory
+from harness.hub import check_inputs, locate_model
+from harness.memory import Generate, Pass, plan_memory, row_tokens
 from harness.run import Logger, lock_run_dir, make_run_dir, peak_memory_gb
 from plugins.builtin_math import builtin_rows
 from plugins.code import code_reward
@@ -179,7 +179,9 @@ class Args:
     eval_batch_size: int = 32
     """prompts per greedy generate() call in the eval"""
     plan: bool = False
-    """print the memory plan and exit without loading weights"""
+    """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
+    gpu_memory: float | None = None
+    """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
     ignore_memory_plan: bool = False
     """start even when the memory plan exceeds the device's memory"""
 
@@ -421,7 +423,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     rejected] pairs). Returns (plan, gradient checkpointing)."""
     use_ref = args.mode == "spin" or args.dpo
     G = 1 if args.mode == "spin" else args.group_size
-    P = min(args.max_prompt_length, longest_row(rows) or args.max_prompt_length)
+    P = min(args.max_prompt_length, row_tokens(args, rows) or args.max_prompt_length)
     C = args.max_completion_length
     T = min(args.max_length, P + C)  # a prompt and one sample
     n = 2 * args.per_device_train_batch_size if use_ref else args.per_device_train_batch_size
@@ -459,7 +461,9 @@ def main(args: Args) -> dict:
     use_ref = spin or args.dpo  # a reference (log-probs of the round's pairs) only when a DPO loss runs
 
     # ---- 2 data, rewards and the run dir, all checked before any weights load
-    check_dataset(args.dataset)
+    data = {"--dataset": args.dataset, "--eval-dataset": args.eval_dataset if args.eval_limit else None}
+    if not check_inputs(args.model, data, args.plan):  # every missing input at once; --plan: plans without the data
+        return {"memory_plan": memory_plan(args, [])[0]}
     rows = validate_rows(
         load_rows(args.dataset, args.dataset_split, builtin=builtin_rows), "supervised" if spin else "prompt"
     )

@@ -44,8 +44,8 @@ from common.model import adamw_8bit
 from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
-from harness.hub import check_dataset, locate_model
-from harness.memory import Pass, longest_row, plan_memory
+from harness.hub import check_inputs, locate_model
+from harness.memory import Pass, plan_memory, row_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.reward_model import reward_logits, save_reward
@@ -145,7 +145,9 @@ class Args:
     resume_ignore_mismatch: bool = False
     """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
     plan: bool = False
-    """print the memory plan and exit without loading weights"""
+    """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
+    gpu_memory: float | None = None
+    """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
     ignore_memory_plan: bool = False
     """start even when the memory plan exceeds the device's memory"""
 
@@ -258,7 +260,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     rejected], or the regression rows), through the small reward head only. Returns (plan, checkpointing)."""
     bs = args.per_device_train_batch_size
     n = bs if args.loss_type == "regression" else 2 * bs
-    T = min(args.max_length, longest_row(rows) or args.max_length)
+    T = min(args.max_length, row_tokens(args, rows) or args.max_length)
     step = [Pass(n, T, n * T, grad=True, vocab=False)]
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
@@ -274,7 +276,9 @@ def main(args: Args) -> dict:
 
     # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
     kind = "supervised" if args.loss_type == "regression" else "preference"
-    check_dataset(args.dataset)
+    # every missing input named at once; --plan without the data plans at the length limits
+    if not check_inputs(args.model, {"--dataset": args.dataset}, args.plan):
+        return {"memory_plan": memory_plan(args, [])[0]}
     rows, eval_rows = load_splits(
         args.dataset, args.dataset_split, args.eval_split, kind, args.eval_steps, builtin=builtin_rows
     )  # eval_rows [] without --eval-split

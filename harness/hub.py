@@ -1,7 +1,8 @@
 """Where a model or dataset comes from, checked before anything is fetched: `locate_model` turns an embedded alias
 into its converted folder and a hub id into its cached folder when the hub is out of reach; `check_dataset` fails
-a hub dataset that is neither cached nor reachable. Either way the run stops at once with one line naming what is
-missing and the local alternative, instead of the hub client's retries ending in a long traceback (docs/
+a hub dataset that is neither cached nor reachable; `check_inputs` looks at every input of a run at once (model,
+dataset, eval set) before anything loads. Either way the run stops at once with one line naming what is missing (all
+of it) and the local alternative, instead of the hub client's retries ending in a long traceback (docs/
 reliability.md has the measured delays)."""
 
 import functools
@@ -13,7 +14,7 @@ from huggingface_hub import constants, snapshot_download, try_to_load_from_cache
 
 from common.data import looks_local
 from common.errors import HubUnavailable
-from plugins.embedded import resolve_model
+from plugins.embedded import ALIAS_CONFIGS, SHIPPED, resolve_model
 
 PROBE_TIMEOUT_S = 3.0  # one HEAD request; a firewall that drops packets costs this long, a DNS failure nothing
 
@@ -75,6 +76,67 @@ def locate_model(name: str) -> str:
     if check_hub(name, "model"):  # cached, hub unreachable: the cached folder, no requests (no retries)
         return snapshot_download(name, local_files_only=True)
     return name
+
+
+def _missing_model(name: str, config_only: bool) -> str | None:
+    """Why --model `name` is not here (None: it is). config_only: --plan, which needs its config.json alone (a
+    config.json file, or plugins.embedded.SHIPPED's architecture of a hub id when the hub is out of reach)."""
+    if name in ALIAS_CONFIGS:
+        return None
+    if config_only and name.endswith(".json") and os.path.isfile(name):
+        return None
+    if os.path.isdir(name):
+        return None if os.path.isfile(os.path.join(name, "config.json")) else f"the folder {name} has no config.json"
+    if os.path.isfile(name):
+        return "a file, not a model folder (--plan alone takes a config.json file)"
+    if looks_local(name):
+        return "no such local folder"
+    if hub_unreachable() is None or _is_cached(name, "model") or (config_only and name in SHIPPED):
+        return None
+    return "not in the local cache"
+
+
+def _missing_dataset(spec: str) -> str | None:
+    if spec.startswith("builtin:") or os.path.exists(spec):
+        return None
+    if looks_local(spec) or spec.endswith((".json", ".jsonl", ".parquet")):
+        return "no such local file"
+    if hub_unreachable() is None or _is_cached(spec.partition(":")[0], "dataset"):
+        return None
+    return "not in the local cache"
+
+
+def check_inputs(model: str, data: dict[str, str | None], plan: bool = False) -> bool:
+    """Before anything heavy loads: is every input of a run here (or fetchable)? --model (an embedded alias, a folder
+    with config.json, a hub id cached or reachable) and each dataset the script declares in `data` (its flag -> the
+    spec; None: not used). When a dataset is missing, all that are missing are named in one error, each with its
+    flag, so an offline user learns everything in one round trip; a missing model alone is left to the memory plan,
+    which reads its config.json after the rows are checked (bad rows are reported first, as without a model). With
+    `plan` (--plan) the model's config.json is enough (or the architecture plugins.embedded.SHIPPED holds) and a
+    missing dataset is no error: False (plan at the length limits), after one line saying so. True when every
+    dataset is here."""
+    problems = {}
+    why = _missing_model(model, plan)
+    if why:
+        problems["--model"] = (model, why, "--model /path/to/folder")
+    absent = {}
+    for flag, spec in data.items():
+        reason = _missing_dataset(spec) if spec else None
+        if reason:
+            absent[flag] = (spec, reason, f"{flag} file.jsonl")
+    if not plan:
+        problems |= absent
+    if problems and (absent or plan):
+        items = [
+            f"{flag} {spec}: {reason} (pass a local copy: {hint})" for flag, (spec, reason, hint) in problems.items()
+        ]
+        offline = hub_unreachable()
+        cause = f" ({offline})" if offline and any("cache" in reason for _, reason, _ in problems.values()) else ""
+        raise HubUnavailable(f"{len(problems)} input(s) missing{cause}, nothing loaded: " + "; ".join(items))
+    if absent and plan:
+        named = "; ".join(f"{flag} {spec}: {reason}" for flag, (spec, reason, _) in absent.items())
+        print(f"--plan without its data ({named}): planned at the length limits", flush=True)
+    return not absent
 
 
 def check_dataset(spec: str | None) -> None:

@@ -11,17 +11,20 @@ is held when it runs. Per-token activation counts are what autograd saves in tra
 
 import dataclasses
 import json
+import math
 import os
 import sys
 
 import torch
-from transformers import AutoConfig
+from huggingface_hub import try_to_load_from_cache
+from transformers import AutoConfig, AutoTokenizer
 
+from common.data import TOKENIZE, looks_local, setup_chat_template
 from common.errors import ArgsError, ModelError
 from common.model import pick_device, resolve_dtype
 from harness.cli import flag_name
-from harness.hub import check_hub
-from plugins.embedded import ALIAS_CONFIGS
+from harness.hub import check_hub, hub_unreachable
+from plugins.embedded import ALIAS_CONFIGS, MARKER, SHIPPED, cache_dir
 
 GiB = 2**30
 CHUNK = 1024  # common.model.chunked_logps's default chunk_size (rows of logits per chunk)
@@ -29,6 +32,7 @@ CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces, outside torch's all
 CPU_RUNTIME = GiB // 2  # torch + transformers + peft imported (docs/memory.md: measured)
 ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, docs/memory.md)
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps fp32 moments under --optim adamw_8bit
+TOKENIZED_ROWS = 1000  # real lengths: the rows longest in UTF-8 bytes are tokenized, at most this many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +82,26 @@ class Trained:
     optim: str = "adamw_torch"
 
 
+def shipped_only(name: str) -> bool:
+    """--model is a hub id whose architecture we ship (SHIPPED) and its config.json can be neither read from the
+    cache nor fetched: the plan reads the shipped one."""
+    if name not in SHIPPED or os.path.exists(name):
+        return False
+    return not isinstance(try_to_load_from_cache(name, "config.json"), str) and hub_unreachable() is not None
+
+
 def model_config(name: str, trust_remote_code: bool = False) -> dict:
     """The architecture fields of --model from its config.json alone (no weights): an embedded alias's are known
-    (no cache build); a hub id is checked as the model's load checks it (offline: the cache, or one line)."""
+    (no cache build), a config.json file is read as it is; a hub id is checked as the model's load checks it
+    (offline: the cache, SHIPPED, or one line)."""
     if name in ALIAS_CONFIGS:
         return ALIAS_CONFIGS[name]
+    if shipped_only(name):
+        return SHIPPED[name]
+    if name.endswith(".json") and os.path.isfile(name):
+        with open(name) as f:
+            config = json.load(f)
+        return config.get("text_config") or config  # a multimodal config nests the language model's
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         raise ModelError(f"--model {name}: the folder {name} has no config.json, so it is not a model")
     cached = not os.path.isdir(name) and check_hub(name, "model")  # hub unreachable: read the cached config.json
@@ -296,6 +315,59 @@ def longest_row(rows: list[dict]) -> int:
     return max((_size(r.get("prompt")) + max(_size(r.get(k)) for k in keys) for r in rows), default=0)
 
 
+def local_tokenizer(name: str, trust_remote_code: bool = False):
+    """--model's tokenizer when it is on this machine (a folder, an embedded alias's built cache, the hub cache), else
+    None: a plan never fetches or builds anything for it."""
+    folder = name
+    if name in ALIAS_CONFIGS:
+        folder = str(cache_dir() / "models" / name)
+        if not os.path.isfile(os.path.join(folder, MARKER)):  # not converted yet: the run builds it, a plan does not
+            return None
+    elif not os.path.isdir(name):
+        if looks_local(name) or os.path.exists(name):
+            return None
+        if not isinstance(try_to_load_from_cache(name, "tokenizer_config.json"), str):
+            return None
+    files = ("tokenizer_config.json", "tokenizer.json")
+    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, f)) for f in files):
+        return None
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, local_files_only=True)
+
+
+def _tokens(tokenizer, row: dict) -> int:
+    """A validated row's tokens as the run tokenizes it, untruncated: prompt + the longer of chosen / rejected, prompt
+    + completion or the whole chat, or the prompt alone (0: a row the run drops)."""
+    if "chosen" in row:
+        pair = TOKENIZE["preference"](tokenizer, row, None)
+        return len(pair["prompt_ids"]) + max(len(pair["chosen_ids"]), len(pair["rejected_ids"]))
+    if any(k in row for k in ("completion", "messages", "text")):
+        example = TOKENIZE["supervised"](tokenizer, row, None)
+        return len(example["input_ids"]) if example else 0
+    return len(TOKENIZE["prompt"](tokenizer, row, None)["prompt_ids"])
+
+
+def row_tokens(args, rows: list[dict]) -> int:
+    """Tokens in the longest of `rows` (what a script plans its sequences at, capped by its length limits), printed
+    with how it was found. With --model's tokenizer on this machine (local_tokenizer, --template applied): the rows
+    tokenized as the run tokenizes them, the TOKENIZED_ROWS longest in UTF-8 bytes; without it the UTF-8 byte bound
+    (longest_row), which on English text is several times the real length. 0 without rows (no bound)."""
+    if not rows:
+        return 0
+    tokenizer = local_tokenizer(args.model, args.trust_remote_code)
+    if tokenizer is None:
+        bound = longest_row(rows)
+        print(f"row lengths: at most {bound} tokens, a bound from UTF-8 bytes (the tokenizer is not on this machine)")
+        return bound
+    setup_chat_template(tokenizer, args.template)
+    picked = sorted(rows, key=lambda r: longest_row([r]), reverse=True)[:TOKENIZED_ROWS]
+    longest = max(_tokens(tokenizer, r) for r in picked)
+    which = (
+        f"all {len(rows)} rows" if len(picked) == len(rows) else f"the {len(picked)} longest in bytes of {len(rows)}"
+    )
+    print(f"row lengths: the longest is {longest} tokens ({which} tokenized with the model's tokenizer)", flush=True)
+    return longest
+
+
 def suggestion(knobs: list[tuple[str, object, object]], checkpointing: bool) -> str:
     """What to try, in the order the script lists its knobs (name, value, least): an int above `least` is halved;
     a knob left unset (None) whose `least` is a value suggests that value (e.g. quantization 4bit)."""
@@ -345,6 +417,7 @@ def plan_memory(
     knobs: list[tuple[str, object]] = (),
     extra: dict[str, int] | None = None,
     rows: list[dict] | None = None,
+    reference_copy: bool = False,
 ) -> tuple[dict, bool]:
     """Print the plan of what the script declared (`phases`, its training state: LoRA or every weight, dropout off,
     `frozen_copies` of the LoRA such as a "ref" slot, `extra` lasting parts) with the model flags every script has
@@ -354,14 +427,26 @@ def plan_memory(
     it; `phases_checkpointed`: the passes under checkpointing, when they differ). A plan that does not fit is refused
     (ArgsError naming the script's `knobs` to try: (flag, least value)) unless --ignore-memory-plan or --plan.
     As the model will load: --dtype auto resolved for this device, and an --adapter's own rank and dropout. The loaded
-    `rows` are a lasting part on a CPU run (the same RAM); on a GPU they are printed as host memory."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    budget, what = device_memory(device)
+    `rows` and a `reference_copy` (a full fine-tune's starting weights kept in host memory, common.model.snapshot_ref)
+    are lasting parts on a CPU run (the same RAM); on a GPU they are printed as host memory. --gpu-memory N: the plan
+    for a CUDA card of N GiB, on any machine (bf16 under --dtype auto, sdpa attention)."""
+    card = args.gpu_memory
+    if card is not None and not (card > 0 and math.isfinite(card)):
+        raise ArgsError(f"--gpu-memory {card}: must be a card's memory in GiB, > 0")
+    if card is not None and not args.plan and not torch.cuda.is_available():
+        raise ArgsError(f"--gpu-memory {card:g} plans for a CUDA card and this machine has none: add --plan")
+    device = "cuda" if card is not None or torch.cuda.is_available() else "cpu"
+    budget, what = (int(card * GiB), f"CUDA card (--gpu-memory {card:g})") if card else device_memory(device)
     data = rows_bytes(rows or [])
-    if device == "cpu":
-        extra = (extra or {}) | {"dataset rows": data}
     config = model_config(args.model, args.trust_remote_code)
-    fp32 = resolve_dtype(args.dtype, pick_device()) == torch.float32
+    if shipped_only(args.model):
+        print(f"config: {args.model}'s config.json is not here, the hub is out of reach: its shipped architecture")
+    on_card = card is not None and not torch.cuda.is_available()  # planned for a card this machine lacks
+    dtype = "bf16" if on_card and args.dtype == "auto" else args.dtype
+    fp32 = resolve_dtype(dtype, pick_device()) == torch.float32
+    copy = weight_bytes(config, None, 4 if fp32 else 2) if reference_copy else 0
+    if device == "cpu":
+        extra = (extra or {}) | {"dataset rows": data, "reference weights (CPU copy)": copy}
     lora_r = args.lora_r
     rate = args.lora_dropout
     adapter_config = os.path.join(args.adapter, "adapter_config.json") if args.adapter else None
@@ -396,7 +481,9 @@ def plan_memory(
             checkpointing = True
     print(format_plan(parts, budget, what), flush=True)
     if device != "cpu":
-        print(f"  host RAM (not in the total): dataset rows {data / GiB:.2f} GiB", flush=True)
+        # the reference is pinned host memory; while it is swapped in, the trained weights wait there too
+        host = f"dataset rows {data / GiB:.2f} GiB" + (f", reference weights 2 x {copy / GiB:.2f} GiB" if copy else "")
+        print(f"  host RAM (not in the total): {host}", flush=True)
     if parts["total"] > budget and not ignore and not args.plan:
         values = [(name, getattr(args, name), least) for name, least in knobs]
         raise ArgsError(

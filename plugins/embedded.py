@@ -40,6 +40,22 @@ ALIAS_CONFIGS = {
     )
 }
 
+# Qwen2.5 config.json architecture fields (Qwen/Qwen2.5-*B; -Instruct the same): --plan works for these hub ids with
+# the hub out of reach and nothing cached. The 7B and 14B have a 152,064-row untied head; q/k/v biases (Qwen2).
+QWEN25 = {
+    "0.5B": dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14),
+    "1.5B": dict(num_hidden_layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12),
+    "3B": dict(num_hidden_layers=36, hidden_size=2048, intermediate_size=11008, num_attention_heads=16),
+    "7B": dict(num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28),
+    "14B": dict(num_hidden_layers=48, hidden_size=5120, intermediate_size=13824, num_attention_heads=40),
+}
+for _size, _config in QWEN25.items():  # 2 kv heads below 7B, 4 at 7B, 8 at 14B
+    _config["model_type"] = "qwen2"
+    _config["vocab_size"] = 152064 if _size in ("7B", "14B") else 151936
+    _config["tie_word_embeddings"] = _config["vocab_size"] == 151936
+    _config["num_key_value_heads"] = {"7B": 4, "14B": 8}.get(_size, 2)
+SHIPPED = {f"Qwen/Qwen2.5-{size}{kind}": c for size, c in QWEN25.items() for kind in ("", "-Instruct")}
+
 
 def cache_dir() -> pathlib.Path:
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -63,7 +63,11 @@ def run_grpo(tmp_path, *argv, endpoint: str) -> subprocess.CompletedProcess:
     ("argv", "named", "hint"),
     [
         (["--model", "onlyone-test/no-model"], "model 'onlyone-test/no-model'", "--model /path/to/folder"),
-        (["--dataset", "onlyone-test/no-set:main"], "dataset 'onlyone-test/no-set'", "--dataset file.jsonl"),
+        (
+            ["--dataset", "onlyone-test/no-set:main"],
+            "--dataset onlyone-test/no-set:main: not in",
+            "--dataset file.jsonl",
+        ),
     ],
 )
 def test_uncached_hub_model_or_dataset_offline_is_one_line_without_retries(tmp_path, tiny_model_dir, argv, named, hint,
@@ -74,10 +78,25 @@ def test_uncached_hub_model_or_dataset_offline_is_one_line_without_retries(tmp_p
     # Our one line is the last; lines before it may come from installed packages' import-time warnings.
     ours = [line for line in res.stderr.splitlines() if line.startswith("grpo.py: error:")]
     assert res.returncode == 1 and ours == res.stderr.strip().splitlines()[-1:], res.stderr[-2000:]
-    assert ours[0].startswith("grpo.py: error: cannot fetch " + named), ours
+    # a missing dataset names every missing input at once; a model alone is found by the plan, after the rows
+    first = "cannot fetch " if named.startswith("model") else "1 input(s) missing"
+    assert ours[0].startswith("grpo.py: error: " + first) and named in ours[0], ours
     assert url in ours[0] and hint in ours[0] and "Traceback" not in res.stderr
     # One connection: the probe's single HEAD. The hub client alone retries (35-55 s with no DNS) before it fails.
     assert connections() == 1, connections()
+
+
+def test_the_headline_command_offline_names_every_missing_input_at_once(tmp_path):
+    """`HF_HUB_OFFLINE=1 python grpo.py --model Qwen/Qwen2.5-1.5B --group-size 4` with nothing cached: the model, the
+    preset's dataset and its eval set, each with its flag, in one line, before any model or data loads."""
+    env = offline_env(tmp_path) | {"HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "grpo.py", "--model", "Qwen/Qwen2.5-1.5B", "--group-size", "4"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith("grpo.py: error: 3 input(s) missing (HF_HUB_OFFLINE is set)"), last
+    for missing in ("--model Qwen/Qwen2.5-1.5B", "--dataset openai/gsm8k:main", "--eval-dataset openai/gsm8k:main"):
+        assert f"{missing}: not in the local cache" in last, last
+    assert "Traceback" not in res.stderr
 
 
 def test_cached_model_loads_offline_without_retries(tmp_path, tiny_model_dir):

@@ -4,6 +4,7 @@ declaration giving the same plan), LoRA counts equal to PEFT's, --plan, the refu
 import dataclasses
 import importlib
 import inspect
+import json
 import math
 import os
 import re
@@ -41,8 +42,10 @@ def on_cpu(monkeypatch):
 
 
 def plan_of(module, monkeypatch, rows=(), **fields) -> dict:
-    """The plan a script declares (its memory_plan) for Args(**fields) on the hand-computed CFG."""
+    """The plan a script declares (its memory_plan) for Args(**fields) on the hand-computed CFG; rows are sized by
+    their UTF-8 byte bound (no tokenizer is read, whatever is cached on the machine)."""
     monkeypatch.setattr(memory, "model_config", lambda name, trust=False: CFG)
+    monkeypatch.setattr(memory, "local_tokenizer", lambda name, trust=False: None)
     return module.memory_plan(module.Args(**fields), list(rows))[0]
 
 
@@ -474,3 +477,108 @@ def test_the_plan_counts_the_loaded_rows_in_ram(tiny_model_dir, tmp_path):
     assert exact > 2 * data.stat().st_size  # Python's objects cost a multiple of the file
     without = {k: v for k, v in plan.items() if k not in ("total", "allocator (10 %)", "dataset rows")}
     assert plan["total"] >= sum(without.values()) + plan["dataset rows"]
+
+
+# ------------------------------------------------------------------ planning for a card, real lengths, host RAM
+@pytest.fixture
+def no_hub(monkeypatch, tmp_path):
+    """The hub out of reach (HF_HUB_OFFLINE) and nothing in its caches: a plan may read nothing but local files."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    import harness.hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    harness.hub.hub_unreachable.cache_clear()
+    yield
+    harness.hub.hub_unreachable.cache_clear()
+
+
+SCRIPTS = ["sft", "dpo", "orpo", "kto", "rm", "grpo", "raft"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_plan_for_a_stated_card_from_a_config_json_alone(script, no_hub, tmp_path, capsys, monkeypatch):
+    """`<script>.py --model <Qwen2.5-1.5B config.json> --plan --gpu-memory 24`, no dataset (each preset's hub set is
+    neither cached nor reachable), no GPU: the plan for a 24 GiB CUDA card in bf16, as bench/capability_table.py's
+    simulated card plans the same Args (its Qwen2.5-1.5B shapes), at the length limits."""
+    from bench.capability_table import plan_on_card
+    from plugins.embedded import QWEN25
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "qwen").mkdir()
+    config = tmp_path / "qwen" / "config.json"
+    config.write_text(json.dumps(QWEN25["1.5B"]))
+    module = importlib.import_module(script)
+    extra = {"group_size": 4} if script == "grpo" else {}
+    args = module.Args(model=str(config), plan=True, gpu_memory=24, **extra)
+    parts = module.main(args)["memory_plan"]
+    out = capsys.readouterr().out
+    assert "planned at the length limits" in out and "of 24.0 GiB CUDA card (--gpu-memory 24)" in out, out
+    assert parts["weights"] == memory.weight_bytes(QWEN25["1.5B"], None, 2)  # bf16, as --dtype auto on a card
+    assert parts["allowance (runtime)"] == memory.CUDA_CONTEXT and parts["total"] <= 24 * memory.GiB
+    resolved = module.resolve_preset(dataclasses.replace(args, model="Qwen/Qwen2.5-1.5B"), module.PRESETS)
+    assert parts == plan_on_card(module, resolved, "1.5B", 24)[0]
+    # a folder holding only that config.json plans the same
+    assert module.main(dataclasses.replace(args, model=str(tmp_path / "qwen")))["memory_plan"] == parts
+
+
+def test_plan_of_a_known_hub_id_offline_reads_its_shipped_shapes(no_hub, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = grpo.Args(model="Qwen/Qwen2.5-1.5B", group_size=4, plan=True, gpu_memory=24)
+    parts = grpo.main(args)["memory_plan"]
+    assert "its shipped architecture" in capsys.readouterr().out
+    from bench.capability_table import plan_on_card
+
+    assert parts == plan_on_card(grpo, grpo.resolve_preset(args, grpo.PRESETS), "1.5B", 24)[0]
+    with pytest.raises(ArgsError, match="--gpu-memory 24 plans for a CUDA card and this machine has none: add --plan"):
+        grpo.main(dataclasses.replace(args, plan=False, dataset="builtin:math", model="smollm2-135m"))
+
+
+def test_plan_reads_the_rows_real_token_lengths_with_a_local_tokenizer(tiny_model_dir, tmp_path, capsys, on_cpu):
+    """With the model's tokenizer on disk the rows are tokenized as the run tokenizes them (the chat template
+    included); without it the plan falls back to the UTF-8 byte bound, several times longer on English text."""
+    from transformers import AutoTokenizer
+
+    from common.data import setup_chat_template, tokenize_dataset, validate_rows
+
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    chat = {"prompt": [{"role": "user", "content": text}], "completion": [{"role": "assistant", "content": text[:90]}]}
+    rows = validate_rows([dict(chat) for _ in range(3)], "supervised")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    setup_chat_template(tokenizer)
+    real = max(len(e["input_ids"]) for e in tokenize_dataset(tokenizer, rows, "supervised", None))
+    args = sft.Args(model=tiny_model_dir, max_length=4096)
+    assert memory.row_tokens(args, rows) == real < memory.longest_row(rows) // 2
+    printed = capsys.readouterr().out
+    assert f"the longest is {real} tokens (all 3 rows tokenized with the model's tokenizer)" in printed
+    bare = tmp_path / "bare"  # the same model without its tokenizer files
+    bare.mkdir()
+    (bare / "config.json").write_text(open(os.path.join(tiny_model_dir, "config.json")).read())
+    assert memory.row_tokens(dataclasses.replace(args, model=str(bare)), rows) == memory.longest_row(rows)
+    assert "a bound from UTF-8 bytes (the tokenizer is not on this machine)" in capsys.readouterr().out
+    tokens = sft.memory_plan(args, rows)[0]["step: activations"]
+    assert tokens < sft.memory_plan(dataclasses.replace(args, model=str(bare)), rows)[0]["step: activations"]
+
+
+def test_a_full_fine_tunes_reference_copy_is_planned_in_host_ram(monkeypatch, on_cpu, capsys):
+    """grpo.py --no-use-lora with beta != 0 (and dpo/kto scoring the reference every step) keep the starting
+    weights in host memory (common.model.snapshot_ref): one more weights-size lasting part on a CPU run; on a card
+    the host-RAM line holds it, twice (the trained weights wait there while the reference is swapped in)."""
+    copy = "reference weights (CPU copy)"
+    full = GRPO | dict(use_lora=False)
+    assert plan_of(grpo, monkeypatch, **full)[copy] == memory.weight_bytes(CFG, None, 4)
+    assert copy not in plan_of(grpo, monkeypatch, **full | dict(beta=0.0))  # no reference at all
+    assert copy not in plan_of(grpo, monkeypatch, **GRPO)  # LoRA: a "ref" slot, counted with the adapter
+    pairs = SFT | dict(use_lora=False)
+    assert plan_of(dpo, monkeypatch, **pairs | dict(precompute_ref_log_probs=False))[copy] > 0
+    assert copy not in plan_of(dpo, monkeypatch, **pairs)  # precomputed (the default): the copy is dropped first
+    capsys.readouterr()
+    on_card = plan_of(grpo, monkeypatch, **full | dict(plan=True, gpu_memory=24, dtype="bf16"))
+    assert copy not in on_card
+    half = memory.weight_bytes(CFG, None, 2) / memory.GiB
+    assert f"host RAM (not in the total): dataset rows 0.00 GiB, reference weights 2 x {half:.2f} GiB" in (
+        capsys.readouterr().out
+    )

@@ -152,11 +152,21 @@ def test_the_gsm8k_path_runs_end_to_end_on_the_shared_files(tiny_model_dir, shar
     assert all(saved[k] is not None for k in grpo.PRESETS["gsm8k"])
 
 
-def test_a_local_train_file_needs_an_eval_file(tmp_path):
+def test_a_local_train_file_runs_without_an_eval_set(tmp_path):
+    """TRL trains without an eval_dataset: a file (no test split) under the gsm8k preset runs without the eval and
+    the start-up block says how to add one; only what is really missing (here the model) stops the run, after the
+    rows are read and before anything loads."""
     rows = tmp_path / "train.jsonl"
     rows.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
-    with pytest.raises(Exception, match="a file has no test split; give --eval-dataset FILE, or --eval-steps 0"):
-        grpo.main(grpo.Args(model=str(tmp_path / "no-model"), dataset=str(rows), output_dir=str(tmp_path)))
+    args = grpo.Args(model=str(tmp_path / "no-model"), dataset=str(rows), output_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"^model '\S+no-model': no such local folder"):
+        grpo.main(args)
+    args = grpo.resolve_preset(args, grpo.PRESETS)
+    assert grpo.eval_source(args.dataset, args.eval_dataset) is None and args.eval_steps == 50
+    data = grpo.config_lines(args, 1, 0, None)["data"]
+    assert data.endswith(
+        "1 prompts; no eval (a file has no test split: --eval-dataset FILE scores one every 50 steps)"
+    )
 
 
 @pytest.mark.parametrize(
