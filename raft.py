@@ -142,6 +142,8 @@ class Args:
     """nucleus sampling; 1.0 = off"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
+    compile: bool = False
+    """static shapes and a torch.compile'd decode step (CUDA graphs on a GPU); off until measured"""
     generation_batch_size: int = 64
     """prompts per generate() call, each with its K samples: the round is sampled in slices (bounds the KV cache)"""
     # optimisation
@@ -523,7 +525,7 @@ def main(args: Args) -> dict:
         ids = [e["prompt_ids"] for e in batch]
         n = args.generation_batch_size
         sampling = (G, args.temperature, args.top_p, args.top_k, args.max_completion_length)
-        outs = [hf_generate(model, tokenizer, ids[i : i + n], *sampling) for i in range(0, len(ids), n)]
+        outs = [hf_generate(model, tokenizer, ids[i : i + n], *sampling, args.compile) for i in range(0, len(ids), n)]
         out = {k: sum((o[k] for o in outs), []) for k in ("completion_ids", "completions", "truncated")}
         t1 = time.perf_counter()
         rows_k, usable, samples = rollout_samples(batch, out, G, args.mask_truncated_completions)
