@@ -67,6 +67,8 @@ class Args:
     """seed for torch, python, prompt order and sampling (round r reseeds with seed + r)"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    torch_threads: int | None = None
+    """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
     resume_from: str | None = None
     """a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)"""
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
@@ -448,6 +450,7 @@ def main(args: Args) -> dict:
     t_start = time.perf_counter()
     args = resolve_preset(args, PRESETS)
     spin = args.mode == "spin"
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
     check_args(args)
     G = 1 if spin else args.group_size

@@ -147,10 +147,14 @@ def main():
     engines = {"model.generate": generate, "decode": ours}
     results = {}
     if args.compile:
-        start = clock(device)
-        compiled()
-        results["decode --compile, first call"] = clock(device) - start
-        engines["decode --compile"] = compiled
+        # a compiler failure on a new machine is a finding, not the end of the bench: the row says what failed
+        try:
+            start = clock(device)
+            compiled()
+            results["decode --compile, first call"] = clock(device) - start
+            engines["decode --compile"] = compiled
+        except Exception as e:
+            results["decode --compile"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if importlib.util.find_spec("vllm") is None:
         results["vllm"] = "not installed"
     else:
