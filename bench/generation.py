@@ -89,6 +89,7 @@ def floor_seconds(model, prompts, group_size, lengths, speed) -> float:
 def setup(args, device, dtype):
     """(model, tokenizer, prompts): SmolLM2-135M (or Qwen2.5-1.5B's shapes, random) with a LoRA adapter whose B is
     not 0 (a trained adapter's cost), and the first --prompts built-in math prompts."""
+    torch.manual_seed(0)  # the LoRA's A init: the same policy in every run
     if args.qwen_shapes:
         from bench.qwen_shapes import QWEN25_15B, TINY, build_random_qwen
 
