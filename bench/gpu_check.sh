@@ -24,6 +24,12 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d bench/wheels PACKAGE
 # On the GPU machine:                               OUT=/some/dir bash bench/gpu_check.sh
 # On a CPU, cut down (tiny shapes, 2 steps, 16 tokens; installs nothing):   bash bench/gpu_check.sh --dry-run
+#
+# The generation stage alone, one call of at most 8 minutes (issue #30; it needs no wheels):
+#   OUT=/some/dir bash bench/gpu_check.sh --generation          (CPU, tiny shapes: --generation-dry-run)
+# bench/generation.py on the headline path's shapes (Qwen2.5-1.5B, bf16, LoRA r16, 8 prompts x G 4, 512 tokens):
+# model.generate, our decode loop, the loop with --compile (its first call, compile + capture, on its own line),
+# vLLM where installed, each against the rollout's floor on the card; table in $OUT/generation.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
@@ -46,8 +52,20 @@ if [ "$MODE" = "--download" ]; then
     du -sh "$WHEELS"
     exit 0
 fi
+if [ "$MODE" = "--generation" ] || [ "$MODE" = "--generation-dry-run" ]; then
+    OUT=${OUT:-outputs/gpu_check}
+    mkdir -p "$OUT"
+    SHAPES=(--tokens 512 --prompts 8 --group-size 4 --repeats 2)
+    [ "$MODE" = "--generation-dry-run" ] && SHAPES=(--tiny --tokens 16 --prompts 2 --group-size 2 --repeats 1)
+    timeout 480 python bench/generation.py --qwen-shapes --dtype bf16 --compile "${SHAPES[@]}" \
+        --json "$OUT/generation.json" > "$OUT/generation.log" 2>&1
+    echo "generation: exit $? (log $OUT/generation.log)"
+    python -c "import json, sys; print(json.load(open(sys.argv[1]))['table'])" "$OUT/generation.json" \
+        | tee "$OUT/generation.md"
+    exit 0
+fi
 if [ "$MODE" != "run" ] && [ "$MODE" != "--dry-run" ]; then
-    echo "usage: bash bench/gpu_check.sh [--download | --dry-run]" >&2
+    echo "usage: bash bench/gpu_check.sh [--download | --dry-run | --generation | --generation-dry-run]" >&2
     exit 2
 fi
 mkdir -p "$OUT"

@@ -7,13 +7,25 @@ prompt-major (the G completions of prompt i are rows i*G .. i*G+G-1, so each gro
   completions     B*G decoded texts (special tokens skipped)
   truncated       B*G bools: no EOS within max_new_tokens
   logprobs        B*G lists of the sampled tokens' log-probs under the sampling distribution, or None
-`hf_generate` samples from the live policy (the adapter is attached: no weight sync; logprobs is None, the trainer
-recomputes them). Sampling: temperature (0 = greedy), top_p (1 = off), top_k (0 = off, TRL's default); no repetition
-penalty, min_p or any other processor, whatever the model's generation_config.json says.
+`hf_generate` samples from the live policy (the adapter is attached: no weight sync) with its own decode loop
+(`decode`): each distinct prompt prefilled once, a KV cache preallocated at prompt + max_new_tokens and written in
+place, finished rows dropped from the batch. Sampling: temperature (0 = greedy), top_p (1 = off), top_k (0 = off,
+TRL's default), applied as transformers' warpers apply them; no repetition penalty, min_p or any other processor,
+whatever the model's generation_config.json says. logprobs are the sampled tokens' log-probs under the processed
+distribution (greedy: under the plain policy).
+
+Random stream: when sampling (temperature > 0), decode step k (k = 0 .. the longest completion's length - 1) draws
+exactly one `torch.rand(B*G, dtype=float64)` from the device's default generator, for every row whether it has ended
+or not, and row r takes the token at which the cumulative probability first exceeds u_r * total (inverse CDF). A
+rollout therefore consumes B*G x (longest completion) uniforms, whatever rows were dropped on the way, and resumes
+from a checkpoint's RNG state exactly; greedy consumes none. (model.generate draws one torch.multinomial per live step
+instead: same distribution, another stream.) Models whose cache holds more than keys and values (recurrent or
+sliding-window layers) are sampled by `model.generate`, as before.
 """
 
 import torch
 from transformers import GenerationConfig
+from transformers.cache_utils import Cache, DynamicLayer, StaticCache
 
 from common.data import pad_batch
 from common.errors import ArgsError
@@ -44,6 +56,171 @@ def check_sampling(top_p: float, top_k: int) -> None:
         raise ArgsError(f"--top-k {top_k}: must be >= 0 (0 = off)")
 
 
+class SlabLayer(DynamicLayer):
+    """One layer's KV cache, allocated at its final length on the first write and written in place (no torch.cat per
+    token); attention reads the filled part, a view. Rows can be dropped (batch_select_indices)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        batch, heads, _, _ = key_states.shape
+        self.slab_keys = key_states.new_zeros(batch, heads, self.capacity, key_states.shape[-1])
+        self.slab_values = value_states.new_zeros(batch, heads, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def _slabs(self, keys, values) -> None:
+        self.slab_keys = keys
+        self.slab_values = values
+        self.keys = keys[:, :, : self.length]
+        self.values = values[:, :, : self.length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        self.slab_keys[:, :, self.length : end] = key_states
+        self.slab_values[:, :, self.length : end] = value_states
+        self.length = end
+        self._slabs(self.slab_keys, self.slab_values)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._slabs(self.slab_keys.repeat_interleave(repeats, 0), self.slab_values.repeat_interleave(repeats, 0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._slabs(self.slab_keys[indices], self.slab_values[indices])
+
+
+def warp_scores(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """The float32 scores sampled from, as transformers' warpers build them, in their order and each only when on
+    (min_tokens_to_keep 1): logits / T; -inf below the k-th largest; -inf on the least probable tokens whose
+    cumulative probability stays <= 1 - top_p (the most probable one always kept)."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        drop = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        drop[..., -1:] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return scores
+
+
+def sample_tokens(logits, uniforms, temperature: float, top_p: float, top_k: int):
+    """(tokens, logprobs) of one step's (n, V) logits. Greedy (temperature 0): generate's argmax of the float32
+    logits, with its log-prob under the policy. Sampling: the first token whose cumulative probability under
+    softmax(warp_scores) exceeds u * total, one float64 uniform u in [0, 1) per row (a token of probability 0 is
+    never taken), with its log-prob under that processed distribution."""
+    if temperature == 0:
+        logps = logits.float().log_softmax(dim=-1)
+        tokens = logps.argmax(dim=-1)
+        return tokens, logps.gather(1, tokens[:, None])[:, 0]
+    scores = warp_scores(logits, temperature, top_p, top_k)
+    cdf = scores.softmax(dim=-1).double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # u * total may round up to total itself: the largest double below it keeps the search inside the support
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True)[:, 0]
+    return tokens, scores.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def _last_logits(lm, cache, input_ids, position_ids, attention_mask):
+    """The float32 next-token logits (n, V) of one forward feeding input_ids after what the cache holds."""
+    kwargs = {cache_kwarg(lm): cache}
+    out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1, **kwargs)
+    return out.logits[:, -1].float()
+
+
+_COMPILED = {}  # one compiled decode step per process: compiling per rollout would cost seconds each time
+
+
+def compiled_step():
+    """_last_logits under torch.compile(mode="reduce-overhead"): on CUDA a static-shape step is captured once as a
+    CUDA graph and replayed, instead of launching every layer's kernels from Python."""
+    if "step" not in _COMPILED:
+        _COMPILED["step"] = torch.compile(_last_logits, mode="reduce-overhead", dynamic=False)
+    return _COMPILED["step"]
+
+
+@torch.no_grad()
+def decode(lm, input_ids, attention_mask, group_size, eos, pad_id, max_new_tokens, sampling, static=False, step=None):
+    """(tokens, logprobs), both (n, max_new_tokens), sampled for left-padded rows (n, P) whose groups of group_size
+    are contiguous repeats of a prompt (anything after a row's first EOS is meaningless); None when lm's cache holds
+    more than full-attention keys and values. sampling: temperature, top_p, top_k.
+
+    Default: each distinct prompt but its last token goes through the backbone once (no logits) into a SlabLayer
+    cache of P + max_new_tokens positions, repeated group_size times (when group_size > 1 and every prompt has more
+    than one token); each step feeds one token per row at position prompt length + k; a row that sampled an EOS
+    leaves the batch. static=True (what a CUDA graph captures): transformers' StaticCache, every row prefilled and
+    run every step with the same shapes, the mask (n, P + max_new_tokens) hiding what is not written; step: the
+    forward of steps 1.. (compiled_step()), by default _last_logits."""
+    device = input_ids.device
+    n, width = input_ids.shape
+    plain = prompt_cache(lm)
+    if plain is None or not plain.layers or any(type(layer) is not DynamicLayer for layer in plain.layers):
+        return None
+    capacity = width + max_new_tokens
+    if static:
+        cache = StaticCache(config=lm.config, max_cache_len=capacity)
+    else:
+        cache = Cache(layers=[SlabLayer(capacity) for _ in plain.layers])
+    mask = attention_mask.new_zeros(n, capacity)  # one more column set per step, in place
+    mask[:, :width] = attention_mask
+    next_position = attention_mask.sum(dim=-1, keepdim=True)  # (n, 1): where each row's first new token sits
+    feed = input_ids
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if not static and group_size > 1 and int(next_position.min()) > 1:
+        prefix_mask = attention_mask[::group_size, :-1]
+        lm.get_decoder()(
+            input_ids=input_ids[::group_size, :-1],
+            attention_mask=prefix_mask,
+            position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
+            **{cache_kwarg(lm): cache},
+        )
+        cache.batch_repeat_interleave(group_size)
+        feed = input_ids[:, -1:]
+        positions = next_position - 1
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(n, max_new_tokens, device=device)
+    rows = torch.arange(n, device=device)  # the rows still sampling
+    stops = torch.tensor(eos, device=device)
+    for k in range(max_new_tokens):
+        # the whole batch's uniforms every sampled step, ended rows too: the stream a rollout consumes does not
+        # depend on which rows ended when; greedy draws none
+        uniforms = torch.rand(n, dtype=torch.float64, device=device) if sampling["temperature"] > 0 else None
+        forward = step if step is not None and k > 0 else _last_logits  # never the prefill: other shapes
+        logits = forward(lm, cache, feed, positions, mask if static else mask[:, : width + k])
+        chosen, chosen_logps = sample_tokens(logits, None if uniforms is None else uniforms[rows], **sampling)
+        tokens[rows, k] = chosen
+        logprobs[rows, k] = chosen_logps
+        ended = torch.isin(tokens[:, : k + 1], stops).any(-1)[rows]  # (live rows,)
+        if k + 1 == max_new_tokens or bool(ended.all()):
+            break
+        if not static and bool(ended.any()):
+            keep = (~ended).nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            rows = rows[keep]
+            mask = mask[keep]
+            next_position = next_position[keep]
+            chosen = chosen[keep]
+        feed = chosen[:, None]
+        positions = next_position + k
+        mask[:, width + k] = 1
+    return tokens, logprobs
+
+
 def _result(prompt_ids, completion_ids, eos, tokenizer, logprobs=None) -> dict:
     cut = [cut_at_eos(list(c), eos) for c in completion_ids]
     ids = [c for c, _ in cut]
@@ -66,20 +243,48 @@ def hf_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     max_new_tokens: int = 256,
+    compile: bool = False,
 ) -> dict:
-    """Sample group_size completions per prompt with `model.generate` (left padding, KV cache, eval, no_grad)."""
+    """Sample group_size completions per prompt with `decode` (left padding, eval, no_grad), or with model.generate
+    for a model whose cache holds more than full-attention keys and values. compile: static shapes and a
+    CUDA-graph-captured decode step (compiled_step), prompts left-padded to a multiple of 64 so that rollouts share
+    one compiled shape."""
     check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
     rows = [p for p in prompts for _ in range(group_size)]  # repeat, not num_return_sequences: greedy allows it too
     device = next(model.parameters()).device
     # Left padding: every row's last prompt token sits in the last column, so new tokens are appended in lockstep;
-    # generate derives position_ids from the attention mask, so padded rows see the positions of unpadded ones.
-    input_ids = pad_batch(rows, tokenizer.pad_token_id, side="left").to(device)
-    attention_mask = pad_batch([[1] * len(r) for r in rows], 0, side="left").to(device)
+    # positions come from the attention mask, so padded rows see the positions of unpadded ones.
+    width = max(map(len, rows))
+    if compile:
+        width = -(-width // 64) * 64  # more left padding: masked, so the completions are the same
+    pad = tokenizer.pad_token_id
+    input_ids = pad_batch([[pad] * (width - len(r)) + r for r in rows], pad).to(device)
+    attention_mask = pad_batch([[0] * (width - len(r)) + [1] * len(r) for r in rows], 0).to(device)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    was_training = model.training
+    try:
+        model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
+        step = compiled_step() if compile else None
+        decoded = decode(lm, input_ids, attention_mask, group_size, eos, pad, max_new_tokens, sampling, compile, step)
+        if decoded is None:
+            new = _model_generate(
+                model, tokenizer, input_ids, attention_mask, group_size, eos, max_new_tokens, sampling
+            )
+            return _result(rows, new.tolist(), eos, tokenizer)
+    finally:
+        model.train(was_training)
+    return _result(rows, decoded[0].tolist(), eos, tokenizer, decoded[1].tolist())
+
+
+def _model_generate(model, tokenizer, input_ids, attention_mask, group_size, eos, max_new_tokens, sampling):
+    """The new tokens (n, T) of model.generate with exactly our sampling settings, for the models decode refuses.
+    (Its random stream is generate's: one torch.multinomial per live step.)"""
+    lm = unwrap(model)
+    temperature = sampling["temperature"]
     # top_k is passed even when 0: an unset field falls back to transformers' global default top_k=50.
-    greedy = dict(do_sample=False)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 else greedy
+    chosen = dict(do_sample=True, **sampling) if temperature > 0 else dict(do_sample=False)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         use_cache=True,  # the KV cache, even with gradient checkpointing on
@@ -87,38 +292,24 @@ def hf_generate(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         return_dict_in_generate=True,
-        **sampling,
+        **chosen,
     )
     # generate() fills every field we leave unset from model.generation_config (a checkpoint's repetition_penalty,
     # min_p, suppress_tokens, ...), so for this call the model's own config is replaced by ours.
     saved = lm.generation_config
-    was_training = model.training
     try:
         lm.generation_config = config
-        model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
-        # The G rows of a prompt share it: prefill each distinct prompt once (all but its last token, backbone only:
-        # no logits) and repeat that KV cache G times, so prefill costs B prompts, not B*G rows. generate() then runs
-        # the last prompt token and the new ones. Same left padding and positions as the unshared rows.
-        # (Not for models with recurrent states, whose cache cannot be repeated: prompt_cache gives None.)
-        cache = prompt_cache(lm) if group_size > 1 and min(len(p) for p in prompts) > 1 else None
+        # Sliding-window models: each distinct prompt but its last token prefilled once (backbone only) and its cache
+        # repeated G times; not models with recurrent states (prompt_cache gives None), whose state cannot be.
+        cache = prompt_cache(lm) if group_size > 1 and int(attention_mask.sum(-1).min()) > 1 else None
         if cache is not None:
             prefix, prefix_mask = input_ids[::group_size, :-1], attention_mask[::group_size, :-1]
-            lm.get_decoder()(
-                input_ids=prefix,
-                attention_mask=prefix_mask,
-                use_cache=True,
-                position_ids=(prefix_mask.cumsum(-1) - 1).clamp(min=0),
-                **{cache_kwarg(lm): cache},
-            )
+            position_ids = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+            kwargs = {cache_kwarg(lm): cache}
+            lm.get_decoder()(input_ids=prefix, attention_mask=prefix_mask, position_ids=position_ids, **kwargs)
             cache.batch_repeat_interleave(group_size)
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            **({cache_kwarg(lm): cache} if cache is not None else {}),
-        )
+        kwargs = {cache_kwarg(lm): cache} if cache is not None else {}
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config, **kwargs)
     finally:
         lm.generation_config = saved
-        model.train(was_training)
-    new = out.sequences[:, input_ids.shape[1] :]  # (B*G, T_new); rows that stopped early are padded
-    return _result(rows, new.tolist(), eos, tokenizer)
+    return out.sequences[:, input_ids.shape[1] :]  # (n, T_new); rows that stopped early are padded

@@ -60,6 +60,7 @@ FREE_ON_RESUME = {
     "attn_implementation",
     "gradient_checkpointing",
     "trust_remote_code",
+    "torch_threads",  # every script's CPU thread count: the same math, other rounding at most
 }
 
 

@@ -330,6 +330,19 @@ def test_plan_returns_before_loading(script, tiny_model_dir, tmp_path, monkeypat
     assert os.listdir(tmp_path) == []  # not even a run directory
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_sets_torch_threads_before_it_plans(script, tiny_model_dir, tmp_path):
+    """--torch-threads was grpo.py's only: every script now sets torch's CPU threads from it first thing."""
+    mod = importlib.import_module(script)
+    before = torch.get_num_threads()
+    args = mod.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), plan=True, torch_threads=before + 1)
+    try:
+        mod.main(args)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
+
+
 class Loaded(Exception):
     """Raised by the test's load_model: the run got past the plan and the model would load now."""
 

@@ -6,10 +6,17 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from common.model import attach_lora, load_model
-from common.rollout import cut_at_eos, eos_ids, hf_generate
+from common.data import pad_batch
+from common.model import attach_lora, load_model, sequence_logps, unwrap
+from common.rollout import cut_at_eos, decode, eos_ids, hf_generate, sample_tokens, warp_scores
 from plugins.vllm_engine import VLLMEngine
 
 
@@ -55,7 +62,7 @@ def test_layout_groups_are_contiguous_and_fields_agree(policy):
     out = hf_generate(model, tokenizer, prompts, group_size=3, max_new_tokens=7)
     assert out["prompt_ids"] == [prompts[0]] * 3 + [prompts[1]] * 3
     assert len(out["completion_ids"]) == len(out["completions"]) == len(out["truncated"]) == 6
-    assert out["logprobs"] is None
+    assert [len(lp) for lp in out["logprobs"]] == [len(c) for c in out["completion_ids"]]
     eos = eos_ids(model, tokenizer)
     for c, truncated in zip(out["completion_ids"], out["truncated"]):
         assert 1 <= len(c) <= 7
@@ -83,8 +90,8 @@ def test_stops_at_every_declared_eos_and_flags_truncation(policy):
 
 
 def _processors(model, tokenizer, **sampling):
-    """The logits processors generate() built for one hf_generate call."""
-    lm, seen = model.get_base_model(), []
+    """The logits processors generate() built for one hf_generate call (a model decode refuses: model.generate)."""
+    lm, seen = unwrap(model), []
     original = lm._get_logits_processor
 
     def spy(*args, **kwargs):
@@ -93,24 +100,30 @@ def _processors(model, tokenizer, **sampling):
 
     lm._get_logits_processor = spy
     try:
-        hf_generate(model, tokenizer, [ids(tokenizer, "hello")], 2, max_new_tokens=2, **sampling)
+        hf_generate(model, tokenizer, [[5, 6, 7]], 2, max_new_tokens=2, **sampling)
     finally:
         del lm._get_logits_processor
     assert isinstance(seen[0], LogitsProcessorList)
     return {type(p).__name__: p for p in seen[0]}
 
 
-def test_top_k_zero_is_off_and_the_model_generation_config_does_not_leak(policy):
-    model, tokenizer = policy
-    config = model.get_base_model().generation_config
-    config.update(top_k=5, top_p=0.5, temperature=0.3, repetition_penalty=1.5, min_p=0.2, no_repeat_ngram_size=2)
+POLLUTED = dict(top_k=5, top_p=0.5, temperature=0.3, repetition_penalty=1.5, min_p=0.2, no_repeat_ngram_size=2)
+CLEAN = {k: None for k in POLLUTED}
+
+
+def test_top_k_zero_is_off_and_the_model_generation_config_does_not_leak_into_model_generate():
+    """The fallback engine (model.generate, for models with recurrent states) gets exactly TRL's processors."""
+    from tests.test_logps import hybrid_model
+    from tests.tiny import build_tokenizer
+
+    model, tokenizer = hybrid_model("falcon_h1"), build_tokenizer()
+    config = model.generation_config
+    config.update(**POLLUTED)
     try:
         plain = _processors(model, tokenizer, temperature=1.0, top_p=1.0, top_k=0)
         asked = _processors(model, tokenizer, temperature=0.7, top_p=0.9, top_k=3)
     finally:
-        config.update(
-            top_k=None, top_p=None, temperature=None, repetition_penalty=None, min_p=None, no_repeat_ngram_size=None
-        )
+        config.update(**CLEAN)
     leaked = {
         "TopKLogitsWarper",
         "TopPLogitsWarper",
@@ -123,6 +136,199 @@ def test_top_k_zero_is_off_and_the_model_generation_config_does_not_leak(policy)
     assert asked["TopKLogitsWarper"].top_k == 3 and asked["TopPLogitsWarper"].top_p == 0.9
     assert asked["TemperatureLogitsWarper"].temperature == 0.7
     assert "RepetitionPenaltyLogitsProcessor" not in asked and "MinPLogitsWarper" not in asked
+
+
+def test_the_model_generation_config_does_not_leak_into_the_decode_loop(policy):
+    """A checkpoint's generation_config.json (repetition penalty, min_p, its own top_k ...) changes nothing: the same
+    seed samples the same completions with or without it."""
+    model, tokenizer = policy
+    prompts = [ids(tokenizer, "hello"), ids(tokenizer, "Tom has 3 apples")]
+    config = model.get_base_model().generation_config
+    config.update(**POLLUTED)
+    try:
+        torch.manual_seed(1)
+        polluted = hf_generate(model, tokenizer, prompts, 2, max_new_tokens=6)
+    finally:
+        config.update(**CLEAN)
+    torch.manual_seed(1)
+    clean = hf_generate(model, tokenizer, prompts, 2, max_new_tokens=6)
+    assert polluted["completion_ids"] == clean["completion_ids"]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.8, 20)])
+def test_warp_scores_are_the_scores_of_transformers_warpers(temperature, top_p, top_k):
+    """The distribution decode samples from is the one generate's warpers build (same order, same ops: equal)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500) * 3
+    warpers = []
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    expected = LogitsProcessorList(warpers)(None, logits.clone())
+    got = warp_scores(logits, temperature, top_p, top_k)
+    assert torch.equal(got, expected)
+    assert (got > float("-inf")).sum(-1).min() >= 1
+    if top_k:
+        assert (got > float("-inf")).sum(-1).max() <= top_k
+
+
+def test_inverse_cdf_takes_the_first_token_past_u_times_the_total():
+    """One uniform per row picks a token by cumulative probability; tokens of probability 0 are never taken, even at
+    u = 0 or u just below 1; the log-prob returned is the processed distribution's."""
+    logits = torch.log(torch.tensor([[0.1, 0.0, 0.2, 0.7, 0.0]])).expand(6, 5)
+    uniforms = torch.tensor([0.0, 0.05, 0.1, 0.25, 0.31, 1 - 2**-53], dtype=torch.float64)
+    tokens, logps = sample_tokens(logits, uniforms, 1.0, 1.0, 0)
+    assert tokens.tolist() == [0, 0, 2, 2, 3, 3]
+    assert torch.allclose(logps, torch.log(torch.tensor([0.1, 0.1, 0.2, 0.2, 0.7, 0.7])))
+    top1 = sample_tokens(logits, uniforms, 1.0, 1.0, 1)[0]  # top_k 1: only the argmax is left
+    assert top1.tolist() == [3] * 6
+    greedy, greedy_logps = sample_tokens(logits, None, 0.0, 1.0, 0)
+    assert greedy.tolist() == [3] * 6 and torch.allclose(greedy_logps, torch.log(torch.tensor(0.7)).expand(6))
+
+
+def many_eos(model, tokenizer, count=60):
+    """The model's generation_config with `count` extra EOS ids: sampled rows then end at different steps."""
+    config = model.get_base_model().generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = [tokenizer.eos_token_id, *range(100, 100 + count)]
+    return config, saved
+
+
+def test_a_rollout_consumes_one_float64_uniform_per_row_per_step(policy):
+    """The stream is defined: a sampled rollout of n rows whose longest completion has L tokens draws exactly
+    n x L float64 uniforms from the default generator, even when rows end early (they are dropped from the batch,
+    not from the draw); greedy draws none."""
+    model, tokenizer = policy
+    prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "The quick brown fox")]
+    config, saved = many_eos(model, tokenizer)
+    try:
+        torch.manual_seed(7)
+        out = hf_generate(model, tokenizer, prompts, 3, max_new_tokens=10)
+        after = torch.rand(3)
+    finally:
+        config.eos_token_id = saved
+    lengths = [len(c) for c in out["completion_ids"]]
+    assert len(set(lengths)) > 1, f"the test needs rows that end at different steps: {lengths}"
+    torch.manual_seed(7)
+    torch.rand(6 * max(lengths), dtype=torch.float64)
+    assert torch.equal(after, torch.rand(3))
+    torch.manual_seed(7)
+    hf_generate(model, tokenizer, prompts, 3, temperature=0.0, max_new_tokens=10)
+    after_greedy = torch.rand(3)
+    torch.manual_seed(7)
+    assert torch.equal(after_greedy, torch.rand(3))
+
+
+@pytest.mark.numerics
+def test_static_shapes_sample_what_the_dynamic_loop_samples(policy):
+    """static=True (what --compile captures: transformers' StaticCache, no shared prefill, every row run every step,
+    the mask hiding the unwritten positions) and the default loop (shared prefill, finished rows dropped, the filled
+    part of the slab attended) take the same tokens from the same uniforms, with log-probs equal to 1e-5: dropping
+    rows changes neither the stream nor any row's numbers."""
+    model, tokenizer = policy
+    prompts = [ids(tokenizer, "hi there"), ids(tokenizer, "The quick brown fox jumps over the lazy dog. What is 12?")]
+    rows = [p for p in prompts for _ in range(3)]
+    lm = model.get_base_model()
+    input_ids = pad_batch(rows, tokenizer.pad_token_id, side="left")
+    attention_mask = pad_batch([[1] * len(r) for r in rows], 0, side="left")
+    config, saved = many_eos(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
+    model.eval()
+    try:
+        results = []
+        for static in (False, True):
+            torch.manual_seed(3)
+            sampling = dict(temperature=0.8, top_p=1.0, top_k=0)
+            results.append(decode(lm, input_ids, attention_mask, 3, eos, 0, 10, sampling, static=static))
+    finally:
+        config.eos_token_id = saved
+        model.train()
+    cut = [[cut_at_eos(r, eos)[0] for r in tokens.tolist()] for tokens, _ in results]
+    assert len({len(c) for c in cut[0]}) > 1, "the test needs rows that end at different steps"
+    assert cut[0] == cut[1]
+    for row, completion in enumerate(cut[0]):
+        width = len(completion)
+        assert torch.allclose(results[0][1][row, :width], results[1][1][row, :width], atol=1e-5, rtol=0)
+
+
+@pytest.mark.numerics
+def test_sampled_logprobs_are_the_policys_recomputed_logprobs(policy):
+    """What decode returns as logprobs equals the log-probs the trainer recomputes for the same completions (a full
+    forward over prompt + completion, logits / T) to 1e-5, with a trained-looking adapter (LoRA B moved off 0)."""
+    model, tokenizer = policy
+    moved = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "Tom has 3 apples and buys 4 more.")]
+    try:
+        torch.manual_seed(5)
+        out = hf_generate(model, tokenizer, prompts, 3, temperature=0.7, max_new_tokens=12)
+        model.eval()
+        for prompt, completion, logps in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"], strict=True):
+            row = torch.tensor([prompt + completion])
+            mask = torch.tensor([[0] * len(prompt) + [1] * len(completion)])
+            with torch.no_grad():
+                expected = sequence_logps(model, row, torch.ones_like(row), mask, temperature=0.7)[0, len(prompt) :]
+            assert torch.allclose(torch.tensor(logps), expected, atol=1e-5, rtol=0), (logps, expected.tolist())
+    finally:
+        model.train()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in moved:
+                    p.copy_(moved[n])
+
+
+def model_generate_greedy(model, tokenizer, prompts, max_new_tokens):
+    """transformers' own greedy completions of left-padded prompts (the reference decode must match)."""
+    lm = unwrap(model)
+    input_ids = pad_batch(prompts, tokenizer.pad_token_id, side="left")
+    attention_mask = pad_batch([[1] * len(p) for p in prompts], 0, side="left")
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_ids(model, tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = lm.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    finally:
+        model.train(was_training)
+    eos = eos_ids(model, tokenizer)
+    return [cut_at_eos(row, eos)[0] for row in out[:, input_ids.shape[1] :].tolist()]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_greedy_decode_is_token_identical_to_model_generate(policy, group_size):
+    """Greedy completions equal model.generate's, shared prefill (G 3) or not (G 1), left padding included, and so
+    does the static-shape path --compile captures (run eagerly here)."""
+    model, tokenizer = policy
+    prompts = [ids(tokenizer, "hi there"), ids(tokenizer, "The quick brown fox jumps over the lazy dog. What is 12?")]
+    rows = [p for p in prompts for _ in range(group_size)]
+    expected = model_generate_greedy(model, tokenizer, rows, 16)
+    assert_clear_greedy(model, rows, expected)
+    ours = hf_generate(model, tokenizer, prompts, group_size, temperature=0.0, max_new_tokens=16)
+    assert ours["completion_ids"] == expected
+    lm = model.get_base_model()
+    input_ids = pad_batch(rows, tokenizer.pad_token_id, side="left")
+    attention_mask = pad_batch([[1] * len(r) for r in rows], 0, side="left")
+    eos = eos_ids(model, tokenizer)
+    model.eval()
+    try:
+        greedy = dict(temperature=0.0, top_p=1.0, top_k=0)
+        static, _ = decode(lm, input_ids, attention_mask, group_size, eos, 0, 16, greedy, static=True)
+    finally:
+        model.train()
+    assert [cut_at_eos(r, eos)[0] for r in static.tolist()] == expected
 
 
 @pytest.mark.parametrize("flag, sampling", [("--top-p", dict(top_p=0.0)), ("--top-k", dict(top_k=-1))])
