@@ -424,7 +424,11 @@ def test_each_script_trains_the_same_with_checkpointing_on(script, tiny_model_di
     monkeypatch.setattr(mod, "load_model", recorded)
     losses = []
     for on in (False, True):
-        args = mod.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path / str(on)), **QUICK[script])
+        # grpo: a reward that differs within a group, so step 1 has real gradients; with all advantages 0 only the KL
+        # term's rounding-level gradient (~1e-7, the two paths' gap) is left, Adam's first step turns it into an
+        # lr-sized step in its sign, and step 2 would sample from another policy on each path
+        quick = QUICK[script] | ({"rewards": ["tests.test_raft:frac_low_ids"]} if script == "grpo" else {})
+        args = mod.Args(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path / str(on)), **quick)
         out = mod.main(dataclasses.replace(args, gradient_checkpointing=on))
         assert is_checkpointing(unwrap(models[-1][0])) is on
         keys = ["sft/loss", "dpo/loss"] if script == "raft" else ["loss"]
@@ -436,6 +440,7 @@ def test_each_script_trains_the_same_with_checkpointing_on(script, tiny_model_di
         # over a forward, a backward and one AdamW step), whose size the CPU's kernels decide. 1e-5 relative is far
         # above that and far below the loss's move in one step, so a completion that lost sight of its prompt fails.
         assert losses[1] == pytest.approx(losses[0], rel=1e-5, abs=1e-7)
+        assert any(loss != 0 for loss in losses[0]), losses  # a step with a gradient was compared
     else:
         # The same kernels on the same shapes, only recomputed in the backward: bit for bit on any CPU.
         assert losses[1] == losses[0]
