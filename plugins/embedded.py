@@ -165,8 +165,8 @@ def resolve_model(name: str) -> str:
         shutil.rmtree(folder, ignore_errors=True)  # partial, corrupt or stale: never half-used
         tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=folder.parent)  # same filesystem, so rename is atomic
         size_mb = source["size"] / 1e6
-        _say(f"first use of {name}: converting {gguf_path.name} ({size_mb:.0f} MB) to a float32 copy (~540 MB) in")
-        _say(f"{folder}; once per cache, about 0.5-2 min on a CPU (docs/usage.md#models-and-the-model-cache)")
+        _say(f"first use of {name}: converting {gguf_path.name} ({size_mb:.0f} MB) to a float32 copy in {folder}")
+        _say("once per cache; its size and time: docs/usage.md#models-and-the-model-cache")
         t0 = time.perf_counter()
         try:
             _convert(gguf_path, tmp)
