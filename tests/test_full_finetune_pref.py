@@ -95,7 +95,8 @@ def assert_plain_model_stops_at_end_of_turn(final_dir):
 
 
 # ------------------------------------------------------------------------------------------------------------ dpo
-def run_dpo(model_dir, data, tmp_path, **kw):
+def run_full(module, model_dir, data, tmp_path, **kw):
+    """module.main on a 2-step full fine-tune of model_dir (kw overrides any of these)."""
     defaults = dict(
         model=model_dir,
         dataset=data,
@@ -107,7 +108,11 @@ def run_dpo(model_dir, data, tmp_path, **kw):
         seed=1,
         use_lora=False,
     )
-    return dpo.main(dpo.Args(**{**defaults, **kw}))
+    return module.main(module.Args(**{**defaults, **kw}))
+
+
+def run_dpo(model_dir, data, tmp_path, **kw):
+    return run_full(dpo, model_dir, data, tmp_path, **kw)
 
 
 def test_dpo_full_fine_tune_scores_its_reference_once_from_the_starting_weights(
@@ -180,18 +185,7 @@ def test_dpo_plan_counts_every_weights_training_state_and_no_reference_pass(tiny
 
 # ------------------------------------------------------------------------------------------------------------ kto
 def run_kto(model_dir, data, tmp_path, **kw):
-    defaults = dict(
-        model=model_dir,
-        dataset=data,
-        output_dir=str(tmp_path / "runs"),
-        max_length=64,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        max_steps=2,
-        seed=1,
-        use_lora=False,
-    )
-    return kto.main(kto.Args(**{**defaults, **kw}))
+    return run_full(kto, model_dir, data, tmp_path, **kw)
 
 
 def test_kto_full_fine_tune_scores_its_reference_once_from_the_starting_weights(
