@@ -23,6 +23,9 @@ instead: same distribution, another stream.) Models whose cache holds more than 
 sliding-window layers) are sampled by `model.generate`, as before.
 """
 
+import contextlib
+import functools
+
 import torch
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer, StaticCache
@@ -141,6 +144,72 @@ def _last_logits(lm, cache, input_ids, position_ids, attention_mask):
     kwargs = {cache_kwarg(lm): cache}
     out = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1, **kwargs)
     return out.logits[:, -1].float()
+
+
+def _packed_forward(weight, bias, x, *args, **kwargs):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _mergeable(lora) -> bool:
+    """A PEFT LoRA Linear whose active adapters are plain W + s B A on a float32 nn.Linear: no DoRA or other
+    variant, no LoRA bias, not merged already, not disabled, not transposed (GPT-2's Conv1D)."""
+    adapters = [a for a in lora.active_adapters if a in lora.lora_A]
+    plain = all(a not in lora.lora_variant and lora.lora_B[a].bias is None for a in adapters)
+    return plain and not (lora.disable_adapters or lora.merged or lora.fan_in_fan_out) and _packable(lora.base_layer)
+
+
+def _packable(linear) -> bool:
+    if type(linear) is not torch.nn.Linear:
+        return False
+    return linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
+
+
+@contextlib.contextmanager
+def packed_linears(model, rows: int):
+    """On a CPU with oneDNN: for the rollout, every float32 nn.Linear of the policy runs on a copy of its weight
+    reordered for oneDNN (freed on exit), a LoRA Linear's active adapters merged into that copy (W + s B A, what PEFT's
+    get_delta_weight adds). The decode step's small-batch matmuls are then oneDNN's rather than MKL's and the
+    adapters' A/B products leave the step. Equal in exact arithmetic to PEFT's unmerged forward; the sums run in
+    another order, so logits differ at float32 rounding. A LoRA layer that cannot be merged (_mergeable) keeps its
+    forward around a packed base; anything else (quantized or non-float32 weights, a GPU) is left as it is.
+    rows: the batch size oneDNN lays the weights out for."""
+    from peft.tuners.lora import Linear as LoraLinear  # the policy's LoRA layers; peft is imported by common.model
+
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        yield
+        return
+    swapped = []
+    done = set()
+
+    def swap(module, weight, bias):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        module.forward = functools.partial(_packed_forward, packed, bias)
+        swapped.append(module)
+
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                if id(module) in done:
+                    continue
+                if isinstance(module, LoraLinear):
+                    done.update(id(m) for m in module.modules())  # its base and A/B: handled here or left alone
+                    base = module.base_layer
+                    if _mergeable(module):
+                        weight = base.weight
+                        for a in module.active_adapters:
+                            if a in module.lora_A:
+                                lora_B = module.lora_B[a].weight.to(weight.dtype)
+                                lora_A = module.lora_A[a].weight.to(weight.dtype)
+                                weight = torch.addmm(weight, lora_B, lora_A, alpha=module.scaling[a])
+                        swap(module, weight, base.bias)
+                    elif _packable(base):
+                        swap(base, base.weight, base.bias)
+                elif _packable(module):
+                    swap(module, module.weight, module.bias)
+        yield
+    finally:
+        for module in swapped:
+            del module.forward  # the class's forward again
 
 
 _COMPILED = {}  # one compiled decode step per process: compiling per rollout would cost seconds each time
@@ -267,7 +336,11 @@ def hf_generate(
     try:
         model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
         step = compiled_step() if compile else None
-        decoded = decode(lm, input_ids, attention_mask, group_size, eos, pad, max_new_tokens, sampling, compile, step)
+        packing = packed_linears(model, len(rows)) if not compile else contextlib.nullcontext()
+        with packing:
+            decoded = decode(
+                lm, input_ids, attention_mask, group_size, eos, pad, max_new_tokens, sampling, compile, step
+            )
         if decoded is None:
             new = _model_generate(
                 model, tokenizer, input_ids, attention_mask, group_size, eos, max_new_tokens, sampling
