@@ -9,10 +9,11 @@ prompt-major (the G completions of prompt i are rows i*G .. i*G+G-1, so each gro
   logprobs        B*G lists of the sampled tokens' log-probs under the sampling distribution, or None
 `hf_generate` samples from the live policy (the adapter is attached: no weight sync) with its own decode loop
 (`decode`): each distinct prompt prefilled once, a KV cache preallocated at prompt + max_new_tokens and written in
-place, finished rows dropped from the batch. Sampling: temperature (0 = greedy), top_p (1 = off), top_k (0 = off,
-TRL's default), applied as transformers' warpers apply them; no repetition penalty, min_p or any other processor,
-whatever the model's generation_config.json says. logprobs are the sampled tokens' log-probs under the processed
-distribution (greedy: under the plain policy).
+place, finished rows dropped from the batch; on a CPU every float32 Linear runs on a oneDNN-packed copy of its
+weight with the LoRA update merged in (`packed_linears`), for the rollout only. Sampling: temperature (0 = greedy),
+top_p (1 = off), top_k (0 = off, TRL's default), applied as transformers' warpers apply them; no repetition penalty,
+min_p or any other processor, whatever the model's generation_config.json says. logprobs are the sampled tokens'
+log-probs under the processed distribution (greedy: under the plain policy).
 
 Random stream: when sampling (temperature > 0), decode step k (k = 0 .. the longest completion's length - 1) draws
 exactly one `torch.rand(B*G, dtype=float64)` from the device's default generator, for every row whether it has ended
@@ -313,11 +314,12 @@ def hf_generate(
     top_k: int = 0,
     max_new_tokens: int = 256,
     compile: bool = False,
+    pack: bool = True,
 ) -> dict:
     """Sample group_size completions per prompt with `decode` (left padding, eval, no_grad), or with model.generate
     for a model whose cache holds more than full-attention keys and values. compile: static shapes and a
     CUDA-graph-captured decode step (compiled_step), prompts left-padded to a multiple of 64 so that rollouts share
-    one compiled shape."""
+    one compiled shape. pack: on a CPU, decode on packed_linears (False: each layer's own forward, to compare)."""
     check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
@@ -336,7 +338,7 @@ def hf_generate(
     try:
         model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
         step = compiled_step() if compile else None
-        packing = packed_linears(model, len(rows)) if not compile else contextlib.nullcontext()
+        packing = packed_linears(model, len(rows)) if pack and not compile else contextlib.nullcontext()
         with packing:
             decoded = decode(
                 lm, input_ids, attention_mask, group_size, eos, pad, max_new_tokens, sampling, compile, step

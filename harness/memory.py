@@ -213,13 +213,20 @@ def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tu
     return kept, work, head
 
 
-def _generate_bytes(c: dict, b: int, g: Generate, device_bytes: int) -> tuple[str, int]:
+def _generate_bytes(c: dict, b: int, g: Generate, device_bytes: int, device: str, quantization) -> tuple[str, int]:
+    """The rollout's memory; on a CPU in fp32 also common.rollout.packed_linears' copy of every float32 Linear
+    weight (the LoRA merged in): all of them, or the head alone when the decoder's linears are quantized."""
     if g.vllm_share is not None:
         return "vLLM reservation", int(g.vllm_share * device_bytes)
     L, H, F, Hq, K = _shape(c)
     n, G, P, C = g.prompts, g.group_size, g.prompt_tokens, g.new_tokens
     kv = L * n * G * (P + C) * 2 * K * b + n * P * (2 * H + 3 * F) * b
-    return "KV cache", kv + n * G * c["vocab_size"] * 4 * 2
+    kv += n * G * c["vocab_size"] * 4 * 2
+    if device != "cpu" or b != 4:
+        return "KV cache", kv
+    head = c["vocab_size"] * H * 4
+    packed = head if quantization else param_counts(c)[0] * 4 + head
+    return "KV cache + packed weights", kv + packed
 
 
 def estimate(
@@ -252,7 +259,7 @@ def estimate(
         last = None
         for p in passes:
             if isinstance(p, Generate):
-                name, size = _generate_bytes(c, b, p, device_bytes)
+                name, size = _generate_bytes(c, b, p, device_bytes, device, trained.quantization)
                 parts[f"{phase}: {name}"] = size
                 peak = max(peak, held + size)
                 continue

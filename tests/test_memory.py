@@ -199,8 +199,11 @@ def test_dpo_reference_and_grpo_rollout_parts(monkeypatch, on_cpu):
     assert p["step: reference pass"] == 8 * (16 + 48) * 4 + 128 + 2 * 8 * 32 * 4  # no grad: working set + chunks
     assert p["step: activations"] == estimate(CFG, Trained("fp32", None, 2), STEP, device="cpu")["step: activations"]
     g = plan_of(grpo, monkeypatch, **GRPO)
-    # 6 rows x 11 positions x 2 layers x k, v of 4 x 4 bytes + prefill 3 x 5 x (16 + 48) x 4 + 6 x 32 x 4 x 2 logits
-    assert g["rollout: KV cache"] == 4224 + 3840 + 1536
+    # 6 rows x 11 positions x 2 layers x k, v of 4 x 4 bytes + prefill 3 x 5 x (16 + 48) x 4 + 6 x 32 x 4 x 2 logits;
+    # on a CPU in fp32 also the rollout's packed copy of every Linear weight (common.rollout.packed_linears): the
+    # decoder's linears (2 x 576) and the head (vocab 32 x H 8), 4 bytes each
+    packed = (2 * 576 + 32 * 8) * 4
+    assert g["rollout: KV cache + packed weights"] == 4224 + 3840 + 1536 + packed
     assert "reference: no-grad pass" in g and "reference: no-grad pass" not in plan_of(
         grpo, monkeypatch, **GRPO | dict(beta=0.0)
     )
@@ -208,7 +211,7 @@ def test_dpo_reference_and_grpo_rollout_parts(monkeypatch, on_cpu):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(memory, "device_memory", lambda device: (1000, "test card"))
     v = plan_of(grpo, monkeypatch, **GRPO | dict(engine="vllm", ignore_memory_plan=True))
-    assert v["rollout: vLLM reservation"] == 300 and "rollout: KV cache" not in v
+    assert v["rollout: vLLM reservation"] == 300 and not [k for k in v if "KV cache" in k]
 
 
 def test_grpo_with_checkpointing_asked_for_plans_the_whole_rows_it_runs(monkeypatch, on_cpu):

@@ -15,8 +15,8 @@ from transformers import (
 )
 
 from common.data import pad_batch
-from common.model import attach_lora, load_model, sequence_logps, unwrap
-from common.rollout import cut_at_eos, decode, eos_ids, hf_generate, sample_tokens, warp_scores
+from common.model import as_reference, attach_lora, load_model, sequence_logps, snapshot_ref, unwrap
+from common.rollout import cut_at_eos, decode, eos_ids, hf_generate, packed_linears, sample_tokens, warp_scores
 from plugins.vllm_engine import VLLMEngine
 
 
@@ -426,3 +426,94 @@ def test_vllm_engine_names_the_unsupported_quantization(policy, quantization, me
         pytest.skip("vLLM serves a 4-bit base on CUDA")
     with pytest.raises(ValueError, match=message):
         VLLMEngine("unused", model, tokenizer, quantization=quantization)
+
+
+def _lora_calls(model):
+    """A counter of the LoRA A products run while it is attached (one forward hook per lora_A Linear)."""
+    calls = []
+    handles = [m.register_forward_hook(lambda *a: calls.append(1)) for n, m in model.named_modules() if "lora_A." in n]
+    return calls, handles
+
+
+@pytest.mark.numerics
+def test_packed_linears_run_the_merged_policy_and_leave_it_as_it_was(tiny_model_dir):
+    """The CPU rollout's weights: under packed_linears the policy's logits equal PEFT's unmerged forward to float32
+    rounding (an adapter moved off its init, a second adapter "ref" attached but inactive, Qwen2's q/k/v biases), no
+    LoRA A product runs, and on exit every module has its class's forward back: the logits after are bit-identical
+    to those before."""
+    model, tokenizer = load_model(tiny_model_dir)
+    model = attach_lora(model, dropout=0.0)
+    snapshot_ref(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B.default" in n:  # the policy moves; "ref" stays at the start
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    row = torch.tensor([ids(tokenizer, "Tom has 3 apples and buys 4 more.")])
+    with torch.no_grad():
+        before = model(input_ids=row).logits
+        with as_reference(model):
+            reference = model(input_ids=row).logits
+        calls, handles = _lora_calls(model)
+        with packed_linears(model, rows=1):
+            packed = model(input_ids=row).logits
+        for h in handles:
+            h.remove()
+        after = model(input_ids=row).logits
+    assert not calls
+    assert (before - reference).abs().max() > 1e-2  # the merged adapter matters: "ref" would give other logits
+    assert torch.allclose(packed, before, atol=1e-5, rtol=1e-5), (packed - before).abs().max()
+    assert not [n for n, m in model.named_modules() if "forward" in vars(m)]
+    assert torch.equal(after, before)
+
+
+@pytest.mark.numerics
+def test_a_lora_layer_that_cannot_be_merged_keeps_its_forward_on_a_packed_base(tiny_model_dir):
+    """DoRA's update is not W + s B A: such a layer keeps PEFT's forward (its A/B products run) around a packed
+    base, and the logits still equal the unpacked forward's to float32 rounding; disabled adapters give the base."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tokenizer = load_model(tiny_model_dir)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    row = torch.tensor([ids(tokenizer, "hello world again")])
+    with torch.no_grad():
+        before = model(input_ids=row).logits
+        calls, handles = _lora_calls(model)
+        with packed_linears(model, rows=1):
+            packed = model(input_ids=row).logits
+            swapped = [n for n, m in model.named_modules() if "forward" in vars(m)]
+        with model.disable_adapter():
+            base = model(input_ids=row).logits
+            with packed_linears(model, rows=1):
+                packed_base = model(input_ids=row).logits
+        for h in handles:
+            h.remove()
+    assert calls  # DoRA's own forward ran
+    assert swapped and all(n.endswith("base_layer") or "lora" not in n for n in swapped)
+    assert any(n.endswith("q_proj.base_layer") for n in swapped)
+    assert torch.allclose(packed, before, atol=1e-5, rtol=1e-5), (packed - before).abs().max()
+    assert torch.allclose(packed_base, base, atol=1e-5, rtol=1e-5), (packed_base - base).abs().max()
+    assert (base - before).abs().max() > 1e-3
+
+
+def test_a_cpu_rollout_runs_on_packed_weights(policy):
+    """hf_generate on a CPU samples from the packed, merged weights: no LoRA A product runs during the rollout
+    (pack=False runs PEFT's forward, one per LoRA layer per forward), and the greedy tokens are the same."""
+    model, tokenizer = policy
+    prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "Tom has 3 apples.")]
+    calls, handles = _lora_calls(model)
+    try:
+        packed = hf_generate(model, tokenizer, prompts, 2, temperature=0.0, max_new_tokens=6)
+        assert not calls
+        plain = hf_generate(model, tokenizer, prompts, 2, temperature=0.0, max_new_tokens=6, pack=False)
+        assert calls
+    finally:
+        for h in handles:
+            h.remove()
+    assert_clear_greedy(model, packed["prompt_ids"], packed["completion_ids"])
+    assert packed["completion_ids"] == plain["completion_ids"]
