@@ -1,7 +1,8 @@
 """Generation against its floor: one GRPO rollout's shapes through the HF engine's decode loop (common.rollout.decode),
 the same loop with --compile (static shapes, torch.compile mode="reduce-overhead": CUDA graphs on a GPU),
-transformers' model.generate (the engine before issue #30) and, where vllm is installed, the vLLM engine; and that
-rollout's floor on the machine it runs on.
+transformers' model.generate (the engine before issue #30), on a CPU the loop without its packed weights (each layer's
+own forward: MKL's matmuls, PEFT's unmerged LoRA) and, where vllm is installed, the vLLM engine; and that rollout's
+floor on the machine it runs on.
 
 Floor: each decode step must read every weight it uses once (the parameters' bytes; a tied head counted once) and
 the live rows' KV cache, and do 2 FLOPs per weight per live row plus attention's 4 x layers x heads x head_dim x
@@ -139,13 +140,17 @@ def main():
         with torch.no_grad():
             return _model_generate(model, tokenizer, input_ids, attention_mask, G, eos, args.tokens, sampling)
 
-    def ours(compile=False):
-        return hf_generate(model, tokenizer, prompts, G, **sampling, max_new_tokens=args.tokens, compile=compile)
+    def ours(compile=False, pack=True):
+        return hf_generate(
+            model, tokenizer, prompts, G, **sampling, max_new_tokens=args.tokens, compile=compile, pack=pack
+        )
 
     def compiled():
         return ours(compile=True)
 
     engines = {"model.generate": generate, "decode": ours}
+    if device.type == "cpu":  # the same loop on each layer's own forward (MKL's matmuls, PEFT's unmerged LoRA)
+        engines["decode, unpacked"] = lambda: ours(pack=False)
     results = {}
     if args.compile:
         # a compiler failure on a new machine is a finding, not the end of the bench: the row says what failed

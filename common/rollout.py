@@ -26,6 +26,7 @@ sliding-window layers) are sampled by `model.generate`, as before.
 
 import contextlib
 import functools
+import platform
 
 import torch
 from transformers import GenerationConfig
@@ -167,16 +168,17 @@ def _packable(linear) -> bool:
 
 @contextlib.contextmanager
 def packed_linears(model, rows: int):
-    """On a CPU with oneDNN: for the rollout, every float32 nn.Linear of the policy runs on a copy of its weight
-    reordered for oneDNN (freed on exit), a LoRA Linear's active adapters merged into that copy (W + s B A, what PEFT's
-    get_delta_weight adds). The decode step's small-batch matmuls are then oneDNN's rather than MKL's and the
+    """On an x86-64 CPU with oneDNN: for the rollout, every float32 nn.Linear of the policy runs on a copy of its
+    weight reordered for oneDNN (freed on exit), a LoRA Linear's active adapters merged into that copy (W + s B A, what
+    PEFT's get_delta_weight adds). The decode step's small-batch matmuls are then oneDNN's rather than MKL's and the
     adapters' A/B products leave the step. Equal in exact arithmetic to PEFT's unmerged forward; the sums run in
     another order, so logits differ at float32 rounding. A LoRA layer that cannot be merged (_mergeable) keeps its
-    forward around a packed base; anything else (quantized or non-float32 weights, a GPU) is left as it is.
-    rows: the batch size oneDNN lays the weights out for."""
+    forward around a packed base; anything else (quantized or non-float32 weights, a GPU, an ARM CPU) is left as it
+    is. rows: the batch size oneDNN lays the weights out for."""
     from peft.tuners.lora import Linear as LoraLinear  # the policy's LoRA layers; peft is imported by common.model
 
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+    x86 = platform.machine().lower() in ("x86_64", "amd64")  # where it was measured; ARM's oneDNN differs
+    if not (x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         yield
         return
     swapped = []
