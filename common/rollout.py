@@ -29,6 +29,7 @@ import functools
 import platform
 
 import torch
+from peft.tuners.lora import Linear as LoraLinear
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer, StaticCache
 
@@ -175,8 +176,6 @@ def packed_linears(model, rows: int):
     another order, so logits differ at float32 rounding. A LoRA layer that cannot be merged (_mergeable) keeps its
     forward around a packed base; anything else (quantized or non-float32 weights, a GPU, an ARM CPU) is left as it
     is. rows: the batch size oneDNN lays the weights out for."""
-    from peft.tuners.lora import Linear as LoraLinear  # the policy's LoRA layers; peft is imported by common.model
-
     x86 = platform.machine().lower() in ("x86_64", "amd64")  # where it was measured; ARM's oneDNN differs
     if not (x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         yield

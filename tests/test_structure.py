@@ -238,12 +238,12 @@ def test_each_script_shows_its_update_and_imports_no_other_script(script):
 def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
     """What a forker of grpo.py must read: itself and the core it imports (6 files; STYLE.md's ~2,600 lines, held at
     2,750 since the math checker reads derivations, non-finite rewards are errors, a full fine-tune has a reference
-    and --optim adamw_8bit exists; 2,950 since the HF engine samples with its own decode loop (issue #30: slab KV
-    cache, exact warpers, the static-shape path --compile captures), which grpo and raft share: each is core, used by
-    two or more scripts)."""
+    and --optim adamw_8bit exists; 3,000 since the HF engine samples with its own decode loop (issue #30: slab KV
+    cache, exact warpers, the static-shape path --compile captures, the CPU rollout's packed weights), which grpo and
+    raft share: each is core, used by two or more scripts)."""
     core = counted(closure("grpo", skip=OPTIONAL))
     assert core == ["common.data", "common.errors", "common.model", "common.rewards", "common.rollout", "grpo"]
-    assert lines(core) <= 2950, lines(core)
+    assert lines(core) <= 3000, lines(core)
 
 
 def test_closure_report():
