@@ -149,8 +149,16 @@ def _last_logits(lm, cache, input_ids, position_ids, attention_mask):
     return out.logits[:, -1].float()
 
 
-def _packed_forward(weight, bias, x, *args, **kwargs):
+def _packed_forward(weight, bias, x):
+    """A Linear's forward on a weight packed for oneDNN (only x: anything else a caller passes is an error, not
+    dropped)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _packable(linear) -> bool:
+    if type(linear) is not torch.nn.Linear:
+        return False
+    return linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
 
 
 def _mergeable(lora) -> bool:
@@ -159,12 +167,6 @@ def _mergeable(lora) -> bool:
     adapters = [a for a in lora.active_adapters if a in lora.lora_A]
     plain = all(a not in lora.lora_variant and lora.lora_B[a].bias is None for a in adapters)
     return plain and not (lora.disable_adapters or lora.merged or lora.fan_in_fan_out) and _packable(lora.base_layer)
-
-
-def _packable(linear) -> bool:
-    if type(linear) is not torch.nn.Linear:
-        return False
-    return linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
 
 
 @contextlib.contextmanager

@@ -213,9 +213,12 @@ def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tu
     return kept, work, head
 
 
-def _generate_bytes(c: dict, b: int, g: Generate, device_bytes: int, device: str, quantization) -> tuple[str, int]:
+def _generate_bytes(
+    c: dict, b: int, g: Generate, device_bytes: int, device: str, quantization: str | None
+) -> tuple[str, int]:
     """The rollout's memory; on a CPU in fp32 also common.rollout.packed_linears' copy of every float32 Linear
-    weight (the LoRA merged in): all of them, or the head alone when the decoder's linears are quantized."""
+    weight (the LoRA merged in): all of them, or the head alone when the decoder's linears are quantized. Counted on
+    any CPU, although the copy is made on x86-64 only: on an ARM CPU the plan is that much too high."""
     if g.vllm_share is not None:
         return "vLLM reservation", int(g.vllm_share * device_bytes)
     L, H, F, Hq, K = _shape(c)
