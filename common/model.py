@@ -408,28 +408,43 @@ def _chunk_logits(hidden_chunk, weight, bias, temperature):
 
 
 class _ChunkedLogps(torch.autograd.Function):
-    """log p(y_i | h_i) = z_{i, y_i} - logsumexp_v z_{i, v} with z = (h W^T + b) / T, computed chunk by chunk.
+    """log p(y_i | h_i) = z_{i, y_i} - logsumexp_v z_{i, v} with z = (h W^T + b) / T, computed chunk by chunk, so the
+    peak is one or two (chunk_size, V) fp32 buffers whatever N is: d logp_i / d z_i = onehot(y_i) - softmax(z_i).
 
-    Backward recomputes each chunk's logits from (hidden, weight, bias) instead of saving them, so the peak is two
-    (chunk_size, V) fp32 buffers (logits + softmax) whatever N is: d logp_i / d z_i = onehot(y_i) - softmax(z_i).
+    A frozen head (a LoRA base's; only the hidden rows need a gradient): the forward also computes each row's
+    d logp_i / d h_i = (W_{y_i} - softmax(z_i) W) / T, an (N, H) tensor, and backward scales it by the incoming
+    gradient: no (N, V) logits are kept or recomputed. A trainable head: backward recomputes each chunk's logits
+    from (hidden, weight, bias), since its weight gradient needs the incoming gradient inside the (chunk, V) product.
     Autocast is disabled inside: under bf16 autocast the matmuls would round logits to bf16, defeating the fp32.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, return_entropy):
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, return_entropy, grad_enabled):
         w = weight.float()  # no-op for fp32; for bf16 one fp32 copy of the head so logits are fp32-accurate
         b = None if bias is None else bias.float()
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]  # set from requires_grad even under torch.no_grad()
+        frozen = grad_enabled and need_h and not (need_w or need_b)
         logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logps) if return_entropy else logps.new_empty(0)
+        d_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if frozen else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)  # the last chunk may be shorter; slicing clips it
             with torch.autocast(hidden.device.type, enabled=False):
                 logits = _chunk_logits(hidden[rows], w, b, temperature)  # (n, V) fp32
-            if return_entropy:
-                entropy[rows] = entropy_from_logits(logits)
-            logps[rows] = logits.gather(-1, labels[rows, None]).squeeze(-1) - logits.logsumexp(-1)
+                if return_entropy:
+                    entropy[rows] = entropy_from_logits(logits)
+                lse = logits.logsumexp(-1)
+                logps[rows] = logits.gather(-1, labels[rows, None]).squeeze(-1) - lse
+                if frozen:  # d logp / d h = (W_y - softmax(z) W) / T; the softmax in place of the logits
+                    probs = logits.sub_(lse[:, None]).exp_()
+                    d_hidden[rows] = (w[labels[rows]] - probs @ w).div_(temperature)
             del logits  # free before the next chunk's matmul, else two chunk buffers overlap
-        ctx.save_for_backward(hidden, weight, bias, labels)  # inputs only: logits are recomputed in backward
+        if frozen:
+            ctx.save_for_backward(d_hidden)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, labels)  # inputs only: logits are recomputed in backward
+        ctx.frozen = frozen
+        ctx.hidden_dtype = hidden.dtype
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(entropy)  # entropy is a logged metric, never a loss term here
@@ -437,12 +452,16 @@ class _ChunkedLogps(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, _grad_entropy):
+        if ctx.frozen:
+            (d_hidden,) = ctx.saved_tensors
+            grad_hidden = (grad_logps.float()[:, None] * d_hidden).to(ctx.hidden_dtype)
+            return grad_hidden, None, None, None, None, None, None, None
         hidden, weight, bias, labels = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         w = weight.float()
         b = None if bias is None else bias.float()
         grad_hidden = torch.empty_like(hidden) if need_h else None
-        # fp32 accumulators, allocated only when the head is trainable (a frozen LoRA base head skips both matmuls)
+        # fp32 accumulators for a trainable head's weight and bias
         grad_weight = torch.zeros_like(w) if need_w else None
         grad_bias = torch.zeros_like(b) if need_b else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
@@ -462,7 +481,7 @@ class _ChunkedLogps(torch.autograd.Function):
             del dz  # free before the next chunk's matmul, else two chunk buffers overlap
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def chunked_logps(hidden, weight, labels, temperature=1.0, chunk_size=1024, bias=None, return_entropy=False):
@@ -473,7 +492,8 @@ def chunked_logps(hidden, weight, labels, temperature=1.0, chunk_size=1024, bias
     require grad. Logits are computed in fp32 from the (possibly bf16) inputs, so bf16 models get fp32-accurate
     logps rather than those of `lm_head(h).float()`, whose bf16 logits in [16, 32) are rounded by up to 1/16.
     """
-    logps, entropy = _ChunkedLogps.apply(hidden, weight, bias, labels, temperature, chunk_size, return_entropy)
+    grad = torch.is_grad_enabled()
+    logps, entropy = _ChunkedLogps.apply(hidden, weight, bias, labels, temperature, chunk_size, return_entropy, grad)
     return (logps, entropy) if return_entropy else logps
 
 

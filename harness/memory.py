@@ -206,10 +206,10 @@ def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tu
     if not p.vocab:
         return kept, work, 0
     # chunked_logps: (chunk, V) fp32 logits + softmax (one more with entropy); a bf16 head is cast to fp32 once;
-    # backward allocates the hidden rows' gradient
+    # with grad, a frozen head's fp32 d logp / d h of the scored rows (kept to backward) and the rows' gradient
     rows = min(CHUNK, p.scored)
     V = c["vocab_size"]
-    head = (2 + p.entropy) * rows * V * 4 + (b != 4) * V * H * 4 + p.grad * p.scored * H * b
+    head = (2 + p.entropy) * rows * V * 4 + (b != 4) * V * H * 4 + p.grad * p.scored * H * (4 + b)
     return kept, work, head
 
 

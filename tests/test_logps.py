@@ -108,6 +108,33 @@ def test_chunked_logps_frozen_head_gets_no_grad():
     torch.testing.assert_close(hidden.grad, ref_hidden.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,chunk_size,bias", [(1.0, 1024, False), (0.7, 7, True), (1.3, 4, False)])
+def test_a_frozen_head_backward_scales_the_forward_gradient_and_recomputes_no_logits(
+    dtype, temperature, chunk_size, bias, monkeypatch
+):
+    """Frozen head (LoRA): the forward computes d logp / d h = (W_y - softmax(z) W) / T; backward only scales it by
+    the incoming gradient, with no (chunk, V) logits recomputed. The gradient equals the naive one."""
+    hidden, weight, b, labels = leaves(30, 16, 53, dtype, bias)
+    weight.requires_grad_(False)
+    if bias:
+        b.requires_grad_(False)
+    calls = []
+    chunk_logits = common.model._chunk_logits
+    monkeypatch.setattr(common.model, "_chunk_logits", lambda *a: calls.append(1) or chunk_logits(*a))
+    logps = chunked_logps(hidden, weight, labels, temperature, chunk_size, b)
+    forward_calls = len(calls)
+    assert forward_calls == -(-30 // chunk_size)  # one per chunk
+    g = torch.randn(30)
+    (ours,) = torch.autograd.grad((logps * g).sum(), hidden)
+    assert len(calls) == forward_calls  # backward made no logits
+    ref = naive_logps(hidden, weight, labels, temperature, b)[0]
+    (theirs,) = torch.autograd.grad((ref * g).sum(), hidden)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, theirs, **TOL[dtype])
+
+
 def test_chunked_logps_stays_fp32_under_autocast():
     """A bf16 autocast region (as around a training forward) must not turn the head matmuls into bf16."""
     hidden, weight, _, labels = leaves(20, 16, 53, torch.float32, False)
