@@ -184,6 +184,7 @@ def packed_linears(model, rows: int):
         return
     swapped = []
     done = set()
+    merged = None  # one buffer every merge is written into: the reorder copies it out (fresh buffers cost page faults)
 
     def swap(module, weight, bias):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
@@ -200,11 +201,14 @@ def packed_linears(model, rows: int):
                     base = module.base_layer
                     if _mergeable(module):
                         weight = base.weight
+                        if merged is None or merged.numel() < weight.numel():
+                            merged = weight.new_empty(weight.numel())
+                        out = merged[: weight.numel()].view_as(weight)
                         for a in module.active_adapters:
                             if a in module.lora_A:
                                 lora_B = module.lora_B[a].weight.to(weight.dtype)
                                 lora_A = module.lora_A[a].weight.to(weight.dtype)
-                                weight = torch.addmm(weight, lora_B, lora_A, alpha=module.scaling[a])
+                                weight = torch.addmm(weight, lora_B, lora_A, alpha=module.scaling[a], out=out)
                         swap(module, weight, base.bias)
                     elif _packable(base):
                         swap(base, base.weight, base.bias)

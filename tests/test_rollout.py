@@ -465,6 +465,17 @@ def test_packed_linears_run_the_merged_policy_and_leave_it_as_it_was(tiny_model_
     assert torch.allclose(packed, before, atol=1e-5, rtol=1e-5), (packed - before).abs().max()
     assert not [n for n, m in model.named_modules() if "forward" in vars(m)]
     assert torch.equal(after, before)
+    # two adapters active at once (both moved): both merged, one after the other, into the same buffer
+    model.base_model.set_adapter(["default", "ref"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B.ref" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        both = model(input_ids=row).logits
+        with packed_linears(model, rows=1):
+            packed_both = model(input_ids=row).logits
+    assert (both - before).abs().max() > 1e-2
+    assert torch.allclose(packed_both, both, atol=1e-5, rtol=1e-5), (packed_both - both).abs().max()
 
 
 @pytest.mark.numerics
