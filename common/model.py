@@ -410,12 +410,9 @@ def _chunk_logits(hidden_chunk, weight, bias, temperature):
 class _ChunkedLogps(torch.autograd.Function):
     """log p(y_i | h_i) = z_{i, y_i} - logsumexp_v z_{i, v} with z = (h W^T + b) / T, computed chunk by chunk, so the
     peak is one or two (chunk_size, V) fp32 buffers whatever N is: d logp_i / d z_i = onehot(y_i) - softmax(z_i).
-
-    A frozen head (a LoRA base's; only the hidden rows need a gradient): the forward also computes each row's
-    d logp_i / d h_i = (W_{y_i} - softmax(z_i) W) / T, an (N, H) tensor, and backward scales it by the incoming
-    gradient: no (N, V) logits are kept or recomputed. A trainable head: backward recomputes each chunk's logits
-    from (hidden, weight, bias), since its weight gradient needs the incoming gradient inside the (chunk, V) product.
-    Autocast is disabled inside: under bf16 autocast the matmuls would round logits to bf16, defeating the fp32.
+    A frozen head (LoRA's): the forward also computes d logp_i / d h_i = (W_{y_i} - softmax(z_i) W) / T, (N, H), and
+    backward only scales it. A trainable head's weight gradient needs the incoming gradient inside the (chunk, V)
+    product, so its backward recomputes each chunk's logits. Autocast is off inside: bf16 logits would lose the fp32.
     """
 
     @staticmethod
