@@ -522,7 +522,8 @@ def sequence_logps(
     layout, when return_entropy). Position 0 and the first real token after left padding have no context: always 0.
     Only the hidden states that predict a masked target go through the head (prompt tokens cost no logits at all).
     Padded rows run in groups of similar length, each cut to the columns its tokens use (length_groups): padding
-    costs no compute or activation memory, and a group without padding takes SDPA's causal path with no mask.
+    costs no compute or activation memory, and a group without padding, or with padding on the right only, takes
+    SDPA's causal path with no mask.
     """
     groups = None
     if attention_mask is not None and position_ids is None:
@@ -541,6 +542,13 @@ def sequence_logps(
     lm = unwrap(model)
     if attention_mask is None and position_ids is None:
         raise ValueError("sequence_logps needs attention_mask, or position_ids for packed rows (attention_mask=None)")
+    model_mask = attention_mask
+    if position_ids is None and _right_padded(attention_mask):
+        # Right padding only: under the causal mask a real token sees real tokens alone (the pads come after it), so
+        # the model runs without the padding mask and attention takes its causal path (no (T, T) float mask, KV heads
+        # not repeated). Positions arange(T): the real tokens' own, and no restart that would read as packing.
+        model_mask = None
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     if position_ids is None:
         # Positions count real tokens only, so a left-padded row is scored as if unpadded. HF's default arange(T)
         # shifts each padded row by its pad count: a no-op for RoPE (relative), wrong for absolute-position models
@@ -554,7 +562,7 @@ def sequence_logps(
     # Packed rows (attention_mask None, position_ids restarting per document): transformers then builds a
     # block-diagonal causal mask from position_ids, but only without a KV cache, hence use_cache=False below.
     targets = input_ids[:, 1:]
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    inputs = dict(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=False)
     if head_is_plain_linear(lm):
         hidden = lm.get_decoder()(**inputs).last_hidden_state  # (B, T, H), after the final norm
         head = lm.get_output_embeddings()
@@ -579,6 +587,12 @@ def sequence_logps(
     if return_entropy:
         return per_token_logps, F.pad(entropy, (1, 0)).detach()
     return per_token_logps
+
+
+def _right_padded(attention_mask) -> bool:
+    """Every row's tokens start at column 0 and run unbroken (padding, if any, only on the right)."""
+    m = attention_mask.bool()
+    return bool(m[:, 0].all()) and bool((m[:, 1:] <= m[:, :-1]).all())
 
 
 def length_groups(attention_mask, slack: float = 1.125) -> list[tuple[list[int], int, int]] | None:

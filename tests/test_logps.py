@@ -255,6 +255,27 @@ def test_sequence_logps_runs_padded_rows_in_length_groups(padding_side):
     torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_right_padded_rows_run_without_the_padding_mask(arch):
+    """Right padding only: a real token sees no pad under the causal mask, so the model gets no attention_mask
+    (SDPA's causal path) and positions arange(T); left-padded rows keep theirs. Same numbers as the masked forward."""
+    model = tiny_model(arch)
+    seen = {}
+    for side in ("right", "left"):
+        input_ids, attention_mask, logps_mask, _ = batch([9, 7, 8], side)  # one group: 3 x 9 <= 1.125 x 24
+
+        def record(module, args, kwargs, side=side):
+            seen[side] = kwargs["attention_mask"]
+
+        hook = model.get_decoder().register_forward_pre_hook(record, with_kwargs=True)
+        with torch.no_grad():
+            logps = sequence_logps(model, input_ids, attention_mask, logps_mask)
+        hook.remove()
+        ref, _ = naive_sequence_logps(model, input_ids, attention_mask, logps_mask)
+        torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    assert seen["right"] is None and torch.equal(seen["left"], batch([9, 7, 8], "left")[1])
+
+
 def test_length_groups_spans_and_empty_rows():
     mask = torch.tensor([[0] * (9 - n) + [1] * n for n in (7, 1, 8)])  # left-padded rows of 7, 1 and 8 tokens
     assert length_groups(mask) == [([2, 0], 1, 9), ([1], 8, 9)]  # 2 x 8 <= 1.125 x 15; 3 x 8 > 1.125 x 16
