@@ -430,12 +430,16 @@ class _ChunkedLogps(torch.autograd.Function):
                 logits = _chunk_logits(hidden[rows], w, b, temperature)  # (n, V) fp32
                 if return_entropy:
                     entropy[rows] = entropy_from_logits(logits)
-                lse = logits.logsumexp(-1)
-                logps[rows] = logits.gather(-1, labels[rows, None]).squeeze(-1) - lse
-                if frozen:  # d logp / d h = (W_y - softmax(z) W) / T; the softmax in place of the logits
-                    probs = logits.sub_(lse[:, None]).exp_()
-                    d_hidden[rows] = (w[labels[rows]] - probs @ w).div_(temperature)
-            del logits  # free before the next chunk's matmul, else two chunk buffers overlap
+                # logsumexp in the logits' own buffer (max, exp(z - max), sum): logsumexp() would allocate an (n, V)
+                # temporary per chunk, and fresh memory costs page faults
+                picked = logits.gather(-1, labels[rows, None]).squeeze(-1)
+                top = logits.amax(-1)
+                exps = logits.sub_(top[:, None]).exp_()
+                total = exps.sum(-1)
+                logps[rows] = picked - top - total.log()
+                if frozen:  # d logp / d h = (W_y - softmax(z) W) / T
+                    d_hidden[rows] = (w[labels[rows]] - exps.div_(total[:, None]) @ w).div_(temperature)
+            del logits, exps  # free before the next chunk's matmul, else two chunk buffers overlap
         if frozen:
             ctx.save_for_backward(d_hidden)
         else:
