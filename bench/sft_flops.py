@@ -21,16 +21,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def linear_params(config) -> tuple[int, int]:
-    """(decoder linear weights, head weights) of a Llama/Qwen2-style config."""
-    hidden = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q = config.num_attention_heads * head_dim
-    kv = config.num_key_value_heads * head_dim
-    per_layer = hidden * (2 * q + 2 * kv) + 3 * hidden * config.intermediate_size
-    return config.num_hidden_layers * per_layer, config.vocab_size * hidden
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="as vs_trl.py --steps (step 1 is warm-up, not counted)")
@@ -38,12 +28,13 @@ def main():
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from bench.vs_trl import PRESETS, preset_rows
     from common.data import micro_batch, setup_chat_template, tokenize_dataset
     from common.model import length_groups
     from harness.hub import locate_model
+    from harness.memory import model_config, param_counts
 
     path = locate_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -52,7 +43,9 @@ def main():
     batch, max_length = over["batch_size"], over["max_length"]
     rows = preset_rows("sft-4x512", batch * args.steps, tokenizer, target_length=max_length)
     examples = tokenize_dataset(tokenizer, rows, "supervised", max_length)
-    decoder, head = linear_params(AutoConfig.from_pretrained(path))
+    config = model_config(args.model)
+    decoder = param_counts(config)[0]  # the decoder's linear layers (and their few bias elements)
+    head = config["vocab_size"] * config["hidden_size"]
     print(f"decoder linears {decoder / 1e6:.1f}M weights, head {head / 1e6:.1f}M; GFLOP per optimizer step")
     print("| step | row tokens | completion tokens | ours: tokens / GFLOP | TRL: tokens / GFLOP | ours/TRL |")
     print("|---|---|---|---:|---:|---:|")
