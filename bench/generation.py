@@ -1,8 +1,9 @@
 """Generation against its floor: one GRPO rollout's shapes through the HF engine's decode loop (common.rollout.decode),
 the same loop with --compile (static shapes, torch.compile mode="reduce-overhead": CUDA graphs on a GPU),
-transformers' model.generate (the engine before issue #30), on a CPU the loop without its packed weights (each layer's
-own forward: MKL's matmuls, PEFT's unmerged LoRA) and, where vllm is installed, the vLLM engine; and that rollout's
-floor on the machine it runs on.
+transformers' model.generate (the engine before issue #30), the loop on the model's own forward every step instead of
+decoder_step (for the model types that have it), on a CPU the loop without its packed weights (each layer's own
+forward: MKL's matmuls, PEFT's unmerged LoRA) and, where vllm is installed, the vLLM engine; and that rollout's floor
+on the machine it runs on.
 
 Floor: each decode step must read every weight it uses once (the parameters' bytes; a tied head counted once) and
 the live rows' KV cache, and do 2 FLOPs per weight per live row plus attention's 4 x layers x heads x head_dim x
@@ -30,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.data import load_rows, pad_batch, setup_chat_template, tokenize_dataset  # noqa: E402
 from common.model import attach_lora, load_model, unwrap  # noqa: E402
-from common.rollout import _model_generate, eos_ids, hf_generate  # noqa: E402
+from common.rollout import DECODER_STEP_MODELS, _model_generate, eos_ids, hf_generate  # noqa: E402
 from plugins.builtin_math import builtin_rows  # noqa: E402
 
 
@@ -140,15 +141,25 @@ def main():
         with torch.no_grad():
             return _model_generate(model, tokenizer, input_ids, attention_mask, G, eos, args.tokens, sampling)
 
-    def ours(compile=False, pack=True):
+    def ours(compile=False, pack=True, own_step=True):
         return hf_generate(
-            model, tokenizer, prompts, G, **sampling, max_new_tokens=args.tokens, compile=compile, pack=pack
+            model,
+            tokenizer,
+            prompts,
+            G,
+            **sampling,
+            max_new_tokens=args.tokens,
+            compile=compile,
+            pack=pack,
+            own_step=own_step,
         )
 
     def compiled():
         return ours(compile=True)
 
     engines = {"model.generate": generate, "decode": ours}
+    if unwrap(model).config.model_type in DECODER_STEP_MODELS:  # the same loop on the model's forward every step
+        engines["decode, model forward"] = lambda: ours(own_step=False)
     if device.type == "cpu":  # the same loop on each layer's own forward (MKL's matmuls, PEFT's unmerged LoRA)
         engines["decode, unpacked"] = lambda: ours(pack=False)
     results = {}

@@ -28,8 +28,9 @@
 # The generation stage alone, one call of at most 8 minutes (issue #30; it needs no wheels):
 #   OUT=/some/dir bash bench/gpu_check.sh --generation          (CPU, tiny shapes: --generation-dry-run)
 # bench/generation.py on the headline path's shapes (Qwen2.5-1.5B, bf16, LoRA r16, 8 prompts x G 4, 512 tokens):
-# model.generate, our decode loop, the loop with --compile (its first call, compile + capture, on its own line),
-# vLLM where installed, each against the rollout's floor on the card; table in $OUT/generation.md.
+# model.generate, our decode loop, the loop on the model's forward every step, the loop with --compile (its first
+# call, compile + capture, on its own line), vLLM where installed, each against the rollout's floor on the card;
+# table in $OUT/generation.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}

@@ -9,11 +9,12 @@ prompt-major (the G completions of prompt i are rows i*G .. i*G+G-1, so each gro
   logprobs        B*G lists of the sampled tokens' log-probs under the sampling distribution, or None
 `hf_generate` samples from the live policy (the adapter is attached: no weight sync) with its own decode loop
 (`decode`): each distinct prompt prefilled once, a KV cache preallocated at prompt + max_new_tokens and written in
-place, finished rows dropped from the batch; on a CPU every float32 Linear runs on a oneDNN-packed copy of its
-weight with the LoRA update merged in (`packed_linears`), for the rollout only. Sampling: temperature (0 = greedy),
-top_p (1 = off), top_k (0 = off, TRL's default), applied as transformers' warpers apply them; no repetition penalty,
-min_p or any other processor, whatever the model's generation_config.json says. logprobs are the sampled tokens'
-log-probs under the processed distribution (greedy: under the plain policy).
+place, finished rows dropped from the batch, each one-token step of a Llama, Mistral, Qwen2 or Qwen3 model through
+`decoder_step` (that forward written out over the model's own modules); on a CPU every float32 Linear runs on a
+oneDNN-packed copy of its weight with the LoRA update merged in (`packed_linears`), for the rollout only. Sampling:
+temperature (0 = greedy), top_p (1 = off), top_k (0 = off, TRL's default), applied as transformers' warpers apply
+them; no repetition penalty, min_p or any other processor, whatever the model's generation_config.json says.
+logprobs are the sampled tokens' log-probs under the processed distribution (greedy: under the plain policy).
 
 Random stream: when sampling (temperature > 0), decode step k (k = 0 .. the longest completion's length - 1) draws
 exactly one `torch.rand(B*G, dtype=float64)` from the device's default generator, for every row whether it has ended
@@ -29,6 +30,7 @@ import functools
 import platform
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer, StaticCache
@@ -149,6 +151,50 @@ def _last_logits(lm, cache, input_ids, position_ids, attention_mask):
     return out.logits[:, -1].float()
 
 
+# transformers' model types whose decoder layer is exactly what decoder_step writes out
+DECODER_STEP_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def decoder_step(lm, cache, input_ids, position_ids, attention_mask):
+    """_last_logits for one new token per row (input_ids (n, 1)) after a SlabLayer cache, for the model types in
+    DECODER_STEP_MODELS: their forward written out, calling each of their modules (embedding, rotary embedding,
+    norms, projections, MLP, head) as their forward does, without what the model's forward adds around a one-token
+    step: the mask built per call, the attention interface's keyword plumbing, output objects. The attention is the
+    same grouped-query attention over the filled part of the slab: a row's one query per head, the G query heads that
+    share a key/value head taken together as G queries of that head (transformers' repeat_kv order), the padded
+    positions masked out."""
+    backbone = lm.get_decoder()
+    n = input_ids.shape[0]
+    hidden = backbone.embed_tokens(input_ids)  # (n, 1, H)
+    cos, sin = backbone.rotary_emb(hidden, position_ids)  # (n, 1, head_dim) each
+    cos = cos[:, None]  # (n, 1, 1, head_dim): broadcast over heads
+    sin = sin[:, None]
+    keep = attention_mask.bool()[:, None, None, :]  # (n, 1, 1, L): True where a row attends
+    for layer, slab in zip(backbone.layers, cache.layers, strict=True):
+        attention = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        query = attention.q_proj(x).view(n, 1, -1, attention.head_dim)  # (n, 1, heads, head_dim)
+        key = attention.k_proj(x).view(n, 1, -1, attention.head_dim)
+        value = attention.v_proj(x).view(n, 1, -1, attention.head_dim)
+        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head's query and key, before the rotation
+            query = attention.q_norm(query)
+            key = attention.k_norm(key)
+        query = query.transpose(1, 2) * cos + rotate_half(query.transpose(1, 2)) * sin  # (n, heads, 1, head_dim)
+        key = key.transpose(1, 2) * cos + rotate_half(key.transpose(1, 2)) * sin
+        keys, values = slab.update(key, value.transpose(1, 2))  # (n, kv_heads, L, head_dim) each
+        grouped = query.reshape(n, keys.shape[1], -1, attention.head_dim)  # (n, kv_heads, G, head_dim)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=keep, scale=attention.scaling)
+        hidden = hidden + attention.o_proj(out.reshape(n, 1, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return lm.lm_head(backbone.norm(hidden))[:, -1].float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(-x2, x1) for x = (x1, x2) split at the middle of the last dimension: the rotary embedding's partner."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def _packed_forward(weight, bias, x):
     """A Linear's forward on a weight packed for oneDNN (only x: anything else a caller passes is an error, not
     dropped)."""
@@ -241,8 +287,9 @@ def decode(lm, input_ids, attention_mask, group_size, eos, pad_id, max_new_token
     cache of P + max_new_tokens positions, repeated group_size times (when group_size > 1 and every prompt has more
     than one token); each step feeds one token per row at position prompt length + k; a row that sampled an EOS
     leaves the batch. static=True (what a CUDA graph captures): transformers' StaticCache, every row prefilled and
-    run every step with the same shapes, the mask (n, P + max_new_tokens) hiding what is not written; step: the
-    forward of steps 1.. (compiled_step()), by default _last_logits."""
+    run every step with the same shapes, the mask (n, P + max_new_tokens) hiding what is not written. step: the
+    forward of every one-token step (compiled_step(), _last_logits); by default decoder_step for the model types in
+    DECODER_STEP_MODELS (not static), else _last_logits. A whole prompt goes through _last_logits."""
     device = input_ids.device
     n, width = input_ids.shape
     plain = prompt_cache(lm)
@@ -253,11 +300,14 @@ def decode(lm, input_ids, attention_mask, group_size, eos, pad_id, max_new_token
         cache = StaticCache(config=lm.config, max_cache_len=capacity)
     else:
         cache = Cache(layers=[SlabLayer(capacity) for _ in plain.layers])
+    if step is None:
+        step = decoder_step if not static and lm.config.model_type in DECODER_STEP_MODELS else _last_logits
     mask = attention_mask.new_zeros(n, capacity)  # one more column set per step, in place
     mask[:, :width] = attention_mask
     next_position = attention_mask.sum(dim=-1, keepdim=True)  # (n, 1): where each row's first new token sits
     feed = input_ids
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    prefilled = False
     if not static and group_size > 1 and int(next_position.min()) > 1:
         prefix_mask = attention_mask[::group_size, :-1]
         lm.get_decoder()(
@@ -269,6 +319,7 @@ def decode(lm, input_ids, attention_mask, group_size, eos, pad_id, max_new_token
         cache.batch_repeat_interleave(group_size)
         feed = input_ids[:, -1:]
         positions = next_position - 1
+        prefilled = True
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(n, max_new_tokens, device=device)
     rows = torch.arange(n, device=device)  # the rows still sampling
@@ -277,7 +328,7 @@ def decode(lm, input_ids, attention_mask, group_size, eos, pad_id, max_new_token
         # the whole batch's uniforms every sampled step, ended rows too: the stream a rollout consumes does not
         # depend on which rows ended when; greedy draws none
         uniforms = torch.rand(n, dtype=torch.float64, device=device) if sampling["temperature"] > 0 else None
-        forward = step if step is not None and k > 0 else _last_logits  # never the prefill: other shapes
+        forward = step if prefilled or k > 0 else _last_logits  # a whole prompt: the model's forward
         logits = forward(lm, cache, feed, positions, mask if static else mask[:, : width + k])
         chosen, chosen_logps = sample_tokens(logits, None if uniforms is None else uniforms[rows], **sampling)
         tokens[rows, k] = chosen
@@ -322,11 +373,13 @@ def hf_generate(
     max_new_tokens: int = 256,
     compile: bool = False,
     pack: bool = True,
+    own_step: bool = True,
 ) -> dict:
     """Sample group_size completions per prompt with `decode` (left padding, eval, no_grad), or with model.generate
     for a model whose cache holds more than full-attention keys and values. compile: static shapes and a
     CUDA-graph-captured decode step (compiled_step), prompts left-padded to a multiple of 64 so that rollouts share
-    one compiled shape. pack: on a CPU, decode on packed_linears (False: each layer's own forward, to compare)."""
+    one compiled shape. pack: on a CPU, decode on packed_linears (False: each layer's own forward, to compare).
+    own_step: decoder_step where the model type has it (False: the model's forward every step, to compare)."""
     check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
@@ -344,7 +397,9 @@ def hf_generate(
     was_training = model.training
     try:
         model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
-        step = compiled_step() if compile else None
+        step = None if own_step else _last_logits  # None: decode picks decoder_step where the model type has it
+        if compile:
+            step = compiled_step()
         packing = packed_linears(model, len(rows)) if pack and not compile else contextlib.nullcontext()
         with packing:
             decoded = decode(

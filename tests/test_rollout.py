@@ -284,6 +284,73 @@ def test_sampled_logprobs_are_the_policys_recomputed_logprobs(policy):
                     p.copy_(moved[n])
 
 
+def tiny_decoder(model_type):
+    """A tiny random model of one transformers model type, with a LoRA adapter that is not the identity; each type
+    has what sets it apart: Llama 3's rope scaling, Qwen2's q/k/v biases, Qwen3's per-head q/k norms."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    sizes.update(intermediate_size=64, vocab_size=96, max_position_embeddings=128, head_dim=8)
+    llama3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+    extra = {
+        "llama": dict(rope_scaling=dict(llama3, original_max_position_embeddings=32)),
+        "mistral": dict(sliding_window=None),
+        "qwen2": dict(use_sliding_window=False),
+        "qwen3": dict(use_sliding_window=False),
+        "gemma": dict(),
+    }[model_type]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes, **extra)).float()
+    model = attach_lora(model, r=4, alpha=8, dropout=0.0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    return model.eval()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
+def test_decoder_step_samples_what_the_models_forward_samples(model_type, monkeypatch):
+    """decoder_step, the decode step written out for the model types in DECODER_STEP_MODELS, and the model's own
+    forward per step take the same tokens from the same uniforms, with log-probs equal to 1e-5, through a shared
+    prefill, left padding, grouped-query attention, LoRA and rows leaving the batch; any other model type (Gemma:
+    scaled embeddings) keeps the model's forward."""
+    import common.rollout as rollout
+
+    model = tiny_decoder(model_type)
+    lm = unwrap(model)
+    calls = []
+    original = rollout.decoder_step
+
+    def counted(*args):
+        calls.append(args[2].shape)  # input_ids
+        return original(*args)
+
+    monkeypatch.setattr(rollout, "decoder_step", counted)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    rows = [p for p in prompts for _ in range(3)]
+    input_ids = pad_batch(rows, 0, side="left")
+    attention_mask = pad_batch([[1] * len(r) for r in rows], 0, side="left")
+    eos = list(range(40, 60))  # a fifth of the vocabulary: rows end at different steps
+    sampling = dict(temperature=1.0, top_p=1.0, top_k=0)
+    results = []
+    with torch.no_grad():
+        for step in (None, rollout._last_logits):
+            torch.manual_seed(3)
+            results.append(decode(lm, input_ids, attention_mask, 3, eos, 0, 12, sampling, step=step))
+    cut = [[cut_at_eos(r, eos)[0] for r in tokens.tolist()] for tokens, _ in results]
+    assert len({len(c) for c in cut[0]}) > 1, "the test needs rows that end at different steps"
+    assert cut[0] == cut[1]
+    for row, completion in enumerate(cut[0]):
+        width = len(completion)
+        torch.testing.assert_close(results[0][1][row, :width], results[1][1][row, :width], atol=1e-5, rtol=0)
+    if model_type in rollout.DECODER_STEP_MODELS:
+        assert len(calls) == max(map(len, cut[0])) and all(shape[1] == 1 for shape in calls)
+    else:
+        assert not calls
+
+
 def model_generate_greedy(model, tokenizer, prompts, max_new_tokens):
     """transformers' own greedy completions of left-padded prompts (the reference decode must match)."""
     lm = unwrap(model)
@@ -344,18 +411,17 @@ def test_sampling_values_the_engines_read_differently_are_refused(policy, flag, 
 def test_eval_mode_and_kv_cache_during_generation_even_with_gradient_checkpointing(policy):
     model, tokenizer = policy
     lm, calls = model.get_base_model(), []
-    handle = lm.register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append((module.training, kwargs["input_ids"].shape[1])), with_kwargs=True
-    )
+    embed = lm.get_input_embeddings()  # every forward over tokens starts here: the model's, the backbone's, ours
+    handle = embed.register_forward_pre_hook(lambda module, args: calls.append((module.training, args[0].shape[1])))
     try:
         hf_generate(model, tokenizer, [ids(tokenizer, "hello world again")], 1, max_new_tokens=4)
         hf_generate(model, tokenizer, [ids(tokenizer, "hello world again")], 2, max_new_tokens=4)
     finally:
         handle.remove()
-    assert len(calls) == 8 and not any(training for training, _ in calls)
+    assert len(calls) == 9 and not any(training for training, _ in calls)
     assert calls[0][1] > 1 and all(width == 1 for _, width in calls[1:4]), "decoding steps must feed one token (cache)"
-    # group_size 2: the shared prefix was prefilled outside generate(), which feeds only the prompt's last token
-    assert all(width == 1 for _, width in calls[4:])
+    # group_size 2: the shared prefix is prefilled once (the prompt but its last token), then one token per step
+    assert calls[4][1] == calls[0][1] - 1 and all(width == 1 for _, width in calls[5:])
     assert model.training
 
 

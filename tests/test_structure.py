@@ -241,10 +241,11 @@ def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
     and --optim adamw_8bit exists; 3,000 since the HF engine samples with its own decode loop (issue #30: slab KV
     cache, exact warpers, the static-shape path --compile captures, the CPU rollout's packed weights), which grpo and
     raft share: each is core, used by two or more scripts); 3,050 since chunked_logps takes a frozen head's gradient
-    in its forward (no logits recomputed in backward), which every training script uses)."""
+    in its forward (no logits recomputed in backward), which every training script uses; 3,100 since the decode loop
+    runs Llama-family models' one-token steps through decoder_step, the model's forward written out)."""
     core = counted(closure("grpo", skip=OPTIONAL))
     assert core == ["common.data", "common.errors", "common.model", "common.rewards", "common.rollout", "grpo"]
-    assert lines(core) <= 3050, lines(core)
+    assert lines(core) <= 3100, lines(core)
 
 
 def test_closure_report():
