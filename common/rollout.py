@@ -179,8 +179,10 @@ def decoder_step(lm, cache, input_ids, position_ids, attention_mask):
         if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head's query and key, before the rotation
             query = attention.q_norm(query)
             key = attention.k_norm(key)
-        query = query.transpose(1, 2) * cos + rotate_half(query.transpose(1, 2)) * sin  # (n, heads, 1, head_dim)
-        key = key.transpose(1, 2) * cos + rotate_half(key.transpose(1, 2)) * sin
+        query = query.transpose(1, 2)  # (n, heads, 1, head_dim)
+        key = key.transpose(1, 2)
+        query = query * cos + rotate_half(query) * sin
+        key = key * cos + rotate_half(key) * sin
         keys, values = slab.update(key, value.transpose(1, 2))  # (n, kv_heads, L, head_dim) each
         grouped = query.reshape(n, keys.shape[1], -1, attention.head_dim)  # (n, kv_heads, G, head_dim)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=keep, scale=attention.scaling)

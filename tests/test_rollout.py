@@ -346,7 +346,8 @@ def test_decoder_step_samples_what_the_models_forward_samples(model_type, monkey
         width = len(completion)
         torch.testing.assert_close(results[0][1][row, :width], results[1][1][row, :width], atol=1e-5, rtol=0)
     if model_type in rollout.DECODER_STEP_MODELS:
-        assert len(calls) == max(map(len, cut[0])) and all(shape[1] == 1 for shape in calls)
+        assert len(calls) == max(map(len, cut[0]))  # every step: step 0 follows the shared prefill
+        assert all(shape[1] == 1 for shape in calls)
     else:
         assert not calls
 
