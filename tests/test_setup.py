@@ -7,6 +7,7 @@ import importlib
 import io
 import os
 import pathlib
+import shutil
 import site
 import subprocess
 import sys
@@ -114,12 +115,32 @@ def test_run_tests_names_each_missing_requirement_with_the_command_that_gets_it(
 
     monkeypatch.setattr(run_tests.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else True)
     monkeypatch.setattr(run_tests.shutil, "which", lambda name: None if name == "bwrap" else "/usr/bin/" + name)
-    assert run_tests.missing() == [
-        "bitsandbytes (for the QLoRA and 8-bit AdamW tests): pip install -r requirements-cpu-extras.txt",
-        "bwrap (for the code reward's bubblewrap sandbox tests): apt-get install bubblewrap",
+    assert run_tests.missing() == [  # bubblewrap is optional: its absence is no reason to stop (the next test)
+        "bitsandbytes (for the QLoRA and 8-bit AdamW tests): pip install -r requirements-cpu-extras.txt"
     ]
     monkeypatch.setattr(sys, "argv", ["run_tests.py", "--dry-run"])
     assert run_tests.main() == 2  # stops before running anything
+
+
+def test_run_tests_without_bubblewrap_says_in_one_line_what_skips_and_runs_the_rest(tmp_path, monkeypatch, capsys):
+    """bubblewrap is optional (the README's install leaves it out): on a PATH without bwrap the test command runs every
+    step, after one line saying which tests skip and what they would have covered (the sandbox tests' bubblewrap runs
+    skip in their fixture, tests/test_rewards.py's `kind`; their fallback runs run)."""
+    from scripts import run_tests
+
+    path = tmp_path / "bin"
+    path.mkdir()
+    (path / "ruff").symlink_to(shutil.which("ruff"))
+    monkeypatch.setenv("PATH", str(path))
+    assert shutil.which("bwrap") is None and shutil.which("ruff")
+    monkeypatch.setattr(sys, "argv", ["run_tests.py", "--dry-run", "--no-vllm"])
+    assert run_tests.main() == 0
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "bwrap" in line or "bubblewrap" in line]
+    assert len(said) == 1, said
+    assert "skip" in said[0] and "fallback sandbox is tested" in said[0] and "apt-get install bubblewrap" in said[0]
+    ran = [line for line in out.out.splitlines() if line.startswith("$ ")]
+    assert len(ran) == len(run_tests.commands(None)) and ran[0] == "$ ruff check ." and "'not vllm'" in ran[2], ran
 
 
 def test_run_tests_runs_lint_the_suite_two_numerics_reruns_and_the_vllm_tests_in_order():
