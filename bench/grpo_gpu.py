@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.qwen_shapes import QWEN25_15B, TINY  # noqa: E402 (after the sys.path line)
+from bench.qwen_shapes import QWEN25_15B, TINY
 
 
 def build(args):

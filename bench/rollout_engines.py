@@ -21,10 +21,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.data import concat_prompt_completion, load_rows, setup_chat_template, tokenize_dataset  # noqa: E402
-from common.model import attach_lora, load_model, sequence_logps  # noqa: E402
-from harness.hub import locate_model  # noqa: E402
-from plugins.builtin_math import builtin_rows  # noqa: E402
+from common.data import concat_prompt_completion, load_rows, setup_chat_template, tokenize_dataset
+from common.model import attach_lora, load_model, sequence_logps
+from harness.hub import locate_model
+from plugins.builtin_math import builtin_rows
 
 
 def policy(args, quantization=None):

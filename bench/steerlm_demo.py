@@ -28,7 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from plugins.builtin_math import builtin_rows  # noqa: E402
+from plugins.builtin_math import builtin_rows
 
 # Each step of a built-in solution reads "<words><x> <op> <y> = <r> <unit>."
 STEP = re.compile(r"(\d+ [-+*/] \d+) = (\d+)")

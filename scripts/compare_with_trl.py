@@ -61,9 +61,9 @@ sys.path.insert(0, ROOT)  # the scripts (sft.py, dpo.py, ...) and common/ import
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # ORPO and CPO live in trl.experimental in 1.16
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common.data import concat_prompt_completion, micro_batch, pad_batch, tokenize_dataset  # noqa: E402
-from plugins.builtin_math import builtin_rows  # noqa: E402
-from plugins.embedded import resolve_model  # noqa: E402
+from common.data import concat_prompt_completion, micro_batch, pad_batch, tokenize_dataset
+from plugins.builtin_math import builtin_rows
+from plugins.embedded import resolve_model
 
 METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rm")  # (+ "rloo": a fork of grpo.py, docs/forks/)
 LOSS_TYPES = {"dpo": ("sigmoid", "ipo", "robust"), "grpo": ("grpo", "bnpo", "dr_grpo", "dapo")}

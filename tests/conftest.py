@@ -15,7 +15,7 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.tiny import write_tiny  # noqa: E402
+from tests.tiny import write_tiny
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from tests.prefs_helpers import run_cli
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
-from plugins.vllm_engine import VLLMEngine  # noqa: E402 (after the importorskip)
+from plugins.vllm_engine import VLLMEngine
 
 # vLLM's and the trainer's log-probs of the same tokens (mean |diff| nats/token): on a CPU both run in fp32, and 1e-4
 # sits far above the fp32 gap and far below a bf16 engine's (the measured gaps: docs/results.md), so it fails for a
