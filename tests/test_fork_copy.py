@@ -1,7 +1,8 @@
 """A fork passes the project's own checks with no edit (README, "Fork a script"): each training script copied under a
 new name, into a folder of its own inside the checkout, passes ruff's lint and format check under the project's
 config (pyproject.toml, found from the copy's folder), answers `--help` as a subprocess, and names its own runs (the
-default exp_name is the copy's file stem). The copies' folder is removed afterwards."""
+default exp_name is the copy's file stem). The forks docs/forks/ ships pass the same lint. The copies' folders are
+removed afterwards."""
 
 import os
 import re
@@ -37,11 +38,33 @@ def copies():
         shutil.rmtree(folder)
 
 
+@pytest.fixture(scope="module")
+def shipped_forks():
+    """The forks docs/forks/ ships, each patch applied (git apply) to a copy of its script in a folder inside the
+    checkout (removed afterwards), saved as <script>_<patch>.py."""
+    folder = ROOT / f"fork_copy_{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    try:
+        paths = []
+        for patch in sorted((ROOT / "docs" / "forks").glob("*.patch")):
+            script = re.search(r"^--- a/(\S+)", patch.read_text(), re.M).group(1)
+            work = folder / patch.stem
+            work.mkdir()
+            shutil.copy(ROOT / script, work / script)
+            done = subprocess.run(["git", "apply", str(patch)], cwd=work, capture_output=True, text=True)
+            assert done.returncode == 0, f"{patch.name}: {done.stderr}"
+            assert (work / script).read_text() != (ROOT / script).read_text(), f"{patch.name} changed nothing"
+            paths.append((work / script).rename(work / f"{script[: -len('.py')]}_{patch.stem}.py"))
+        yield paths
+    finally:
+        shutil.rmtree(folder)
+
+
 @pytest.mark.parametrize("check", [["check"], ["format", "--check"]], ids=["lint", "format"])
-def test_a_copy_under_any_name_passes_the_projects_lint(copies, check):
-    """`ruff check` and `ruff format --check` on the copies, as scripts/run_tests.py runs them (the project's config,
-    no cache so no other run's result is reused)."""
-    cmd = ["ruff", *check, "--no-cache", *map(str, copies.values())]
+def test_a_copy_under_any_name_passes_the_projects_lint(copies, shipped_forks, check):
+    """`ruff check` and `ruff format --check` on the copies and on the shipped forks, as scripts/run_tests.py runs
+    them (the project's config, no cache so no other run's result is reused)."""
+    cmd = ["ruff", *check, "--no-cache", *map(str, [*copies.values(), *shipped_forks])]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
 
