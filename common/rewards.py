@@ -11,6 +11,7 @@ API judge and reward models are plug-ins (plugins/) that a script adds to the di
 import importlib
 import json
 import math
+import numbers
 import re
 import warnings
 from collections.abc import Callable
@@ -347,11 +348,11 @@ def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torc
         if all(r is None for r in out) and name not in _warned_all_none:
             _warned_all_none.add(name)  # once per function: a missing dataset column would repeat it every step
             warnings.warn(f"reward '{name}' returned None for a whole batch: is its dataset column missing?")
-        for j, r in enumerate(out):  # None: "does not apply" (NaN below, left out); NaN/Inf: a broken reward
-            if r is not None and not math.isfinite(float(r)):
+        for j, r in enumerate(out):  # None: "does not apply" (NaN below, left out); NaN/Inf, "1.0": a broken reward
+            if r is not None and not (isinstance(r, numbers.Real) and math.isfinite(r)):  # float() would read "1.0"
                 shown = f"completion {j} of {len(out)} ({str(completions[j])[:60]!r})"
                 problem = "a reward must be a finite number or None"
-                raise RewardError(f"reward '{name}' returned {r} for {shown}: {problem}")
+                raise RewardError(f"reward '{name}' returned {r!r} for {shown}: {problem}")
         per_func[:, i] = torch.tensor([math.nan if r is None else float(r) for r in out])
     weights = torch.tensor([w for _, _, w in funcs])
     return (per_func * weights).nansum(dim=1), per_func

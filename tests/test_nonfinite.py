@@ -6,7 +6,9 @@ import importlib
 import json
 import math
 import os
+import re
 
+import numpy
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -117,6 +119,20 @@ def test_a_non_finite_reward_is_an_error_naming_the_function(bad):
     flaky_ok = [("ok", lambda prompts, completions, **kw: [1.0, None, 0], 1.0)]
     rewards, per_func = compute_rewards(flaky_ok, ["p"] * 3, ["a", "b", "c"], {})
     assert rewards.tolist() == [1.0, 0.0, 0.0] and math.isnan(per_func[1, 0])  # None: left out, as TRL
+
+
+@pytest.mark.parametrize("bad", ["1.0", b"1", [1.0], 1j, {"score": 1.0}])
+def test_a_reward_that_is_no_number_is_an_error_naming_the_function(bad):
+    """A string "1.0" (or bytes) was taken as 1.0, since float() parses it; a list or a complex number crashed with a
+    bare TypeError naming no function. A reward is a finite real number (int, float, bool, a numpy scalar) or None."""
+
+    def flaky(prompts, completions, **kw):
+        return [1.0, bad, None]
+
+    with pytest.raises(RewardError, match=rf"^reward 'flaky' returned {re.escape(repr(bad))} for completion 1 of 3"):
+        compute_rewards([("flaky", flaky, 1.0)], ["p"] * 3, ["a", "b", "c"], {})
+    numbers = [("numbers", lambda prompts, completions, **kw: [1, True, numpy.float32(0.5)], 1.0)]
+    assert compute_rewards(numbers, ["p"] * 3, ["a", "b", "c"], {})[0].tolist() == [1.0, 1.0, 0.5]
 
 
 def test_grpo_stops_on_a_nan_reward_from_a_custom_function(tiny_model_dir, tmp_path, monkeypatch):
