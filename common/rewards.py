@@ -35,23 +35,60 @@ def text_of(x, last_assistant: bool = True) -> str:
 # ---------------------------------------------------------------------------------------------------- math
 # Never hangs: only the last 2,000 characters are read and every pattern runs in linear time (no nested quantifiers).
 # No signal.alarm timeout: alarms are process-wide and not thread safe (verl's bug that silently zeroed MATH rewards).
+# Never guesses: an answer it cannot read exactly ('3\sqrt{2}', '7–9', '2^x') has no value and scores 0, never the 3, 9
+# or 2 inside it, which a policy would learn to collect.
 _TAIL = 2000
-# Groups: sign ('+18'), a mixed number's whole part ('2 1/2' is 5/2, not 21/2), numerator ('1,080', '.5'), denominator
-_NUM = r"([-+]?)\$?(?:(\d+) +(?=\d+/\d))?(\d[\d,]*(?:\.\d+)?|\.\d+)(?:/(\d[\d,]*(?:\.\d+)?))?%?"
-_ANY_NUMBER = re.compile(_NUM)
-_LEADING = re.compile(r"[\s*_${(\[]*" + _NUM)  # after markup that may open an answer: '**18**', '$18', '(18)'
+# int() refuses longer digit strings (sys.int_info), and a power is evaluated up to about as many digits: the policy
+# chooses its exponent
+_MAX_DIGITS = 4300
+# Digits: thousands grouped by threes ('1,234,567'; _plain turns the other separators into commas), or not grouped
+_DIGITS = r"(?:\d{1,3}(?:,\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+"
+# A power of the number ('2^{10}', '2**10') or of ten ('3.2e5', '3.2 \times 10^{5}'); `kind` tells which
+_EXPONENT = (
+    r"(?P<kind>\^|\*\*|[eE]|\s*(?:\\times|\\cdot|[x*\u00d7\u22c5\u00b7])\s*10\s*(?:\^|\*\*))"
+    r"(?P<exponent>[-+]?\d+|\{\s*[-+]?\d+\s*\})"
+)
+# After the sign: a mixed number's whole part ('2 1/2' is 5/2, not 21/2), numerator ('1,080', '.5'), denominator,
+# exponent, percent sign
+_UNSIGNED = (
+    rf"\$?(?:(?P<whole>\d+) +(?=\d+/\d))?(?P<numerator>{_DIGITS})(?:/(?P<denominator>{_DIGITS}))?"
+    rf"(?:{_EXPONENT})?(?P<percent>%?)"
+)
+# A number that starts a token: not the 2 of 'm^2', 'CO2', 'x_2', '[2]' or '\sqrt{2}' (the argument of a command that
+# _plain does not read), nor the 5 of '3.2e5', which the match of its number takes
+_NUMBER_TOKEN = re.compile(r"(?<![A-Za-z0-9_.^{\[])(?P<sign>[-+]?)" + _UNSIGNED)
+# An answer's number, after markup that may open it ('**18**', '$18', '(18)'); its sign may stand apart ('- 14')
+_LEADING = re.compile(r"[\s*_${(\[]*(?:(?P<sign>[-+])\s*)?" + _UNSIGNED)
 # A sentence ends at a line break, '. ' or '; ' ('18. Check: 18 / 2 = 9' is 18), not ', ' ('9 eggs, 9 * 2 = 18' is 18)
 _SENTENCE_END = re.compile(r"\n|[.;](?=\s|$)")
-_OPERATOR = re.compile(r"\s*(?:[-+*/^x\u00d7\u00f7\u22c5]|\\times|\\cdot|\\div)\s*[-+$(.\d]")  # '9 * 2' is no 9
+# What after a number makes it part of more than itself: a calculation, range or alternative ('9 * 2', '7–9',
+# '10 to 12', '3 or 4', '3 \pm 1'), a power left unread ('2^x', '(-2)^2', '10⁵'), a radical, pi or other LaTeX command
+# ('3\sqrt{2}', '2\pi'), another number ('3 4', '(3, 4)', '1,2', '3:4', '1.2.3'), the imaginary unit ('3i')
+_UNREADABLE_AFTER = re.compile(
+    r"[\s)\]}]*(?:"
+    r"(?:[-+*/x\u00d7\u00f7\u22c5\u00b7\u00b1\u2013\u2014]|\\times|\\cdot|\\div|to|or|and)\s*[-+$(.\d\\{\u221a\u03c0]"
+    r"|\^|\\[A-Za-z]|[\u221a\u03c0\u221e]|(?:pi|sqrt)\b|,\s*[-+]?\d|\d"
+    r")|[.:'\u2019]\d|i\b|[\u00b2\u00b3\u00b9\u2070-\u2079]"
+)
+# What before a number joins it to more (the fallback's last number is then no answer): an operator after an
+# operand, a range or alternative, a radical ('9 * 2', '7–9', '10 to 12', '\sqrt 2'), a separator no grouping took
+# ('1,2', '3:4'), a sign set apart ('x = - 14' is no 14; nor is a list's '- 14')
+_JOINED = re.compile(
+    r"(?:[\w)\]}]\s*(?:[-+*/^\u00d7\u00f7\u22c5\u00b7\u00b1\u2013\u2014]|\\times|\\cdot|\\div|\\pm|\bx)"
+    r"|\d\s*(?:to|or|and)|\\sqrt|\u221a|[-+])\s*\Z|\d[,:'\u2019]\Z"
+)
 _PHRASE = re.compile(r"answer(?:\s+is)?[\s:=*]*\$?(?=[-+]?\.?\d)", re.IGNORECASE)  # '*': "**Answer:** 18"
-_LATEX = (  # the LaTeX a model writes around numbers, as plain text, in this order
+_LATEX = (  # the LaTeX and typography a model writes around numbers, as plain text, in this order
     (re.compile(r"\u2212"), "-"),  # the typographic minus
+    # thousands: '1{,}080', '1\,080', '1 080', "1'080" (before \frac below puts a space before its numerator)
+    (re.compile(r"(?<=\d)(?:\{,\}|\\,|\\ |[ '\u00a0\u2009\u202f\u2019])(?=\d{3}(?!\d))"), ","),
     # \frac{1}{2}, \dfrac12, -\tfrac{1}{2}: a/b after a space, so that 2\frac{1}{2} is 2 1/2 (a mixed number), not 21/2
     (re.compile(r"([-+]?)\\[dt]?frac(?:\{([^{}]*)\}|(\d))(?:\{([^{}]*)\}|(\d))"), r" \1\2\3/\4\5"),
-    (re.compile(r"\\text(?:normal)?\{[^{}\d]*\}"), " "),  # a label or unit without digits: '12\text{ cm}' is 12
-    (re.compile(r"\\(?:text|textbf|mathbf|mathrm|boldsymbol|bm)\{([^{}]*)\}"), r"\1"),  # '\textbf{18}' is 18
-    (re.compile(r"(?<=\d)(?:\{,\}|\\,|\\ |\u2009|\u202f)(?=\d{3})"), ","),  # thousands: '1{,}080', '1\,080'
-    (re.compile(r"\\left|\\right|\\[()\[\]!,;: ]|\\(?=[$%])"), " "),  # delimiters, spaces; '\$' is '$'
+    # a label or unit without digits, squared or cubed too: '12\text{ cm}' and '12\text{ m}^2' are 12
+    (re.compile(r"\\text(?:normal)?\{[^{}\d]*\}(?:\^\d|\^\{\d\})?"), " "),
+    (re.compile(r"\\(?:text|textbf|textrm|mathbf|mathrm|boldsymbol|bm|mbox|underline)\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\degree"), "\u00b0"),  # a unit, not a power: '90^\circ' is 90
+    (re.compile(r"\\left|\\right|\\q?quad(?![A-Za-z])|\\[()\[\]!,;: ]|\\(?=[$%])"), " "),  # spaces; '\$' is '$'
 )
 
 
@@ -75,39 +112,97 @@ def _boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text) -> str | None:
-    """A solution's final answer: GSM8K's last `####` line, else the last \\boxed{...}'s content, else the rest of the
-    line after the last "the answer is" / "answer:", else (fallback) the last number in the text; None without one."""
-    text = _plain(text_of(text)[-_TAIL:])
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip().split("\n")[0]
+def _boxed_or_phrased(text: str) -> str | None:
+    """The last \\boxed{...}'s content, else the rest of the line after the last "the answer is" / "answer:"."""
     boxed = _boxed(text)
     if boxed is not None:
         return boxed
     phrases = [m.end() for m in _PHRASE.finditer(text)]
-    if phrases:
-        return text[phrases[-1] :].split("\n", 1)[0]  # the whole line: "The answer is 9 * 2 = 18." is 18
-    numbers = [m.group() for m in _ANY_NUMBER.finditer(text)]
-    return numbers[-1] if numbers else None
-
-
-def exact_number(s: str | None) -> Fraction | None:
-    """An answer's exact value ('1,234' '$18.00.' '25%' '+18' '3/4' '2 1/2' '\\frac{3}{4}' '**18**' '12 cm'), or None.
-    In its first sentence a calculation or name before '=' ('9 * 2 = 18', 'x = 5') gives the last '=''s result; a lone
-    number before '=' is the answer restated ('18 = 9 * 2', '40 minutes = 2/3 hour'); '9 * 2' alone has no value."""
-    sentence = _SENTENCE_END.split(_plain(s or ""), maxsplit=1)[0]  # None: no answer, so no value
-    left, equals, _ = sentence.partition("=")
-    if equals and not (_LEADING.match(left) and len(_ANY_NUMBER.findall(left)) == 1):
-        sentence = sentence.rsplit("=", 1)[1]
-    m = _LEADING.match(sentence)
-    if m is None or _OPERATOR.match(sentence, m.end()):
+    if not phrases:
         return None
-    sign, whole, numerator, denominator = m.groups()
+    return text[phrases[-1] :].split("\n", 1)[0]  # the whole line: "The answer is 9 * 2 = 18." is 18
+
+
+def _marked_answer(text: str) -> str | None:
+    """The answer a (plain) solution marks: GSM8K's last `####` line, or what a box or phrase marks in it ('#### The
+    answer is 48'); else the last \\boxed{...} or "the answer is" in the text; None when nothing marks one."""
+    if "####" in text:
+        line = text.rsplit("####", 1)[1].strip().split("\n")[0]
+        inner = _boxed_or_phrased(line)
+        return line if inner is None else inner
+    return _boxed_or_phrased(text)
+
+
+def extract_answer(text) -> str | None:
+    """A solution's final answer: the one it marks (_marked_answer), else (fallback) its last number with the rest of
+    that line ('24 m^2.'); None without one, or when that number is joined to what precedes it ('9 * 2', '7–9')."""
+    text = _plain(text_of(text)[-_TAIL:])
+    marked = _marked_answer(text)
+    if marked is not None:
+        return marked
+    starts = [m.start() for m in _NUMBER_TOKEN.finditer(text)]
+    if not starts or _JOINED.search(text[max(0, starts[-1] - 24) : starts[-1]]):
+        return None
+    return text[starts[-1] :].split("\n", 1)[0]
+
+
+def _value(m: re.Match) -> Fraction | None:
+    """The exact value of a _NUMBER_TOKEN or _LEADING match; None for x/0, 0^-1, a number or power past _MAX_DIGITS
+    digits, or a power of a fraction, mixed number or percentage ('3/2^2' is 3/4 to some readers and 9/4 to others)."""
+    if len(m[0]) > _MAX_DIGITS:
+        return None
+    denominator = m["denominator"]
     divisor = Fraction(denominator.replace(",", "")) if denominator else Fraction(1)
     if divisor == 0:  # x/0
         return None
-    value = int(whole or 0) + Fraction(numerator.replace(",", "")) / divisor
-    return -value if sign == "-" else value
+    value = int(m["whole"] or 0) + Fraction(m["numerator"].replace(",", "")) / divisor
+    if m["kind"] is None:
+        return -value if m["sign"] == "-" else value
+    if m["whole"] or denominator or m["percent"]:
+        return None
+    exponent = int(m["exponent"].strip("{} "))
+    of_the_number = m["kind"] in ("^", "**")  # '2^{10}'; else a power of ten: '3.2e5', '3.2 \times 10^5'
+    digits = len(m["numerator"]) if of_the_number else 2
+    if abs(exponent) * digits > _MAX_DIGITS:
+        return None
+    if of_the_number and value == 0 and exponent < 0:  # 0^-1
+        return None
+    magnitude = value**exponent if of_the_number else value * Fraction(10) ** exponent
+    return -magnitude if m["sign"] == "-" else magnitude
+
+
+def _leading_value(text: str) -> Fraction | None:
+    """The value of the number `text` opens with; None without one or when what follows makes it part of more."""
+    m = _LEADING.match(text)
+    if m is None or _UNREADABLE_AFTER.match(text, m.end()):
+        return None
+    return _value(m)
+
+
+def exact_number(s: str | None) -> Fraction | None:
+    """An answer's exact value ('1,234' '1 234' '$18.00.' '25%' '+18' '- 14' '3/4' '2 1/2' '\\frac{3}{4}' '**18**'
+    '12 cm' '2^{10}' '3.2e5' '3.2 \\times 10^5'), or None where it cannot be read exactly ('3\\sqrt{2}' '7–9' '3, 4').
+    In its first sentence a calculation or name before '=' ('9 * 2 = 18', 'x = 5') gives the last '=''s result; a lone
+    number before '=' is the answer restated ('18 = 9 * 2', '40 minutes = 2/3 hour'); '9 * 2' alone has no value."""
+    sentence = _SENTENCE_END.split(_plain(s or ""), maxsplit=1)[0]  # None: no answer, so no value
+    if "=" in sentence:
+        left = sentence.split("=", 1)[0]
+        restated = len(_NUMBER_TOKEN.findall(left)) == 1 and _leading_value(left) is not None
+        sentence = left if restated else sentence.rsplit("=", 1)[1]
+    return _leading_value(sentence)
+
+
+def reference_number(answer) -> Fraction | None:
+    """A row's `answer` read exactly, or None (math_row_problem refuses the row): a solution's marked answer
+    ('... #### 72', '\\boxed{}') is read as a completion's; a reference that marks none is the answer itself, one
+    number and what may follow it ('1e6', '- 3/4', '$18', '12 cm'): '(3, 4)', '3 or 4' and 'about 4' are refused."""
+    text = _plain(str(answer)[-_TAIL:])
+    marked = _marked_answer(text)
+    if marked is not None:
+        return exact_number(marked)
+    if len(_NUMBER_TOKEN.findall(text)) != 1:
+        return None
+    return exact_number(text)
 
 
 def same_number(guess: Fraction | None, truth: Fraction) -> bool:
@@ -120,18 +215,19 @@ def same_number(guess: Fraction | None, truth: Fraction) -> bool:
 
 def math_reward(prompts, completions, answer=None, **kw) -> list[float | None]:
     """1.0 if the completion's final answer equals the row's `answer` (same_number), else 0.0; None for rows without
-    one or whose answer has no number. The reference may be a whole GSM8K solution ending `#### 72`: same reading."""
+    one or whose answer cannot be read (reference_number). The reference may be a GSM8K solution ending `#### 72`."""
     rewards = []
     for completion, ref in zip(completions, answer or [None] * len(completions), strict=True):
-        truth = None if ref is None else exact_number(extract_answer(str(ref)))
+        truth = None if ref is None else reference_number(ref)
         rewards.append(None if truth is None else float(same_number(exact_number(extract_answer(completion)), truth)))
     return rewards
 
 
 def math_row_problem(row: dict) -> tuple[str, str] | None:
-    """An `answer` without a number ('', 'p - q'): every completion of the row would score None, at every step."""
+    """An `answer` the math reward cannot read exactly ('', 'p - q', '3\\sqrt{2}', '(3, 4)'): every completion of the
+    row would score None, at every step (docs/rewards.md lists what it reads)."""
     problem = f"has no number the math reward can read: {str(row['answer'])[:80]!r}"
-    return ("answer", problem) if exact_number(extract_answer(str(row["answer"]))) is None else None
+    return ("answer", problem) if reference_number(row["answer"]) is None else None
 
 
 # ---------------------------------------------------------------------------------------------------- format

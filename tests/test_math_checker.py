@@ -1,6 +1,7 @@
 """The math checker (common.rewards: extract_answer, exact_number, math_reward) on its regression set
-(tests/math_cases.py), on the cases issue 28 reported wrong, on input built to make regexes backtrack, from threads,
-and the row check that refuses an `answer` it cannot read (math_row_problem through check_reward_fields and grpo)."""
+(tests/math_cases.py), on the cases issues 28 and 40 reported wrong, on input built to make regexes backtrack, from
+threads, and the row check that refuses an `answer` it cannot read exactly (math_row_problem through
+check_reward_fields and grpo)."""
 
 import json
 import re
@@ -13,7 +14,7 @@ import pytest
 import grpo
 from common.data import load_rows, validate_rows
 from common.errors import DataError
-from common.rewards import check_reward_fields, exact_number, load_reward_funcs, math_reward
+from common.rewards import check_reward_fields, exact_number, load_reward_funcs, math_reward, reference_number
 from tests.math_cases import CASES
 from tests.prefs_helpers import write_jsonl
 
@@ -75,6 +76,99 @@ def test_exact_number_reads_mixed_numbers_signs_and_derivations(s, value):
     assert exact_number(s) == value
 
 
+# Issue 40, section 2: each of these scored 1, a false positive (what the old checker read is in the comment).
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("The floor is 24 m^2.", "2"),  # read the unit's exponent
+        ("\\boxed{2^{10}}", "2"),  # read the base
+        ("The answer is 3.2e5.", "3.2"),  # read the mantissa
+        ("\\boxed{3\\sqrt{2}}", "3"),  # read the factor before the radical
+        ("There are 1 234 567 of them.", "567"),  # read the last group
+        ("It takes 7\u20139 days.", "9"),  # read one end of the range
+        ("It takes 3\u20134 hours.", "4"),
+        ("The answer is 10 to 12.", "10"),
+    ],
+)
+def test_issue_40_false_positives_score_0(completion, reference):
+    assert score(completion, reference) == 0.0
+
+
+# Issue 40: each of these scored 0 or None, though the answer is unambiguous.
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("The answer is 3.2e5.", "320000"),
+        ("The answer is 3.2 \\times 10^5.", "320000"),
+        ("\\boxed{- 14}", "-14"),
+        ("\\boxed{\u2212 14}", "-14"),
+        ("#### The answer is 48", "48"),
+        ("\\boxed{10^3}", "1000"),
+    ],
+)
+def test_issue_40_unambiguous_answers_score_1(completion, reference):
+    assert score(completion, reference) == 1.0
+
+
+@pytest.mark.parametrize(
+    "s, value",
+    [
+        ("2^{10}", Fraction(1024)),
+        ("2**10", Fraction(1024)),
+        ("-2^2", Fraction(-4)),  # the sign applies to the power, as in LaTeX
+        ("10^{-2}", Fraction(1, 100)),
+        ("3.2e5", Fraction(320000)),
+        ("3.2E+5", Fraction(320000)),
+        ("1.5e-3", Fraction(3, 2000)),
+        ("3.2 \\times 10^{5}", Fraction(320000)),
+        ("3.2 \\cdot 10^5", Fraction(320000)),
+        ("1 234 567", Fraction(1234567)),
+        ("1'234'567", Fraction(1234567)),
+        ("- 14", Fraction(-14)),
+        ("90^\\circ", Fraction(90)),
+        ("12\\text{ m}^2", Fraction(12)),
+        ("2^{10} = 1024", Fraction(1024)),
+        ("3\\sqrt{2} = 4.24", Fraction(424, 100)),  # a radical before '=' is a calculation: its result counts
+        ("3\\sqrt{2}", None),
+        ("2\\pi", None),
+        ("(-2)^2", None),  # a power of a bracket is not read, and not read as -2
+        ("3/2^2", None),  # 3/4 or 9/4
+        ("2 1/2^2", None),
+        ("0^{-1}", None),
+        ("10^{100000}", None),  # past the digits it evaluates
+        ("2^x", None),
+        ("10\u2075", None),  # a superscript exponent is not read
+        ("7\u20139", None),
+        ("1,23", None),  # not thousands: 1.23 in some locales, 123 in none
+        ("1 2345", None),
+        ("3:4", None),
+        ("3i", None),
+    ],
+)
+def test_exact_number_reads_powers_and_refuses_what_it_cannot_read(s, value):
+    assert exact_number(s) == value
+
+
+def test_powers_and_long_numbers_stay_cheap():
+    # The policy writes the exponent and the digits: neither may make the trainer compute without bound or raise.
+    texts = [
+        "\\boxed{10^{999999999}}",
+        "\\boxed{9^{" + "9" * 1000 + "}}",
+        "#### " + "111 " * 600,  # grouped digits join into one number of 1,800 digits
+        "1e" * 50_000,
+        "2^" * 50_000,
+        "1 \\times 10" * 20_000,
+        "- " * 100_000,
+        "111 " * 50_000,  # past int()'s 4,300 digits when read whole (exact_number reads whole strings)
+    ]
+    for text in texts:
+        start = time.time()
+        math_reward(None, [text], answer=["18"])
+        exact_number(text)
+        reference_number(text)
+        assert time.time() - start < 2.0  # hang guard
+
+
 def test_extraction_stays_linear_on_adversarial_text():
     # Each would take seconds or hang with a backtracking pattern; exact_number is public and reads whole strings.
     texts = [
@@ -117,6 +211,54 @@ def test_an_answer_without_a_number_is_refused(answer):
         check_reward_fields(rows, load_reward_funcs(["math"]))
     check_reward_fields(rows[:1], load_reward_funcs(["math"]))  # the good row alone passes
     check_reward_fields(rows[1:], load_reward_funcs(["format"]))  # a reward that does not read `answer`
+
+
+# Issue 40: each was read as a wrong number (in the comment) and passed the row check, so a completion stating that
+# number scored 1.0.
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "3\\sqrt{2}",  # read 2
+        "\\frac{\\pi}{4}",  # read 4
+        "\\boxed{5\\pi}",  # read 5
+        "(3, 4)",  # read 4
+        "3 or 4",  # read 4
+        "7\u20139",  # read 9
+        "10 to 12",  # read 12
+        "2^x",  # read 2
+        "about 40",  # read 40: a reference without a marker is the answer itself
+    ],
+)
+def test_an_answer_the_checker_cannot_read_exactly_is_refused(answer):
+    rows = [
+        {"prompt": "p", "answer": "72", "_loc": "f.jsonl:1"},
+        {"prompt": "q", "answer": answer, "_loc": "f.jsonl:2"},
+    ]
+    expected = rf"^f.jsonl:2: field 'answer': has no number the math reward can read: {re.escape(repr(answer))}$"
+    with pytest.raises(DataError, match=expected):
+        check_reward_fields(rows, load_reward_funcs(["math"]))
+    assert reference_number(answer) is None
+    assert math_reward(None, ["2", "4", "9", "12", "40"], answer=[answer] * 5) == [None] * 5
+
+
+@pytest.mark.parametrize(
+    "answer, value",
+    [
+        ("1e6", Fraction(10**6)),  # read 6
+        ("6.02e23", Fraction(602 * 10**21)),  # read 23
+        (1e-07, Fraction(1, 10**7)),  # a float column: str() writes it so; read -7
+        ("2.5 \\times 10^3", Fraction(2500)),  # read 3
+        ("2^{10}", Fraction(1024)),  # read 2
+        ("1 234 567", Fraction(1234567)),  # read 567
+        ("- 14", Fraction(-14)),  # read 14
+        ("x = 5", Fraction(5)),
+        ("12 cm", Fraction(12)),
+        ("Janet makes 18 dollars.\n#### 18", Fraction(18)),
+    ],
+)
+def test_a_reference_is_read_exactly_and_passes_the_row_check(answer, value):
+    assert reference_number(answer) == value
+    check_reward_fields([{"prompt": "p", "answer": answer, "_loc": "f.jsonl:1"}], load_reward_funcs(["math"]))
 
 
 def test_grpo_refuses_an_empty_answer_before_the_model_loads(tmp_path, monkeypatch):
