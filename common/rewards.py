@@ -55,8 +55,8 @@ _UNSIGNED = (
     rf"(?:{_EXPONENT})?(?P<percent>%?)"
 )
 # A number that starts a token: not the 2 of 'm^2', 'CO2', 'x_2', '[2]' or '\sqrt{2}' (the argument of a command that
-# _plain does not read), nor the 5 of '3.2e5', which the match of its number takes
-_NUMBER_TOKEN = re.compile(r"(?<![A-Za-z0-9_.^{\[])(?P<sign>[-+]?)" + _UNSIGNED)
+# _plain does not read), nor the 5 of '3.2e5', which the match of its number takes; '__18__' (bold) is 18
+_NUMBER_TOKEN = re.compile(r"(?<![A-Za-z0-9.^{\[])(?<![A-Za-z0-9}]_)(?P<sign>[-+]?)" + _UNSIGNED)
 # An answer's number, after markup that may open it ('**18**', '$18', '(18)'); its sign may stand apart ('- 14')
 _LEADING = re.compile(r"[\s*_${(\[]*(?:(?P<sign>[-+])\s*)?" + _UNSIGNED)
 # A sentence ends at a line break, '. ' or '; ' ('18. Check: 18 / 2 = 9' is 18), not ', ' ('9 eggs, 9 * 2 = 18' is 18)
