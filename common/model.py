@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DynamicCache
+from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from common.data import looks_local
+from common.distributed import all_gather, broadcast, gathered_state, is_sharded, rank_and_world
 from common.errors import ModelError, NonFiniteWeightsError
 
 DEFAULT = "default"
@@ -344,18 +346,29 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
 
 
 # ------------------------------------------------------------------------------------------------------ saving
-def save_weights(model, out_dir: str, adapters: list[str] | None = None) -> None:
+def save_weights(model, out_dir: str, adapters: list[str] | None = None, state_dict: dict | None = None) -> None:
     """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model.
     save_embedding_layers=False: our LoRA never resizes the vocabulary, and PEFT's "auto" looks a base name that is
-    no local folder (an alias such as smollm2-135m) up on the hub at every save, with warnings when offline."""
+    no local folder (an alias such as smollm2-135m) up on the hub at every save, with warnings when offline.
+    state_dict: the full weights gathered from a model sharded by FSDP2 (common.distributed.gathered_state), written
+    as one plain transformers folder."""
+    if state_dict is not None:
+        model.save_pretrained(out_dir, safe_serialization=True, state_dict=state_dict)
+        return
     kwargs = {"selected_adapters": adapters, "save_embedding_layers": False} if is_peft(model) else {}
     model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
 
 
 def check_finite(model, where: str = "") -> None:
     """Refuse to write a model with a NaN/Inf weight: the error names the tensors (and `where`, e.g. the last good
-    checkpoint)."""
-    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    checkpoint). A sharded model's shards are checked on every rank and the verdict shared, so all ranks refuse."""
+    bad = []
+    for n, p in model.named_parameters():
+        local = p.to_local() if is_sharded(model) else p
+        if p.is_floating_point() and not torch.isfinite(local).all():
+            bad.append(n)
+    if is_sharded(model):
+        bad = sorted(set(all_gather(bad)))
     if bad:
         raise NonFiniteWeightsError(
             f"{len(bad)} weight tensors hold NaN/Inf (e.g. {bad[0]}); nothing was saved{where}"
@@ -374,12 +387,22 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
 def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
     """out_dir: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as plain
     PEFT / transformers load them, plus the tokenizer; refused when a weight is not finite. A full model's
-    generation config also stops at the trained end of turn."""
+    generation config also stops at the trained end of turn. Under torchrun every rank calls it and rank 0 writes
+    (a sharded model gathered into one folder, never shards); a failed write fails every rank."""
     check_finite(model)
     if not is_peft(model):
         stop_at_end_of_turn(model, tokenizer)
-    save_weights(model, out_dir, adapters)
-    tokenizer.save_pretrained(out_dir)
+    gathered = gathered_state(model)[0] if is_sharded(model) else None  # a collective: every rank takes part
+    error = None
+    if rank_and_world()[0] == 0:
+        try:
+            save_weights(model, out_dir, adapters, gathered)
+            tokenizer.save_pretrained(out_dir)
+        except Exception as e:
+            error = e
+    error = broadcast(error)
+    if error is not None:
+        raise error
     return out_dir
 
 
@@ -530,7 +553,8 @@ def sequence_logps(
     SDPA's causal path with no mask.
     """
     groups = None
-    if attention_mask is not None and position_ids is None:
+    # FSDP2: every rank must run the same number of forwards (each gathers weights with the others), so no grouping
+    if attention_mask is not None and position_ids is None and not is_sharded(model):
         groups = length_groups(attention_mask)
     if groups and (len(groups) > 1 or groups[0][1:] != (0, input_ids.shape[1])):
         outs = []
@@ -568,7 +592,7 @@ def sequence_logps(
     targets = input_ids[:, 1:]
     inputs = dict(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=False)
     if head_is_plain_linear(lm):
-        hidden = lm.get_decoder()(**inputs).last_hidden_state  # (B, T, H), after the final norm
+        hidden = decoder_hidden(lm, inputs)  # (B, T, H), after the final norm
         head = lm.get_output_embeddings()
         h = hidden[:, :-1][target_mask]  # (N, H): only the scored rows
         labels = targets[target_mask]  # (N,)
@@ -591,6 +615,22 @@ def sequence_logps(
     if return_entropy:
         return per_token_logps, F.pad(entropy, (1, 0)).detach()
     return per_token_logps
+
+
+def decoder_hidden(lm, inputs: dict):
+    """The decoder's last hidden state (after its final norm) for `inputs`. A model sharded by FSDP2 runs its own
+    forward instead, with no position's logits kept (an empty logits_to_keep), so that FSDP's hooks gather the
+    root's weights (embeddings, final norm, head) for the chunked head and reduce their gradients; a forward hook on
+    the decoder catches its output."""
+    if not isinstance(lm, FSDPModule):
+        return lm.get_decoder()(**inputs).last_hidden_state
+    caught = []
+    hook = lm.get_decoder().register_forward_hook(lambda module, inputs, out: caught.append(out.last_hidden_state))
+    try:
+        lm(**inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device))
+    finally:
+        hook.remove()
+    return caught[0]
 
 
 def _right_padded(attention_mask) -> bool:
@@ -633,6 +673,8 @@ def shares_prompt_pass(lm) -> bool:
     a plain linear layer (chunked_logps reads it), the cache holds keys and values only (prompt_cache), and
     activation checkpointing is off in train mode (transformers then drops the KV cache: the completions would
     silently not see their prompt)."""
+    if isinstance(lm, FSDPModule):  # the decoder's own calls would skip FSDP's gathering of the root's weights
+        return False
     return head_is_plain_linear(lm) and prompt_cache(lm) is not None and not (lm.training and is_checkpointing(lm))
 
 

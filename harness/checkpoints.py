@@ -32,6 +32,7 @@ from common.errors import CorruptCheckpointError, OutputDirError, ResumeError, R
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from common.distributed import all_gather, broadcast, gathered_state, is_sharded, load_gathered_state, rank_and_world
 from common.model import DEFAULT, REF, check_finite, is_peft, pick_device, resolve_dtype, save_weights, slot_params
 from common.model import snapshot_ref, unwrap
 
@@ -60,6 +61,7 @@ FREE_ON_RESUME = {
     "attn_implementation",
     "gradient_checkpointing",
     "trust_remote_code",
+    "ddp_timeout",  # how long a rank waits for the others
     "torch_threads",  # every script's CPU thread count: the same math, other rounding at most
 }
 
@@ -79,7 +81,14 @@ def load_weights(model, src_dir: str) -> None:
         state = {}
         for name in sorted(os.listdir(src_dir)):
             if name.endswith(".safetensors"):
-                state.update(load_file(os.path.join(src_dir, name), device=str(model.device)))
+                device = "cpu" if is_sharded(model) else str(model.device)
+                state.update(load_file(os.path.join(src_dir, name), device=device))
+        if is_sharded(model):  # each rank keeps its shards of the full weights it read
+            tied = model.config.get_text_config().tie_word_embeddings  # the head the saved file left out
+            broken = [n for n in load_gathered_state(model, state) if not (tied and n.startswith("lm_head."))]
+            if broken:
+                raise RuntimeError(f"checkpoint {src_dir} does not match the model: {broken[:3]}")
+            return
         missing, unexpected = model.load_state_dict(state, strict=False)
         # save_pretrained drops tied copies (lm_head = embed_tokens); anything else missing is a broken checkpoint.
         own = model.state_dict()
@@ -114,7 +123,8 @@ def base_identity(model, dtype: str | None = None, quantization: str | None = No
     params = [(n.replace(".base_layer.", "."), p) for n, p in base.named_parameters() if "lora_" not in n]
     h = hashlib.sha256()
     for name, p in (params[0], params[len(params) // 2], params[-1]):
-        flat = p.detach().reshape(-1)
+        full = p.full_tensor() if is_sharded(base) else p  # FSDP2: gathered on every rank (a collective)
+        flat = full.detach().reshape(-1)
         values = torch.cat([flat[:1024], flat[-1024:]]).to("cpu", torch.bfloat16).view(torch.int16)
         h.update(f"{name}{tuple(p.shape)}".encode())
         h.update(values.numpy().tobytes())
@@ -170,6 +180,20 @@ def check_identity(where: str, saved: dict | None, now: dict, ignore_mismatch: b
         )
     if diff:
         warnings.warn(f"--resume-ignore-mismatch: resuming {where} although {'; '.join(diff)}", stacklevel=2)
+
+
+def check_world_size(where: str, saved: int, ignore_mismatch: bool = False) -> None:
+    """A checkpoint resumes on the number of ranks that wrote it: another number would change the global batch
+    (per-device batch x ranks x accumulation) and leave ranks without their random streams. Refused in one line
+    before any of its weights load; --resume-ignore-mismatch resumes anyway (every rank then takes rank
+    0's streams)."""
+    world = rank_and_world()[1]
+    if saved == world:
+        return
+    why = f"{where} was written by {saved} rank(s), this run has {world}: the global batch would change"
+    if not ignore_mismatch:
+        raise ResumeError(f"{why}; resume with torchrun --nproc-per-node {saved} (or --resume-ignore-mismatch)")
+    warnings.warn(f"--resume-ignore-mismatch: {why}", stacklevel=2)
 
 
 def check_run_dir_identity(run_dir: str, identity: dict, ignore_mismatch: bool = False) -> None:
@@ -288,30 +312,51 @@ class Checkpoints:
         the identity, each file's sha256 and each adapter's tensor hash. Tensors in `state` (e.g. a reward head) go
         into state.pt, whose sha256 the marker holds; the rest is JSON in the marker. The new checkpoint is
         complete and renamed into place before any old one is deleted, so a crash at any moment leaves at least
-        the last good checkpoint. A NaN/Inf weight is refused, naming the last good checkpoint."""
+        the last good checkpoint. A NaN/Inf weight is refused, naming the last good checkpoint. Under torchrun every
+        rank calls it: each rank's random streams are gathered (and a sharded model's full weights and optimizer
+        states), rank 0 alone writes, and a failed write raises the same error on every rank."""
         root = os.path.join(self.run_dir, "checkpoints")
         last = (list_checkpoints(self.run_dir) or ["none"])[-1]
         check_finite(model, f". Last good checkpoint: {last}")
+        final = os.path.join(root, f"step-{step}")
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        rank, world = rank_and_world()
+        ranks_rng = all_gather([rng])  # every rank's streams (dropout draws differ between ranks)
+        weights = None
+        optim = optimizer.state_dict() if optimizer else None
+        if is_sharded(model):  # FSDP2: the full weights and AdamW states, gathered to rank 0 (a collective)
+            weights, optim = gathered_state(model, optimizer)
+        error = None
+        if rank == 0:  # the run's one writer
+            try:
+                self._write(root, step, model, weights, optim, scheduler, state, ranks_rng, world, last)
+            except Exception as e:
+                error = e
+        error = broadcast(error)  # a failed write stops every rank with the same error
+        if error is not None:
+            raise error
+        self.saved_step = step
+        return final
+
+    def _write(self, root, step, model, weights, optim, scheduler, state, ranks_rng, world, last) -> None:
         os.makedirs(root, exist_ok=True)
         final = os.path.join(root, f"step-{step}")
         tmp = os.path.join(root, f".tmp-step-{step}")
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover from a crash during an earlier save of this step
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
         state = state or {}
         tensors = {k: v.detach().cpu() for k, v in state.items() if torch.is_tensor(v)}
-        saved = {
-            "optimizer": optimizer.state_dict() if optimizer else None,
-            "rng": rng,
-            "scheduler": scheduler.state_dict() if scheduler else None,
-            "tensors": tensors,
-        }
+        saved = {"optimizer": optim, "rng": ranks_rng[0], "scheduler": scheduler.state_dict() if scheduler else None}
+        saved["tensors"] = tensors
+        if world > 1:
+            saved["rng_ranks"] = ranks_rng
         with writing(tmp, f"checkpoint step-{step}", last):
-            save_weights(model, os.path.join(tmp, "weights"))
+            save_weights(model, os.path.join(tmp, "weights"), state_dict=weights)
             torch.save(saved, os.path.join(tmp, "state.pt"))
             meta = {
                 "step": step,
+                "world_size": world,
                 "trainer_state": {k: v for k, v in state.items() if k not in tensors},
                 "identity": self.identity,
                 "files_sha256": _file_hashes(tmp),
@@ -328,8 +373,6 @@ class Checkpoints:
         old = list_checkpoints(self.run_dir)[: -self.keep] if self.keep > 0 else []
         for path in old:
             shutil.rmtree(path)
-        self.saved_step = step
-        return final
 
     def resume(
         self, path, model, optimizer=None, scheduler=None, total_steps=None, ignore_mismatch: bool = False
@@ -351,6 +394,7 @@ class Checkpoints:
             try:
                 meta = _read_verified_meta(ckpt)
                 check_identity(ckpt, meta.get("identity"), self.identity, ignore_mismatch)
+                check_world_size(ckpt, meta.get("world_size", 1), ignore_mismatch)
                 if total_steps is not None and meta["step"] >= total_steps:
                     raise ResumeError(
                         f"{ckpt} is at step {meta['step']}, at or past this run's {total_steps} steps: "
@@ -367,15 +411,21 @@ class Checkpoints:
             hint = " (pass the run dir to fall back to an earlier checkpoint)" if explicit else ""
             raise CorruptCheckpointError(f"no intact checkpoint to resume from{hint}: {'; '.join(failures)}")
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, map_location="cpu")
-        if optimizer is not None and state["optimizer"] is not None:
+        if optimizer is not None and state["optimizer"] is not None and is_sharded(model):
+            load_gathered_state(model, {}, optimizer, state["optimizer"])  # this rank's shards of the AdamW states
+        elif optimizer is not None and state["optimizer"] is not None:
             optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state["scheduler"] is not None:
             scheduler.load_state_dict(state["scheduler"])
-        version, internal, gauss = state["rng"]["python"]
+        rank, world = rank_and_world()
+        rng = state["rng"]  # rank 0's, and a one-process run's
+        if len(state.get("rng_ranks", [])) == world:
+            rng = state["rng_ranks"][rank]
+        version, internal, gauss = rng["python"]
         random.setstate((version, tuple(internal), gauss))
-        torch.set_rng_state(state["rng"]["torch"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
         return meta["step"], meta["trainer_state"] | state.get("tensors", {})
 
     def stop(self, reason: str, step: int, model, optimizer, scheduler, state: dict, result: dict) -> RunStopped:

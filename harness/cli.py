@@ -9,17 +9,25 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 
 import torch
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
+from common.distributed import rank_and_world
 from common.errors import USER_ERRORS, ArgsError, ModelError, RunStopped
 from common.model import pick_device, require, resolve_dtype
 from plugins.embedded import MODEL_ALIASES
 
 PROJECT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # a warning raised under it is ours
+
+
+def _rank_tag(prog: str) -> str:
+    """The program's name, and its rank under torchrun (each rank prints its own line)."""
+    rank, world = rank_and_world()
+    return f"{prog} [rank {rank}/{world}]" if world > 1 else prog
 
 
 @contextlib.contextmanager
@@ -37,7 +45,8 @@ def one_line_errors():
         hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's bars
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is first imported
     spec = getattr(sys.modules["__main__"], "__spec__", None)  # `python -m evals.gsm8k` -> evals.gsm8k
-    prog = spec.name if spec else os.path.basename(sys.argv[0])
+    name = spec.name if spec else os.path.basename(sys.argv[0])
+    prog = name
 
     def one_line_warning(message, category, filename, lineno, file=None, line=None):
         ours = os.path.realpath(filename).startswith(PROJECT + os.sep)
@@ -49,9 +58,14 @@ def one_line_errors():
     try:
         yield
     except KeyboardInterrupt:
+        prog = _rank_tag(name)
         print(f"{prog}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except Exception as e:
+        prog = _rank_tag(name)
+        if isinstance(e, torch.distributed.DistError):  # gloo / NCCL: a peer closed its connection, or the timeout
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            e = RuntimeError(f"lost contact with another rank (it died, or --ddp-timeout passed): {why}")
         if isinstance(e, RunStopped) and e.requested:  # the user's own stop: no error, nothing to debug
             print(str(e).replace("\n", " "), file=sys.stderr)
             raise SystemExit(130) from None
@@ -193,6 +207,20 @@ def check_model_flags(args) -> None:
         require("bitsandbytes", "--optim adamw_8bit")
     if args.report_to == "wandb":  # the same: a missing wandb fails before the model loads, not at the first log
         require("wandb", "--report-to wandb")
+    check_parallel_flags(args)
+
+
+def check_parallel_flags(args) -> None:
+    """--fsdp and --ddp-timeout against the ranks torchrun started (the process group is already set up)."""
+    world = rank_and_world()[1]
+    if not args.ddp_timeout > 0:
+        raise ArgsError(f"--ddp-timeout {args.ddp_timeout}: must be > 0 seconds")
+    if not args.fsdp:
+        return
+    if args.use_lora:
+        raise ArgsError("--fsdp shards a full fine-tune (add --no-use-lora); a LoRA run is data-parallel without it")
+    if world < 2:
+        raise ArgsError("--fsdp shards over ranks: launch with torchrun --nproc-per-node N (N >= 2)")
 
 
 class StopOnCtrlC:
@@ -204,11 +232,17 @@ class StopOnCtrlC:
 
     def __init__(self):
         self.requested = False
+        self.first = 0.0
 
     def _handle(self, signum, frame):
-        if self.requested:
+        # Under torchrun a terminal's Ctrl-C reaches each rank twice at once (from the terminal, and forwarded by
+        # torchrun): a repeat within a second is the same Ctrl-C.
+        if self.requested and time.monotonic() - self.first > 1.0:
             raise KeyboardInterrupt
+        if self.requested:
+            return
         self.requested = True
+        self.first = time.monotonic()
         print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
 
     def watch(self, steps):

@@ -16,6 +16,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
+from common.distributed import broadcast, rank_and_world
 from common.errors import OutputDirError
 from common.model import require
 
@@ -24,7 +25,22 @@ def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs") -> st
     """runs/<exp_name>__<model>__<seed>__<time>-<6 hex>, CleanRL's run naming (model path reduced to its last part)
     plus a random tag, so two runs started in the same second never share a directory. Scripts call it before the
     model loads: the directory is created and a probe file written and deleted, so an unwritable --output-dir fails
-    in a second, not after minutes of loading."""
+    in a second, not after minutes of loading. Under torchrun rank 0 creates it (the run's one writer) and every
+    rank gets its path, or the same one-line error."""
+    path = None
+    error = None
+    if rank_and_world()[0] == 0:
+        try:
+            path = _new_run_dir(exp_name, model, seed, root)
+        except OutputDirError as e:
+            error = str(e)
+    path, error = broadcast((path, error))
+    if error:
+        raise OutputDirError(error)
+    return path
+
+
+def _new_run_dir(exp_name: str, model: str, seed: int, root: str) -> str:
     model_tag = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rstrip("/").split("/")[-1])
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     path = os.path.join(root, f"{exp_name}__{model_tag}__{seed}__{stamp}")
@@ -145,7 +161,8 @@ def wandb_id_of(run_dir: str, resumed_from: str | None) -> str | None:
 class Logger:
     """Every logged step goes to metrics.jsonl (one JSON object per step), to TensorBoard or W&B (report_to; "none":
     metrics.jsonl only) and to a tqdm bar, or off a terminal to one stderr line: step/total, the `show` metrics,
-    s/step and ETA (averaged since the Logger started)."""
+    s/step and ETA (averaged since the Logger started). Under torchrun only rank 0 writes or prints (the metrics a
+    script logs are already reduced over the ranks); every rank keeps the history."""
 
     def __init__(
         self,
@@ -162,8 +179,12 @@ class Logger:
         step (and the last); resumed_from: the checkpoint or run dir a resume starts from (its W&B run continues)."""
         self.run_dir = run_dir
         self.show = show
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(config, f, indent=2)
+        self.main = rank_and_world()[0] == 0  # the run's one writer
+        if not self.main:
+            report_to = "none"
+        else:
+            with open(os.path.join(run_dir, "args.json"), "w") as f:
+                json.dump(config, f, indent=2)
         self.writer = SummaryWriter(run_dir) if report_to == "tensorboard" else None
         self.wandb = None
         if report_to == "wandb":
@@ -172,8 +193,9 @@ class Logger:
             )
             with open(os.path.join(run_dir, WANDB_ID), "w") as f:
                 f.write(self.wandb.id)
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty())
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if self.main else None
+        on_terminal = self.main and sys.stderr.isatty()
+        self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, disable=not on_terminal)
         self.total = total_steps
         self.start = start_step
         self.t0 = time.perf_counter()
@@ -191,6 +213,8 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log({**metrics, "train/global_step": step})
         self.history.append({"step": step, **metrics})
+        if not self.main:
+            return
         self.jsonl.write(json.dumps(self.history[-1]) + "\n")
         self.jsonl.flush()  # a crash loses at most the line being written
         self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self.show if k in metrics}, refresh=False)
@@ -223,7 +247,8 @@ class Logger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-        self.jsonl.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
 
 
 class Breakers:

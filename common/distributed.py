@@ -1,0 +1,144 @@
+"""Data parallelism under torchrun, as nanoGPT's train.py does it: a script that finds torchrun's environment
+(WORLD_SIZE, RANK, LOCAL_RANK) joins the process group and trains its slice of every global batch; without it, every
+function here is the one-process identity (rank 0 of 1) and no process group exists.
+
+The global batch is TRL's: per_device_train_batch_size x ranks x gradient_accumulation_steps. Rank r of N takes the
+micro-batches r, r + N, r + 2N, ... of what one process with N x the accumulation would take at the same step, so the
+ranks together see the same rows in the same epoch order. Each rank's loss carries the global normaliser (the whole
+step's tokens or rows) times N, and the gradients are averaged over the ranks (`average_gradients`, or FSDP2's
+reduce-scatter), which is the one-process gradient up to the rounding of the sum's order. Logged metrics are reduced
+over the ranks before anything is decided from them, so every rank takes the same decision at the same step.
+"""
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def init_distributed(timeout_s: float) -> tuple[int, int]:
+    """(rank, world size). Under torchrun: join the process group (NCCL on CUDA, on this node's LOCAL_RANK card;
+    gloo on a CPU), every collective bounded by timeout_s (a rank that died makes the others fail, not hang), and
+    ranks other than 0 print nothing on stdout (rank 0 speaks for
+    the run; errors still reach stderr). Alone: (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return rank_and_world()
+    backend = "gloo"
+    if torch.cuda.is_available():
+        backend = "nccl"
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # open for the life of the process
+    return rank_and_world()
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(this process's rank, the number of ranks): (0, 1) without a process group."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank_micro_batches(step: int, gradient_accumulation_steps: int) -> list[int]:
+    """The global micro-batch indices this rank computes at `step`: one process with accumulation ga x N would
+    take step * ga * N ... (step + 1) * ga * N - 1; rank r takes every N-th of them, starting at r."""
+    rank, world = rank_and_world()
+    first = step * gradient_accumulation_steps * world
+    return [first + i * world + rank for i in range(gradient_accumulation_steps)]
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Each value summed over the ranks (float64, so token counts and sums of losses add exactly)."""
+    if not dist.is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any (a Ctrl-C one rank saw first stops all of them at one step)."""
+    return all_sum([float(flag)])[0] > 0
+
+
+def all_gather(items: list) -> list:
+    """Every rank's list, concatenated in rank order: what one process would have held (per-row statistics,
+    rewards, eval rows)."""
+    if not dist.is_initialized():
+        return list(items)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
+
+
+def broadcast(value):
+    """Rank 0's value on every rank (e.g. the run directory rank 0 created)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def average_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Average the trainable gradients over the ranks, in one flat all-reduce after the step's backward passes: DDP's
+    math, written out because our log-prob path calls the decoder and the head directly and never the wrapped
+    module's forward, which DDP needs to see. A no-op alone, and under FSDP2 (it reduce-scatters in backward)."""
+    _, world = rank_and_world()
+    if world == 1 or any(isinstance(p, DTensor) for p in params):
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
+        offset += g.numel()
+
+
+def shard_model(model) -> torch.nn.Module:
+    """FSDP2 for a full fine-tune: `fully_shard` on each decoder layer and then on the whole model, so each rank holds
+    1/N of the weights, gradients and AdamW states, and a layer's full weights exist only while it runs."""
+    for layer in model.get_decoder().layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def is_sharded(model) -> bool:
+    """Whether FSDP2 holds this model's weights as shards (DTensors)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def gathered_state(model, optimizer=None) -> tuple[dict, dict | None]:
+    """A sharded model's full state dict (and its optimizer's, keyed by parameter name), gathered to CPU on rank 0
+    (the other ranks get empty dicts). Every rank must call it: it is a collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return weights, optim
+
+
+def load_gathered_state(model, weights: dict, optimizer=None, optim: dict | None = None) -> list[str]:
+    """The inverse of gathered_state on every rank (each passes the full dicts it read): each rank keeps its shards.
+    Returns the model keys the dict lacked (a tied head the saved file left out is filled from its embedding)."""
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    result = set_model_state_dict(model, weights, options=options)
+    if optimizer is not None and optim is not None:
+        set_optimizer_state_dict(model, optimizer, optim, options=options)
+    return list(result.missing_keys) + list(result.unexpected_keys)
+
+
+def close_distributed() -> None:
+    """Leave the process group (torchrun's ranks end together; a later run in the same process starts clean)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
