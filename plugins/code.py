@@ -1,6 +1,7 @@
 """The code reward: a completion's code run against its row's tests in a sandbox (`code_reward`, registered by the
-scripts under the name `code`), and the sandbox itself (`run_python`): untrusted Python in, its stdout out.
-The sandbox is chosen once and printed once:
+scripts under the name `code`), and the sandbox itself (`run_python`): untrusted Python in, its stdout out, judged
+by plugins/code_judge.py in a process of its own under a CPU budget. The sandbox is chosen once, checked at first use
+(a known-good and a known-bad solution must score 1 and 0) and printed once:
 - bubblewrap (`apt-get install bubblewrap`) where it works: --unshare-all (no network; own PIDs, /proc, IPC, UTS),
   --die-with-parent --new-session --clearenv --cap-drop ALL, uid nobody in a user namespace (root's outside, if
   root: hence) a read-only root with only /usr and Python's prefix, a private 64 MiB tmpfs as /tmp, cwd and HOME,
@@ -14,7 +15,6 @@ Both: `python -I -S` (stdlib only), env PATH LANG HOME TMPDIR only, rlimits, pid
 it started."""
 
 import ast
-import builtins
 import concurrent.futures
 import contextlib
 import functools
@@ -22,7 +22,6 @@ import json
 import math
 import os
 import pathlib
-import operator
 import re
 import resource
 import secrets
@@ -36,7 +35,9 @@ import time
 import uuid
 import warnings
 
+from common.errors import RewardError
 from common.rewards import text_of
+from plugins.code_judge import MATH, PURE, holds, judge
 
 # In the sandbox, before the solution: the fallback's isolation, rlimits, the solution as __main__, then its
 # `queries` (run_code_tests), each value written as a line "\x1e<i> <json>" (encode: builtin types, tagged where
@@ -155,7 +156,7 @@ for i, (query, wants_truth) in enumerate(cfg["queries"]):
 """
 
 _PYTHON = os.path.realpath(sys.executable)  # a venv's link would point outside the sandbox
-_KIND_LOCK = threading.Lock()  # code_reward's threads ask at once: probe and print once
+_KIND_LOCK = threading.Lock()  # code_reward's threads ask at once: probe, check and print once
 # As root the fallback runs each solution as a uid of its own: RLIMIT_NPROC counts every process of a uid, so runs that
 # shared one (nobody) shared one limit, and one run's children made a concurrent run's fork fail. A block of uids that
 # no account or container mapping should use; other processes draw from it too, at random.
@@ -165,10 +166,18 @@ _UIDS_LOCK = threading.Lock()
 _MAX_WARNINGS = 8  # lines relayed from one run (each cut to 200 characters)
 
 
+@functools.cache
+def _bwrap_program() -> str | None:
+    """bwrap's absolute path on the trainer's PATH, resolved once for the probe and every run: a run's own PATH is
+    /usr/bin:/bin, where bwrap from a conda env or /usr/local/bin is not (every sample then scored 0, in silence)."""
+    found = shutil.which("bwrap")
+    return os.path.abspath(found) if found else None
+
+
 def _bwrap(tmp: str) -> list[str]:
     """bwrap's argv up to the command: /usr and Python's prefix read-only, solution.py read-only in a private tmp."""
     argv = [
-        "bwrap",
+        _bwrap_program(),
         "--unshare-all",
         "--unshare-user",
         "--uid",
@@ -225,20 +234,47 @@ def _bwrap(tmp: str) -> list[str]:
 
 @functools.cache
 def _kind(forced: bool) -> str:
-    """'bwrap' if installed and it can build its sandbox here (some containers forbid it), else 'fallback'."""
+    """'bwrap' if installed and it can build its sandbox here (some containers forbid it), else 'fallback'; the one
+    chosen passes _self_check before it is printed and used."""
     with tempfile.TemporaryDirectory() as tmp:
         pathlib.Path(tmp, "solution.py").touch()
         pathlib.Path(tmp, "cfg.json").touch()
         bwrap = (
             not forced
-            and shutil.which("bwrap")
+            and _bwrap_program() is not None
             and subprocess.run(
                 [*_bwrap(tmp), _PYTHON, "-I", "-S", "solution.py"], check=False, capture_output=True
             ).returncode
             == 0
         )
-    print("code sandbox: " + ("bwrap" if bwrap else "fallback (bubblewrap is stronger)"), file=sys.stderr, flush=True)
-    return "bwrap" if bwrap else "fallback"
+    kind = "bwrap" if bwrap else "fallback"
+    name = f"bwrap ({_bwrap_program()})" if bwrap else "fallback (bubblewrap is stronger)"
+    _self_check(kind, name)
+    print(f"code sandbox: {name}", file=sys.stderr, flush=True)
+    return kind
+
+
+# The self-check at first use: a known-good and a known-bad solution, each through a stdin/stdout run and an assert
+# run of the chosen sandbox, judged as every sample is. A sandbox that runs nothing (a program its runs cannot find,
+# namespaces refused after the probe) would otherwise score every sample 0, correct ones too, and say nothing.
+_CHECK_TESTS = [{"input": "2\n", "output": "3\n"}, "assert f(1) == 2"]
+_GOOD = "import sys\n\n\ndef f(x):\n    return x + 1\n\n\nprint(f(int(sys.stdin.read() or 0)))"
+_BAD = _GOOD.replace("x + 1", "x - 1")
+
+
+def _self_check(kind: str, name: str) -> None:
+    """Raise RewardError, one line naming the sandbox and its stderr, unless _GOOD scores 1 and _BAD 0 in it."""
+    try:
+        scores = [run_code_tests(source, _CHECK_TESTS, kind=kind) for source in (_GOOD, _BAD)]
+    except OSError as e:  # its program cannot start (gone, not executable): that is what it says
+        raise RewardError(f"reward 'code': the code sandbox {name} cannot start: {e}") from None
+    if scores == [1.0, 0.0]:
+        return
+    stderr = _run(kind, _GOOD, "2\n", timeout=5.0, memory_mb=1024, max_procs=32, max_output=1 << 22, queries=())[1]
+    raise RewardError(
+        f"reward 'code': the code sandbox {name} failed its self-check: a known-good solution scored {scores[0]} and "
+        f"a known-bad one {scores[1]}, not 1.0 and 0.0; its stderr: {' | '.join(stderr.splitlines()[-5:]) or '(none)'}"
+    )
 
 
 def _cgroups(max_procs: int, memory: int) -> list[str]:
@@ -330,15 +366,25 @@ def run_python(
     max_procs: int = 32,
     max_output: int = 1 << 22,
     queries: tuple | list = (),
+    kind: str | None = None,
 ) -> str:
     """Run `source` with `stdin` in the sandbox; return its stdout (the first max_output bytes), to which each of
     `queries` ([expression, truth]), evaluated in the solution's globals after it ran, adds a line "\\x1e<i> <json>"
     (its value, or bool(value) if truth, encoded by _BOOT's encode; "!<exception name>" if it raised).
     rlimits: CPU timeout + 1 s, AS memory_mb, FSIZE max_output (stdout and stderr are files: this caps them),
     NOFILE 64, NPROC max_procs; as root, cgroups cap all its processes together at max_procs and memory_mb.
-    stdin, stdout and stderr are unnamed files."""
-    with _KIND_LOCK:
-        kind = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback")
+    stdin, stdout and stderr are unnamed files. kind: "bwrap" or "fallback"; None: the one chosen (and checked) at
+    first use."""
+    if kind is None:
+        with _KIND_LOCK:
+            kind = _kind(os.environ.get("ONLYONE_SANDBOX") == "fallback")
+    return _run(kind, source, stdin, timeout, memory_mb, max_procs, max_output, queries)[0]
+
+
+def _run(
+    kind: str, source: str, stdin: str, timeout: float, memory_mb: int, max_procs: int, max_output: int, queries
+) -> tuple[str, str]:
+    """run_python in the sandbox `kind`: (stdout, the first 4 KiB of stderr)."""
     cpu = math.ceil(timeout)
     mem = memory_mb << 20
     limits = [
@@ -383,72 +429,23 @@ def run_python(
         finally:  # also after a clean exit: the solution's children may still run
             _kill_all(proc, cgroups)
         _relay(kind, m.fileno(), e.fileno())
-        return os.pread(o.fileno(), max_output, 0).decode("utf-8", errors="replace")
+        stdout = os.pread(o.fileno(), max_output, 0).decode("utf-8", errors="replace")
+        return stdout, os.pread(e.fileno(), 1 << 12, 0).decode("utf-8", errors="replace")
 
 
 # ---------------------------------------------------------------------------------------------------- code
-# An assert test is judged here, out of the solution's reach. The sandbox evaluates only the parts that are the
-# solution's: calls of its functions (with their arguments, its inputs) and its names, the "queries"; their values
-# come back as data. Everything else is the expected side and is evaluated here by _value: literals, operators,
-# comparisons, the builtins in _PURE and math's functions in _MATH, on those values. The solution can read its queries
-# (they are code it runs), so a query never holds an expected value, and a test whose parts fit neither side is
-# refused (_Split): a comprehension or lambda would run where the solution can touch it. Every operation here on the
-# solution's values has its cost bounded first (_bounded, _binop, _call): the solution picks those values.
-_PURE = {
-    name: getattr(builtins, name)
-    for name in "abs all any bool dict float frozenset int len list max min round set sorted str sum tuple".split()
-}
-_MATH = {  # math's own, whatever the solution binds to the name `math`
-    name: getattr(math, name)
-    for name in "isclose sqrt floor ceil trunc fabs exp log log2 log10 sin cos tan atan atan2 hypot degrees radians "
-    "isnan isinf isfinite gcd pi e tau inf nan".split()
-}
+# An assert test is judged out of the solution's reach. The sandbox evaluates only the parts that are the solution's:
+# calls of its functions (with their arguments, its inputs) and its names, the "queries"; their values come back as
+# data. Everything else is the expected side, evaluated on those values by plugins/code_judge.py in a process of its
+# own under a CPU budget: literals, operators, comparisons, the builtins in PURE and math's functions in MATH. The
+# solution can read its queries (they are code it runs), so a query never holds an expected value, and a test whose
+# parts fit neither side is refused (_Split): a comprehension or lambda would run where the solution can touch it.
 _HERE = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare)
 _HERE += (ast.IfExp, ast.Subscript, ast.Slice, ast.Starred)
-_BINOPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-    ast.LShift: operator.lshift,
-    ast.RShift: operator.rshift,
-    ast.BitOr: operator.or_,
-    ast.BitXor: operator.xor,
-    ast.BitAnd: operator.and_,
-    ast.MatMult: operator.matmul,
-}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_, ast.Invert: operator.invert}
-_COMPARE = {
-    ast.Eq: operator.eq,
-    ast.NotEq: operator.ne,
-    ast.Lt: operator.lt,
-    ast.LtE: operator.le,
-    ast.Gt: operator.gt,
-    ast.GtE: operator.ge,
-    ast.Is: operator.is_,
-    ast.IsNot: operator.is_not,
-    ast.In: lambda a, b: a in b,
-    ast.NotIn: lambda a, b: a not in b,
-}
-_DECODE = {  # _BOOT's encode, undone: JSON has no tuples, sets, bytes, complex numbers or non-string keys
-    "tuple": tuple,
-    "set": set,
-    "frozenset": frozenset,
-    "dict": dict,
-    "bytes": lambda text: text.encode("latin-1"),
-    "complex": lambda parts: complex(*parts),
-}
-_MAX_BITS = 1 << 16  # an int operand or result here (a literal in a test has at most 4,300 digits, ~14,300 bits)
-_MAX_DIGITS = 4300  # an int the solution sends, in digits: Python's own default limit for int(str)
-_MAX_ITEMS = 1 << 20  # a sequence built here by repetition (`[0] * n`)
-_MAX_VALUES = 1 << 20  # characters of the solution's values parsed per run
 
 
 class _Split:
-    """One assert's test, split: `test` to evaluate here by _value, with the names `_q<i>` for what the sandbox
+    """One assert's test, split: `test` for the judge to evaluate, with the names `_q<i>` for what the sandbox
     evaluates, `queries[i]` ([expression, truth]; truth: only its truth matters, `assert f(1)`, `not f(1)`)."""
 
     def __init__(self, test: str, queries: list):
@@ -461,10 +458,10 @@ class _Split:
         self.queries = queries
         first = len(queries)
         self.test = self.split(body[0].test, truth=True)
-        if len(queries) == first and not _holds(self, {}):  # (`assert True` passes anyway)
+        if len(queries) == first and not holds(self.test, {}):  # (`assert True` passes anyway)
             raise ValueError(
                 f"'{ast.unparse(body[0].test)}' holds nothing of the solution's and fails here, where "
-                f"{', '.join(_PURE)} are Python's own"
+                f"{', '.join(PURE)} are Python's own"
             )
 
     def split(self, node: ast.AST, truth: bool = False) -> ast.AST:
@@ -477,7 +474,7 @@ class _Split:
             if isinstance(node.func, ast.Attribute) and node.func.attr == "isclose":
                 self.expected_side(text, node.args[:2])
             return node
-        if isinstance(node, ast.Name) and node.id in _PURE or _is_math(node):
+        if isinstance(node, ast.Name) and node.id in PURE or _is_math(node):
             return node  # a builtin as a value (key=len), math.pi
         if isinstance(node, (ast.Call, ast.Name, ast.Attribute)):
             self.queries.append([_query(node), truth])
@@ -515,17 +512,17 @@ class _Split:
 
 
 def _is_math(node: ast.AST) -> bool:
-    """`math.<name>` of _MATH: math's own function or constant, evaluated here (the solution may rebind `math`)."""
+    """`math.<name>` of MATH: math's own function or constant, evaluated here (the solution may rebind `math`)."""
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math":
-        if node.attr not in _MATH:
-            raise ValueError(f"math.{node.attr} is not evaluated by the trainer; it takes math.<{', '.join(_MATH)}>")
+        if node.attr not in MATH:
+            raise ValueError(f"math.{node.attr} is not evaluated by the trainer; it takes math.<{', '.join(MATH)}>")
         return True
     return False
 
 
 def _here_function(func: ast.AST) -> bool:
-    """A builtin of _PURE or a function of _MATH, called here."""
-    return isinstance(func, ast.Name) and func.id in _PURE or _is_math(func)
+    """A builtin of PURE or a function of MATH, called here."""
+    return isinstance(func, ast.Name) and func.id in PURE or _is_math(func)
 
 
 def _query(node: ast.AST) -> str:
@@ -536,7 +533,7 @@ def _query(node: ast.AST) -> str:
         chain.append(chain[-1].func if isinstance(chain[-1], ast.Call) else chain[-1].value)
     root = chain[-1]
     text = ast.unparse(node)
-    if not isinstance(root, ast.Name) or root.id in _PURE or root.id == "math":
+    if not isinstance(root, ast.Name) or root.id in PURE or root.id == "math":
         raise ValueError(f"'{text}' is neither the solution's (a call of its functions, its names) nor evaluated here")
     if root.id in sys.stdlib_module_names and len(chain) > 1 and isinstance(chain[-2], ast.Attribute):
         raise ValueError(
@@ -544,155 +541,6 @@ def _query(node: ast.AST) -> str:
             f"expected value is written as a literal"
         )
     return text
-
-
-def _bounded(*values) -> None:
-    """Refuse an int operand too large to compute on here (the solution picks it: `3 ** f(1)`)."""
-    for v in values:
-        if isinstance(v, int) and v.bit_length() > _MAX_BITS:
-            raise ValueError(f"an int of {v.bit_length()} bits is not computed on here")
-
-
-def _binop(op: ast.operator, a, b):
-    """a <op> b, refused where the result would be too large to compute: an int power or shift past _MAX_BITS, a
-    sequence repeated past _MAX_ITEMS, printf-style formatting (its width and precision are unbounded)."""
-    _bounded(a, b)
-    ints = isinstance(a, int) and isinstance(b, int)
-    if ints and isinstance(op, ast.Pow) and b > 0 and abs(a) > 1 and a.bit_length() * b > _MAX_BITS:
-        raise ValueError(f"{a} ** {b} is not computed here")
-    if ints and isinstance(op, ast.LShift) and a and a.bit_length() + b > _MAX_BITS:
-        raise ValueError(f"{a} << {b} is not computed here")
-    if isinstance(op, ast.Mult) and isinstance(a, int) != isinstance(b, int):
-        count = a if isinstance(a, int) else b
-        sequence = b if isinstance(a, int) else a
-        if hasattr(sequence, "__len__") and len(sequence) * count > _MAX_ITEMS:
-            raise ValueError(f"a sequence repeated past {_MAX_ITEMS} items is not built here")
-    if isinstance(op, ast.Mod) and isinstance(a, (str, bytes)):
-        raise ValueError("printf-style formatting is not evaluated here")
-    return _BINOPS[type(op)](a, b)
-
-
-def _call(fn, args: list, kwargs: dict):
-    """A builtin of _PURE or a function of _MATH on these arguments, refused where its cost has no bound: round()'s
-    ndigits (10 ** -ndigits is computed), int() of a long string, sum() of sequences (each addition copies)."""
-    _bounded(*args, *kwargs.values())
-    if fn is round and len(args) > 1 and isinstance(args[1], int) and abs(args[1]) > _MAX_DIGITS:
-        raise ValueError(f"round(x, {args[1]}) is not computed here")
-    if fn is int and args and isinstance(args[0], (str, bytes)) and len(args[0]) > _MAX_DIGITS:
-        raise ValueError(f"int() of {len(args[0])} characters is not computed here")
-    if fn is sum and not isinstance(args[1] if len(args) > 1 else kwargs.get("start", 0), (int, float, complex)):
-        raise ValueError("sum() with a start that is not a number is not computed here")
-    return fn(*args, **kwargs)
-
-
-def _items(nodes: list, values: dict) -> list:
-    """The values of a display's or a call's elements, `*x` unpacked."""
-    items = []
-    for node in nodes:
-        if isinstance(node, ast.Starred):
-            items.extend(_value(node.value, values))
-        else:
-            items.append(_value(node, values))
-    return items
-
-
-def _value(node: ast.AST, values: dict):
-    """A split test's node (_Split.test), evaluated here on the solution's values (`_q<i>`); a missing value raises
-    KeyError. _Split lets no other node types through."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name):
-        return values[node.id] if node.id.startswith("_q") else _PURE[node.id]
-    if isinstance(node, ast.Attribute):
-        return _MATH[node.attr]  # (math.<name>)
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)](_items(node.elts, values))
-    if isinstance(node, ast.Dict):
-        result = {}
-        for key, item in zip(node.keys, node.values, strict=True):
-            if key is None:  # {**x}
-                result.update(_value(item, values))
-            else:
-                result[_value(key, values)] = _value(item, values)
-        return result
-    if isinstance(node, ast.UnaryOp):
-        operand = _value(node.operand, values)
-        _bounded(operand)
-        return _UNARY[type(node.op)](operand)
-    if isinstance(node, ast.BinOp):
-        return _binop(node.op, _value(node.left, values), _value(node.right, values))
-    if isinstance(node, ast.BoolOp):
-        result = None
-        for item in node.values:  # short-circuit, as Python does: the value that decided
-            result = _value(item, values)
-            if bool(result) != isinstance(node.op, ast.And):
-                return result
-        return result
-    if isinstance(node, ast.Compare):
-        left = _value(node.left, values)
-        for op, right_node in zip(node.ops, node.comparators, strict=True):
-            right = _value(right_node, values)
-            if not _COMPARE[type(op)](left, right):
-                return False
-            left = right
-        return True
-    if isinstance(node, ast.IfExp):
-        return _value(node.body if _value(node.test, values) else node.orelse, values)
-    if isinstance(node, ast.Subscript):
-        return _value(node.value, values)[_value(node.slice, values)]
-    if isinstance(node, ast.Slice):
-        return slice(*(None if n is None else _value(n, values) for n in (node.lower, node.upper, node.step)))
-    if isinstance(node, ast.Call):
-        kwargs = {}
-        for k in node.keywords:
-            kwargs.update(_value(k.value, values) if k.arg is None else {k.arg: _value(k.value, values)})
-        return _call(_value(node.func, values), _items(node.args, values), kwargs)
-    raise TypeError(f"{type(node).__name__} is not evaluated here")
-
-
-def _holds(split: _Split, values: dict) -> bool:
-    """A split test on the solution's values; a missing value (KeyError) or a wrong one's TypeError etc. fails, and
-    so does an operation refused as too costly (ValueError)."""
-    try:
-        return bool(_value(split.test, values))
-    except (KeyError, TypeError, ValueError, ArithmeticError, LookupError, MemoryError, RecursionError):
-        return False
-
-
-def _parse_int(digits: str) -> int:
-    """json's int parser with Python's default limit on digits, which the process may have lifted."""
-    if len(digits.lstrip("-")) > _MAX_DIGITS:
-        raise ValueError(f"an int of {len(digits)} digits")
-    return int(digits)
-
-
-def _decoded(obj: dict):
-    """One of _BOOT's tagged values ({"tuple": [...]}, ...) as itself."""
-    if len(obj) != 1:
-        raise ValueError(f"not a tagged value: {sorted(obj)[:3]}")
-    kind = next(iter(obj))
-    return _DECODE[kind](obj[kind])
-
-
-def _values(out: str, count: int) -> dict:
-    """The sandbox's values `_q<i>` from its output's records (the last one of each query), at most _MAX_VALUES
-    characters parsed: a record that is no value (an exception, a fake) or past the budget leaves its value out."""
-    records = dict(re.findall(r"^\x1e(\d+) (.*)$", out, re.MULTILINE))
-    values = {}
-    budget = _MAX_VALUES
-    for i in range(count):  # (only these: parsing costs us, not the sandbox)
-        record = records.get(str(i), "!")
-        budget -= len(record)
-        if budget < 0:
-            break
-        with contextlib.suppress(ValueError, TypeError, KeyError, RecursionError, MemoryError):
-            values[f"_q{i}"] = json.loads(record, object_hook=_decoded, parse_int=_parse_int)
-    return values
-
-
-def _lines(s: str) -> list[str]:
-    """Output lines compared as judges do: trailing spaces and trailing blank lines ignored."""
-    return [line.rstrip() for line in s.rstrip().splitlines()]
 
 
 def _cases(tests, queries: list) -> list:
@@ -743,22 +591,25 @@ def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
       {"input": str, "output": str}: one run each; passes if the stdout lines equal ALL expected lines after rstrip
         (extra or missing lines fail: open-r1's zip() let half an answer pass);
       "assert f(1) == 2" strings, one assert each: one run for all; the sandbox evaluates only the solution's parts
-        ("f(1)") and returns their values as data, the rest runs here on them (_Split, _value).
+        ("f(1)") and returns their values as data, the rest is evaluated on them (_Split, code_judge's _value).
     Either way the expected values never enter the sandbox and the verdict is reached outside it: what the solution
-    controls is its own values, as a correct solution does. A test that cannot be judged so raises ValueError
-    (code_reward.row_problem refuses its row before the model loads)."""
+    controls is its own values, as a correct solution does. Each run's output is judged by code_judge.judge, in a
+    process of its own under a CPU budget: a run past it scores the sample 0. A test that cannot be judged so raises
+    ValueError (code_reward.row_problem refuses its row before the model loads)."""
     queries = []
     cases = _cases(tests, queries)
-    passed = sum(
-        _lines(run_python(code, c["input"], timeout, **sandbox)) == _lines(c["output"])
-        for c in cases
-        if isinstance(c, dict)
-    )
-    asserts = [c for c in cases if isinstance(c, _Split)]
+    judged = []
+    for case in cases:
+        if isinstance(case, dict):
+            output = run_python(code, case["input"], timeout, **sandbox)
+            judged.append(judge({"output": output, "expected": case["output"]}))
+    asserts = [ast.unparse(case.test) for case in cases if isinstance(case, _Split)]
     if asserts:
-        values = _values(run_python(code, "", timeout, queries=queries, **sandbox), len(queries))
-        passed += sum(_holds(split, values) for split in asserts)
-    return passed / max(len(cases), 1)
+        output = run_python(code, "", timeout, queries=queries, **sandbox)
+        judged.append(judge({"output": output, "tests": asserts, "count": len(queries)}))
+    if None in judged:  # a judge ran past its CPU budget on what this solution printed: the sample scores 0
+        return 0.0
+    return sum(judged) / max(len(cases), 1)
 
 
 def _row_problem(row: dict) -> tuple[str, str] | None:

@@ -4,6 +4,7 @@ on the solution's values, malformed test cases are refused before the model load
 sandbox's warnings. Concurrent samples sharing no process limit is in test_sandbox_bounds.py."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -12,8 +13,9 @@ import warnings
 import pytest
 
 import grpo
-from common.errors import DataError
-from common.rewards import check_reward_fields, load_reward_funcs
+from common.errors import DataError, RewardError
+from common.rewards import check_reward_fields, compute_rewards, load_reward_funcs
+from plugins import code
 from plugins.code import _relay, code_reward, run_code_tests, run_python
 from tests import test_input_edges, test_rewards
 from tests.prefs_helpers import ROOT, write_jsonl
@@ -207,3 +209,127 @@ def test_forged_records_and_rebound_builtins_report_only_values_the_solution_cou
     forged = "import atexit\natexit.register(print, '\\x1e0 7919\\n\\x1e1 7919')\ndef secret(x):\n    return 0"
     rebound = "import builtins\nbuiltins.eval = lambda *a, **k: 7919\ndef secret(x):\n    return 0"
     assert hard_coded == run_code_tests(forged, SECRET) == run_code_tests(rebound, SECRET) == 0.5
+
+
+# ------------------------------------------------------------------------------------------------ malformed records
+# Records a solution prints itself: tags whose payload does not fit them, shapes the bootstrap never writes.
+MALFORMED_RECORDS = [
+    '{"bytes": 5}',
+    '{"bytes": null}',
+    '{"complex": "ab"}',
+    '{"set": [[1]]}',
+    '{"dict": [1]}',
+    '{"frozenset": [{"dict": [[1, 2]]}]}',
+    '{"tuple": 5, "set": 6}',
+    "[" * 100_000,
+]
+
+
+@pytest.mark.parametrize("record", MALFORMED_RECORDS)
+def test_a_malformed_record_fails_its_test_and_never_stops_the_run(record, no_leftovers):
+    """A record whose tag does not fit its payload (`{"bytes": 5}`) made the trainer's decoder raise AttributeError
+    out of run_code_tests, code_reward and compute_rewards: one completion ended the run. Whatever the decoder or the
+    evaluator raises, that test fails; the run's other records are still judged."""
+    forger = f"import os\nprint('\\n\\x1e0 ' + {record!r} + '\\n\\x1e1 3', flush=True)\nos._exit(0)"
+    honest = "def f(x):\n    return 2\n\n\ndef g(x):\n    return 3"
+    tests = ["assert f(1) == 2", "assert g(1) == 3"]
+    _, per_func = compute_rewards(
+        [("code", code_reward, 1.0)], ["p", "p"], [forger, honest], {"test_cases": [tests] * 2}
+    )
+    assert per_func[:, 0].tolist() == [0.5, 1.0]
+
+
+# ------------------------------------------------------------------------------------------------ the trainer's CPU
+# Ints k * (2**61 - 1) all hash to 0 (CPython hashes ints modulo 2**61 - 1): a set or dict of n of them costs n² to
+# build. 41,000 of them fit the 1 MiB parse budget and took 22 s of the trainer's CPU, forged as a record or through
+# MBPP's `set(f(x))` shape, unforged.
+COLLIDING = "[k * (2**61 - 1) for k in range({n})]"
+QUADRATIC = [
+    (
+        "import json, os\nprint('\\n\\x1e0 ' + json.dumps({'set': "
+        + COLLIDING.format(n=41_000)
+        + "}), flush=True)\nos._exit(0)",
+        "assert len(f(1)) == 41_000",
+    ),
+    (
+        "import json, os\nprint('\\n\\x1e0 ' + json.dumps({'dict': [[k, 0] for k in "
+        + COLLIDING.format(n=30_000)
+        + "]}), flush=True)\nos._exit(0)",
+        "assert len(f(1)) == 30_000",
+    ),
+    ("def f(x):\n    return " + COLLIDING.format(n=41_000), "assert len(set(f(1))) == 41_000"),
+]
+
+
+def test_the_trainers_work_on_the_solutions_values_has_a_cpu_budget():
+    """The trainer in a child process under RLIMIT_CPU (10 s, a hang guard: the judge that computes on the solution's
+    values is a process of its own, under its own budget): each sample scores 0, and the same shapes on ints that do
+    not collide still score 1."""
+    program = (
+        "import resource, sys\nresource.setrlimit(resource.RLIMIT_CPU, (10, 10))\n"
+        f"sys.path.insert(0, {ROOT!r})\nfrom plugins.code import run_code_tests\n"
+        f"print([run_code_tests(code, [test]) for code, test in {QUADRATIC!r}])\n"
+        "print(run_code_tests('def f(x):\\n    return list(range(41_000))', ['assert len(set(f(1))) == 41_000']))"
+    )
+    env = {**os.environ, "ONLYONE_SANDBOX": "fallback"}  # (either sandbox: this is about the trainer's side)
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[:2] == [str([0.0] * len(QUADRATIC)), "1.0"]
+
+
+# ------------------------------------------------------------------------------------------------ the sandbox's choice
+@pytest.fixture
+def bwrap_chosen_afresh(monkeypatch):
+    """bwrap is chosen, resolved and checked once a process: here afresh (with this test's PATH), and again after."""
+    monkeypatch.delenv("ONLYONE_SANDBOX", raising=False)
+    if code._kind(False) != "bwrap":
+        pytest.skip("bubblewrap is not installed or cannot build its sandbox here (apt-get install bubblewrap)")
+    code._kind.cache_clear()
+    code._bwrap_program.cache_clear()
+    yield
+    code._kind.cache_clear()
+    code._bwrap_program.cache_clear()
+
+
+def test_bwrap_outside_the_runs_path_is_the_one_every_run_uses(tmp_path, bwrap_chosen_afresh):
+    """bwrap on the trainer's PATH but outside /usr/bin:/bin (a conda env, /usr/local/bin) passed the probe, then
+    each run's shell (PATH=/usr/bin:/bin) could not find it: every sample scored 0, correct ones too, in silence.
+    Here /usr/bin/bwrap is hidden (a bind mount in a mount namespace of the trainer's own) and a copy of it is first
+    on the PATH: the program is resolved once, to an absolute path, which every run uses."""
+    if os.geteuid() != 0:
+        pytest.skip("hiding /usr/bin/bwrap takes a mount namespace of root's")
+    (tmp_path / "bin").mkdir()
+    shutil.copy("/usr/bin/bwrap", tmp_path / "bin" / "bwrap")
+    program = (
+        f"import sys\nsys.path.insert(0, {ROOT!r})\nfrom plugins.code import run_code_tests\n"
+        "print(run_code_tests('def f(x):\\n    return x + 1', ['assert f(1) == 2', 'assert f(2) == 3']))"
+    )
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    hide = f'mount --bind /dev/null /usr/bin/bwrap && exec {sys.executable} -c "$0"'
+    result = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide, program],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    if "mount" in result.stderr and result.returncode:
+        pytest.skip(f"no mount namespace here: {result.stderr[-300:]}")
+    assert result.stdout == "1.0\n", result.stderr[-2000:]
+    assert f"code sandbox: bwrap ({tmp_path / 'bin' / 'bwrap'})" in result.stderr
+
+
+def test_a_sandbox_failing_its_self_check_stops_the_run_in_one_line(tmp_path, monkeypatch, bwrap_chosen_afresh):
+    """At first use a known-good and a known-bad solution run through the chosen sandbox: unless they score 1 and 0
+    the run stops with one line naming the sandbox and its stderr. Here a `bwrap` that passes the probe (it exits 0)
+    and runs nothing."""
+    fake = tmp_path / "bin" / "bwrap"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'fake-bwrap: runs nothing' >&2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    with pytest.raises(RewardError) as caught:
+        code_reward(None, ["def f(x):\n    return x + 1"], test_cases=[["assert f(1) == 2"]])
+    message = str(caught.value)
+    assert message.startswith(f"reward 'code': the code sandbox bwrap ({fake}) failed its self-check: "), message
+    assert "fake-bwrap: runs nothing" in message and "\n" not in message

@@ -495,11 +495,12 @@ def test_sandbox_works_as_non_root(kind):
         pytest.skip("neither setpriv nor runuser can run a Python interpreter as nobody here")
     home = tempfile.mkdtemp()  # readable by nobody (pytest's tmp_path is root's alone)
     try:
-        # plugins/code.py as it is, and the one helper it imports (text_of, stdlib-only) without the rest of
-        # common.rewards: nobody's interpreter may be a system Python without torch.
+        # plugins/code.py and its judge as they are, common/errors.py, and the one helper of common.rewards they
+        # import (text_of, stdlib-only) without the rest: nobody's interpreter may be a system Python without torch.
         os.makedirs(os.path.join(home, "plugins"))
         os.makedirs(os.path.join(home, "common"))
-        shutil.copy(pathlib.Path(__file__).parents[1] / "plugins" / "code.py", os.path.join(home, "plugins"))
+        for name in ("plugins/code.py", "plugins/code_judge.py", "common/errors.py"):
+            shutil.copy(pathlib.Path(__file__).parents[1] / name, os.path.join(home, name))
         pathlib.Path(home, "common", "__init__.py").touch()
         pathlib.Path(home, "common", "rewards.py").write_text(inspect.getsource(text_of))
         for folder, _, files in os.walk(home):
