@@ -35,6 +35,8 @@ import tyro
 from transformers import DynamicCache, get_scheduler
 
 from common.data import concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset, training_steps
+from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
+from common.distributed import init_distributed, rank_micro_batches, shard_model
 from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, completion_logps, disable_dropout
 from common.model import load_model, masked_mean, masked_sum, shares_prompt_pass
@@ -333,7 +335,8 @@ def cat_stats(stats: list[dict]) -> dict:
 
 @torch.no_grad()
 def evaluate(model, eval_examples: list[dict], args: Args, pad_id: int, device, logps_of) -> dict:
-    """The training loss and reward metrics over the eval pairs, dropout off (eval/loss is a mean over pairs)."""
+    """The training loss and reward metrics over the eval pairs, dropout off (eval/loss is a mean over pairs). Under
+    torchrun every rank scores every pair (the same forwards on each, as FSDP2 needs), so all hold the same values."""
     model.eval()
     bs = args.per_device_train_batch_size
     out = []
@@ -394,6 +397,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 
 def main(args: Args) -> dict:
     # ---- 1 setup
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_reference(resolve_preset(args, PRESETS))
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
@@ -429,6 +433,8 @@ def main(args: Args) -> dict:
         model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
         disable_dropout(model)
+    if args.fsdp:  # each rank keeps 1/world of every weight, gradient and AdamW state (and of the reference's copy)
+        model = shard_model(model)
     if use_ref:
         snapshot_ref(model)  # the starting policy (the base, or --adapter), taken before any update or resume
     device = next(model.parameters()).device
@@ -444,7 +450,10 @@ def main(args: Args) -> dict:
     eval_examples = prepare(eval_rows) if eval_rows else []
     bs = args.per_device_train_batch_size
     ga = args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    # The global batch is TRL's: bs x world x ga pairs a step (world ranks, each ga micro-batches of bs)
+    total_steps, batches_per_epoch = training_steps(
+        len(examples), bs, ga * world, args.max_steps, args.num_train_epochs
+    )
     params = trainable_parameters(model)
     if args.optim == "adamw_8bit":
         optimizer = adamw_8bit(model, params, args.learning_rate, args.weight_decay)
@@ -471,8 +480,8 @@ def main(args: Args) -> dict:
     )
     if use_ref and args.precompute_ref_log_probs:  # after a resume: "ref" restored (hash-checked), or the start's copy
         drawn = examples  # the rows the run's steps draw: all of them once it reaches an epoch's end
-        if total_steps * ga < batches_per_epoch:
-            drawn = [e for i in range(total_steps * ga) for e in micro_batch(examples, i, bs, args.seed)]
+        if total_steps * ga * world < batches_per_epoch:  # every rank scores them all (the same forwards on each)
+            drawn = [e for i in range(total_steps * ga * world) for e in micro_batch(examples, i, bs, args.seed)]
         precompute_ref_logps(model, drawn + eval_examples, bs, pad_id, device, logps_of)
         if not args.use_lora:  # scored: the CPU copy of the starting weights is not needed again
             unwrap(model).reference_weights = None
@@ -486,15 +495,20 @@ def main(args: Args) -> dict:
         tokens = 0
         stats = []
         timer = PhaseTimer()
-        for i in range(ga):
-            chunk = micro_batch(examples, step * ga + i, bs, args.seed)
+        for index in rank_micro_batches(step, ga):  # this rank's share of the ga x world micro-batches of the step
+            chunk = micro_batch(examples, index, bs, args.seed)
             loss, micro_stats, micro_tokens = pair_losses(model, chunk, args, pad_id, device, logps_of, timer)
             timer.mark("forward")
-            (loss / ga).backward()  # each micro loss is a mean over its pairs; / GA: the step's mean over all pairs
+            # each micro loss is a mean over its pairs; / GA, then averaged over the ranks: the mean of the step's
+            # ga x world micro-batch means (the mean over all pairs when every micro-batch is full)
+            (loss / ga).backward()
             timer.mark("backward")
             loss_sum += loss.item() / ga
             tokens += micro_tokens
             stats.append(micro_stats)
+        average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
+        loss_sum, tokens = all_sum([loss_sum / world, tokens])  # the global step's loss and tokens
+        stats = all_gather(stats)  # every rank's per-pair values: the metrics are the global step's
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()
@@ -509,7 +523,7 @@ def main(args: Args) -> dict:
             "nonfinite_updates": nonfinite,
             "learning_rate": scheduler.get_last_lr()[0],
             "num_tokens": tokens,
-            "epoch": (step + 1) * ga / batches_per_epoch,
+            "epoch": (step + 1) * ga * world / batches_per_epoch,
             **timer.metrics(tokens),
         }
         last = step + 1 == total_steps
@@ -519,7 +533,7 @@ def main(args: Args) -> dict:
         state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save(step + 1, model, optimizer, scheduler, state)
-        if interrupt.requested and not last:
+        if any_rank(interrupt.requested) and not last:  # every rank stops at the same step
             raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
         if nonfinite >= args.breaker_max_nonfinite:  # a run that keeps making NaN/Inf has diverged: stop it
             why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
@@ -529,6 +543,7 @@ def main(args: Args) -> dict:
     # full model, as plain transformers loads it
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
+    close_distributed()
     print(f"dpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 

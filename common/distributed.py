@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -117,6 +117,20 @@ def shard_model(model) -> torch.nn.Module:
 def is_sharded(model) -> bool:
     """Whether FSDP2 holds this model's weights as shards (DTensors)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def reshard(model) -> None:
+    """Every FSDP2 unit of the model back to its shards (the root keeps its gathered weights after a forward until
+    its backward, or for good after a no-grad forward)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) parameter, a view of the storage FSDP2 gathers from; a plain tensor
+    as it is."""
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def gathered_state(model, optimizer=None) -> tuple[dict, dict | None]:

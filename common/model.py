@@ -29,7 +29,8 @@ from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from common.data import looks_local
-from common.distributed import all_gather, broadcast, gathered_state, is_sharded, rank_and_world
+from common.distributed import all_gather, broadcast, gathered_state, is_sharded, local_tensor, rank_and_world
+from common.distributed import reshard
 from common.errors import ModelError, NonFiniteWeightsError
 
 DEFAULT = "default"
@@ -243,12 +244,14 @@ def snapshot_ref(model) -> None:
     current policy."""
     if not is_peft(model):
         base = unwrap(model)
+        reshard(model)
+        params = {n: local_tensor(p) for n, p in model.named_parameters()}  # FSDP2: this rank's shards only
         if getattr(base, "reference_weights", None) is None:
-            pin = next(model.parameters()).is_cuda  # pinned host memory: faster copies to and from the card
-            weights = {n: torch.empty_like(p, device="cpu", pin_memory=pin) for n, p in model.named_parameters()}
+            pin = next(iter(params.values())).is_cuda  # pinned host memory: faster copies to and from the card
+            weights = {n: torch.empty_like(p, device="cpu", pin_memory=pin) for n, p in params.items()}
             base.reference_weights = weights  # a plain dict attribute: not in state_dict, never saved with the model
         with torch.no_grad():
-            for n, p in model.named_parameters():  # tied weights (embeddings = head) appear once
+            for n, p in params.items():  # tied weights (embeddings = head) appear once
                 base.reference_weights[n].copy_(p)
         return
     if REF not in model.peft_config:
@@ -273,8 +276,23 @@ def swapped_weights(model, weights: dict):
     holds two copies of the backbone. On a CPU model both moves are no-ops (`.to` of a tensor already there returns
     it): the parameters point at the reference's tensors and back at their own, bit for bit. Put back on exit, even
     if the block raises; gradients and optimizer states are separate tensors and are not touched."""
-    params = dict(model.named_parameters())
     parked = {}
+    if is_sharded(model):  # FSDP2 gathers from each shard's own storage: the shards are copied in place, and back
+        reshard(model)  # first: a gathered root's parameters are other tensors until it is resharded
+        params = dict(model.named_parameters())
+        try:
+            with torch.no_grad():
+                for n, p in params.items():
+                    parked[n] = local_tensor(p).to("cpu", copy=True)
+                    local_tensor(p).copy_(weights[n])
+            yield model
+        finally:
+            reshard(model)  # the block's forwards left the root gathered with the reference's weights: drop them
+            with torch.no_grad():
+                for n, tensor in parked.items():
+                    local_tensor(params[n]).copy_(tensor)
+        return
+    params = dict(model.named_parameters())
     try:
         for n, p in params.items():
             parked[n] = p.data.to("cpu")
@@ -364,8 +382,7 @@ def check_finite(model, where: str = "") -> None:
     checkpoint). A sharded model's shards are checked on every rank and the verdict shared, so all ranks refuse."""
     bad = []
     for n, p in model.named_parameters():
-        local = p.to_local() if is_sharded(model) else p
-        if p.is_floating_point() and not torch.isfinite(local).all():
+        if p.is_floating_point() and not torch.isfinite(local_tensor(p)).all():
             bad.append(n)
     if is_sharded(model):
         bad = sorted(set(all_gather(bad)))
