@@ -42,6 +42,8 @@ from transformers import get_scheduler
 
 from common.data import concat_prompt_completion, dataset_label, load_rows, micro_batch, pad_batch
 from common.data import setup_chat_template, tokenize_dataset, validate_rows
+from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed, gathered
+from common.distributed import init_distributed, rank_and_world, shard_model
 from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
 from common.model import pick_device, prompt_cache, resolve_dtype, save_final, seed_everything, sequence_logps
@@ -485,7 +487,8 @@ def reward_eval(generate, examples: list[dict], reward_funcs, max_new_tokens: in
     prompt, its mean reward (the run's reward functions) and length and, for rows with an answer, the share whose
     final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k). A row whose answer has
     no number ("p - q") cannot be judged by math_reward (None): it is left out of the accuracy and counted in
-    eval/<dataset>/unscored (as evals.gsm8k does)."""
+    eval/<dataset>/unscored (as evals.gsm8k does). Under torchrun every rank scores every prompt (greedy: the same
+    completions on each)."""
     out = generate([e["prompt_ids"] for e in examples], 1, temperature=0.0, max_new_tokens=max_new_tokens)
     rewards, _ = score_rollout(examples, out, reward_funcs, max_new_tokens)
     lengths = [len(c) for c in out["completion_ids"]]
@@ -528,6 +531,11 @@ def check_args(args: Args) -> None:
         raise ArgsError(
             "--engine vllm with --no-use-lora: the vLLM engine syncs a LoRA adapter, not full weights; use --engine hf"
         )
+    world = rank_and_world()[1]
+    if args.prompts_per_step % world:  # each rank samples whole groups for an equal share of the step's prompts
+        raise ArgsError(f"--prompts-per-step {args.prompts_per_step}: must be a multiple of the {world} ranks")
+    if args.engine == "vllm" and world > 1:
+        raise ArgsError("--engine vllm under torchrun: one colocated engine per rank is not supported yet; use hf")
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -586,7 +594,11 @@ def rollout_engine(args: Args, model, tokenizer):
     """(generate, engine): hf_generate on the live policy (engine None), or a colocated vLLM engine serving the
     starting adapter (plugins.vllm_engine), synced and canary-checked after every update (engine.sync)."""
     if args.engine == "hf":
-        return functools.partial(hf_generate, model, tokenizer, compile=args.compile), None
+        # under torchrun: this rank's rows are its slice of the step's, and it samples them from the global stream
+        rank, world = rank_and_world()
+        rows = args.prompts_per_step * args.group_size
+        stream = (rank * rows // world, rows) if world > 1 else None
+        return functools.partial(hf_generate, model, tokenizer, compile=args.compile, stream=stream), None
     device = next(model.parameters()).device
     engine = VLLMEngine(
         args.model,
@@ -629,6 +641,7 @@ FREE_ON_RESUME = ("torch_threads", "compile", "engine", "groups_per_micro_batch"
 def main(args: Args) -> dict:
     # ---- 1 setup: the preset, flags checked before any weights load, threads, seed
     t_start = time.perf_counter()
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
@@ -668,6 +681,8 @@ def main(args: Args) -> dict:
     setup_chat_template(tokenizer, args.template)
     if args.use_lora:
         model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+    if args.fsdp:  # each rank keeps 1/world of every weight, gradient and AdamW state (and of the reference's copy)
+        model = shard_model(model)
     if args.beta != 0.0:
         snapshot_ref(model)  # the reference is the starting policy, taken before any update
     bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
@@ -704,7 +719,8 @@ def main(args: Args) -> dict:
     breakers = circuit_breakers(args, state)
     generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by
-        logger.log(0, reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src))
+        with gathered(model):
+            logger.log(0, reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src))
 
     # ---- 4 loop: rollout -> rewards -> advantages -> (old, ref) log-probs -> num_iterations clipped updates
     model.train()
@@ -716,17 +732,24 @@ def main(args: Args) -> dict:
     for step in interrupt.watch(range(start_step, args.max_steps)):
         timer = PhaseTimer()
         batch = micro_batch(examples, step, args.prompts_per_step, args.seed, drop_last=True)
+        per_rank = len(batch) // world
+        batch = batch[rank * per_rank : (rank + 1) * per_rank]  # this rank's prompts: a group is never split
         # (1) rollout: G completions per prompt, groups contiguous (eval mode + no_grad inside the engine)
-        out = generate([e["prompt_ids"] for e in batch], G, max_new_tokens=args.max_completion_length, **sampling)
+        with gathered(model):  # FSDP2: every rank holds the full weights while it samples
+            out = generate([e["prompt_ids"] for e in batch], G, max_new_tokens=args.max_completion_length, **sampling)
         timer.mark("rollout")
         # (2) rewards -> advantages, normalised within each group of G (the "group relative" baseline)
         sample_rows = [row for row in batch for _ in range(G)]  # each prompt's row once per sample of its group
         rewards, per_func = score_rollout(sample_rows, out, reward_funcs, args.max_completion_length)
+        # every rank's rewards, so advantages (scale_rewards="batch" included) and metrics are the global batch's
+        n = len(sample_rows)
+        rewards = torch.tensor(all_gather(rewards.tolist()), dtype=rewards.dtype)
+        per_func = torch.tensor(all_gather(per_func.tolist()), dtype=per_func.dtype)
         advantages, std_grouped = group_advantages(rewards, G, args.scale_rewards)
-        advantages = advantages.to(device)
+        advantages = advantages[rank * n : (rank + 1) * n].to(device)  # this rank's rows
         timer.mark("reward")
         completion_mask = rollout_mask(out, args.mask_truncated_completions, device)  # (n, C)
-        n, width = completion_mask.shape
+        width = completion_mask.shape[1]
         # Micro-batches hold whole groups: each prompt then goes through the backbone once for its G completions.
         size = args.groups_per_micro_batch * G
         micro = [slice(i, i + size) for i in range(0, n, size)]
@@ -747,8 +770,9 @@ def main(args: Args) -> dict:
             with as_reference(model):
                 ref = [logps_of(s)[0] for s in micro]
         timer.mark("reference")
-        # (5) num_iterations updates over all micro-batches, the step's token count fixed first: exact sums
-        num_items = completion_mask.sum()
+        # (5) num_iterations updates over all micro-batches, the step's token and sequence counts (all ranks')
+        # fixed first: exact sums; each rank's loss x world, as the ranks' gradients are averaged
+        num_items, num_sequences = all_sum([float(completion_mask.sum()), n])
         stats = {}
         losses = []
         for _ in range(args.num_iterations):
@@ -765,11 +789,15 @@ def main(args: Args) -> dict:
                     beta=args.beta,
                 )
                 mask = completion_mask[rows_j]
-                loss = aggregate_loss(per_token_loss, mask, args.loss_type, args.max_completion_length, num_items, n)
-                loss.backward()
+                loss = aggregate_loss(
+                    per_token_loss, mask, args.loss_type, args.max_completion_length, num_items, num_sequences
+                )
+                (loss * world).backward()
                 loss_sum += loss.item()
                 add_token_stats(stats, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped)
+            loss_sum = all_sum([loss_sum])[0]  # the global batch's loss
             losses.append(loss_sum)
+            average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
             if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
                 optimizer.step()
@@ -779,7 +807,12 @@ def main(args: Args) -> dict:
             optimizer.zero_grad(set_to_none=True)
         canary = engine.sync(model) if engine else None  # vLLM serves the updated adapter from the next rollout on
         timer.mark("train")
-        # (6) log, eval, save, stop
+        # (6) log, eval, save, stop: the global step's metrics (every rank's completions and token sums)
+        sums = ["kl", "entropy", "low", "high", "tokens"]
+        stats |= dict(zip(sums, all_sum([stats[key] for key in sums]), strict=True))
+        stats["low_seq"] = all_gather(stats["low_seq"])
+        stats["high_seq"] = all_gather(stats["high_seq"])
+        out = out | {key: all_gather(out[key]) for key in ("prompt_ids", "completion_ids", "truncated")}
         metrics = rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out)
         metrics |= update_metrics(stats, args.beta, losses, grad_norm, scheduler.get_last_lr()[0])
         metrics["nonfinite_updates"] = state["nonfinite_updates"]
@@ -789,7 +822,8 @@ def main(args: Args) -> dict:
             metrics["vllm/canary_logp_diff"] = canary
         last = step + 1 == args.max_steps
         if eval_examples and args.eval_steps and ((step + 1) % args.eval_steps == 0 or last):
-            metrics |= reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src)
+            with gathered(model):
+                metrics |= reward_eval(generate, eval_examples, reward_funcs, args.max_completion_length, eval_src)
         history.append({"step": step + 1, **metrics})
         logger.log(step + 1, metrics)
         state.setdefault("start_length", metrics["completions/mean_length"])  # the first step's, for the breaker
@@ -797,7 +831,7 @@ def main(args: Args) -> dict:
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save(step + 1, model, optimizer, scheduler, state)
         stop = None
-        if interrupt.requested and not last:
+        if any_rank(interrupt.requested) and not last:  # every rank stops at the same step
             stop = "Ctrl-C"
         elif fired and args.breaker_action == "stop":
             stop = "circuit breaker " + ", ".join(sorted(fired))
@@ -808,6 +842,7 @@ def main(args: Args) -> dict:
     # ---- 5 save: the "default" adapter alone (plain PEFT) or the full model (plain transformers), with the tokenizer
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
     logger.close()
+    close_distributed()
     keys = ["reward"]
     if len(reward_funcs) > 1:
         keys += [f"rewards/{name}/mean" for name, _, _ in reward_funcs]

@@ -10,6 +10,7 @@ reduce-scatter), which is the one-process gradient up to the rounding of the sum
 over the ranks before anything is decided from them, so every rank takes the same decision at the same step.
 """
 
+import contextlib
 import datetime
 import os
 import sys
@@ -47,6 +48,11 @@ def rank_and_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def _device() -> torch.device:
+    """Where this backend reduces tensors: NCCL only on this rank's card, gloo on the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def rank_micro_batches(step: int, gradient_accumulation_steps: int) -> list[int]:
     """The global micro-batch indices this rank computes at `step`: one process with accumulation ga x N would
     take step * ga * N ... (step + 1) * ga * N - 1; rank r takes every N-th of them, starting at r."""
@@ -59,9 +65,18 @@ def all_sum(values: list[float]) -> list[float]:
     """Each value summed over the ranks (float64, so token counts and sums of losses add exactly)."""
     if not dist.is_initialized():
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_max(value: int) -> int:
+    """The largest of the ranks' values (e.g. the longest rollout, whose random draws every rank must match)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def any_rank(flag: bool) -> bool:
@@ -111,6 +126,12 @@ def shard_model(model) -> torch.nn.Module:
     for layer in model.get_decoder().layers:
         fully_shard(layer)
     fully_shard(model)
+    # FSDP2 makes the unit its first forward enters the root, and a rollout enters the decoder's layers directly:
+    # one token through the whole model first
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    reshard(model)
     return model
 
 
@@ -125,6 +146,28 @@ def reshard(model) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """For the block (a rollout, which calls the decoder's modules directly and step by step), every FSDP2 unit's
+    full weights on every rank, not resharded after each forward; sharded again after. Nothing for an unsharded model.
+    The block then holds the whole model on each rank, as TRL's generation under FSDP does."""
+    if not is_sharded(model):
+        yield model
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    try:
+        for unit in units:
+            if unit is not model:  # the root never reshards after its forward
+                unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        yield model
+    finally:
+        for unit in units:
+            if unit is not model:
+                unit.set_reshard_after_forward(True, recurse=False)
+        reshard(model)
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ from transformers import GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer, StaticCache
 
 from common.data import pad_batch
+from common.distributed import all_max
 from common.errors import ArgsError
 from common.model import cache_kwarg, prompt_cache, unwrap
 
@@ -280,7 +281,19 @@ def compiled_step():
 
 
 @torch.no_grad()
-def decode(lm, input_ids, attention_mask, group_size, eos, pad_id, max_new_tokens, sampling, static=False, step=None):
+def decode(
+    lm,
+    input_ids,
+    attention_mask,
+    group_size,
+    eos,
+    pad_id,
+    max_new_tokens,
+    sampling,
+    static=False,
+    step=None,
+    stream=None,
+):
     """(tokens, logprobs), both (n, max_new_tokens), sampled for left-padded rows (n, P) whose groups of group_size
     are contiguous repeats of a prompt (anything after a row's first EOS is meaningless); None when lm's cache holds
     more than full-attention keys and values. sampling: temperature, top_p, top_k.
@@ -291,7 +304,9 @@ def decode(lm, input_ids, attention_mask, group_size, eos, pad_id, max_new_token
     leaves the batch. static=True (what a CUDA graph captures): transformers' StaticCache, every row prefilled and
     run every step with the same shapes, the mask (n, P + max_new_tokens) hiding what is not written. step: the
     forward of every one-token step (compiled_step(), _last_logits); by default decoder_step for the model types in
-    DECODER_STEP_MODELS (not static), else _last_logits. A whole prompt goes through _last_logits."""
+    DECODER_STEP_MODELS (not static), else _last_logits. A whole prompt goes through _last_logits. stream (first,
+    total): these rows are rows first .. first + n - 1 of a global batch of `total` (a rank's share under torchrun):
+    each step draws the whole batch's uniforms and these rows take theirs, so they sample what one process would."""
     device = input_ids.device
     n, width = input_ids.shape
     plain = prompt_cache(lm)
@@ -329,7 +344,11 @@ def decode(lm, input_ids, attention_mask, group_size, eos, pad_id, max_new_token
     for k in range(max_new_tokens):
         # the whole batch's uniforms every sampled step, ended rows too: the stream a rollout consumes does not
         # depend on which rows ended when; greedy draws none
-        uniforms = torch.rand(n, dtype=torch.float64, device=device) if sampling["temperature"] > 0 else None
+        uniforms = None
+        if sampling["temperature"] > 0 and stream is None:
+            uniforms = torch.rand(n, dtype=torch.float64, device=device)
+        elif sampling["temperature"] > 0:
+            uniforms = torch.rand(stream[1], dtype=torch.float64, device=device)[stream[0] : stream[0] + n]
         forward = step if prefilled or k > 0 else _last_logits  # a whole prompt: the model's forward
         logits = forward(lm, cache, feed, positions, mask if static else mask[:, : width + k])
         chosen, chosen_logps = sample_tokens(logits, None if uniforms is None else uniforms[rows], **sampling)
@@ -376,12 +395,17 @@ def hf_generate(
     compile: bool = False,
     pack: bool = True,
     own_step: bool = True,
+    stream: tuple[int, int] | None = None,
 ) -> dict:
     """Sample group_size completions per prompt with `decode` (left padding, eval, no_grad), or with model.generate
     for a model whose cache holds more than full-attention keys and values. compile: static shapes and a
     CUDA-graph-captured decode step (compiled_step), prompts left-padded to a multiple of 64 so that rollouts share
     one compiled shape. pack: on a CPU, decode on packed_linears (False: each layer's own forward, to compare).
-    own_step: decoder_step where the model type has it (False: the model's forward every step, to compare)."""
+    own_step: decoder_step where the model type has it (False: the model's forward every step, to compare).
+    stream (first, total) under torchrun: these prompts' rows are rows first ... of the global batch's `total`; each
+    step draws the whole batch's uniforms (decode), and after the rollout a rank whose rows ended early draws what
+    the longest row of any rank drew, so every rank's random stream stays one process's. model.generate's fallback
+    (models decode refuses) samples from each rank's own stream instead."""
     check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
@@ -405,7 +429,7 @@ def hf_generate(
         packing = packed_linears(model, len(rows)) if pack and not compile else contextlib.nullcontext()
         with packing:
             decoded = decode(
-                lm, input_ids, attention_mask, group_size, eos, pad, max_new_tokens, sampling, compile, step
+                lm, input_ids, attention_mask, group_size, eos, pad, max_new_tokens, sampling, compile, step, stream
             )
         if decoded is None:
             new = _model_generate(
@@ -414,7 +438,12 @@ def hf_generate(
             return _result(rows, new.tolist(), eos, tokenizer)
     finally:
         model.train(was_training)
-    return _result(rows, decoded[0].tolist(), eos, tokenizer, decoded[1].tolist())
+    result = _result(rows, decoded[0].tolist(), eos, tokenizer, decoded[1].tolist())
+    if stream is not None and temperature > 0:  # decode drew one batch of uniforms per step of its longest row
+        drawn = max(map(len, result["completion_ids"]))
+        for _ in range(all_max(drawn) - drawn):
+            torch.rand(stream[1], dtype=torch.float64, device=device)
+    return result
 
 
 def _model_generate(model, tokenizer, input_ids, attention_mask, group_size, eos, max_new_tokens, sampling):
