@@ -1,6 +1,6 @@
 """What the eval scripts share (and a training script's held-out GSM8K eval): load the model to evaluate (base,
 base + adapter, or a run's checkpoint), batched greedy generation (through common.rollout), math-answer accuracy on
-GSM8K-style rows, and writing per-example JSONL plus a summary JSON.
+GSM8K-style rows, gathering the rows torchrun's ranks generated for, and writing per-example JSONL plus a summary JSON.
 
 A checkpoint is `runs/<run>/checkpoints/step-N` (its weights/ holds the PEFT adapter, or the full weights after
 --no-use-lora), a run's `final/` dir, or a run dir (its final/ if present, else its newest complete checkpoint).
@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 
 from common.data import MATH_INSTRUCTION, load_rows, question_row, setup_chat_template, tokenize_prompt, validate_rows
+from common.distributed import all_gather
 from common.errors import ArgsError, DataError
 from common.model import attach_lora, load_model
 from common.rewards import extract_answer, math_reward
@@ -141,6 +142,18 @@ def generate_completions(
     return texts
 
 
+def gather_rows(mine: list, world: int) -> list:
+    """Under torchrun (world ranks, this rank having taken rows[rank::world]): every rank's items back in the original
+    row order, on every rank (a collective: every rank must call it). Alone (world 1): `mine`, as it is."""
+    if world == 1:
+        return list(mine)
+    parts = all_gather([mine])  # one list per rank, in rank order
+    rows = [None] * sum(len(part) for part in parts)
+    for rank, part in enumerate(parts):
+        rows[rank::world] = part  # rank r held rows r, r + world, r + 2 world, ...
+    return rows
+
+
 def write_results(output_dir: str, stem: str, records: list[dict], summary: dict) -> dict:
     """Write <output_dir>/<stem>.jsonl (one record per example) and <stem>.json (the summary); returns both paths."""
     os.makedirs(output_dir, exist_ok=True)
@@ -205,15 +218,22 @@ def evaluate_gsm8k(
     temperature: float = 0.0,
     num_samples: int = 1,
     progress: bool = False,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict:
     """Decode every row of gsm8k_rows() (greedy, or num_samples draws at temperature) and score each completion:
     {accuracy (mean over the judged completions), n (judged completions), unscored (completions whose reference has
-    no number: left out, as the GRPO held-out eval does), records}. Restores the model's mode."""
+    no number: left out, as the GRPO held-out eval does), records}. Restores the model's mode.
+    Under torchrun (every rank calls it with its rank of world): this rank decodes rows rank, rank + world, ...,
+    and every rank scores all rows' completions, gathered back into the row order, and returns the same result."""
     # No max prompt length: a GSM8K question is a few hundred tokens at most, and dropping rows would bias accuracy.
-    prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows]
-    completions = generate_completions(
+    prompt_ids = [tokenize_prompt(tokenizer, row, None)["prompt_ids"] for row in rows[rank::world]]
+    mine = generate_completions(
         model, tokenizer, prompt_ids, batch_size, max_new_tokens, temperature, num_samples, progress
     )
+    # Gathered as one group of num_samples completions per row, so a row's samples stay together in the row order
+    groups = gather_rows([mine[i : i + num_samples] for i in range(0, len(mine), num_samples)], world)
+    completions = [c for group in groups for c in group]
     rows = [row for row in rows for _ in range(num_samples)]  # completions come grouped by prompt
     scored = score(completions, [row["reference"] for row in rows])
     records = [

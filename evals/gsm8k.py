@@ -6,6 +6,7 @@ is the question plus common.data.MATH_INSTRUCTION (which asks for '#### N'); bui
 Run: `python -m evals.gsm8k --dataset openai/gsm8k:main --limit 100` (offline: a local test.jsonl of the same rows)
      `python -m evals.gsm8k --checkpoint runs/grpo__smollm2-135m__42__<time>/checkpoints/step-200`
      `python -m evals.gsm8k --dataset builtin:math --limit 64 --temperature 0.7 --num-samples 4` (mean over samples)
+     `torchrun --nproc-per-node 2 -m evals.gsm8k ...` (rank r generates rows r, r + 2, ...; rank 0 writes the files)
 Results are named by the dataset used (evals.common_eval.dataset_tag: gsm8k, builtin-math, a file's name): writes
 <output-dir>/<label>__<dataset>.jsonl (question, reference, completion, extracted, correct per example) and
 <label>__<dataset>.json (task = <dataset>, accuracy, n, model, adapter, checkpoint, limit, time_s, ...).
@@ -35,6 +36,7 @@ import torch
 import tyro
 
 from common.data import MATH_INSTRUCTION
+from common.distributed import broadcast, close_distributed, init_distributed
 from common.model import require
 from common.errors import ArgsError
 from evals.common_eval import dataset_tag, evaluate_gsm8k, gsm8k_rows, load_eval_model, model_label, write_results
@@ -92,9 +94,13 @@ class Args:
     """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
     report_to: Literal["none", "wandb"] = "none"
     """besides the JSON files: none, or W&B (a run named like the files: these args, the scores; pip install wandb)"""
+    # torchrun
+    ddp_timeout: int = 1800
+    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
 
 
 def main(args: Args) -> dict:
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     # ---- 1 data (first: a bad path or setting fails before the model loads)
     if args.num_samples < 1 or (args.temperature == 0.0 and args.num_samples != 1):
         raise ArgsError(f"--num-samples {args.num_samples} needs --temperature > 0 (greedy decoding gives 1 sample)")
@@ -110,9 +116,20 @@ def main(args: Args) -> dict:
 
     # ---- 3 generate and score
     t0 = time.perf_counter()
-    torch.manual_seed(args.seed)
+    # Sampling: each rank its own stream (seed + rank), so two ranks never draw the same noise for their rows
+    torch.manual_seed(args.seed + rank)
+    # Under torchrun this rank decodes rows rank, rank + world, ...; every rank gets all rows back in order and scores
     result = evaluate_gsm8k(
-        model, tokenizer, rows, args.batch_size, args.max_new_tokens, args.temperature, args.num_samples, progress=True
+        model,
+        tokenizer,
+        rows,
+        args.batch_size,
+        args.max_new_tokens,
+        args.temperature,
+        args.num_samples,
+        progress=True,
+        rank=rank,
+        world=world,
     )
     eval_s = time.perf_counter() - t0
 
@@ -145,13 +162,18 @@ def main(args: Args) -> dict:
         "device": str(next(model.parameters()).device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    paths = write_results(args.output_dir, f"{label}__{task}", result["records"], summary)
-    log_scores(args.report_to, f"{label}__{task}", asdict(args), {f"eval/{task}/{k}": summary[k] for k in SCORES})
-    unscored = f"; {result['unscored']} left out (reference without a number)" if result["unscored"] else ""
-    print(
-        f"{task}: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s"
-        f"{unscored}; wrote {paths['summary']}"
-    )
+    paths = None
+    if rank == 0:  # one writer
+        paths = write_results(args.output_dir, f"{label}__{task}", result["records"], summary)
+        scores = {f"eval/{task}/{k}": summary[k] for k in SCORES}
+        log_scores(args.report_to, f"{label}__{task}", asdict(args), scores)
+        unscored = f"; {result['unscored']} left out (reference without a number)" if result["unscored"] else ""
+        print(
+            f"{task}: accuracy {summary['accuracy']:.4f} ({summary['correct']}/{summary['n']}) in {eval_s:.1f}s"
+            f"{unscored}; wrote {paths['summary']}"
+        )
+    summary, paths = broadcast((summary, paths))  # every rank returns rank 0's summary (its times) and paths
+    close_distributed()
     return {**summary, **paths, "records": result["records"]}
 
 
