@@ -10,6 +10,7 @@ Two checkers need NLTK's punkt_tab data (number_sentences, capital_word_frequenc
 nltk.downloader punkt_tab` installs it) those instructions are NOT EVALUATED: out of both numerator and denominator,
 the prompts holding one out of the prompt-level scores, and their counts in the summary. Never counted as passed.
 Run: `python -m evals.ifeval --dataset google/IFEval --limit 50` (offline: a local copy of IFEval's input_data.jsonl)
+     `torchrun --nproc-per-node 2 -m evals.ifeval ...` (rank r generates prompts r, r + 2, ...; rank 0 writes files)
 
 Differences from lm-eval's ifeval task: chat template on (lm-eval: off unless --apply_chat_template); letter_frequency
 counts the character the prompt asks for even when it is no letter, as google-research's current checker does (keys
@@ -34,12 +35,13 @@ help_before_imports(__name__, __file__, None)
 import tyro
 
 from common.data import load_rows, tokenize_prompt
+from common.distributed import broadcast, close_distributed, init_distributed
 from common.errors import DataError
 from common.model import require
 from harness.cli import one_line_errors
 from harness.run import log_scores
 from harness.hub import check_dataset
-from evals.common_eval import generate_completions, load_eval_model, model_label, write_results
+from evals.common_eval import gather_rows, generate_completions, load_eval_model, model_label, write_results
 
 # NLTK data a checker loads at check time. Checked up front per instruction, so "missing" is decided from the
 # resource, not inferred from an exception (a LookupError from any other checker is still caught, see below).
@@ -82,6 +84,9 @@ class Args:
     """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
     report_to: Literal["none", "wandb"] = "none"
     """besides the JSON files: none, or W&B (a run named like the files: these args, the scores; pip install wandb)"""
+    # torchrun
+    ddp_timeout: int = 1800
+    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
 
 
 @functools.cache
@@ -222,6 +227,7 @@ def check_row(row: dict, registry: dict) -> None:
 
 
 def main(args: Args) -> dict:
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     # ---- 1 data and checkers (first: a missing package, bad path or unknown instruction fails before the model loads)
     registry, _ = _checkers()
     if args.report_to == "wandb":
@@ -240,7 +246,12 @@ def main(args: Args) -> dict:
     t0 = time.perf_counter()
     chats = [{"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     prompt_ids = [tokenize_prompt(tokenizer, chat, None)["prompt_ids"] for chat in chats]
-    responses = generate_completions(model, tokenizer, prompt_ids, args.batch_size, args.max_new_tokens, progress=True)
+    # Under torchrun this rank generates for prompts rank, rank + world, ...; every rank gets all responses back in
+    # order and checks them all (the same verdicts as one process: the checkers are seeded per instruction)
+    mine = generate_completions(
+        model, tokenizer, prompt_ids[rank::world], args.batch_size, args.max_new_tokens, progress=True
+    )
+    responses = gather_rows(mine, world)
     records, metrics = score(rows, responses)
     eval_s = time.perf_counter() - t0
 
@@ -264,16 +275,20 @@ def main(args: Args) -> dict:
         "device": str(next(model.parameters()).device),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    paths = write_results(args.output_dir, f"{label}__ifeval", records, summary)
-    scores = {f"eval/ifeval/{k}": summary[k] for k in (*METRICS, "n_prompts")}
-    log_scores(args.report_to, f"{label}__ifeval", asdict(args), scores)
-    n_skipped = summary["n_instructions_not_evaluated"]
-    skipped = f"; {n_skipped} instructions not evaluated (NLTK data missing)" if n_skipped else ""
-    print(
-        "ifeval: "
-        + ", ".join(f"{m} {summary[m]:.4f}" for m in METRICS)
-        + f" over {summary['n_prompts']} prompts in {eval_s:.1f}s{skipped}; wrote {paths['summary']}"
-    )
+    paths = None
+    if rank == 0:  # one writer
+        paths = write_results(args.output_dir, f"{label}__ifeval", records, summary)
+        scores = {f"eval/ifeval/{k}": summary[k] for k in (*METRICS, "n_prompts")}
+        log_scores(args.report_to, f"{label}__ifeval", asdict(args), scores)
+        n_skipped = summary["n_instructions_not_evaluated"]
+        skipped = f"; {n_skipped} instructions not evaluated (NLTK data missing)" if n_skipped else ""
+        print(
+            "ifeval: "
+            + ", ".join(f"{m} {summary[m]:.4f}" for m in METRICS)
+            + f" over {summary['n_prompts']} prompts in {eval_s:.1f}s{skipped}; wrote {paths['summary']}"
+        )
+    summary, paths = broadcast((summary, paths))  # every rank returns rank 0's summary (its times) and paths
+    close_distributed()
     return {**summary, **paths, "records": records}
 
 
