@@ -30,6 +30,8 @@ import tyro
 from transformers import get_scheduler
 
 from common.data import concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset, training_steps
+from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
+from common.distributed import init_distributed, rank_micro_batches, shard_model
 from common.errors import ArgsError
 from common.model import attach_lora, disable_dropout, load_model, masked_mean, save_final, seed_everything
 from common.model import sequence_logps, trainable_parameters
@@ -211,6 +213,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 
 def main(args: Args) -> dict:
     # ---- 1 setup
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
@@ -244,6 +247,8 @@ def main(args: Args) -> dict:
         model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
         disable_dropout(model)
+    if args.fsdp:  # each rank keeps 1/world of every weight, gradient and AdamW state
+        model = shard_model(model)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
 
@@ -254,7 +259,10 @@ def main(args: Args) -> dict:
     eval_examples = prepare(eval_rows) if eval_rows else []
     bs = args.per_device_train_batch_size
     ga = args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    # The global batch is TRL's: bs x world x ga pairs a step (world ranks, each ga micro-batches of bs)
+    total_steps, batches_per_epoch = training_steps(
+        len(examples), bs, ga * world, args.max_steps, args.num_train_epochs
+    )
     params = trainable_parameters(model)
     if args.optim == "adamw_8bit":
         optimizer = adamw_8bit(model, params, args.learning_rate, args.weight_decay)
@@ -315,7 +323,9 @@ def main(args: Args) -> dict:
         }
 
     def mean_of(stats: list[dict]) -> dict:
-        """Each metric averaged over micro-batches; token counts summed."""
+        """Each metric averaged over micro-batches; token counts summed. Under torchrun the training step's stats are
+        every rank's micro-batches (all_gather), and every rank scores every eval pair (the same forwards on each, as
+        FSDP2 needs), so all ranks log the global values."""
         return {k: sum(s[k] for s in stats) / (1 if k == "num_tokens" else len(stats)) for k in stats[0]}
 
     # ---- 4 loop
@@ -326,11 +336,16 @@ def main(args: Args) -> dict:
         stats = []
         loss_sum = 0.0
         timer = PhaseTimer()
-        for i in range(ga):
-            loss, micro_stats = pair_losses(micro_batch(examples, step * ga + i, bs, args.seed))
-            (loss / ga).backward()  # each micro loss is a mean over its pairs (TRL: the Trainer divides by GA)
+        for index in rank_micro_batches(step, ga):  # this rank's share of the ga x world micro-batches of the step
+            loss, micro_stats = pair_losses(micro_batch(examples, index, bs, args.seed))
+            # each micro loss is a mean over its pairs (TRL: the Trainer divides by GA); / GA, then averaged over the
+            # ranks: the mean of the step's ga x world micro-batch means
+            (loss / ga).backward()
             stats.append(micro_stats)
             loss_sum += loss.item() / ga
+        average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
+        loss_sum = all_sum([loss_sum / world])[0]  # the global step's loss
+        stats = all_gather(stats)  # every rank's micro-batch metrics: the logged ones are the global step's
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()
@@ -342,11 +357,13 @@ def main(args: Args) -> dict:
         metrics["grad_norm"] = grad_norm
         metrics["nonfinite_updates"] = nonfinite
         metrics["learning_rate"] = scheduler.get_last_lr()[0]
-        metrics["epoch"] = (step + 1) * ga / batches_per_epoch
+        metrics["epoch"] = (step + 1) * ga * world / batches_per_epoch
         metrics |= timer.metrics(metrics["num_tokens"])
         last = step + 1 == total_steps
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or last):
-            model.eval()  # the same loss and metrics over the eval pairs, without grad (equal-weight batches)
+            # the same loss and metrics over the eval pairs, without grad (equal-weight batches); every rank scores
+            # every pair (the same forwards on each, as FSDP2 needs), so all ranks hold the same values
+            model.eval()
             with torch.no_grad():
                 out = mean_of([pair_losses(eval_examples[i : i + bs])[1] for i in range(0, len(eval_examples), bs)])
             model.train()
@@ -355,7 +372,7 @@ def main(args: Args) -> dict:
         state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save(step + 1, model, optimizer, scheduler, state)
-        if interrupt.requested and not last:
+        if any_rank(interrupt.requested) and not last:  # every rank stops at the same step
             raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
         if nonfinite >= args.breaker_max_nonfinite:  # a run that keeps making NaN/Inf has diverged: stop it
             why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
@@ -364,6 +381,7 @@ def main(args: Args) -> dict:
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
+    close_distributed()
     print(f"orpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
