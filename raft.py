@@ -42,7 +42,10 @@ import tyro
 
 from common.data import collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, setup_chat_template
 from common.data import tokenize_dataset, training_steps, validate_rows
-from common.errors import DataError, ResumeError, RunStopped
+from common.distributed import all_gather, all_sum, any_rank, average_gradients, broadcast, close_distributed
+from common.distributed import gathered, gathered_state, init_distributed, is_sharded, rank_and_world
+from common.distributed import rank_micro_batches, shard_model
+from common.errors import ArgsError, DataError, ResumeError, RunStopped
 from common.model import adamw_8bit, attach_lora, check_finite, completion_logps, disable_dropout, load_model
 from common.model import save_final, save_weights, seed_everything, sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
@@ -165,7 +168,9 @@ class Args:
     optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
     """adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)"""
     per_device_train_batch_size: int = 8
-    """sequences (SFT) or pairs (DPO) per optimizer step"""
+    """sequences (SFT) or pairs (DPO) per micro-batch (an optimizer step: this x ranks x accumulation)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step"""
     num_train_epochs: float = 2.0
     """passes over the round's kept set / pairs"""
     weight_decay: float = 0.0
@@ -258,7 +263,25 @@ def spin_pairs(rows: list[dict], generations: list[str | None]) -> list[dict]:
 
 def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dict, model=None) -> str:
     """Write run_dir/round-n atomically: the JSONL files, metrics.json and the policy (the "default" adapter, or the
-    full model) go into a temp dir that is renamed into place last, so a round dir exists only when it is complete."""
+    full model) go into a temp dir that is renamed into place last, so a round dir exists only when it is complete.
+    Under torchrun every rank calls it (a sharded model's weights are gathered), rank 0 writes, and a failed write
+    fails every rank."""
+    if model is not None:
+        check_finite(model, f" in {run_dir}")  # a NaN policy is never written as a round
+    weights = gathered_state(model)[0] if model is not None and is_sharded(model) else None
+    error = None
+    if rank_and_world()[0] == 0:
+        try:
+            _write_round(run_dir, n, files, metrics, model, weights)
+        except Exception as e:
+            error = e
+    error = broadcast(error)
+    if error is not None:
+        raise error
+    return os.path.join(run_dir, f"round-{n}")
+
+
+def _write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dict, model, weights) -> None:
     final = os.path.join(run_dir, f"round-{n}")
     tmp = os.path.join(run_dir, f".tmp-round-{n}")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crash inside this round
@@ -269,19 +292,18 @@ def write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: dic
             pathlib.Path(tmp, name).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
         pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
         if model is not None:  # only the policy: a PEFT adapter that --adapter of every script loads, or a model
-            check_finite(model, f" in {run_dir}")  # a NaN policy is never written as a round
-            save_weights(model, os.path.join(tmp, "adapter"), ["default"])
+            save_weights(model, os.path.join(tmp, "adapter"), ["default"], weights)
     os.replace(tmp, final)
-    return final
 
 
 def sft_step(model, chunk: list[dict], pad_id: int, device):
-    """SFT loss of one batch of kept samples, L = -sum_t log p(y_t | y_<t, x) / N over its N completion tokens
-    (through each end-of-turn): sft.py's loss, written here so that editing sft.py never changes raft.py."""
+    """SFT loss of one micro-batch of kept samples, summed: -sum_t log p(y_t | y_<t, x) over its completion tokens
+    (through each end-of-turn), and their count N; run_phase divides by the whole step's N (sft.py's loss, written
+    here so that editing sft.py never changes raft.py)."""
     batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
     mask = batch["completion_mask"]
     per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], mask)  # (B, T)
-    return -per_token_logps.sum() / mask.sum(), {}
+    return -per_token_logps.sum(), int(mask.sum()), {}
 
 
 def reference_logps(model, pairs: list[dict], batch_size: int, pad_id: int, device) -> None:
@@ -314,9 +336,10 @@ def dpo_step(model, chunk: list[dict], pad_id: int, device, beta: float):
         ref_rejected_logps=ref_rejected_logps,
         beta=beta,
     )
-    accuracy = (chosen > rejected).float().mean().item()
-    margin = (chosen - rejected).mean().item()
-    return losses.mean(), {"rewards/accuracies": accuracy, "rewards/margins": margin}
+    accuracy = (chosen > rejected).float().sum().item()
+    margin = (chosen - rejected).sum().item()
+    # summed over the pairs, with their count: run_phase divides by the whole step's pairs (dpo.py's mean)
+    return losses.sum(), len(chunk), {"rewards/accuracies": accuracy, "rewards/margins": margin}
 
 
 def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, prefix: str, seed: int) -> dict:
@@ -327,21 +350,37 @@ def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, pre
     else:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
     bs = args.per_device_train_batch_size
+    ga = args.gradient_accumulation_steps
+    world = rank_and_world()[1]
     totals = {}
     skipped = 0
-    steps, _ = training_steps(len(examples), bs, 1, -1, args.num_train_epochs)  # each epoch's batches, its last short
+    # a step: bs x world x ga rows (each epoch's micro-batches of bs, its last short)
+    steps, _ = training_steps(len(examples), bs, ga * world, -1, args.num_train_epochs)
     model.train()
     for step in range(steps):
-        loss, stats = step_loss(micro_batch(examples, step, bs, seed))
-        loss.backward()
+        loss_sum = 0.0
+        count = 0
+        sums = {}
+        for index in rank_micro_batches(step, ga):  # this rank's share of the step's ga x world micro-batches
+            loss, n, stats = step_loss(micro_batch(examples, index, bs, seed))
+            loss.backward()  # the micro-batch's sum: the gradient is divided by the step's count below
+            loss_sum += loss.item()
+            count += n
+            sums = {k: sums.get(k, 0.0) + v for k, v in stats.items()}
+        loss_sum, count, *values = all_sum([loss_sum, count, *sums.values()])  # the whole step's, all ranks
+        average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
+        for p in params:  # the step's mean: sum over its tokens (SFT) or pairs (DPO) / their count
+            if p.grad is not None:
+                p.grad.mul_(world / count)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
-        if math.isfinite(loss.item()) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
+        if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()
         else:
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
+        stats = {"loss": loss_sum / count, **{k: v / count for k, v in zip(sums, values, strict=True)}}
         stats["grad_norm"] = grad_norm
-        for k, v in {"loss": loss.item(), **stats}.items():
+        for k, v in stats.items():
             totals[prefix + k] = totals.get(prefix + k, 0.0) + v / steps
     return {**totals, prefix + "steps": steps, prefix + "nonfinite_updates": skipped}
 
@@ -352,7 +391,11 @@ def evaluate(model, tokenizer, eval_rows: list[dict], args: Args) -> tuple[dict,
         return {}, []
     t0 = time.perf_counter()
     key = f"eval/{dataset_label(args.eval_dataset)}/accuracy"
-    result = evaluate_gsm8k(model, tokenizer, eval_rows, args.eval_batch_size, args.max_completion_length)
+    rank, world = rank_and_world()  # under torchrun each rank generates for every world-th row, all score them all
+    with gathered(model):
+        result = evaluate_gsm8k(
+            model, tokenizer, eval_rows, args.eval_batch_size, args.max_completion_length, rank=rank, world=world
+        )
     return {key: result["accuracy"], "time/eval": time.perf_counter() - t0}, result["records"]
 
 
@@ -423,6 +466,12 @@ def check_args(args: Args) -> None:
     at_least(args, 1, "breaker_max_nonfinite")
     check_sampling(args.top_p, args.top_k)
     check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
+    at_least(args, 1, "gradient_accumulation_steps")
+    world = rank_and_world()[1]
+    for name in ("prompts_per_round", "generation_batch_size"):  # each rollout slice splits evenly over the ranks
+        if getattr(args, name) % world:
+            flag = "--" + name.replace("_", "-")
+            raise ArgsError(f"{flag} {getattr(args, name)}: must be a multiple of the {world} ranks")
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
@@ -461,6 +510,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 def main(args: Args) -> dict:
     # ---- 1 setup
     t_start = time.perf_counter()
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     spin = args.mode == "spin"
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
@@ -495,7 +545,8 @@ def main(args: Args) -> dict:
     if args.resume_from and not 0 <= done < args.num_rounds:  # nothing to continue, or nothing left to run
         why = f"round {done} is done, at or past this run's {args.num_rounds} rounds" if done >= 0 else "no round-N/"
         raise ResumeError(f"--resume-from {run_dir}: {why}")
-    lock_run_dir(run_dir)  # a resume writes into the run dir itself: one process at a time, before any write
+    if rank == 0:  # a resume writes into the run dir itself: one process at a time, before any write
+        lock_run_dir(run_dir)
 
     # ---- 3 model: policy = base + "default" LoRA, or every weight (the last finished round's on resume)
     model, tokenizer = load_model(
@@ -513,6 +564,8 @@ def main(args: Args) -> dict:
         model = attach_lora(model, adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if use_ref:  # with a DPO loss no dropout, as dpo.py: the policy (train mode) and its reference (eval) then agree
         disable_dropout(model)
+    if args.fsdp:  # each rank keeps 1/world of every weight, gradient and AdamW state
+        model = shard_model(model)
     bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
     # A resumed run must be the same experiment (model, LoRA, math args); how many rounds may change
     free = ("num_rounds", "resume_from", "breaker_max_nonfinite", "use_lora")  # use_lora: recorded from the model
@@ -547,8 +600,16 @@ def main(args: Args) -> dict:
         ids = [e["prompt_ids"] for e in batch]
         n = args.generation_batch_size
         sampling = (G, args.temperature, args.top_p, args.top_k, args.max_completion_length)
-        outs = [hf_generate(model, tokenizer, ids[i : i + n], *sampling, args.compile) for i in range(0, len(ids), n)]
-        out = {k: sum((o[k] for o in outs), []) for k in ("completion_ids", "completions", "truncated")}
+        keys = ("completion_ids", "completions", "truncated")
+        outs = []
+        for i in range(0, len(ids), n):  # under torchrun each slice is split over the ranks, and gathered in order
+            share = len(ids[i : i + n]) // world
+            mine = ids[i + rank * share : i + (rank + 1) * share]
+            stream = (rank * share * G, share * world * G)  # this rank's rows of the slice's random stream
+            with gathered(model):  # FSDP2: every rank holds the full weights while it samples
+                part = hf_generate(model, tokenizer, mine, *sampling, args.compile, stream=stream)
+            outs.append({k: all_gather(part[k]) for k in keys})
+        out = {k: sum((o[k] for o in outs), []) for k in keys}
         t1 = time.perf_counter()
         rows_k, usable, samples = rollout_samples(batch, out, G, args.mask_truncated_completions)
         stats = {
@@ -592,13 +653,16 @@ def main(args: Args) -> dict:
         files = {"samples.jsonl": samples, "pairs.jsonl": pair_rows, "eval.jsonl": records}
         write_round(run_dir, rnd, files if spin else {"sft.jsonl": sft_rows, **files}, metrics, model)
         logger.log(rnd, metrics)
-        if interrupt.requested and rnd < args.num_rounds:  # each round is saved whole: resuming needs only the run dir
+        if (
+            any_rank(interrupt.requested) and rnd < args.num_rounds
+        ):  # every rank stops after the same round  # each round is saved whole: resuming needs only the run dir
             why = f"raft: stopped after round {rnd} (Ctrl-C); final/ not written. Resume with --resume-from {run_dir}"
             raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics, requested=True)
 
     # ---- 5 save: the final policy alone in final/ (a plain PEFT adapter or transformers model + tokenizer)
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
     logger.close()
+    close_distributed()
     accuracy = []  # from the files: rounds run before a resume included
     for n in range(args.num_rounds + 1):
         round_metrics = json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text())

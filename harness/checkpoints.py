@@ -198,12 +198,21 @@ def check_world_size(where: str, saved: int, ignore_mismatch: bool = False) -> N
 
 def check_run_dir_identity(run_dir: str, identity: dict, ignore_mismatch: bool = False) -> None:
     """For runs resumed in place (round by round): the first start writes run_dir/identity.json; a later start in
-    the same run dir must match it, as a checkpoint must."""
+    the same run dir must match it, as a checkpoint must. Under torchrun rank 0 checks or writes, and every rank
+    raises its verdict."""
     path = pathlib.Path(run_dir, "identity.json")
-    if path.exists():
-        check_identity(run_dir, json.loads(path.read_text()), identity, ignore_mismatch)
-    else:
-        path.write_text(json.dumps(identity, indent=2))
+    error = None
+    if rank_and_world()[0] == 0:
+        try:
+            if path.exists():
+                check_identity(run_dir, json.loads(path.read_text()), identity, ignore_mismatch)
+            else:
+                path.write_text(json.dumps(identity, indent=2))
+        except Exception as e:
+            error = e
+    error = broadcast(error)
+    if error is not None:
+        raise error
 
 
 def _file_hashes(root: str) -> dict[str, str]:
