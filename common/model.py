@@ -614,6 +614,9 @@ def sequence_logps(
         h = hidden[:, :-1][target_mask]  # (N, H): only the scored rows
         labels = targets[target_mask]  # (N,)
         head_out = chunked_logps(h, head.weight, labels, temperature, chunk_size, head.bias, return_entropy)
+        if is_sharded(lm) and not torch.is_grad_enabled():
+            # no backward will reshard the root: its gathered weights would go stale at the next update
+            reshard(lm)
         logps, entropy = head_out if return_entropy else (head_out, None)
         # Scatter the N values back into (B, T-1); unscored slots are exact zeros (no logits exist for them).
         zeros = torch.zeros(target_mask.shape, dtype=torch.float32, device=logps.device)  # (B, T-1)
