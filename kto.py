@@ -19,6 +19,8 @@ Differences from TRL's KTOTrainer defaults:
   and mismatched rows before the first update, the numbers of the per-step pass (TRL fixes each row's pair in the
   dataset and scores rows once). A resume scores the micro-batches still to train, from the starting policy again.
   `False` with --no-use-lora swaps a CPU copy of the starting weights in for each step's reference pass.
+- Under torchrun z0 is each micro-batch's own, as in one process with the same global batch (TRL averages the
+  devices' estimates of a micro-batch before clamping).
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
@@ -40,6 +42,8 @@ from transformers import get_scheduler
 
 from common.data import concat_prompt_completion, load_rows, micro_batch, setup_chat_template, tokenize_dataset
 from common.data import training_steps, validate_rows
+from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
+from common.distributed import init_distributed, rank_micro_batches, shard_model
 from common.errors import ArgsError, DataError
 from common.model import as_reference, attach_lora, completion_logps, disable_dropout, load_model, save_final
 from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
@@ -267,6 +271,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 
 def main(args: Args) -> dict:
     # ---- 1 setup
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_reference(resolve_preset(args, PRESETS))
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
@@ -304,6 +309,8 @@ def main(args: Args) -> dict:
         model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.disable_dropout:  # TRL's default: no dropout anywhere, a loaded adapter's included
         disable_dropout(model)
+    if args.fsdp:  # each rank keeps 1/world of every weight, gradient and AdamW state (and of the reference's copy)
+        model = shard_model(model)
     snapshot_ref(model)  # the starting policy (the base, or --adapter), taken before any update or resume
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
@@ -312,14 +319,18 @@ def main(args: Args) -> dict:
         raise DataError(f"{args.dataset}: one row left after tokenization; KTO needs >= 2 (raise --max-length)")
     bs = args.per_device_train_batch_size
     ga = args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    # The global batch is TRL's: bs x world x ga rows a step (world ranks, each ga micro-batches of bs)
+    total_steps, batches_per_epoch = training_steps(
+        len(examples), bs, ga * world, args.max_steps, args.num_train_epochs
+    )
     # A micro-batch with one class only is trained as TRL does (the loss is the mean over the rows it has, z0 is
     # estimated as usual); that step logs no rewards/margins and only one of rewards/chosen|rejected.
-    batches = [micro_batch(examples, i, bs, args.seed, min_rows=2) for i in range(total_steps * ga)]  # KL needs 2
+    # every rank draws the whole run's micro-batches (all ranks', in the global order) and trains its own
+    batches = [micro_batch(examples, i, bs, args.seed, min_rows=2) for i in range(total_steps * ga * world)]
     one_class = [i for i, chunk in enumerate(batches) if len({e["label"] for e in chunk}) < 2]
-    if one_class:
+    if one_class and rank == 0:  # said once, by the run's one writer
         warnings.warn(
-            f"{len(one_class)} of {total_steps * ga} micro-batches hold only desirable or only undesirable "
+            f"{len(one_class)} of {len(batches)} micro-batches hold only desirable or only undesirable "
             f"rows (first: micro-batch {one_class[0]}); each is trained on the class it has, as TRL does. "
             "A larger --per-device-train-batch-size makes them rarer.",
             stacklevel=2,
@@ -350,7 +361,9 @@ def main(args: Args) -> dict:
     )
     precomputed = {}  # micro-batch index -> the reference's (matched, mismatched) log-probs, on the CPU
     if args.precompute_ref_log_probs:  # after a resume: "ref" restored (hash-checked), or the start's copy
-        for i in range(start_step * ga, total_steps * ga):  # the micro-batches still to train
+        # this rank's micro-batches still to train (under torchrun each rank scores its own: as many forwards on
+        # every rank, as FSDP2 needs, and each scored once)
+        for i in [index for s in range(start_step, total_steps) for index in rank_micro_batches(s, ga)]:
             ref = reference_logps(model, *kto_batches(batches[i], pad_id, args.max_length, device))
             precomputed[i] = tuple(x.cpu() for x in ref)
         if not args.use_lora:  # scored: the CPU copy of the starting weights is not needed again
@@ -368,16 +381,20 @@ def main(args: Args) -> dict:
         labels = []
         rewards = []
         logps_all = []
-        for i in range(ga):
-            chunk = batches[step * ga + i]
+        for index in rank_micro_batches(step, ga):  # this rank's share of the ga x world micro-batches of the step
+            chunk = batches[index]
             matched, mismatched = kto_batches(chunk, pad_id, args.max_length, device)
-            logps = completion_logps(model, matched)[0]  # (B,) with grad
+            # The no-grad passes before the policy's graph is built: under FSDP2 a no-grad pass reshards the root,
+            # which would free the gathered weights that graph holds for its backward
             with torch.no_grad():  # TRL: the KL estimate takes no gradient, the policy side included
                 kl_logps = completion_logps(model, mismatched)[0]
             if args.precompute_ref_log_probs:
-                ref_logps, ref_kl_logps = (x.to(device) for x in precomputed.pop(step * ga + i))
+                ref_logps, ref_kl_logps = (x.to(device) for x in precomputed.pop(index))
             else:
                 ref_logps, ref_kl_logps = reference_logps(model, matched, mismatched)
+            logps = completion_logps(model, matched)[0]  # (B,) with grad
+            # z0 from this micro-batch's mismatched pairs alone, as one process estimates it per micro-batch: never
+            # reduced over the ranks, so N ranks train what one process with N x the accumulation does
             z0 = kto_reference_point(kl_logps, ref_kl_logps)
             label = torch.tensor([e["label"] for e in chunk], device=device)
             losses, reward = kto_loss(
@@ -390,13 +407,18 @@ def main(args: Args) -> dict:
                 undesirable_weight=args.undesirable_weight,
             )
             loss = losses.mean()  # TRL: weighted per-class sums / B
-            (loss / ga).backward()  # / GA: the step's loss is the mean of its micro-batch losses, as TRL's Trainer
+            # / GA, then averaged over the ranks: the step's loss is the mean of its ga x world micro-batch losses,
+            # as TRL's Trainer
+            (loss / ga).backward()
             loss_sum += loss.item() / ga
             z0_sum += z0.item() / ga
             tokens += int(matched["attention_mask"].sum())
             labels.append(label)
             rewards.append(reward)
             logps_all.append(logps.detach())
+        average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
+        # the global step's loss, KL (the mean of its ga x world micro-batch z0) and tokens
+        loss_sum, z0_sum, tokens = all_sum([loss_sum / world, z0_sum / world, tokens])
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()
@@ -405,9 +427,9 @@ def main(args: Args) -> dict:
             nonfinite += 1
         optimizer.zero_grad(set_to_none=True)
         metrics = {"loss": loss_sum, "kl": z0_sum, "nonfinite_updates": nonfinite}
-        step_labels = torch.cat(labels)  # the step's rows, all micro-batches
-        step_rewards = torch.cat(rewards)
-        step_logps = torch.cat(logps_all)
+        step_labels = torch.cat(all_gather([torch.cat(labels).cpu()]))  # the step's rows, all micro-batches and ranks
+        step_rewards = torch.cat(all_gather([torch.cat(rewards).cpu()]))
+        step_logps = torch.cat(all_gather([torch.cat(logps_all).cpu()]))
         for name, rows_of_class in (("chosen", step_labels), ("rejected", ~step_labels)):
             if rows_of_class.any():  # TRL's names; a class absent from the step is not logged (as TRL)
                 metrics[f"rewards/{name}"] = step_rewards[rows_of_class].mean().item()
@@ -419,7 +441,7 @@ def main(args: Args) -> dict:
                 "grad_norm": grad_norm,
                 "learning_rate": scheduler.get_last_lr()[0],
                 "num_tokens": tokens,
-                "epoch": (step + 1) * ga / batches_per_epoch,
+                "epoch": (step + 1) * ga * world / batches_per_epoch,
                 **timer.metrics(tokens),
             }
         )
@@ -427,7 +449,8 @@ def main(args: Args) -> dict:
         state = {"nonfinite_updates": nonfinite}  # in the checkpoint: a resumed run counts on from it
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save(step + 1, model, optimizer, scheduler, state)
-        if interrupt.requested and step + 1 < total_steps:  # in the last step: finish and write final/
+        # every rank stops at the same step; in the last step: finish and write final/
+        if any_rank(interrupt.requested) and step + 1 < total_steps:
             raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
         if nonfinite >= args.breaker_max_nonfinite:  # a run that keeps making NaN/Inf has diverged: stop it
             why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
@@ -437,6 +460,7 @@ def main(args: Args) -> dict:
     # full model, as plain transformers loads it
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
+    close_distributed()
     print(f"kto: {logger.trend('loss', 'kl')} after {total_steps} steps; saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
