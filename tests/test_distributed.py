@@ -1,0 +1,391 @@
+"""The scripts under torchrun (2 CPU processes, gloo), against one process with the same global batch.
+
+Every script: `torchrun --nproc-per-node 2 <script>.py` with accumulation ga logs what one process logs with 2 x ga,
+step by step, and ends with the same weights; grpo and raft sample the same completions (their rewards and lengths
+are logged per step). FSDP2 (--fsdp, a full fine-tune) against one process too. Tolerance: the two runs add the same
+per-row gradients in another order (each rank sums its micro-batches, then the all-reduce adds the two sums), which
+is exact arithmetic reordered, so every value agrees to fp32 rounding carried through a few AdamW steps: 1e-5
+relative on logged metrics, 1e-4 absolute on weights (updates are lr-sized, lr 1e-2 / 1e-3). Then what is around the
+loop: one writer, a resume of a killed run, Ctrl-C, a breaker stop, a NaN stop, a resume with another N, a rank that
+dies, and two "nodes" on 127.0.0.1.
+"""
+
+import importlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT
+from tests.prefs_helpers import preference_rows, write_jsonl
+
+pytestmark = pytest.mark.slow
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+WALL_CLOCK = ("time/", "perf/", "memory/")
+OPTIONAL_BOOL = {"precompute_ref_log_probs"}  # True / False / None on the command line
+COMMON = dict(seed=1, torch_threads=1, report_to="none", ddp_timeout=120, max_steps=3, learning_rate=1e-2)
+GRPO_QUIET = dict(breaker_action="warn")
+# Each script's flags: the data it reads and the knobs that keep it small. ga: the per-rank accumulation.
+RUNS = {
+    "sft": dict(dataset="{sft}", per_device_train_batch_size=2, max_length=64, lora_dropout=0.0),
+    "dpo": dict(dataset="{prefs}", per_device_train_batch_size=2, max_length=64, lora_dropout=0.0),
+    "grpo": dict(
+        dataset="builtin:math",
+        rewards=["tests.test_grpo:frac_low_ids"],
+        group_size=4,
+        prompts_per_step=4,
+        max_completion_length=8,
+        beta=0.04,
+        lora_dropout=0.0,
+        **GRPO_QUIET,
+    ),
+    "raft": dict(
+        preset="demo",
+        dataset="builtin:math",
+        rewards=["tests.test_raft:frac_low_ids"],
+        num_rounds=2,
+        prompts_per_round=4,
+        group_size=4,
+        max_completion_length=6,
+        reward_threshold=None,
+        min_margin=0.0,
+        mask_truncated_completions=False,
+        dpo=True,
+        dpo_learning_rate=1e-2,
+        per_device_train_batch_size=2,
+        num_train_epochs=1.0,
+        eval_dataset="builtin:math",
+        eval_limit=3,
+        lora_dropout=0.0,
+    ),
+}
+
+
+def flags(kw: dict) -> list[str]:
+    """tyro's command line for a dict of Args fields."""
+    out = []
+    for key, value in kw.items():
+        name = "--" + key.replace("_", "-")
+        if isinstance(value, bool) and key not in OPTIONAL_BOOL:
+            out.append(name if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):
+            out += [name, *map(str, value)]
+        else:
+            out += [name, str(value)]
+    return out
+
+
+def torchrun(script: str, kw: dict, nproc: int = 2, timeout: float = 300, extra: tuple = ()) -> subprocess.Popen:
+    """torchrun --standalone (a free port) with the script's flags; the caller waits."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra]
+    return subprocess.Popen(
+        [*launcher, f"{script}.py", *flags(kw)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"torchrun did not end within {timeout} s (a hang): {err[-3000:]}") from None
+    return proc.returncode, out, err
+
+
+def run_dir_of(root) -> str:
+    dirs = [os.path.join(root, d) for d in os.listdir(root)]
+    assert len(dirs) == 1, dirs  # one writer: one run dir
+    return dirs[0]
+
+
+def metrics_of(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(WALL_CLOCK)} for line in f]
+
+
+def weights_of(final_dir: str) -> dict:
+    name = "adapter_model.safetensors" if os.path.exists(os.path.join(final_dir, "adapter_model.safetensors")) else ""
+    return load_file(os.path.join(final_dir, name or "model.safetensors"))
+
+
+def assert_same_run(one: list[dict], two: list[dict], rel=1e-5):
+    assert [h["step"] for h in one] == [h["step"] for h in two]
+    for a, b in zip(one, two, strict=True):
+        assert a.keys() == b.keys(), a.keys() ^ b.keys()
+        for key in a:
+            both_nan = math.isnan(a[key]) and math.isnan(b[key])
+            assert both_nan or a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (a["step"], key, a[key], b[key])
+
+
+def assert_same_weights(a: dict, b: dict, atol=1e-4):
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+def round_metrics(run_dir: str) -> list[dict]:
+    rounds = sorted(d for d in os.listdir(run_dir) if d.startswith("round-"))
+    out = []
+    for d in rounds:
+        with open(os.path.join(run_dir, d, "metrics.json")) as f:
+            out.append({"step": int(d[6:]), **{k: v for k, v in json.load(f).items() if not k.startswith(WALL_CLOCK)}})
+    return out
+
+
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    """Preference pairs (dpo) and, beside them, demonstrations of uneven lengths (sft)."""
+    folder = tmp_path_factory.mktemp("data")
+    words = ["red", "blue", "green", "yes", "no", "good", "bad", "hello", "world", "fox", "dog", "cat"]
+    sft = [
+        {
+            "prompt": [{"role": "user", "content": f"Say word {i}"}],
+            "completion": [{"role": "assistant", "content": f"{w} " * (i % 3 + 1)}],
+        }
+        for i, w in enumerate(words)
+    ]
+    write_jsonl(folder / "sft.jsonl", sft)
+    return write_jsonl(folder / "prefs.jsonl", preference_rows(12))
+
+
+def setup(script, tiny_model_dir, prefs, **kw) -> dict:
+    base = {**COMMON, "model": tiny_model_dir, **RUNS[script], **kw}
+    if base.get("dataset") == "{prefs}":
+        base["dataset"] = prefs
+    if base.get("dataset") == "{sft}":
+        base["dataset"] = os.path.join(os.path.dirname(prefs), "sft.jsonl")
+    if script == "raft":
+        base.pop("max_steps")
+    return base
+
+
+def one_process(script: str, kw: dict, out) -> dict:
+    module = importlib.import_module(script)
+    return module.main(module.Args(**{**kw, "output_dir": str(out)}))
+
+
+def logged(script: str, run_dir: str) -> list[dict]:
+    return round_metrics(run_dir) if script == "raft" else metrics_of(run_dir)
+
+
+@pytest.mark.parametrize("script", ["sft", "dpo", "grpo", "raft"])
+def test_two_ranks_equal_one_process_with_twice_the_accumulation(script, tiny_model_dir, prefs, tmp_path):
+    """The same global batch: 2 ranks x ga 1 against 1 process x ga 2 (grpo and raft: the same prompts per step,
+    split over the ranks). Every logged metric of every step and the final weights agree; one run dir is written."""
+    kw = setup(script, tiny_model_dir, prefs)
+    alone = dict(kw)
+    if script != "grpo":
+        alone["gradient_accumulation_steps"] = 2
+    one = one_process(script, alone, tmp_path / "one")
+    code, out, err = finish(torchrun(script, {**kw, "output_dir": str(tmp_path / "two")}))
+    assert code == 0, err[-3000:]
+    two_dir = run_dir_of(tmp_path / "two")
+    assert_same_run(logged(script, one["run_dir"]), logged(script, two_dir))
+    assert_same_weights(weights_of(one["final_dir"]), weights_of(os.path.join(two_dir, "final")))
+    if script in ("grpo", "raft"):  # the samples themselves: grpo's rewards per step above; raft writes them
+        if script == "raft":
+            for n in (1, 2):
+                a = open(os.path.join(one["run_dir"], f"round-{n}", "samples.jsonl")).read()
+                assert a == open(os.path.join(two_dir, f"round-{n}", "samples.jsonl")).read()
+    assert out.count(f"{script}: ") <= 2 and f"{script}" in out  # rank 0 alone prints the end line
+
+
+@pytest.mark.parametrize("script", ["sft", "dpo", "grpo"])
+def test_fsdp_full_fine_tune_equals_one_process(script, tiny_model_dir, prefs, tmp_path):
+    """--fsdp --no-use-lora on 2 ranks against one process's full fine-tune with the same global batch; final/ is one
+    plain transformers folder. sft evaluates mid-run and grpo takes two updates a rollout: both run no-grad passes
+    between updates, which must not leave stale gathered weights behind."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {"sft": dict(eval_split="train", eval_steps=1), "grpo": dict(num_iterations=2), "dpo": {}}[script]
+    kw = setup(script, tiny_model_dir, prefs, use_lora=False, learning_rate=1e-3, **extra)
+    if script == "dpo":
+        kw["precompute_ref_log_probs"] = False  # the reference's shards swapped in at every step
+    alone = dict(kw)
+    if script != "grpo":
+        alone["gradient_accumulation_steps"] = 2
+    one = one_process(script, alone, tmp_path / "one")
+    code, _, err = finish(torchrun(script, {**kw, "fsdp": True, "output_dir": str(tmp_path / "two")}))
+    assert code == 0, err[-3000:]
+    two_dir = run_dir_of(tmp_path / "two")
+    assert_same_run(logged(script, one["run_dir"]), logged(script, two_dir))
+    assert_same_weights(weights_of(one["final_dir"]), weights_of(os.path.join(two_dir, "final")))
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(two_dir, "final"))  # plain transformers, no shards
+    assert sum(p.numel() for p in loaded.parameters()) > 0
+    assert not [f for f in os.listdir(os.path.join(two_dir, "final")) if "shard" in f or f.endswith(".distcp")]
+
+
+def test_a_killed_rank_ends_the_run_and_its_resume_equals_the_straight_run(tiny_model_dir, prefs, tmp_path):
+    """SIGKILL one rank mid-run: the launcher ends the other within a bounded time (no hang); resuming the run dir
+    on 2 ranks gives the uninterrupted 2-rank run's final weights bit for bit (every rank's RNG restored)."""
+    kw = setup("sft", tiny_model_dir, prefs, max_steps=40, save_steps=1, lora_dropout=0.1, learning_rate=1e-3)
+    code, _, err = finish(torchrun("sft", {**kw, "output_dir": str(tmp_path / "straight")}))
+    assert code == 0, err[-3000:]
+    straight = weights_of(os.path.join(run_dir_of(tmp_path / "straight"), "final"))
+    proc = torchrun("sft", {**kw, "output_dir": str(tmp_path / "killed")})
+    victim = None
+    deadline = time.time() + 120
+    while victim is None and time.time() < deadline:  # rank 1, once a checkpoint exists
+        ckpts = [r for r in _checkpoints(tmp_path / "killed") if r]
+        children = _workers(proc.pid)
+        if ckpts and len(children) == 2:
+            victim = children[1]
+        time.sleep(0.05)
+    assert victim is not None, "no checkpoint within 120 s"
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.time()
+    code, _, err = finish(proc, timeout=180)
+    assert code != 0 and time.time() - t0 < 120
+    run_dir = run_dir_of(tmp_path / "killed")
+    assert not os.path.exists(os.path.join(run_dir, "final"))
+    code, _, err = finish(
+        torchrun("sft", {**kw, "output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": run_dir})
+    )
+    assert code == 0, err[-3000:]
+    resumed = weights_of(os.path.join(run_dir_of(tmp_path / "resumed"), "final"))
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def _checkpoints(root) -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for d in os.listdir(root):
+        ckpt = os.path.join(root, d, "checkpoints")
+        if os.path.isdir(ckpt):
+            found += [n for n in os.listdir(ckpt) if n.startswith("step-")]
+    return found
+
+
+def _workers(launcher_pid: int) -> list[int]:
+    """The launcher's worker processes (its children running python), rank order = pid order."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(launcher_pid)], capture_output=True, text=True).stdout
+    return sorted(int(p) for p in out.split())
+
+
+def test_ctrl_c_stops_every_rank_after_the_same_step_with_one_checkpoint(tiny_model_dir, prefs, tmp_path):
+    """SIGINT to torchrun (it forwards the signal to each rank): every rank stops after the step, one checkpoint of
+    that step, exit 130 from the ranks, and the resume command printed."""
+    kw = setup("sft", tiny_model_dir, prefs, max_steps=500, save_steps=0)
+    proc = torchrun("sft", {**kw, "output_dir": str(tmp_path / "out")})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        runs = os.listdir(tmp_path / "out") if os.path.isdir(tmp_path / "out") else []
+        if runs and os.path.exists(os.path.join(tmp_path / "out", runs[0], "metrics.jsonl")):
+            if os.path.getsize(os.path.join(tmp_path / "out", runs[0], "metrics.jsonl")) > 0:
+                break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    code, _, err = finish(proc, timeout=120)
+    assert code != 0
+    assert err.count("stopped at step") == 2, err[-3000:]  # each rank's one line, the same step
+    steps = {line.split("stopped at step ")[1].split()[0] for line in err.splitlines() if "stopped at step" in line}
+    assert len(steps) == 1, steps
+    assert "exitcode  : 130" in err or "exit code 130" in err or "130" in err
+    assert _checkpoints(tmp_path / "out") == [f"step-{steps.pop()}"]
+
+
+def test_a_breaker_stops_every_rank_at_the_same_step(tiny_model_dir, prefs, tmp_path):
+    """grpo with a constant reward: frac_reward_zero_std holds on the all-reduced metrics, so both ranks stop at the
+    same step with one checkpoint."""
+    kw = setup(
+        "grpo",
+        tiny_model_dir,
+        prefs,
+        rewards=["tests.test_grpo:constant"],
+        breaker_action="stop",
+        breaker_patience=2,
+        max_steps=6,
+    )
+    code, _, err = finish(torchrun("grpo", {**kw, "output_dir": str(tmp_path / "out")}))
+    assert code == 1
+    lines = [line for line in err.splitlines() if "stopped at step 2" in line and "frac_reward_zero_std" in line]
+    assert len(lines) == 2, err[-3000:]
+    assert _checkpoints(tmp_path / "out") == ["step-2"]
+
+
+def test_a_nan_stop_is_decided_on_all_ranks(tiny_model_dir, prefs, tmp_path):
+    """A learning rate that makes the loss non-finite: the skipped-update count comes from the all-reduced loss, so
+    both ranks stop at the same step, with one checkpoint and no final/."""
+    kw = setup("sft", tiny_model_dir, prefs, learning_rate=1e30, max_steps=10, breaker_max_nonfinite=2)
+    code, _, err = finish(torchrun("sft", {**kw, "output_dir": str(tmp_path / "out")}))
+    assert code == 1
+    lines = [line for line in err.splitlines() if "NaN/Inf" in line and "stopped at step" in line]
+    assert len(lines) == 2 and len({line.split("stopped at step ")[1].split()[0] for line in lines}) == 1, err[-3000:]
+    assert not os.path.exists(os.path.join(run_dir_of(tmp_path / "out"), "final"))
+
+
+def test_a_resume_on_another_number_of_ranks_is_refused_in_one_line(tiny_model_dir, prefs, tmp_path):
+    kw = setup("sft", tiny_model_dir, prefs, max_steps=2, save_steps=1)
+    code, _, err = finish(torchrun("sft", {**kw, "output_dir": str(tmp_path / "two")}))
+    assert code == 0, err[-3000:]
+    run_dir = run_dir_of(tmp_path / "two")
+    alone = subprocess.run(
+        [sys.executable, "sft.py", *flags({**kw, "max_steps": 3, "resume_from_checkpoint": run_dir})],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert alone.returncode == 1
+    assert "was written by 2 rank(s), this run has 1" in alone.stderr
+    assert len(alone.stderr.strip().splitlines()) == 1 or alone.stderr.strip().splitlines()[-1].startswith("sft.py:")
+
+
+def test_a_dead_rank_gives_one_clear_line_not_a_hang(tiny_model_dir, prefs, tmp_path):
+    """A worker killed outside torchrun's control (its peer sees the connection drop): the peer's error names the
+    cause in one line within --ddp-timeout."""
+    kw = setup("sft", tiny_model_dir, prefs, max_steps=500, save_steps=0, ddp_timeout=30)
+    proc = torchrun("sft", {**kw, "output_dir": str(tmp_path / "out")}, extra=("--max-restarts=0",))
+    deadline = time.time() + 120
+    while time.time() < deadline and not os.path.isdir(tmp_path / "out"):
+        time.sleep(0.05)
+    time.sleep(3)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    t0 = time.time()
+    code, _, err = finish(proc, timeout=120)
+    assert code != 0 and time.time() - t0 < 90
+    assert "Traceback" not in err.split("torch.distributed.elastic")[0] or "lost contact" in err
+
+
+def test_two_nodes_on_localhost_equal_one_node(tiny_model_dir, prefs, tmp_path):
+    """--nnodes 2 with a rendezvous endpoint, one process a node, both on 127.0.0.1: the run of one node with 2."""
+    kw = setup("sft", tiny_model_dir, prefs)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = []
+    for node in (0, 1):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"]
+        launcher += ["--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
+        out = tmp_path / "nodes"
+        cmd = [*launcher, "sft.py", *flags({**kw, "output_dir": str(out)})]
+        nodes.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    results = [finish(p, timeout=300) for p in nodes]
+    assert all(code == 0 for code, _, _ in results), results[0][2][-2000:] + results[1][2][-2000:]
+    code, _, err = finish(torchrun("sft", {**kw, "output_dir": str(tmp_path / "one_node")}))
+    assert code == 0, err[-3000:]
+    a = run_dir_of(tmp_path / "nodes")
+    b = run_dir_of(tmp_path / "one_node")
+    assert metrics_of(a) == metrics_of(b)
+    assert_same_weights(weights_of(os.path.join(a, "final")), weights_of(os.path.join(b, "final")), atol=0.0)
