@@ -30,10 +30,13 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 import torch
 import torch.nn.functional as F
 import tyro
+from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
 from common.data import collate_sft, concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset
 from common.data import training_steps
+from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
+from common.distributed import init_distributed, rank_micro_batches, shard_model
 from common.errors import ArgsError, DataError
 from common.model import attach_lora, disable_dropout, load_model, save_final, seed_everything, trainable_parameters
 from common.model import unwrap
@@ -183,6 +186,11 @@ def new_head(config, k: int, seed: int) -> torch.nn.Linear:
     return head
 
 
+def full_weight(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: under FSDP2 gathered from every rank's shard (a collective: every rank calls it)."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 def rm_batch(model, chunk: list[dict], args: Args, pad_id: int, device):
     """One micro-batch's loss, per-row stats and token count. bradley_terry: one forward of [chosen; rejected]."""
     head = unwrap(model).score
@@ -220,7 +228,8 @@ def rm_metrics(stats: list[dict], attributes: list[str], prefix: str = "") -> di
 
 @torch.no_grad()
 def evaluate(model, eval_examples: list[dict], args: Args, attributes: list[str], pad_id: int, device) -> dict:
-    """The training loss and metrics over the eval rows, dropout off, no grad (eval/loss is a mean over rows)."""
+    """The training loss and metrics over the eval rows, dropout off, no grad (eval/loss is a mean over rows). Under
+    torchrun every rank scores every row (the same forwards on each, as FSDP2 needs), so all hold the same values."""
     model.eval()
     bs = args.per_device_train_batch_size
     out = [rm_batch(model, eval_examples[i : i + bs], args, pad_id, device) for i in range(0, len(eval_examples), bs)]
@@ -276,6 +285,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 
 def main(args: Args) -> dict:
     # ---- 1 setup
+    rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
@@ -318,6 +328,10 @@ def main(args: Args) -> dict:
     # Registered on the model after the LoRA (all-linear would wrap it): clipped with it, checked for NaN. fp32.
     head = new_head(model.config, len(attributes), args.seed).to(device)
     unwrap(model).score = head
+    # each rank keeps 1/world of every weight, gradient and AdamW state; the head, registered before, is one of the
+    # root's sharded weights: gathered for each forward, its gradient reduced with the others'
+    if args.fsdp:
+        model = shard_model(model)
 
     def prepare(rs, target):  # tokenized rows with their target: [margin] / [] (bradley_terry) or K scores
         return [e | {"target": target[e["_loc"]]} for e in tokenize_dataset(tokenizer, rs, kind, args.max_length)]
@@ -326,7 +340,10 @@ def main(args: Args) -> dict:
     eval_examples = prepare(eval_rows, eval_targets) if eval_rows else []
     bs = args.per_device_train_batch_size
     ga = args.gradient_accumulation_steps
-    total_steps, batches_per_epoch = training_steps(len(examples), bs, ga, args.max_steps, args.num_train_epochs)
+    # The global batch is TRL's: bs x world x ga rows a step (world ranks, each ga micro-batches of bs)
+    total_steps, batches_per_epoch = training_steps(
+        len(examples), bs, ga * world, args.max_steps, args.num_train_epochs
+    )
     params = trainable_parameters(model)  # the LoRA (or every weight) and the head
     if args.optim == "adamw_8bit":
         optimizer = adamw_8bit(model, params, args.learning_rate, args.weight_decay)
@@ -340,7 +357,7 @@ def main(args: Args) -> dict:
         args.resume_from_checkpoint, model, optimizer, scheduler, total_steps, args.resume_ignore_mismatch
     )
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
-    if start_step:
+    if start_step and not args.fsdp:  # --fsdp: the head is one of the sharded weights the checkpoint restored
         with torch.no_grad():
             head.weight.copy_(state["head"])  # saved in the hashed state.pt
     show = ("loss", "accuracy")
@@ -364,13 +381,18 @@ def main(args: Args) -> dict:
         tokens = 0
         stats = []
         timer = PhaseTimer()
-        for i in range(ga):
-            chunk = micro_batch(examples, step * ga + i, bs, args.seed)
+        for index in rank_micro_batches(step, ga):  # this rank's share of the ga x world micro-batches of the step
+            chunk = micro_batch(examples, index, bs, args.seed)
             loss, micro_stats, micro_tokens = rm_batch(model, chunk, args, pad_id, device)
-            (loss / ga).backward()  # each micro loss is a mean over its rows; / GA: the step's mean over all rows
+            # each micro loss is a mean over its rows; / GA, then averaged over the ranks: the mean of the step's
+            # ga x world micro-batch means (the mean over all rows when every micro-batch is full)
+            (loss / ga).backward()
             loss_sum += loss.item() / ga
             tokens += micro_tokens
             stats.append(micro_stats)
+        average_gradients(params)  # torchrun: the mean over the ranks, the head's too (FSDP2: reduced in backward)
+        loss_sum, tokens = all_sum([loss_sum / world, tokens])  # the global step's loss and tokens
+        stats = all_gather([{k: v.cpu() for k, v in s.items()} for s in stats])  # every rank's per-row values
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()
@@ -385,17 +407,18 @@ def main(args: Args) -> dict:
             "nonfinite_updates": nonfinite,
             "learning_rate": scheduler.get_last_lr()[0],
             "num_tokens": tokens,
-            "epoch": (step + 1) * ga / batches_per_epoch,
+            "epoch": (step + 1) * ga * world / batches_per_epoch,
             **timer.metrics(tokens),
         }
         last = step + 1 == total_steps
         if args.eval_steps and eval_examples and ((step + 1) % args.eval_steps == 0 or last):
             metrics |= evaluate(model, eval_examples, args, attributes, pad_id, device)
         logger.log(step + 1, metrics)
-        state = {"head": head.weight, "nonfinite_updates": nonfinite}  # a tensor goes into state.pt, the rest JSON
+        # a tensor goes into state.pt, the rest JSON; FSDP2: the head gathered from its shards (a collective)
+        state = {"head": full_weight(head.weight), "nonfinite_updates": nonfinite}
         if args.save_steps and (step + 1) % args.save_steps == 0:
             checkpoints.save(step + 1, model, optimizer, scheduler, state)
-        if interrupt.requested and not last:
+        if any_rank(interrupt.requested) and not last:  # every rank stops at the same step
             raise checkpoints.stop("Ctrl-C", step + 1, model, optimizer, scheduler, state, metrics)
         if nonfinite >= args.breaker_max_nonfinite:  # a run that keeps making NaN/Inf has diverged: stop it
             why = f"{nonfinite} updates skipped for a NaN/Inf loss or gradient"
@@ -403,10 +426,14 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: the adapter (or the full model) at the top of final/, as plain PEFT (transformers) loads it, and the
     # head and reward_config.json beside it
+    head_weight = full_weight(head.weight)  # FSDP2: the head gathered whole from its shards (a collective)
     del unwrap(model).score  # in its own file: final/'s weights are the backbone's alone
     final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
-    save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization, args.max_length)
+    head.weight = torch.nn.Parameter(head_weight.detach())  # the whole head, as save_reward writes it
+    if rank == 0:  # the run's one writer
+        save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization, args.max_length)
     logger.close()
+    close_distributed()
     first = logger.history[0] if logger.history else {}
     last_logged = logger.history[-1] if logger.history else {}
     shown = "accuracy" if args.loss_type == "bradley_terry" else f"mse/{attributes[0]}"

@@ -22,11 +22,13 @@ import torch
 from peft import PeftModel
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoTokenizer
 
 from common.data import collate_sft, tokenize_sft
 from common.errors import ArgsError, DataError, ModelError
-from common.model import REWARD, as_reference, is_peft, load_model, pick_device, resolve_dtype
+from common.distributed import reshard
+from common.model import REWARD, as_reference, decoder_hidden, is_peft, load_model, pick_device, resolve_dtype
 from common.model import same_base, unwrap
 from common.rewards import split_weight
 from harness.checkpoints import adapter_hash
@@ -43,9 +45,16 @@ def reward_logits(model, head, input_ids, attention_mask):
     right or left padding (not from pad ids: transformers' *ForSequenceClassification looks for the last token !=
     pad_token_id, which is wrong when pad == eos). The LM head (B x T x vocab) is never computed."""
     lm = unwrap(model)
-    out = getattr(lm, lm.base_model_prefix)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    if isinstance(lm, FSDPModule):  # sharded by FSDP2: the root's own forward gathers its weights (the head's too)
+        hidden = decoder_hidden(lm, inputs)
+    else:
+        hidden = getattr(lm, lm.base_model_prefix)(**inputs).last_hidden_state
     last = (torch.arange(attention_mask.shape[1], device=attention_mask.device) * attention_mask).argmax(1)  # (B,)
-    return head(out.last_hidden_state[torch.arange(len(last), device=last.device), last].to(head.weight.dtype))
+    rewards = head(hidden[torch.arange(len(last), device=last.device), last].to(head.weight.dtype))
+    if isinstance(lm, FSDPModule) and not torch.is_grad_enabled():
+        reshard(lm)  # no backward will reshard the root: its gathered weights would go stale at the next update
+    return rewards
 
 
 def save_reward(final_dir, head, base_model, loss_type, attributes: list[str], quantization=None, max_length=None):
