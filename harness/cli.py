@@ -24,6 +24,14 @@ from plugins.embedded import MODEL_ALIASES
 PROJECT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # a warning raised under it is ours
 
 
+def _lost_peer(e: Exception) -> bool:
+    """A collective that failed because another rank is gone: torch's DistError, or gloo's and NCCL's RuntimeError."""
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("gloo/transport" in text or "NCCL" in text or "Connection closed" in text)
+
+
 def _rank_tag(prog: str) -> str:
     """The program's name, and its rank under torchrun (each rank prints its own line)."""
     rank, world = rank_and_world()
@@ -63,9 +71,12 @@ def one_line_errors():
         raise SystemExit(130) from None
     except Exception as e:
         prog = _rank_tag(name)
-        if isinstance(e, torch.distributed.DistError):  # gloo / NCCL: a peer closed its connection, or the timeout
-            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            e = RuntimeError(f"lost contact with another rank (it died, or --ddp-timeout passed): {why}")
+        if _lost_peer(e):  # gloo / NCCL: a peer closed its connection, or the timeout passed
+            why = str(e).strip().splitlines()[0].split("] ")[-1].split(". ")[0] if str(e).strip() else type(e).__name__
+            e = ConnectionError(f"lost contact with another rank (it died, or --ddp-timeout passed): {why}")
+        code = 130 if isinstance(e, RunStopped) and e.requested else 1
+        if isinstance(e, RunStopped) and rank_and_world()[0] != 0:  # every rank stopped at the same step: one line
+            raise SystemExit(code) from None
         if isinstance(e, RunStopped) and e.requested:  # the user's own stop: no error, nothing to debug
             print(str(e).replace("\n", " "), file=sys.stderr)
             raise SystemExit(130) from None
