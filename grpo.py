@@ -211,6 +211,8 @@ class Args:
     """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
     gpu_memory: float | None = None
     """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
+    plan_world_size: int | None = None
+    """plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)"""
     ignore_memory_plan: bool = False
     """start even when the memory plan exceeds the device's memory"""
 
@@ -547,7 +549,8 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     C = args.max_completion_length
     P = min(args.max_prompt_length, row_tokens(args, rows) or args.max_prompt_length)
     vllm_share = args.vllm_gpu_memory_utilization if args.engine == "vllm" else None
-    rollout = [Generate(args.prompts_per_step, G, P, C, vllm_share)]
+    world = args.plan_world_size or rank_and_world()[1]  # a rank samples its share of the step's prompts
+    rollout = [Generate(args.prompts_per_step // world, G, P, C, vllm_share)]
     reference = []
     if args.beta != 0.0 or args.num_iterations > 1:
         reference = [Pass(g * G, P + C, g * G * C, kv_cache=True)]

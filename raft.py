@@ -195,6 +195,8 @@ class Args:
     """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
     gpu_memory: float | None = None
     """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
+    plan_world_size: int | None = None
+    """plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)"""
     ignore_memory_plan: bool = False
     """start even when the memory plan exceeds the device's memory"""
 
@@ -486,7 +488,8 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     n = 2 * args.per_device_train_batch_size if use_ref else args.per_device_train_batch_size
     step = [Pass(n, T, n * T, grad=True)]
     reference = [Pass(n, T, n * T, name="reference pass")] if use_ref else []
-    prompts = min(args.prompts_per_round, args.generation_batch_size)
+    world = args.plan_world_size or rank_and_world()[1]  # a rank samples its share of each slice
+    prompts = min(args.prompts_per_round, args.generation_batch_size) // world
     knobs = [
         ("per_device_train_batch_size", 1),
         ("quantization", "4bit"),

@@ -157,6 +157,8 @@ class Args:
     """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
     gpu_memory: float | None = None
     """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
+    plan_world_size: int | None = None
+    """plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)"""
     ignore_memory_plan: bool = False
     """start even when the memory plan exceeds the device's memory"""
 

@@ -62,6 +62,7 @@ FREE_ON_RESUME = {
     "gradient_checkpointing",
     "trust_remote_code",
     "ddp_timeout",  # how long a rank waits for the others
+    "plan_world_size",
     "torch_threads",  # every script's CPU thread count: the same math, other rounding at most
 }
 

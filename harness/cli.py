@@ -222,8 +222,13 @@ def check_model_flags(args) -> None:
 
 
 def check_parallel_flags(args) -> None:
-    """--fsdp and --ddp-timeout against the ranks torchrun started (the process group is already set up)."""
+    """--fsdp, --ddp-timeout and --plan-world-size against the ranks torchrun started (the process group is already
+    set up), or with --plan the ranks asked for."""
     world = rank_and_world()[1]
+    if args.plan_world_size is not None and not args.plan_world_size >= 1:
+        raise ArgsError(f"--plan-world-size {args.plan_world_size}: must be a number of ranks, >= 1")
+    if args.plan and args.plan_world_size:
+        world = args.plan_world_size
     if not args.ddp_timeout > 0:
         raise ArgsError(f"--ddp-timeout {args.ddp_timeout}: must be > 0 seconds")
     if not args.fsdp:

@@ -20,6 +20,7 @@ from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer
 
 from common.data import TOKENIZE, looks_local, setup_chat_template
+from common.distributed import rank_and_world
 from common.errors import ArgsError, ModelError
 from common.model import pick_device, resolve_dtype
 from harness.cli import flag_name
@@ -80,6 +81,7 @@ class Trained:
     frozen_copies: int = 0
     flash_attention: bool = False
     optim: str = "adamw_torch"
+    shards: int = 1  # FSDP2: weights, gradients and AdamW states split over this many ranks
 
 
 def shipped_only(name: str) -> bool:
@@ -245,14 +247,21 @@ def estimate(
     model, an allowance) and, keyed "<phase>: ...", each phase's; total = lasting + the largest phase + 10 %."""
     b = 4 if trained.dtype == "fp32" else 2  # bf16 / fp16
     linear, other = param_counts(c)
-    parts = {"weights": weight_bytes(c, trained.quantization, b)}
+    n = trained.shards
+    full_weights = weight_bytes(c, trained.quantization, b)
+    parts = {"weights" if n == 1 else f"weights (1/{n} shard)": full_weights // n}
     eight_bit = " 8-bit" if trained.optim == "adamw_8bit" else ""
     states = trained_tensors(c, trained.lora_r)
     if trained.lora_r is not None:  # PEFT keeps adapters in fp32: + an fp32 grad, the optimizer's two moments
         own = lora_params(c, trained.lora_r) * (8 + 4 * trained.frozen_copies)
         parts[f"LoRA + grads + AdamW{eight_bit}"] = own + adamw_state_bytes(states, trained.optim, 4)
     else:  # full fine-tuning: a gradient per weight in the weights' dtype, the optimizer's two moments
-        parts[f"grads + AdamW{eight_bit} (full)"] = (linear + other) * b + adamw_state_bytes(states, trained.optim, b)
+        full = (linear + other) * b + adamw_state_bytes(states, trained.optim, b)
+        parts[f"grads + AdamW{eight_bit} (full{'' if n == 1 else f', 1/{n} shard'})"] = full // n
+    L = _shape(c)[0]
+    # FSDP2 gathers a unit's weights while it runs: the root's (embeddings, head, norms) through a pass and two
+    # layers at a time (the next one is fetched while one runs); a rollout holds them all (common.distributed.gathered)
+    gathered = (other * b + 2 * linear * b // L) if n > 1 else 0
     parts |= {k: v for k, v in (extra or {}).items() if v}
     parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
     peaks = []
@@ -264,6 +273,9 @@ def estimate(
             if isinstance(p, Generate):
                 name, size = _generate_bytes(c, b, p, device_bytes, device, trained.quantization)
                 parts[f"{phase}: {name}"] = size
+                if n > 1:
+                    parts[f"{phase}: gathered weights (FSDP)"] = full_weights - full_weights // n
+                    size += full_weights - full_weights // n
                 peak = max(peak, held + size)
                 continue
             kept, work, head = _pass_bytes(c, b, p, trained, checkpointing)
@@ -277,6 +289,9 @@ def estimate(
             parts |= {f"{phase}: activations": held, f"{phase}: layer working set": last[0]}
             parts[f"{phase}: log-prob buffer"] = last[1]
             peak = max(peak, held + last[0] + last[1])
+        if gathered and any(not isinstance(p, Generate) for p in passes):
+            parts[f"{phase}: gathered units (FSDP)"] = gathered
+            peak += gathered
         peaks.append(peak)
     lasting = sum(v for k, v in parts.items() if ":" not in k)
     peak = max(peaks, default=0)
@@ -441,6 +456,8 @@ def plan_memory(
     are lasting parts on a CPU run (the same RAM); on a GPU they are printed as host memory. --gpu-memory N: the plan
     for a CUDA card of N GiB, on any machine (bf16 under --dtype auto, sdpa attention)."""
     card = args.gpu_memory
+    if args.plan_world_size is not None and not args.plan_world_size >= 1:
+        raise ArgsError(f"--plan-world-size {args.plan_world_size}: must be a number of ranks, >= 1")
     if card is not None and not (card > 0 and math.isfinite(card)):
         raise ArgsError(f"--gpu-memory {card}: must be a card's memory in GiB, > 0")
     if card is not None and not args.plan and not torch.cuda.is_available():
@@ -454,7 +471,9 @@ def plan_memory(
     on_card = card is not None and not torch.cuda.is_available()  # planned for a card this machine lacks
     dtype = "bf16" if on_card and args.dtype == "auto" else args.dtype
     fp32 = resolve_dtype(dtype, pick_device()) == torch.float32
+    world = args.plan_world_size or rank_and_world()[1]  # the plan is one rank's
     copy = weight_bytes(config, None, 4 if fp32 else 2) if reference_copy else 0
+    copy //= world if args.fsdp else 1  # FSDP2: each rank keeps its shards of the reference
     if device == "cpu":
         extra = (extra or {}) | {"dataset rows": data, "reference weights (CPU copy)": copy}
     lora_r = args.lora_r
@@ -466,6 +485,7 @@ def plan_memory(
         lora_r = saved["r"]
         rate = saved.get("lora_dropout", 0.0)
     trained = Trained(
+        shards=world if args.fsdp else 1,
         dtype="fp32" if fp32 else "bf16",
         quantization=args.quantization,
         lora_r=lora_r if lora else None,
@@ -489,6 +509,11 @@ def plan_memory(
             )
             parts = fits
             checkpointing = True
+    if world > 1:
+        sharded = (
+            f"weights, gradients and AdamW states 1/{world} each (--fsdp)" if args.fsdp else "a full replica each"
+        )
+        print(f"memory plan: one of {world} ranks, {sharded}", flush=True)
     print(format_plan(parts, budget, what), flush=True)
     if device != "cpu":
         # the reference is pinned host memory; while it is swapped in, the trained weights wait there too
