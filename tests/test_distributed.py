@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT
-from tests.prefs_helpers import preference_rows, write_jsonl
+from tests.prefs_helpers import binary_rows, preference_rows, write_jsonl
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -37,6 +37,9 @@ GRPO_QUIET = dict(breaker_action="warn")
 RUNS = {
     "sft": dict(dataset="{sft}", per_device_train_batch_size=2, max_length=64, lora_dropout=0.0),
     "dpo": dict(dataset="{prefs}", per_device_train_batch_size=2, max_length=64, lora_dropout=0.0),
+    "orpo": dict(dataset="{prefs}", per_device_train_batch_size=2, max_length=64, lora_dropout=0.0),
+    "kto": dict(dataset="{binary}", per_device_train_batch_size=4, max_length=64, lora_dropout=0.0),
+    "rm": dict(dataset="{prefs}", per_device_train_batch_size=2, max_length=64, lora_dropout=0.0),
     "grpo": dict(
         dataset="builtin:math",
         rewards=["tests.test_grpo:frac_low_ids"],
@@ -119,8 +122,13 @@ def metrics_of(run_dir: str) -> list[dict]:
 
 
 def weights_of(final_dir: str) -> dict:
+    """The adapter (or the full model) in final/, and a reward model's head."""
     name = "adapter_model.safetensors" if os.path.exists(os.path.join(final_dir, "adapter_model.safetensors")) else ""
-    return load_file(os.path.join(final_dir, name or "model.safetensors"))
+    weights = load_file(os.path.join(final_dir, name or "model.safetensors"))
+    head = os.path.join(final_dir, "reward_head.safetensors")
+    if os.path.exists(head):
+        weights |= {f"head.{k}": v for k, v in load_file(head).items()}
+    return weights
 
 
 def assert_same_run(one: list[dict], two: list[dict], rel=1e-5):
@@ -160,6 +168,7 @@ def prefs(tmp_path_factory):
         for i, w in enumerate(words)
     ]
     write_jsonl(folder / "sft.jsonl", sft)
+    write_jsonl(folder / "binary.jsonl", binary_rows(16))
     return write_jsonl(folder / "prefs.jsonl", preference_rows(12))
 
 
@@ -167,8 +176,8 @@ def setup(script, tiny_model_dir, prefs, **kw) -> dict:
     base = {**COMMON, "model": tiny_model_dir, **RUNS[script], **kw}
     if base.get("dataset") == "{prefs}":
         base["dataset"] = prefs
-    if base.get("dataset") == "{sft}":
-        base["dataset"] = os.path.join(os.path.dirname(prefs), "sft.jsonl")
+    if base.get("dataset") in ("{sft}", "{binary}"):
+        base["dataset"] = os.path.join(os.path.dirname(prefs), base["dataset"][1:-1] + ".jsonl")
     if script == "raft":
         base.pop("max_steps")
     return base
@@ -183,7 +192,7 @@ def logged(script: str, run_dir: str) -> list[dict]:
     return round_metrics(run_dir) if script == "raft" else metrics_of(run_dir)
 
 
-@pytest.mark.parametrize("script", ["sft", "dpo", "grpo", "raft"])
+@pytest.mark.parametrize("script", ["sft", "dpo", "orpo", "kto", "rm", "grpo", "raft"])
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(script, tiny_model_dir, prefs, tmp_path):
     """The same global batch: 2 ranks x ga 1 against 1 process x ga 2 (grpo and raft: the same prompts per step,
     split over the ranks). Every logged metric of every step and the final weights agree; one run dir is written."""
