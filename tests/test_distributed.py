@@ -411,3 +411,27 @@ def test_two_nodes_on_localhost_equal_one_node(tiny_model_dir, prefs, tmp_path):
     b = run_dir_of(tmp_path / "one_node")
     assert metrics_of(a) == metrics_of(b)
     assert_same_weights(weights_of(os.path.join(a, "final")), weights_of(os.path.join(b, "final")), atol=0.0)
+
+
+def test_a_fork_runs_under_torchrun_unedited(tiny_model_dir, prefs, tmp_path):
+    """docs/forks/rloo.patch applied to a copy of grpo.py under its own name: on 2 ranks it logs what it logs alone
+    (its leave-one-out advantages over the global batch, its own KL penalty summed over all ranks' completions)."""
+    from tests.test_forks import apply_fork
+
+    fork = apply_fork("rloo", tmp_path)
+    module_dir, name = os.path.split(fork)
+    kw = setup("grpo", tiny_model_dir, prefs)
+    sys.path.insert(0, module_dir)
+    try:
+        one = one_process(name[:-3], kw, tmp_path / "one")
+    finally:
+        sys.path.remove(module_dir)
+    env = {**ENV, "PYTHONPATH": str(ROOT)}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [*launcher, fork, *flags({**kw, "output_dir": str(tmp_path / "two")})]
+    proc = subprocess.Popen(cmd, cwd=module_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code, _, err = finish(proc)
+    assert code == 0, err[-3000:]
+    two_dir = run_dir_of(tmp_path / "two")
+    assert os.path.basename(two_dir).startswith("grpo_rloo__")  # the fork names its own runs
+    assert_same_run(metrics_of(one["run_dir"]), metrics_of(two_dir))
