@@ -216,32 +216,65 @@ def check_run_dir_identity(run_dir: str, identity: dict, ignore_mismatch: bool =
         raise error
 
 
-def _file_hashes(root: str) -> dict[str, str]:
+def _file_hashes(root: str, marker: str = COMPLETE) -> dict[str, str]:
     """sha256 of every file under root but the marker, keyed by relative path."""
     out = {}
     for dirpath, _, files in os.walk(root):
         for name in files:
             path = os.path.join(dirpath, name)
-            if name != COMPLETE:
+            if name != marker:
                 with open(path, "rb") as f:
                     out[os.path.relpath(path, root)] = hashlib.file_digest(f, "sha256").hexdigest()
     return dict(sorted(out.items()))
 
 
-def _read_verified_meta(ckpt: str) -> dict:
-    """The marker's JSON, after every file it lists was re-hashed (a truncated or flipped file is caught here)."""
+def marker_sha256(meta: dict) -> str:
+    """sha256 of a marker's canonical JSON (sorted keys, no spaces) without its own "marker_sha256": a flipped bit
+    anywhere in it ("step": 30 read as 10, a key read as "rtep") no longer matches."""
+    body = {k: v for k, v in meta.items() if k != "marker_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_marker(folder: str, name: str, meta: dict) -> None:
+    """The marker, written last (fsynced): `meta` plus each file's sha256 under `folder` and its own hash."""
+    meta = json.loads(json.dumps(meta | {"files_sha256": _file_hashes(folder, name)}))  # as it will read back
+    meta["marker_sha256"] = marker_sha256(meta)
+    with open(os.path.join(folder, name), "w") as f:
+        json.dump(meta, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_marker(folder: str, name: str, needed: str) -> dict:
+    """A marker's JSON after its own hash and every file it lists were checked (a truncated or flipped file, an
+    edited marker are caught here); CorruptCheckpointError naming the folder otherwise. `needed`: a file it must
+    list. A marker written before markers carried their own hash cannot be verified and is refused too."""
     try:
-        meta = json.loads(pathlib.Path(ckpt, COMPLETE).read_text())
-        found = _file_hashes(ckpt)
+        meta = json.loads(pathlib.Path(folder, name).read_text())
+        found = _file_hashes(folder, name)
     except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{ckpt}: unreadable ({e})") from None
-    recorded = meta.get("files_sha256") if isinstance(meta, dict) else None
-    if not isinstance(recorded, dict) or "state.pt" not in recorded:  # a marker that cannot be checked is not trusted
-        raise CorruptCheckpointError(f"{ckpt}: {COMPLETE} records no file hashes, so nothing in it can be verified")
+        raise CorruptCheckpointError(f"{folder}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("marker_sha256") != marker_sha256(meta):
+        raise CorruptCheckpointError(
+            f"{folder}: {name} does not match its own hash (damaged or edited, or written before markers had one), "
+            "so nothing in it can be verified"
+        )
+    recorded = meta.get("files_sha256")
+    if not isinstance(recorded, dict) or needed not in recorded:  # a marker that cannot be checked is not trusted
+        raise CorruptCheckpointError(f"{folder}: {name} records no file hashes, so nothing in it can be verified")
     for rel in sorted(recorded.keys() | found.keys()):  # a file added since the save could be loaded: refused too
         if found.get(rel) != recorded.get(rel):
             problem = "is not listed in" if rel not in recorded else "is missing or does not match"
-            raise CorruptCheckpointError(f"{ckpt}: {rel} {problem} the hashes recorded at save time")
+            raise CorruptCheckpointError(f"{folder}: {rel} {problem} the hashes recorded at save time")
+    return meta
+
+
+def _read_verified_meta(ckpt: str) -> dict:
+    """The marker's JSON, after its own hash and every file it lists were checked (read_marker), with the fields a
+    resume reads."""
+    meta = read_marker(ckpt, COMPLETE, "state.pt")
+    if not isinstance(meta.get("step"), int) or not isinstance(meta.get("trainer_state"), dict):
+        raise CorruptCheckpointError(f"{ckpt}: {COMPLETE} records no step or trainer state")
     return meta
 
 
@@ -369,14 +402,10 @@ class Checkpoints:
                 "world_size": world,
                 "trainer_state": {k: v for k, v in state.items() if k not in tensors},
                 "identity": self.identity,
-                "files_sha256": _file_hashes(tmp),
             }
             if is_peft(model):
                 meta["adapter_sha256"] = {slot: adapter_hash(model, slot) for slot in model.peft_config}
-            with open(os.path.join(tmp, COMPLETE), "w") as f:
-                json.dump(meta, f, indent=2)
-                f.flush()
-                os.fsync(f.fileno())
+            write_marker(tmp, COMPLETE, meta)  # last: each file's sha256 and the marker's own
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.errors import RunStopped
+from harness.checkpoints import marker_sha256
 from tests.prefs_helpers import preference_rows, write_jsonl
 
 SCRIPTS = ["sft", "dpo", "orpo", "kto", "rm", "grpo"]
@@ -100,6 +101,7 @@ def test_grpo_length_baseline_is_the_first_step_of_the_run_not_of_the_resume(tin
     meta = json.load(open(marker))
     assert meta["trainer_state"]["start_length"] == first["history"][0]["completions/mean_length"]
     meta["trainer_state"]["start_length"] = 0.25
+    meta["marker_sha256"] = marker_sha256(meta)  # an edit the marker's own hash would refuse: resealed
     json.dump(meta, open(marker, "w"))
     again = dataclasses.replace(args, output_dir=str(tmp_path / "b"), max_steps=3, resume_from_checkpoint=ckpt)
     again = dataclasses.replace(again, breaker_action="stop", breaker_patience=1, breaker_max_length_growth=2.0)

@@ -4,6 +4,7 @@ left (issue 18, section 4)."""
 
 import json
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import dpo
 import sft
 from common.errors import CorruptCheckpointError, ResumeError
-from harness.checkpoints import _file_hashes, run_identity
+from harness.checkpoints import _file_hashes, marker_sha256, run_identity
 from tests.prefs_helpers import preference_rows, write_jsonl
 from tests.tiny import write_tiny
 
@@ -167,6 +168,7 @@ def test_a_flipped_default_adapter_is_refused(tiny_model_dir, run_copy, memo, tm
     marker = os.path.join(step2, "checkpoint_complete.json")
     meta = json.load(open(marker))
     meta["files_sha256"] = _file_hashes(step2)
+    meta["marker_sha256"] = marker_sha256(meta)  # and the marker's own hash resealed
     json.dump(meta, open(marker, "w"))
     with pytest.raises(CorruptCheckpointError, match="'default' adapter does not match the hash"):
         sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=step2)
@@ -187,6 +189,7 @@ def test_a_marker_that_cannot_be_verified_is_corrupt(tiny_model_dir, run_copy, m
     meta["files_sha256"] = _file_hashes(step2)  # the file check alone would not see the flip now
     for k in removed:
         meta.pop(k)
+    meta["marker_sha256"] = marker_sha256(meta)  # resealed: the missing keys alone are refused
     json.dump(meta, open(marker, "w"))
     with pytest.raises(CorruptCheckpointError, match="records no (file|adapter) hashes"):
         sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, resume_from_checkpoint=step2)
@@ -294,3 +297,28 @@ def test_raft_resume_from_a_dir_without_a_round_is_an_error(tiny_model_dir, tmp_
     with pytest.raises(ResumeError, match=r"--resume-from .*dpo-run: no round-N/$"):
         raft.main(raft.Args(**kw, max_completion_length=4, resume_from=str(elsewhere)))
     assert os.listdir(elsewhere) == []
+
+
+def flip_marker_bits(marker: str, old: bytes, new: bytes) -> None:
+    """One flipped bit in the marker file: the first `old` becomes `new` (which differs from it in one bit)."""
+    data = pathlib.Path(marker).read_bytes()
+    assert old in data and bin(int.from_bytes(old, "big") ^ int.from_bytes(new, "big")).count("1") == 1
+    pathlib.Path(marker).write_bytes(data.replace(old, new, 1))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [(b'"step": 2', b'"step": 0'), (b'"step"', b'"rtep"'), (b'"identity"', b'"identitx"')],
+    ids=["step", "key", "identity-key"],
+)
+def test_a_flipped_bit_in_the_marker_is_a_corrupt_checkpoint(tiny_model_dir, run_copy, memo, tmp_path, old, new):
+    """Issue 40, section 3: a marker's "step": 2 read as 0 resumed at step 1 with step 2's weights, exit 0; a key
+    read as "rtep" crashed a run-dir resume with KeyError. The marker's own hash catches both: named, one line; from
+    the run dir, the previous checkpoint with one warning."""
+    flip_marker_bits(os.path.join(ckpt(run_copy, 2), "checkpoint_complete.json"), old, new)
+    with pytest.raises(CorruptCheckpointError, match="checkpoint_complete.json does not match its own hash") as e:
+        sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, resume_from_checkpoint=ckpt(run_copy, 2))
+    assert "\n" not in str(e.value)
+    with pytest.warns(UserWarning, match="step-2: .*own hash.*falling back to the previous checkpoint"):
+        out = sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=str(run_copy))
+    assert [h["step"] for h in out["history"]] == [2, 3]  # resumed from step-1
