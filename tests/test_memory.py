@@ -604,3 +604,24 @@ def test_a_full_fine_tunes_reference_copy_is_planned_in_host_ram(monkeypatch, on
     assert f"host RAM (not in the total): dataset rows 0.00 GiB, reference weights 2 x {half:.2f} GiB" in (
         capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("script", ["sft", "grpo"])
+def test_the_plan_is_one_ranks_and_counts_fsdp_shards(script, tiny_model_dir, tmp_path):
+    """--plan --plan-world-size N: one rank's plan. Data parallelism keeps a full replica a rank (grpo samples its
+    share of the prompts); --fsdp splits weights, gradients and AdamW states N ways and adds what FSDP2 gathers."""
+    mod = importlib.import_module(script)
+    base = dict(model=tiny_model_dir, preset="demo", output_dir=str(tmp_path), plan=True, use_lora=False)
+    if script == "grpo":
+        base["prompts_per_step"] = 8
+    alone = mod.main(mod.Args(**base))["memory_plan"]
+    replica = mod.main(mod.Args(**base, plan_world_size=4))["memory_plan"]
+    sharded = mod.main(mod.Args(**base, plan_world_size=4, fsdp=True))["memory_plan"]
+    assert replica["weights"] == alone["weights"]
+    assert sharded["weights (1/4 shard)"] == alone["weights"] // 4
+    assert sharded["grads + AdamW (full, 1/4 shard)"] == alone["grads + AdamW (full)"] // 4
+    assert sharded["step: gathered units (FSDP)"] > 0
+    if script == "grpo":  # a quarter of the prompts: a smaller KV cache; the full weights gathered for the rollout
+        rollout = next(k for k in alone if k.startswith("rollout: KV cache"))  # (+ packed weights on a CPU)
+        assert replica[rollout] < alone[rollout]
+        assert sharded["rollout: gathered weights (FSDP)"] == alone["weights"] - alone["weights"] // 4
