@@ -264,6 +264,8 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, logps
     (logps_of: pair_completion_logps, each pair's prompt once, or completion_logps); the reference (a no-grad pass
     of the "ref" slot, or the log-probs precomputed into the rows) runs first, so its activations are freed before
     the policy's graph is built."""
+    # concat_pairs: rows 0..B-1 hold each pair's prompt + chosen completion, rows B..2B-1 the same prompts + rejected,
+    # right-padded: every (2B,) result splits into chosen, rejected with .chunk(2)
     batch = concat_pairs(chunk, pad_id, device)
     ref_chosen_logps = None  # SimPO is reference-free
     ref_rejected_logps = None
@@ -401,9 +403,9 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_reference(resolve_preset(args, PRESETS))
-    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
     check_args(args)
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward
 
     # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
@@ -502,7 +504,9 @@ def main(args: Args) -> dict:
             loss, micro_stats, micro_tokens = pair_losses(model, chunk, args, pad_id, device, logps_of, timer)
             timer.mark("forward")
             # each micro loss is a mean over its pairs; / GA, then averaged over the ranks: the mean of the step's
-            # ga x world micro-batch means (the mean over all pairs when every micro-batch is full)
+            # ga x world micro-batch means (the mean over all pairs when every micro-batch is full). A short one (an
+            # epoch's last, when the rows do not fill it) weighs as much as a full one, so each of its pairs counts
+            # more than a pair of a full one (gradient accumulation's usual mean of micro-batch means)
             (loss / ga).backward()
             timer.mark("backward")
             loss_sum += loss.item() / ga

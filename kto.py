@@ -241,6 +241,9 @@ def check_args(args: Args) -> None:
     at_least(args, 1, "per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps")
     at_least(args, 1, "max_length", "breaker_max_nonfinite")
     at_least(args, 0, "save_steps", "warmup_steps", "save_total_limit", "beta", "weight_decay", "num_train_epochs")
+    for name in ("desirable_weight", "undesirable_weight"):  # a NaN weight makes every loss NaN from the first step
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            raise ArgsError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a finite number >= 0")
     if args.max_steps < -1:
         raise ArgsError(f"--max-steps {args.max_steps}: must be >= 0 (or -1: from --num-train-epochs)")
     if args.per_device_train_batch_size < 2:  # the KL term pairs each row's prompt with ANOTHER row's completion
@@ -275,9 +278,9 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_reference(resolve_preset(args, PRESETS))
-    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
     check_args(args)
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
 
     # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
     # every missing input named at once; --plan without the data plans at the length limits

@@ -466,6 +466,8 @@ def check_args(args: Args) -> None:
     at_least(args, 1, "eval_batch_size", "generation_batch_size", "max_length", "per_device_train_batch_size")
     at_least(args, 0, "eval_limit", "beta", "weight_decay", "num_train_epochs")
     at_least(args, 1, "breaker_max_nonfinite")
+    if args.reward_threshold is not None and not math.isfinite(args.reward_threshold):  # NaN keeps no sample at all
+        raise ArgsError(f"--reward-threshold {args.reward_threshold}: must be a finite number (or None: best of K)")
     check_sampling(args.top_p, args.top_k)
     check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
     at_least(args, 1, "gradient_accumulation_steps")
@@ -516,9 +518,9 @@ def main(args: Args) -> dict:
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     spin = args.mode == "spin"
-    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
     check_args(args)
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     G = 1 if spin else args.group_size
     use_ref = spin or args.dpo  # a reference (log-probs of the round's pairs) only when a DPO loss runs
 

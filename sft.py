@@ -289,9 +289,9 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
-    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     seed_everything(args.seed)
     check_args(args)
+    torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
 
     # ---- 2 data, checked before any weights load (a bad row fails in seconds, naming its line)
     # every missing input named at once; --plan without the data plans at the length limits

@@ -450,8 +450,14 @@ def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torc
                 problem = "a reward must be a finite number or None"
                 raise RewardError(f"reward '{name}' returned {r!r} for {shown}: {problem}")
         per_func[:, i] = torch.tensor([math.nan if r is None else float(r) for r in out])
+        j = next((j for j, r in enumerate(out) if r is not None and per_func[j, i].isinf()), None)
+        if j is not None:  # finite in float64, Inf in the float32 the rewards train in (1e39)
+            raise RewardError(f"reward '{name}' returned {out[j]!r} for completion {j}: past float32's range")
     weights = torch.tensor([w for _, _, w in funcs])
-    return (per_func * weights).nansum(dim=1), per_func
+    rewards = (per_func * weights).nansum(dim=1)
+    if not rewards.isfinite().all():  # the weighted sum can overflow float32 where no single reward does
+        raise RewardError(f"the weighted sum of rewards {[n for n, _, _ in funcs]} overflows float32: {rewards}")
+    return rewards, per_func
 
 
 def score_rollout(rows: list[dict], out: dict, funcs, max_completion_length: int):

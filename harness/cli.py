@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -197,10 +198,45 @@ def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
         print(f"note: --adapter {adapter} trains with its own {own}: {', '.join(unused)} not applied")
 
 
+MAX_TORCH_THREADS = 1024  # --torch-threads above it: torch tries to start them all (100,000 ends in a segfault)
+
+
+def wandb_credentials() -> str | None:
+    """Where wandb.init() would find a key or a mode that needs none, read as wandb reads it (WANDB_MODE, its
+    WANDB_API_KEY / WANDB_IDENTITY_TOKEN_FILE variables, a netrc entry for WANDB_BASE_URL's host in $NETRC, ~/.netrc
+    or ~/_netrc, an api_key in its settings files); None when there is none."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    if os.environ.get("WANDB_MODE", "") in ("offline", "disabled", "dryrun"):
+        return f"WANDB_MODE={os.environ['WANDB_MODE']}"
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if os.environ.get(name):
+            return name
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).netloc
+    for path in (os.environ.get("NETRC"), "~/.netrc", "~/_netrc"):
+        path = os.path.expanduser(path) if path else None
+        if path and os.path.isfile(path):
+            with contextlib.suppress(netrc.NetrcParseError, OSError):
+                if netrc.netrc(path).authenticators(host):
+                    return path
+            break  # wandb reads the first netrc file it finds
+    config_dir = os.environ.get("WANDB_CONFIG_DIR", os.path.expanduser("~/.config/wandb"))
+    for path in (os.path.join(config_dir, "settings"), os.path.join("wandb", "settings")):
+        with contextlib.suppress(OSError):
+            if "api_key" in pathlib.Path(path).read_text():
+                return path
+    return None
+
+
 def check_model_flags(args) -> None:
-    """The model flags every script has, before any weights load: the LoRA settings (check_lora), an --adapter's files
-    (check_adapter), what --no-use-lora cannot take (a quantized base takes no gradient; an --adapter would be
-    dropped without a word: merge it first), bitsandbytes for --optim adamw_8bit and wandb for --report-to wandb."""
+    """The model flags every script has, before any weights load: --torch-threads in 1..MAX_TORCH_THREADS, the LoRA
+    settings (check_lora), an --adapter's files (check_adapter), what --no-use-lora cannot take (a quantized base
+    takes no gradient; an --adapter would be dropped without a word: merge it first), bitsandbytes for --optim
+    adamw_8bit and wandb and its credentials for --report-to wandb."""
+    threads = args.torch_threads
+    if threads is not None and not (isinstance(threads, int) and 1 <= threads <= MAX_TORCH_THREADS):
+        raise ArgsError(f"--torch-threads {threads}: must be 1..{MAX_TORCH_THREADS} (or unset: torch's default)")
     check_lora(args.lora_r, args.lora_alpha, args.lora_dropout)
     if not args.use_lora and args.quantization is not None:
         raise ArgsError(
@@ -218,6 +254,11 @@ def check_model_flags(args) -> None:
         require("bitsandbytes", "--optim adamw_8bit")
     if args.report_to == "wandb":  # the same: a missing wandb fails before the model loads, not at the first log
         require("wandb", "--report-to wandb")
+        if wandb_credentials() is None:  # wandb.init() would stop (or prompt) only after the model loaded
+            raise ArgsError(
+                "--report-to wandb: no W&B credentials (set WANDB_API_KEY, run `wandb login`, or set "
+                "WANDB_MODE=offline)"
+            )
     check_parallel_flags(args)
 
 

@@ -11,7 +11,6 @@ is held when it runs. Per-token activation counts are what autograd saves in tra
 
 import dataclasses
 import json
-import math
 import os
 import sys
 
@@ -458,8 +457,8 @@ def plan_memory(
     card = args.gpu_memory
     if args.plan_world_size is not None and not args.plan_world_size >= 1:
         raise ArgsError(f"--plan-world-size {args.plan_world_size}: must be a number of ranks, >= 1")
-    if card is not None and not (card > 0 and math.isfinite(card)):
-        raise ArgsError(f"--gpu-memory {card}: must be a card's memory in GiB, > 0")
+    if card is not None and not 0 < card <= 2**20:  # 1 PiB: past it int(card * GiB) overflows into Inf
+        raise ArgsError(f"--gpu-memory {card}: must be a card's memory in GiB, > 0 and <= {2**20}")
     if card is not None and not args.plan and not torch.cuda.is_available():
         raise ArgsError(f"--gpu-memory {card:g} plans for a CUDA card and this machine has none: add --plan")
     device = "cuda" if card is not None or torch.cuda.is_available() else "cpu"

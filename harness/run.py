@@ -9,6 +9,7 @@ import os
 import re
 import resource
 import secrets
+import shutil
 import sys
 import time
 
@@ -56,7 +57,11 @@ def _new_run_dir(exp_name: str, model: str, seed: int, root: str) -> str:
         raise OutputDirError(
             f"--output-dir {root}: cannot write a run there ({type(e).__name__}: {e.strerror or e})"
         ) from None
-    lock_run_dir(path)
+    try:
+        lock_run_dir(path)
+    except OutputDirError:
+        shutil.rmtree(path, ignore_errors=True)  # a run dir that could not be locked is left behind empty
+        raise
     return path
 
 
@@ -79,6 +84,10 @@ def lock_run_dir(run_dir: str) -> None:
         os.close(fd)
         why = f"another process (pid {holder}) is writing this run; one writer per run dir"
         raise OutputDirError(f"{run_dir}: {why}") from None
+    except OSError as e:  # ENOLCK: a file system without locks (NFS without lockd)
+        os.close(fd)
+        why = f"cannot lock {path}/.lock ({e.strerror or e}: the file system does not support flock)"
+        raise OutputDirError(f"{run_dir}: {why}; write runs to a local disk (--output-dir)") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _LOCKED[path] = fd

@@ -1,0 +1,129 @@
+"""Issue 40, sections 3 and 4: what is on disk is verified before it is trusted (raft rounds, final/, a merged
+model), and numbers and flags that would crash late, overflow or train nothing are refused in one line naming the
+flag or file, before any weights load."""
+
+import errno
+import fcntl
+import math
+import os
+
+import pytest
+import torch
+
+import kto
+import raft
+import sft
+from common.errors import ArgsError, OutputDirError, RewardError
+from common.rewards import compute_rewards
+from harness.cli import wandb_credentials
+from harness.run import make_run_dir
+from tests.prefs_helpers import write_jsonl
+
+SFT_ROWS = [{"prompt": "Say red", "completion": "red"}, {"prompt": "Say blue", "completion": "blue"}]
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any load_model call fails the test: the check comes before the weights."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the flag was checked")
+
+    for script in (sft, kto, raft):
+        monkeypatch.setattr(script, "load_model", load_model)
+
+
+# ------------------------------------------------------------------------------------------------ --torch-threads
+@pytest.mark.parametrize("threads", [0, -1, 100_000])
+@pytest.mark.parametrize("script", [sft, kto, raft])
+def test_torch_threads_out_of_range_is_refused_naming_the_flag(script, threads, tmp_path, monkeypatch, no_model_load):
+    """100,000 segfaulted trying to start them all, 0 was silently ignored, -1 was refused by torch naming no flag."""
+
+    def set_num_threads(n):
+        raise AssertionError(f"torch.set_num_threads({n}) ran before the flag was checked")
+
+    monkeypatch.setattr(torch, "set_num_threads", set_num_threads)
+    args = script.Args(model="unused", output_dir=str(tmp_path), torch_threads=threads)
+    with pytest.raises(ArgsError, match=rf"^--torch-threads {threads}: must be 1\.\.1024"):
+        script.main(args)
+
+
+# ------------------------------------------------------------------------------------------------ numbers
+@pytest.mark.parametrize("flag", ["desirable_weight", "undesirable_weight"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_kto_weights_are_refused_before_loading(flag, value, tmp_path, no_model_load):
+    with pytest.raises(ArgsError, match=f"^--{flag.replace('_', '-')} {value}: must be a finite number >= 0"):
+        kto.main(kto.Args(model="unused", output_dir=str(tmp_path), **{flag: value}))
+
+
+def test_raft_refuses_a_nan_reward_threshold(tmp_path, no_model_load):
+    """NaN >= x is False: no sample was ever kept, nothing trained, exit 0."""
+    with pytest.raises(ArgsError, match="^--reward-threshold nan: must be a finite number"):
+        raft.main(raft.Args(model="unused", output_dir=str(tmp_path), reward_threshold=math.nan))
+
+
+def test_a_reward_past_float32_is_refused_naming_the_function():
+    """1e39 is finite in float64 and Inf in the float32 rewards train in: raft trained on it and logged Infinity."""
+    funcs = [("huge", lambda prompts, completions, **kw: [1.0, 1e39], 1.0)]
+    with pytest.raises(RewardError, match=r"reward 'huge' returned 1e\+39 for completion 1: past float32's range"):
+        compute_rewards(funcs, ["p", "p"], ["a", "b"], {})
+    big = [(n, lambda prompts, completions, **kw: [3e38, 0.0], 1.0) for n in ("a", "b")]  # each fits, the sum not
+    with pytest.raises(RewardError, match=r"weighted sum of rewards \['a', 'b'\] overflows float32"):
+        compute_rewards(big, ["p", "p"], ["a", "b"], {})
+
+
+def test_a_huge_gpu_memory_is_refused_naming_the_flag(tiny_model_dir, tmp_path):
+    """1e300 GiB overflowed into an OverflowError naming no flag."""
+    data = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS)
+    args = sft.Args(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path), plan=True, gpu_memory=1e300)
+    with pytest.raises(ArgsError, match=r"^--gpu-memory 1e\+300: must be a card's memory in GiB"):
+        sft.main(args)
+
+
+# ------------------------------------------------------------------------------------------------ the run dir
+def test_a_file_system_without_locks_is_named_and_leaves_no_run_dir(tmp_path, monkeypatch):
+    """NFS without lockd: flock fails with ENOLCK, which was a bare '[Errno 37] No locks available' and an empty run
+    dir left behind."""
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with pytest.raises(OutputDirError, match="No locks available: the file system does not support flock") as e:
+        make_run_dir("sft", "m", 1, str(tmp_path / "runs"))
+    assert "\n" not in str(e.value)
+    assert os.listdir(tmp_path / "runs") == []
+
+
+# ------------------------------------------------------------------------------------------------ --report-to wandb
+@pytest.fixture
+def no_wandb_credentials(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb-config"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    return tmp_path / "home"
+
+
+def test_wandb_without_credentials_is_refused_before_loading(no_wandb_credentials, tmp_path, no_model_load):
+    data = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS)
+    args = sft.Args(model="unused", dataset=data, output_dir=str(tmp_path), report_to="wandb")
+    with pytest.raises(ArgsError, match="^--report-to wandb: no W&B credentials"):
+        sft.main(args)
+
+
+def test_wandb_credentials_are_found_where_wandb_reads_them(no_wandb_credentials, monkeypatch):
+    assert wandb_credentials() is None
+    netrc = no_wandb_credentials / ".netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    assert wandb_credentials() == str(netrc)
+    netrc.unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_credentials() == "WANDB_MODE=offline"
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert wandb_credentials() == "WANDB_API_KEY"
