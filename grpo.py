@@ -325,6 +325,7 @@ def aggregate_loss(
     B = per_token_loss.shape[0]
     num_sequences = B if num_sequences is None else num_sequences
     if loss_type == "grpo":
+        # masked_mean(x, m, dim=-1) (common.model): each row's sum_t m_t x_t / sum_t m_t, its completion's token mean;
         # empty="zero": a fully masked (e.g. truncated) completion adds 0 but still counts in S, as in TRL
         return masked_mean(per_token_loss, completion_mask, dim=-1, empty="zero").sum() / num_sequences
     total = masked_sum(per_token_loss, completion_mask)
@@ -399,6 +400,8 @@ def grouped_completion_logps(
     first = p_out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([first, c_out.last_hidden_state[:, :-1]], 1)  # (B*G, C, H)
     scored = c_mask.bool()
+    # chunked_logps (common.model): log_softmax((h W^T + b) / temperature) at each label, fp32, a chunk of rows at a
+    # time; the sampler's temperature, so the loss scores the distribution the completions were drawn from (TRL)
     out = chunked_logps(hidden[scored], head.weight, c_ids[scored], temperature, chunk_size, head.bias, return_entropy)
     logps, entropy = out if return_entropy else (out, None)
     zeros = torch.zeros(scored.shape, dtype=torch.float32, device=device)
@@ -431,7 +434,8 @@ def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.T
 
 
 def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped) -> None:
-    """Add one micro-batch's sums over completion tokens and per-completion clip ratios (TRL's low_min, high_max)."""
+    """Add one micro-batch's sums over completion tokens and per-completion clip ratios (TRL's low_min, high_max),
+    each ratio tagged with the micro-batch's number in the step (its update: number // micro-batches per update)."""
     per_token = {
         "kl": torch.zeros_like(entropy) if per_token_kl is None else per_token_kl,
         "entropy": entropy,
@@ -442,8 +446,11 @@ def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is
     for key, value in per_token.items():
         stats[key] = stats.get(key, 0.0) + masked_sum(value.float(), mask).item()
     kept = mask.bool().any(-1)  # TRL's nanmin/nanmax skip a fully masked (cut-off) completion: it has no ratio
+    number = stats.get("micro_batches", 0)
+    stats["micro_batches"] = number + 1
     for key, value in (("low_seq", is_low_clipped), ("high_seq", is_high_clipped)):
-        stats.setdefault(key, []).extend(masked_mean(value[kept].float(), mask[kept], dim=-1).tolist())
+        ratios = masked_mean(value[kept].float(), mask[kept], dim=-1).tolist()
+        stats.setdefault(key, []).extend((number, ratio) for ratio in ratios)
 
 
 def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> dict:
@@ -466,18 +473,34 @@ def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> 
     return metrics
 
 
+def per_update(tagged: list, updates: int, micro_batches: int, pick) -> float:
+    """TRL's clip_ratio/low_min (pick=min) and high_max (pick=max) of a rollout: each update's extreme over its
+    completions (every rank's), averaged over the updates that had one, as TRL logs one value per update (our
+    harness averages TRL's updates of a rollout); NaN when no completion had a ratio (every one masked, as TRL).
+    `tagged`: (micro-batch number in the step, ratio) pairs, add_token_stats'; micro_batches: per rank and step."""
+    per = max(micro_batches // updates, 1)  # every update runs the same micro-batches
+    by_update = {}
+    for number, ratio in tagged:
+        by_update.setdefault(number // per, []).append(ratio)
+    extremes = [pick(ratios) for ratios in by_update.values()]
+    return sum(extremes) / len(extremes) if extremes else math.nan
+
+
 def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: float, learning_rate: float) -> dict:
-    """Mean loss of the step's updates, the last one's grad norm and LR, token means over all of them (TRL's names)."""
+    """Mean loss of the step's updates, the last one's grad norm and LR, token means over all of them, the clip's
+    per-completion extremes per update, averaged (per_update) (TRL's names)."""
     tokens = max(stats["tokens"], 1.0)
+    updates = len(losses)
+    micro_batches = stats.get("micro_batches", 1)
     metrics = {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, "learning_rate": learning_rate}
     if beta != 0.0:
         metrics["kl"] = stats["kl"] / tokens
     metrics |= {
         "entropy": stats["entropy"] / tokens,
         "clip_ratio/low_mean": stats["low"] / tokens,
-        "clip_ratio/low_min": min(stats["low_seq"], default=math.nan),  # NaN: every completion masked (TRL)
+        "clip_ratio/low_min": per_update(stats["low_seq"], updates, micro_batches, min),
         "clip_ratio/high_mean": stats["high"] / tokens,
-        "clip_ratio/high_max": max(stats["high_seq"], default=math.nan),
+        "clip_ratio/high_max": per_update(stats["high_seq"], updates, micro_batches, max),
         "clip_ratio/region_mean": (stats["low"] + stats["high"]) / tokens,  # disjoint: low needs A < 0, high A > 0
     }
     return metrics
@@ -687,7 +710,9 @@ def main(args: Args) -> dict:
     if args.fsdp:  # each rank keeps 1/world of every weight, gradient and AdamW state (and of the reference's copy)
         model = shard_model(model)
     if args.beta != 0.0:
-        snapshot_ref(model)  # the reference is the starting policy, taken before any update
+        # the reference is the starting policy, taken before any update: LoRA copies "default" into a frozen "ref"
+        # adapter; full fine-tuning copies every weight to CPU memory (common.model.snapshot_ref)
+        snapshot_ref(model)
     bind_model_rewards(reward_funcs, model)  # model:<dir> rewards: a frozen "reward" slot on this backbone
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
@@ -737,12 +762,16 @@ def main(args: Args) -> dict:
         batch = micro_batch(examples, step, args.prompts_per_step, args.seed, drop_last=True)
         per_rank = len(batch) // world
         batch = batch[rank * per_rank : (rank + 1) * per_rank]  # this rank's prompts: a group is never split
-        # (1) rollout: G completions per prompt, groups contiguous (eval mode + no_grad inside the engine)
+        # (1) rollout: G completions per prompt, groups contiguous (eval mode + no_grad inside the engine). A
+        # completion is the sampled tokens through the first EOS, which stays (an action the policy took); none in
+        # max_completion_length: cut there and truncated (common.rollout.cut_at_eos); out also holds their text
         with gathered(model):  # FSDP2: every rank holds the full weights while it samples
             out = generate([e["prompt_ids"] for e in batch], G, max_new_tokens=args.max_completion_length, **sampling)
         timer.mark("rollout")
         # (2) rewards -> advantages, normalised within each group of G (the "group relative" baseline)
         sample_rows = [row for row in batch for _ in range(G)]  # each prompt's row once per sample of its group
+        # each function scores every completion; reward = sum_f weight_f r_f, a None (the function does not apply)
+        # left out of the sum, as TRL's nansum (common.rewards.compute_rewards); per_func (n, F): each one's scores
         rewards, per_func = score_rollout(sample_rows, out, reward_funcs, args.max_completion_length)
         # every rank's rewards, so advantages (scale_rewards="batch" included) and metrics are the global batch's
         n = len(sample_rows)
@@ -767,7 +796,8 @@ def main(args: Args) -> dict:
                 old = [logps_of(s)[0] for s in micro]
         timer.mark("train")
         # (4) reference log-probs ("ref" adapter or the swapped-in starting weights, eval, no grad); none when the
-        # KL term is off
+        # KL term is off. as_reference: eval mode, so no LoRA dropout (the reference is deterministic); the policy's
+        # adapter, grad flags and train mode are back after the block
         ref = None
         if args.beta != 0.0:
             with as_reference(model):

@@ -147,6 +147,27 @@ def test_clip_ratio_min_max_skip_fully_masked_completions_as_trl():
     assert math.isnan(grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)["clip_ratio/low_min"])  # TRL: NaN too
 
 
+def test_clip_ratio_min_max_are_per_update_then_averaged_as_trl():
+    """num_iterations > 1: TRL logs clip_ratio/high_max (low_min) once per update, the max (min) over that update's
+    completions, and the harness averages a rollout's updates; two micro-batches per update here. Update 1 clips one
+    completion fully, update 2 none: TRL's mean of maxes is 0.5, not the max over both updates (1.0)."""
+    mask = torch.ones(2, 2)
+    full, none = torch.ones(2, 2, dtype=torch.bool), torch.zeros(2, 2, dtype=torch.bool)
+    half = torch.tensor([[True, True], [False, False]])
+    stats = {}
+    for low, high in ((half, half), (none, none), (none, none), (full, none)):  # update 1: mb 1, 2; update 2: 3, 4
+        grpo.add_token_stats(stats, mask, None, torch.rand(2, 2), low, high)
+    metrics = grpo.update_metrics(stats, 0.0, [0.0, 0.0], 1.0, 1e-3)
+    assert metrics["clip_ratio/high_max"] == (1.0 + 0.0) / 2  # update 1's max 1.0, update 2's 0.0
+    assert metrics["clip_ratio/low_min"] == (0.0 + 0.0) / 2
+    assert metrics["clip_ratio/high_mean"] == 2 / 16
+    stats = {}
+    for low, high in ((full, full), (half, none)):  # one micro-batch per update
+        grpo.add_token_stats(stats, mask, None, torch.rand(2, 2), low, high)
+    metrics = grpo.update_metrics(stats, 0.0, [0.0, 0.0], 1.0, 1e-3)
+    assert metrics["clip_ratio/low_min"] == (1.0 + 0.0) / 2 and metrics["clip_ratio/high_max"] == (1.0 + 0.0) / 2
+
+
 def test_completion_length_metrics_as_trl():
     """TRL's completions/* from the lengths (EOS included) and is_truncated (no EOS): mean/min/max over all, the
     clipped ratio, and mean/min/max_terminated_length over those that stopped at an EOS (0 when none did)."""
