@@ -6,6 +6,14 @@ hyperparameters; writes both per-step series, the largest per-step difference an
     python scripts/compare_with_trl.py --method grpo --fixed-rollout   # same completions fed to both, per loss_type
     python scripts/compare_with_trl.py --method all                    # every method and loss type, one summary.md
     python scripts/compare_with_trl.py --mapping                       # the hyperparameter mapping table (Markdown)
+    python scripts/compare_with_trl.py --method grpo --loss-type dr_grpo --trl-config scale_rewards=none  # Dr. GRPO
+    python scripts/compare_with_trl.py --method grpo --fork grpo_x.py --trl-config FIELD=VALUE --keys ours=trl
+
+A fork's own hyperparameter: --trl-config sets any field of TRL's config for the method (TRL_CONFIG) over the
+harness's value, and ours the field of the same name if its Args has one (OURS_NAME: the few named otherwise); a field
+TRL lacks, one a harness flag sets (FLAG_FIELDS) or one that lines the runs up (PINNED_FIELDS) is refused before any
+model is built, as is a --loss-type ours' Args (the fork's) does not take. Under --fork the output says how many of
+the fork's changed lines ran in ours' run (changed_lines, traced); --fixed-rollout's one batch runs the fork's loss.
 
 Methods: sft, dpo (--loss-type sigmoid|ipo|robust), simpo (TRL: trl.experimental.cpo.CPOTrainer, loss_type="simpo"),
 orpo (trl.experimental.orpo.ORPOTrainer), kto, grpo (--loss-type grpo|bnpo|dr_grpo|dapo), rm (RewardTrainer; its
@@ -43,13 +51,17 @@ How the two runs are made identical (each point is checked by the harness, not a
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
 import sys
 import time
+import types
+import typing
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -100,6 +112,47 @@ KEYS = {  # compared per step; TRL's names, which ours logs too
     "rloo": ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "completions/mean_length"),
 }
 
+
+# --trl-config FIELD=VALUE: TRL's config class per method (any of its fields may be set), the fields a harness flag
+# sets on both sides (pass the flag instead), the fields that line the two runs up (not settable), and TRL's names
+# whose field in our Args is named otherwise; every other field reaches ours under its own name if ours' Args has it
+TRL_CONFIG = {
+    "sft": ("trl", "SFTConfig"),
+    "dpo": ("trl", "DPOConfig"),
+    "simpo": ("trl.experimental.cpo", "CPOConfig"),
+    "orpo": ("trl.experimental.orpo", "ORPOConfig"),
+    "kto": ("trl", "KTOConfig"),
+    "grpo": ("trl", "GRPOConfig"),
+    "rloo": ("trl", "RLOOConfig"),
+    "rm": ("trl", "RewardConfig"),
+}
+FLAG_FIELDS = {
+    "beta": "--beta",
+    "loss_type": "--loss-type",
+    "learning_rate": "--learning-rate",
+    "seed": "--seed",
+    "num_iterations": "--num-iterations",
+    "epsilon": "--epsilon",
+    "epsilon_high": "--epsilon-high",
+    "max_completion_length": "--max-completion-length",
+    "max_steps": "--steps",
+    "per_device_train_batch_size": "--batch-size",
+    "gradient_accumulation_steps": "--grad-accum",
+    "center_rewards_coefficient": "--center-rewards-coefficient",
+}
+PINNED_FIELDS = {
+    "num_generations": "TRL's batch is the harness's group x prompts",
+    "steps_per_generation": "one optimizer step per rollout and update, as ours",
+    "generation_batch_size": "one optimizer step per rollout and update, as ours",
+    "shuffle_dataset": "TRL's rows are pre-ordered as ours",
+    "train_sampling_strategy": "TRL's rows are pre-ordered as ours",
+    "reward_weights": "--rewards sets both sides' weights",
+    "output_dir": "--out",
+    "logging_steps": "per-step series",
+    "bf16": "fp32 on both",
+    "fp16": "fp32 on both",
+}
+OURS_NAME = {"cpo_alpha": "rpo_alpha"}  # simpo: TRL CPOConfig's cpo_alpha is dpo.py's rpo_alpha
 
 # GRPO rewards (ours' spec syntax; TRL gets the same functions and weights): both vary on a random tiny model
 DEFAULT_REWARDS = ("scripts.compare_with_trl:even_ids_reward", "target_length:0.5")
@@ -425,11 +478,90 @@ def load_script(s: Setup):
     return module
 
 
-def run_ours(s: Setup, data_path: str, bank: FixedRollouts | None = None) -> list[dict]:
+def ours_trl_fields(s: Setup, module) -> dict:
+    """--trl-config's fields as ours' Args fields: the same name (or OURS_NAME's), where ours' Args has it; a field
+    ours lacks is TRL's alone (the fork's code must do the same: check_trl_config says so before the runs)."""
+    names = {f.name for f in dataclasses.fields(module.Args)}
+    return {OURS_NAME.get(k, k): v for k, v in s.trl_config.items() if OURS_NAME.get(k, k) in names}
+
+
+def run_ours(s: Setup, data_path: str, bank: FixedRollouts | None = None, hit: set | None = None) -> list[dict]:
+    """Our script's per-step history; with `hit` (a fork), the fork's line numbers that ran are added to it."""
     module = load_script(s)
+    args = module.Args(**(our_args(s, data_path) | ours_trl_fields(s, module)))
     with our_fixed_generation(bank, module) if bank else contextlib.nullcontext():
-        out = module.main(module.Args(**our_args(s, data_path)))
+        with lines_run(module.__file__, hit) if hit is not None else contextlib.nullcontext():
+            out = module.main(args)
     return out["history"]
+
+
+# ------------------------------------------------------------------------------- did the fork's lines run
+def function_lines(code) -> set[int]:
+    """Line numbers with instructions inside the functions of a compiled module (not module or class level, which
+    run at import; docstrings and comments have none)."""
+    out = set()
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if const.co_flags & inspect.CO_OPTIMIZED:  # a function's body (a class body is not optimized)
+                out |= {line for _, _, line in const.co_lines() if line is not None}
+            out |= function_lines(const)
+    return out
+
+
+def changed_lines(origin: str, fork: str) -> list[int]:
+    """The fork's line numbers, inside functions, that its origin script does not have (added or replaced lines)."""
+    with open(origin) as f:
+        old = f.read().splitlines()
+    with open(fork) as f:
+        source = f.read()
+    new = set()
+    for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, old, source.splitlines(), autojunk=False).get_opcodes():
+        if tag in ("replace", "insert"):
+            new |= set(range(j1 + 1, j2 + 1))
+    return sorted(new & function_lines(compile(source, fork, "exec")))
+
+
+@contextlib.contextmanager
+def lines_run(path: str, hit: set):
+    """Add to `hit` each line number of the file `path` that runs in the block (sys.settrace, that file's frames
+    only: other files' calls cost one check each)."""
+    path = os.path.abspath(path)
+
+    def local(frame, event, arg):
+        if event == "line":
+            hit.add(frame.f_lineno)
+        return local
+
+    def calls(frame, event, arg):
+        if os.path.abspath(frame.f_code.co_filename) != path:
+            return None
+        hit.add(frame.f_lineno)  # the def line: a changed signature ran when its function was called
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield hit
+    finally:
+        sys.settrace(previous)
+
+
+def fork_lines_report(s: Setup, hit: set) -> dict:
+    """How many of the fork's changed lines (inside functions) ran in ours' run: a comparison where none ran did
+    not test the fork's idea."""
+    changed = changed_lines(os.path.join(ROOT, SCRIPT[s.method] + ".py"), s.fork)
+    ran = [line for line in changed if line in hit]
+    return {"changed": len(changed), "ran": len(ran), "never_ran": [x for x in changed if x not in hit]}
+
+
+def fork_lines_text(fork: str, r: dict) -> str:
+    name = os.path.basename(fork)
+    text = f"fork {name}: {r['ran']} of its {r['changed']} changed lines (inside functions) ran in ours' run"
+    if r["never_ran"]:
+        text += f"; never ran: lines {', '.join(map(str, r['never_ran'][:20]))}"
+    if r["changed"] and not r["ran"]:
+        text += " -- NOT A TEST OF THE FORK: its new code never ran (check the flags that switch it on)"
+    return text
 
 
 def _rm_center(s: Setup) -> dict:
@@ -512,57 +644,74 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
     if s.method == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        args = SFTConfig(**trl_common(s, **over), max_length=s.max_length, completion_only_loss=True, packing=False)
+        args = SFTConfig(
+            **with_trl_config(
+                s, trl_common(s, **over), max_length=s.max_length, completion_only_loss=True, packing=False
+            )
+        )
         return SFTTrainer(args=args, **kw)
     if s.method == "rm":
         from trl import RewardConfig, RewardTrainer
 
-        args = RewardConfig(**trl_common(s, **over), max_length=s.max_length, disable_dropout=True, **_rm_center(s))
+        common = trl_common(s, **over)
+        args = RewardConfig(
+            **with_trl_config(s, common, max_length=s.max_length, disable_dropout=True, **_rm_center(s))
+        )
         return RewardTrainer(args=args, **kw)
     if s.method == "dpo":
         from trl import DPOConfig, DPOTrainer
 
         args = DPOConfig(
-            **trl_common(s, **over),
-            beta=s.run_beta,
-            loss_type=[s.run_loss_type],
-            label_smoothing=s.label_smoothing if s.run_loss_type == "robust" else 0.0,
-            max_length=s.max_length,
-            precompute_ref_log_probs=not s.use_lora and s.precompute_ref,
-            disable_dropout=True,
+            **with_trl_config(
+                s,
+                trl_common(s, **over),
+                beta=s.run_beta,
+                loss_type=[s.run_loss_type],
+                label_smoothing=s.label_smoothing if s.run_loss_type == "robust" else 0.0,
+                max_length=s.max_length,
+                precompute_ref_log_probs=not s.use_lora and s.precompute_ref,
+                disable_dropout=True,
+            )
         )
         return DPOTrainer(args=args, **kw)
     if s.method == "simpo":
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
         args = CPOConfig(
-            **trl_common(s, **over),
-            loss_type="simpo",
-            beta=s.run_beta,
-            simpo_gamma=0.5,
-            cpo_alpha=s.cpo_alpha,
-            label_smoothing=0.0,
-            max_length=s.max_length,
-            disable_dropout=True,
+            **with_trl_config(
+                s,
+                trl_common(s, **over),
+                loss_type="simpo",
+                beta=s.run_beta,
+                simpo_gamma=0.5,
+                cpo_alpha=s.cpo_alpha,
+                label_smoothing=0.0,
+                max_length=s.max_length,
+                disable_dropout=True,
+            )
         )
         return CPOTrainer(args=args, **kw)
     if s.method == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-        args = ORPOConfig(**trl_common(s, **over), beta=s.run_beta, max_length=s.max_length, disable_dropout=True)
+        common = trl_common(s, **over)
+        args = ORPOConfig(**with_trl_config(s, common, beta=s.run_beta, max_length=s.max_length, disable_dropout=True))
         return ORPOTrainer(args=args, **kw)
     if s.method == "kto":
         from trl import KTOConfig, KTOTrainer
 
         args = KTOConfig(
-            **trl_common(s, **over),
-            beta=s.run_beta,
-            loss_type="kto",
-            desirable_weight=1.0,
-            undesirable_weight=1.0,
-            max_length=s.max_length,
-            precompute_ref_log_probs=False,
-            disable_dropout=True,
+            **with_trl_config(
+                s,
+                trl_common(s, **over),
+                beta=s.run_beta,
+                loss_type="kto",
+                desirable_weight=1.0,
+                undesirable_weight=1.0,
+                max_length=s.max_length,
+                precompute_ref_log_probs=False,
+                disable_dropout=True,
+            )
         )
         return KTOTrainer(args=args, **kw)
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig
@@ -594,14 +743,19 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
         log_completions=False,
     )
     if s.method == "rloo":
-        args = RLOOConfig(**common, normalize_advantages=False, **s.trl_config)
+        args = RLOOConfig(**with_trl_config(s, common, normalize_advantages=False))
         cls = fixed_rollout_rloo_trainer(bank) if bank else importlib.import_module("trl").RLOOTrainer
         return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
-    args = GRPOConfig(
-        **common, loss_type=s.run_loss_type, scale_rewards="group", use_bias_correction_kl=False, **s.trl_config
-    )
+    grpo = dict(loss_type=s.run_loss_type, scale_rewards="group", use_bias_correction_kl=False)
+    args = GRPOConfig(**with_trl_config(s, common, **grpo))
     cls = fixed_rollout_trainer(bank) if bank else GRPOTrainer
     return cls(reward_funcs=[fn for _, fn, _ in funcs], args=args, **kw)
+
+
+def with_trl_config(s: Setup, common: dict, **fields) -> dict:
+    """The TRL config's keyword arguments: the harness's values, then --trl-config's fields over them (check_trl_config
+    has refused, before anything ran, a field a harness flag sets or one that would misalign the two runs)."""
+    return common | fields | s.trl_config
 
 
 def quiet(trainer):
@@ -674,10 +828,12 @@ def tokenization_report(s: Setup, trainer, examples: list[dict], order: list[int
 # ------------------------------------------------------------------------------------------------ compare
 def compare(ours: list[dict], trl: list[dict], keys) -> dict:
     """Per key: both series and the max over steps of |ours - TRL| (a key absent at a step on either side is skipped,
-    e.g. KTO's rewards/rejected in a micro-batch without undesirable rows)."""
+    e.g. KTO's rewards/rejected in a micro-batch without undesirable rows). A key "OURS=TRL" pairs two names (a
+    fork's metric and TRL's for the same quantity, e.g. clip_ratio/high_mean=cispo_clip_ratio)."""
     out = {}
     for key in keys:
-        a, b = [h.get(key, math.nan) for h in ours], [h.get(key, math.nan) for h in trl]
+        ours_key, _, trl_key = key.partition("=")
+        a, b = [h.get(ours_key, math.nan) for h in ours], [h.get(trl_key or ours_key, math.nan) for h in trl]
         pairs = [(x, y) for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))]
         out[key] = {
             "ours": a,
@@ -715,14 +871,21 @@ def plot(name: str, series: dict, path: str) -> str:
 
 
 # --------------------------------------------------------------------------------- GRPO fixed-batch losses
-def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, trainer=None) -> list[dict]:
+def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None) -> list[dict]:
     """One fixed batch (prompts_per_step x group_size completions from the bank) split into `micro` micro-batches:
     TRL's GRPOTrainer._compute_loss vs our grpo_per_token_loss + aggregate_loss, on the same model (TRL's PeftModel
     with its "default" and "ref" adapters; without LoRA its model and its reference model), advantages and reference
     log-probs. Per loss_type: summed loss and every
     LoRA gradient, each side's gradient norm. bnpo also gets the normaliser that reproduces TRL (num_items = the
-    micro-batch's tokens x micro, see grpo.aggregate_loss): grpo.py divides by the whole step's tokens."""
-    grpo = importlib.import_module("grpo")  # the script under test: its loss, aggregation and advantages
+    micro-batch's tokens x micro, see grpo.aggregate_loss): grpo.py divides by the whole step's tokens.
+    Under --fork the fork's own grpo_per_token_loss, aggregate_loss and group_advantages run (the arguments its
+    signature takes, e.g. GSPO's completion_mask), for the run's loss_type only (loss_types None: every grpo.py one,
+    or the fork's)."""
+    grpo = load_script(s)  # the script under test (grpo.py or the fork): its loss, aggregation and advantages
+    script = os.path.basename(grpo.__file__)
+    if loss_types is None:
+        loss_types = (s.run_loss_type,) if s.fork else LOSS_TYPES["grpo"]
+    takes = inspect.signature(grpo.grpo_per_token_loss).parameters
     from common.model import as_reference, sequence_logps
     from common.rewards import compute_rewards, load_reward_funcs
 
@@ -745,7 +908,7 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
     }
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards, _ = compute_rewards(funcs, [r["prompt"] for r in rows for _ in range(G)], texts, fields)
-    advantages, _ = grpo.group_advantages(rewards, G, "group")
+    advantages, _ = grpo.group_advantages(rewards, G, s.trl_config.get("scale_rewards", "group"))
 
     # Ours: right-padded prompt + completion rows; TRL: left-padded prompts, right-padded completions (its layout).
     seqs = concat_prompt_completion(prompt_rows, completions, pad)
@@ -802,15 +965,17 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
         total = 0.0
         for c in chunks:
             logps = sequence_logps(model, seqs["input_ids"][c], seqs["attention_mask"][c], mask[c])
-            per_token_loss, per_token_kl, *_ = grpo.grpo_per_token_loss(
+            given = dict(
                 per_token_logps=logps,
                 old_per_token_logps=logps.detach(),
                 ref_per_token_logps=ref[c],
                 advantages=advantages[c],
-                epsilon=0.2,
-                epsilon_high=0.2,
+                epsilon=s.epsilon,
+                epsilon_high=s.epsilon if s.epsilon_high is None else s.epsilon_high,
                 beta=s.run_beta,
+                completion_mask=mask[c],
             )
+            per_token_loss, per_token_kl, *_ = grpo.grpo_per_token_loss(**{k: given[k] for k in takes})
             if kl_times_ratio and per_token_kl is not None:
                 # TRL's use_bias_correction_kl: beta * k3 * rho; rho == 1 in value, so only the gradient gains k3
                 per_token_loss = per_token_loss + s.run_beta * per_token_kl * (torch.exp(logps - logps.detach()) - 1)
@@ -824,13 +989,13 @@ def grpo_loss_parity(s: Setup, loss_types=LOSS_TYPES["grpo"], micro: int = 2, tr
 
     whole_step, trl_bnpo = (lambda c: mask.sum()), (lambda c: mask[c].sum() * micro)
     cases = [  # (TRL use_bias_correction_kl, our variant): the first is the parity, the others pin differences
-        (False, "grpo.py", whole_step, False),
-        (True, "grpo.py", whole_step, False),
-        (True, "grpo.py, KL x ratio", whole_step, True),
+        (False, script, whole_step, False),
+        (True, script, whole_step, False),
+        (True, f"{script}, KL x ratio", whole_step, True),
     ]
     results = []
     for loss_type in loss_types:
-        bnpo = [cases[0], (False, "grpo.py, num_items = micro-batch tokens x GA", trl_bnpo, False)]
+        bnpo = [cases[0], (False, f"{script}, num_items = micro-batch tokens x GA", trl_bnpo, False)]
         for bias_correction, variant, num_items_of, kl_times_ratio in bnpo if loss_type == "bnpo" else cases:
             trl_loss, trl_grads = trl_side(loss_type, bias_correction)
             our_loss, our_grads = our_side(loss_type, num_items_of, kl_times_ratio)
@@ -881,8 +1046,11 @@ def run_pair(s: Setup, tokenizer) -> dict:
         if len(examples) != len(rows):
             raise ValueError(f"{len(rows) - len(examples)} rows dropped at max_length={s.max_length}; raise it")
     t0 = time.perf_counter()
-    ours = run_ours(s, data_path, bank)
+    hit = set() if s.fork else None
+    ours = run_ours(s, data_path, bank, hit)
     t1 = time.perf_counter()
+    if s.fork:
+        report["fork_lines"] = fork_lines_report(s, hit)
     trainer = quiet(trl_trainer(s, [rows[i] for i in order], tokenizer, bank))
     if kind != "prompt":
         report["tokenization"] = tokenization_report(s, trainer, examples, order)
@@ -919,6 +1087,9 @@ def summary_markdown(reports: list[dict], command: str) -> str:
             )
         if r.get("tokenization") and not r["tokenization"]["identical"]:
             lines.append(f"| {r['name']} | | tokenization | {r['tokenization']} | | | |")
+    forks = [r for r in reports if r.get("fork_lines")]
+    if forks:
+        lines += [""] + [fork_lines_text(r["setup"]["fork"], r["fork_lines"]) for r in forks]
     parity = [(r["name"], row) for r in reports for row in r.get("loss_parity", [])]
     if parity:
         lines += [
@@ -1008,6 +1179,49 @@ def trl_field(text: str) -> tuple[str, object]:
         return name, value
 
 
+def check_loss_type(s: Setup) -> None:
+    """--loss-type against ours' Args (the method's script or the fork, whose Literal may add one, e.g. APO-zero's),
+    before any model is built."""
+    if not s.loss_type or s.method == "rloo":  # RLOO's loss is per sequence: ours takes no loss_type
+        return
+    hint = typing.get_type_hints(load_script(s).Args).get("loss_type")
+    choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+    if choices and s.loss_type not in choices:
+        script = os.path.basename(s.fork) if s.fork else SCRIPT[s.method] + ".py"
+        raise SystemExit(f"--loss-type {s.loss_type} is not one of {script}'s: {', '.join(choices)}")
+
+
+def check_trl_config(s: Setup) -> list[str]:
+    """Refuse, before any model is built, a --trl-config field TRL's config for the method lacks, one a harness flag
+    sets on both sides (FLAG_FIELDS: pass the flag) or one that lines the two runs up (PINNED_FIELDS). Returns one
+    line per field saying where it goes: TRL's config and ours' flag of the same name (OURS_NAME's), or TRL's alone
+    (ours' Args has no such field: the fork's code must do the same)."""
+    if not s.trl_config:
+        return []
+    module, name = TRL_CONFIG[s.method]
+    config = getattr(importlib.import_module(module), name)
+    trl_fields = {f.name for f in dataclasses.fields(config)}
+    ours = load_script(s)
+    script = os.path.basename(s.fork) if s.fork else SCRIPT[s.method] + ".py"
+    lines = []
+    for key, value in s.trl_config.items():
+        if key not in trl_fields:
+            raise SystemExit(f"--trl-config {key}: TRL's {name} has no such field")
+        if key in FLAG_FIELDS:
+            flag = FLAG_FIELDS[key]
+            raise SystemExit(f"--trl-config {key}: the harness sets it on both sides from {flag}; pass {flag}")
+        if key in PINNED_FIELDS:
+            raise SystemExit(f"--trl-config {key}: the harness pins it ({PINNED_FIELDS[key]})")
+        mapped = ours_trl_fields(replace(s, trl_config={key: value}), ours)
+        if mapped:
+            (ours_key,) = mapped
+            where = f"ours {script} --{ours_key.replace('_', '-')} {value}"
+        else:
+            where = f"TRL only: {script}'s Args has no {key} (its code must do what TRL's {key}={value} does)"
+        lines.append(f"--trl-config {key}={value}: TRL {name}.{key}; {where}")
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", choices=[*METHODS, "rloo", "all"], default="dpo", help="rloo: with --fork")
@@ -1038,9 +1252,16 @@ def main(argv=None):
         type=trl_field,
         default=[],
         metavar="FIELD=VALUE",
-        help="TRL config fields that switch TRL to the fork's idea, e.g. importance_sampling_level=sequence",
+        help="any field of TRL's config for the method (over the harness's value); ours gets the field of the same "
+        "name when its Args has one, e.g. scale_rewards=none (Dr. GRPO with --loss-type dr_grpo), "
+        "importance_sampling_level=sequence (TRL only: a fork's code)",
     )
-    parser.add_argument("--keys", nargs="+", default=None, help="the logged keys to compare (default: the method's)")
+    parser.add_argument(
+        "--keys",
+        nargs="+",
+        default=None,
+        help="the logged keys to compare (default: the method's); OURS=TRL pairs two",
+    )
     parser.add_argument("--out", default="outputs/compare_with_trl")
     parser.add_argument("--mapping", action="store_true", help="print the hyperparameter mapping table and exit")
     args = parser.parse_args(argv)
@@ -1053,11 +1274,13 @@ def main(argv=None):
         raise SystemExit("--method rloo compares a fork of grpo.py (docs/forks/rloo.patch): pass --fork grpo_rloo.py")
     if not args.use_lora and args.method not in ("dpo", "grpo"):
         raise SystemExit("--no-use-lora: only the dpo and grpo comparisons have it (--method all runs DPO's)")
-    if args.trl_config and args.method not in ("grpo", "rloo"):
-        raise SystemExit("--trl-config: only the grpo and rloo comparisons pass fields to TRL's config")
     if args.fork and not os.path.isfile(args.fork):
         raise SystemExit(f"--fork {args.fork}: no such file (apply a docs/forks/ patch to a copy of the script first)")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    for s in setups(args, "", ""):  # every flag checked against both sides before any model is built
+        check_loss_type(s)
+        for line in check_trl_config(s):
+            print(line)
     import datasets
 
     datasets.disable_progress_bars()
@@ -1068,6 +1291,8 @@ def main(argv=None):
         reports.append(r)
         worst = ", ".join(f"{k} {v:.1e}" for k, v in r["max_abs_diff"].items())
         print(f"{s.name}: max |ours - TRL| per key: {worst}  -> {r['png']}")
+        if r.get("fork_lines"):
+            print("  " + fork_lines_text(s.fork, r["fork_lines"]))
         for x in r.get("loss_parity", []):
             print(
                 f"  one batch {x['loss_type']}, TRL {x['trl']} vs ours {x['ours']}: loss {x['ours_loss']:.6g} / "

@@ -87,6 +87,12 @@ def test_gspo_fork_matches_trl_sequence_level_importance_sampling(trl_harness, t
     report = run(trl_harness, fork=apply_fork("gspo", tmp_path), **GSPO)
     assert_series_match(report)
     assert max(report["series"]["clip_ratio/region_mean"]["ours"]) > 0, "the sequence clip never acted"
+    assert report["fork_lines"]["ran"] > 0, report["fork_lines"]  # the fork's new code is what ran
+    # --fixed-rollout's one batch runs the fork's own loss (not grpo.py's) against TRL's sequence level
+    parity = [r for r in report["loss_parity"] if r["trl"].endswith("False")]
+    assert parity and {r["ours"] for r in parity} == {"grpo_gspo.py"}
+    for r in parity:
+        assert r["loss_abs_diff"] <= 1e-6 and r["grad_rel_diff"] <= 1e-5, r
     plain = run(trl_harness, **GSPO)  # grpo.py itself: token-level ratios against TRL's sequence level
     assert differs(plain, ("loss", "grad_norm", "clip_ratio/region_mean")), "grpo.py already matched: no power"
 
@@ -166,8 +172,81 @@ def test_compare_with_trl_reads_a_fork_and_trl_fields_from_the_command_line(tmp_
         main(["--method", "rloo", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="pass --method, not all"):
         main(["--method", "all", "--fork", "x.py", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="only the grpo and rloo"):
+    with pytest.raises(SystemExit, match="from --beta; pass --beta"):  # one way to set a field both sides get
         main(["--method", "dpo", "--trl-config", "beta=0.2", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="no such file"):
         main(["--method", "grpo", "--fork", str(tmp_path / "grpo_gspo.py"), "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # stopped before building the tiny model or the adapter
+
+
+def test_any_trl_config_field_reaches_trl_and_ours_and_a_conflict_stops_before_anything_runs(trl_harness, tmp_path):
+    """--trl-config FIELD=VALUE, for any method, replaces the harness's value in TRL's config (Dr. GRPO's
+    scale_rewards=none, which the harness sets to group; DPO's label_smoothing, which it sets to 0) and reaches ours
+    under the same name when ours' Args has it; a field TRL lacks, one a harness flag sets, or one that lines the runs
+    up is refused before any model is built; --loss-type is checked against the fork's own Args just as early."""
+    import grpo
+
+    from scripts.compare_with_trl import check_trl_config, main, make_rows, ours_trl_fields, trl_order, trl_trainer
+
+    base = dict(model=trl_harness["model"], adapter=trl_harness["adapter"], out=str(tmp_path), steps=1)
+    tokenizer = trl_harness["tokenizer"]
+    drgrpo = Setup(method="grpo", loss_type="dr_grpo", trl_config={"scale_rewards": "none"}, **base)
+    rows = make_rows("prompt", drgrpo.n_rows, tokenizer, target_length=8)
+    assert trl_trainer(drgrpo, rows, tokenizer).args.scale_rewards == "none"
+    assert ours_trl_fields(drgrpo, grpo) == {"scale_rewards": "none"}
+    (line,) = check_trl_config(drgrpo)
+    assert "GRPOConfig.scale_rewards" in line and "ours grpo.py --scale-rewards none" in line
+    smooth = Setup(method="dpo", trl_config={"label_smoothing": 0.1}, **base)
+    rows = make_rows("preference", smooth.n_rows, tokenizer)
+    assert trl_trainer(smooth, [rows[i] for i in trl_order(smooth)], tokenizer).args.label_smoothing == 0.1
+    assert "ours dpo.py --label-smoothing 0.1" in check_trl_config(smooth)[0]
+    gspo = Setup(method="grpo", trl_config={"importance_sampling_level": "sequence"}, **base)
+    assert "TRL only" in check_trl_config(gspo)[0]  # ours' Args has no such field: the fork's code does it
+    out = tmp_path / "out"
+    fork = tmp_path / "grpo_idea.py"
+    shutil.copy(ROOT / "grpo.py", fork)
+    for argv, message in [
+        (["--method", "kto", "--trl-config", "no_such_field=1"], "KTOConfig has no such field"),
+        (["--method", "grpo", "--trl-config", "num_iterations=2"], "pass --num-iterations"),
+        (["--method", "grpo", "--trl-config", "shuffle_dataset=true"], "pins it"),
+        (["--method", "grpo", "--loss-type", "cispo"], "not one of grpo's"),
+        (["--method", "grpo", "--fork", str(fork), "--loss-type", "cispo"], "not one of grpo_idea.py's"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main([*argv, "--out", str(out)])
+    assert not out.exists()  # refused before the tiny model or the adapter was written
+
+
+def test_compare_pairs_keys_of_different_names():
+    """--keys OURS=TRL: a fork's metric against TRL's name for the same quantity."""
+    from scripts.compare_with_trl import compare
+
+    series = compare(
+        [{"clip_ratio/high_mean": 0.25}], [{"cispo_clip_ratio": 0.5}], ["clip_ratio/high_mean=cispo_clip_ratio"]
+    )
+    assert series["clip_ratio/high_mean=cispo_clip_ratio"]["max_abs_diff"] == 0.25
+
+
+def test_the_output_says_whether_a_forks_changed_lines_ran(tmp_path):
+    """The fork's lines that differ from its script, inside functions, are traced while ours runs: a comparison whose
+    new branch never fired says so instead of reading as a pass."""
+    from scripts.compare_with_trl import changed_lines, fork_lines_text, lines_run
+
+    origin, fork = tmp_path / "algo.py", tmp_path / "algo_idea.py"
+    origin.write_text("def loss(x, flag=False):\n    y = x * 2\n    return y\n")
+    fork.write_text(
+        '"""A fork."""\n\n\ndef loss(x, flag=False):\n    y = x * 2\n    if flag:\n        y = y + 1  # the idea\n'
+        "    return y\n"
+    )
+    changed = changed_lines(str(origin), str(fork))
+    assert changed == [6, 7]  # the docstring is not code; the new branch is
+    spec = importlib.util.spec_from_file_location("algo_idea", fork)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for flag, ran in ((False, [6]), (True, [6, 7])):
+        hit = set()
+        with lines_run(str(fork), hit):
+            module.loss(1, flag)
+        assert [line for line in changed if line in hit] == ran
+    text = fork_lines_text(str(fork), {"changed": 2, "ran": 0, "never_ran": [6, 7]})
+    assert "NOT A TEST OF THE FORK" in text and "never ran: lines 6, 7" in text

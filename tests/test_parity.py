@@ -166,3 +166,14 @@ def test_chat_rows_pinned_difference_trl_trains_the_newline_after_end_of_turn(ha
             assert ours[i][f"{side}_ids"][-1] == tokenizer.eos_token_id
             assert trl[f"{side}_ids"] == ours[i][f"{side}_ids"] + newline
     assert not tokenization_report(setup, trainer, ours, order)["identical"]
+
+
+@pytest.mark.slow
+def test_grpo_clip_extremes_over_several_updates_match_trl(harness):
+    """num_iterations 2 with a clip that binds in the second update: TRL logs clip_ratio/high_max (low_min) per update
+    and the harness averages a rollout's updates; grpo.py's must be the same average (not the max over both)."""
+    keys = ("loss", "clip_ratio/high_max", "clip_ratio/low_min", "clip_ratio/region_mean")
+    kw = dict(fixed_rollout=True, iterations=2, epsilon=3e-4, epsilon_high=4e-4, beta=0.0, steps=2, keys=keys)
+    report = run(harness, "grpo", **kw)
+    assert max(report["series"]["clip_ratio/high_max"]["trl"]) > 0, "the clip never bound: nothing tested"
+    assert_series_match(report)
