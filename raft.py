@@ -28,6 +28,7 @@ import os
 import pathlib
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,7 +46,7 @@ from common.data import tokenize_dataset, training_steps, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, broadcast, close_distributed
 from common.distributed import gathered, gathered_state, init_distributed, is_sharded, rank_and_world
 from common.distributed import rank_micro_batches, shard_model
-from common.errors import ArgsError, DataError, ResumeError, RunStopped
+from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
 from common.model import adamw_8bit, attach_lora, check_finite, completion_logps, disable_dropout, load_model
 from common.model import save_final, save_weights, seed_everything, sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
@@ -54,7 +55,8 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import check_run_dir_identity, load_weights, run_identity, writing
+from harness.checkpoints import check_finite_files, check_run_dir_identity, load_weights, read_marker, run_identity
+from harness.checkpoints import write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset
 from harness.hub import check_inputs, locate_model
@@ -214,6 +216,7 @@ PRESET_VALUES = {  # field: (demo, gsm8k)
 PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
 # --rewards names: the rule rewards, the sandboxed code tests and the API judge (model:<dir> is read by model_reward)
 REWARDS = REWARD_FUNCS | {"code": code_reward, "api": api_reward}
+ROUND_COMPLETE = "round_complete.json"  # written last in a round: its files' sha256 and its own; a resume checks them
 
 
 def dpo_sigmoid_loss(*, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float):
@@ -295,7 +298,31 @@ def _write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: di
         pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
         if model is not None:  # only the policy: a PEFT adapter that --adapter of every script loads, or a model
             save_weights(model, os.path.join(tmp, "adapter"), ["default"], weights)
+        write_marker(tmp, ROUND_COMPLETE, {"round": n})  # last: each file's sha256 and the marker's own
+    if os.path.exists(final):  # a damaged round-n a resume fell back from
+        shutil.rmtree(final)
     os.replace(tmp, final)
+
+
+def last_good_round(run_dir: str) -> int:
+    """The newest round-N whose marker, files (their sha256 at write time) and weights (finite) check out; a damaged
+    newer one is skipped with one warning each. -1: none (a new run dir)."""
+    rounds = [int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()]
+    failures = []
+    for n in sorted(rounds, reverse=True):
+        folder = os.path.join(run_dir, f"round-{n}")
+        try:
+            read_marker(folder, ROUND_COMPLETE, "metrics.json")
+            check_finite_files(folder)
+        except CorruptCheckpointError as e:
+            failures.append(str(e))
+            if n != min(rounds):
+                warnings.warn(f"{e}; falling back to the previous round", stacklevel=2)
+            continue
+        return n
+    if failures:
+        raise CorruptCheckpointError(f"{run_dir}: no intact round to resume from: {'; '.join(failures)}")
+    return -1
 
 
 def sft_step(model, chunk: list[dict], pad_id: int, device):
@@ -544,9 +571,8 @@ def main(args: Args) -> dict:
     if args.plan:
         return {"memory_plan": plan}
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
-    # The last complete round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
-    rounds = [int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()]
-    done = max(rounds, default=-1)
+    # The last verified round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
+    done = last_good_round(run_dir)
     if args.resume_from and not 0 <= done < args.num_rounds:  # nothing to continue, or nothing left to run
         why = f"round {done} is done, at or past this run's {args.num_rounds} rounds" if done >= 0 else "no round-N/"
         raise ResumeError(f"--resume-from {run_dir}: {why}")

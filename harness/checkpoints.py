@@ -269,6 +269,18 @@ def read_marker(folder: str, name: str, needed: str) -> dict:
     return meta
 
 
+def check_finite_files(folder: str) -> None:
+    """CorruptCheckpointError naming the file and tensor when a .safetensors file under folder holds a NaN/Inf (a
+    policy written with one was refused at save time, so it came later)."""
+    for dirpath, _, files in os.walk(folder):
+        for name in sorted(f for f in files if f.endswith(".safetensors")):
+            path = os.path.join(dirpath, name)
+            for key, tensor in load_file(path).items():
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    rel = os.path.relpath(path, folder)
+                    raise CorruptCheckpointError(f"{folder}: {rel}: tensor {key} holds NaN/Inf")
+
+
 def _read_verified_meta(ckpt: str) -> dict:
     """The marker's JSON, after its own hash and every file it lists were checked (read_marker), with the fields a
     resume reads."""

@@ -6,6 +6,8 @@ import functools
 import json
 import math
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -14,8 +16,10 @@ import torch
 
 import raft
 from common.data import load_rows, validate_rows
-from safetensors.torch import load_file
-from raft import Args, main, make_pairs, select_best, spin_pairs
+from common.errors import CorruptCheckpointError
+from harness.checkpoints import write_marker
+from safetensors.torch import load_file, save_file
+from raft import Args, last_good_round, main, make_pairs, select_best, spin_pairs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAN = math.nan
@@ -182,6 +186,7 @@ def test_one_round_files_adapters_and_exact_resume(tiny_model_dir, prompts_jsonl
         "eval.jsonl",
         "metrics.json",
         "pairs.jsonl",
+        "round_complete.json",
         "samples.jsonl",
         "sft.jsonl",
     ]
@@ -371,9 +376,9 @@ def test_a_phase_makes_num_train_epochs_full_passes_over_its_rows():
     once."""
     seen, model = [], torch.nn.Linear(2, 1)
 
-    def step_loss(chunk):
+    def step_loss(chunk):  # (the micro-batch's summed loss, its count, stats)
         seen.extend(e["i"] for e in chunk)
-        return model.weight.sum() * 0.0, {}
+        return model.weight.sum() * 0.0, len(chunk), {}
 
     args = Args(per_device_train_batch_size=8, num_train_epochs=2.0)
     out = raft.run_phase(model, [{"i": i} for i in range(10)], args, 1e-3, step_loss, "sft/", seed=0)
@@ -435,3 +440,56 @@ def test_cli_help_and_one_round(tiny_model_dir, prompts_jsonl, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "raft (raft): eval/builtin_math/accuracy by round" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def two_rounds(tiny_model_dir, prompts_jsonl, tmp_path_factory):
+    """A finished 2-round raft run dir (copy it before damaging it)."""
+    return run(tiny_model_dir, prompts_jsonl, tmp_path_factory.mktemp("two"), num_rounds=2)["run_dir"]
+
+
+def damage(path: str, how: str) -> None:
+    if how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        return
+    tensors = load_file(path)
+    key = next(k for k in tensors if "lora_B" in k)
+    if how == "flipped":
+        tensors[key].view(torch.int32).view(-1)[0] ^= 1 << 29  # one exponent bit
+    else:
+        tensors[key].view(-1)[0] = math.nan
+    save_file(tensors, path)
+    if how == "nan-resealed":  # the marker rewritten to match: the finite check on load still refuses it
+        folder = os.path.dirname(os.path.dirname(path))
+        meta = json.load(open(os.path.join(folder, "round_complete.json")))
+        write_marker(folder, "round_complete.json", {"round": meta["round"]})
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "nan-resealed"])
+def test_a_damaged_newest_round_falls_back_to_the_previous_one(
+    tiny_model_dir, prompts_jsonl, two_rounds, tmp_path, how
+):
+    """Issue 40, section 3: a flipped bit in round-N's weights resumed silently, a NaN crashed the rollout, a
+    truncated file gave a raw SafetensorError. Now round-N is checked (its files' sha256, its weights finite) and the
+    previous round is resumed from, with one warning."""
+    run_dir = shutil.copytree(two_rounds, tmp_path / "copy")
+    damage(os.path.join(run_dir, "round-2", "adapter", "adapter_model.safetensors"), how)
+    problem = "holds NaN/Inf" if how == "nan-resealed" else "does not match the hashes"
+    with pytest.warns(UserWarning, match=f"round-2: .*{problem}.*falling back to the previous round"):
+        out = run(tiny_model_dir, prompts_jsonl, tmp_path / "unused", num_rounds=3, resume_from=str(run_dir))
+    assert [h["step"] for h in out["history"]] == [2, 3]
+    assert sorted(d for d in os.listdir(run_dir) if "round" in d) == ["round-0", "round-1", "round-2", "round-3"]
+
+
+def test_a_round_marker_with_a_flipped_bit_is_refused(two_rounds, tmp_path):
+    run_dir = shutil.copytree(two_rounds, tmp_path / "copy")
+    marker = pathlib.Path(run_dir, "round-2", "round_complete.json")
+    marker.write_bytes(marker.read_bytes().replace(b'"round": 2', b'"round": 0'))  # one bit
+    with pytest.warns(UserWarning, match="round-2: round_complete.json does not match its own hash"):
+        assert last_good_round(str(run_dir)) == 1
+    for n in (0, 1):
+        shutil.rmtree(pathlib.Path(run_dir, f"round-{n}", "adapter"), ignore_errors=True)
+        pathlib.Path(run_dir, f"round-{n}", "metrics.json").write_text("{}")
+    with pytest.warns(UserWarning), pytest.raises(CorruptCheckpointError, match="no intact round .*round-2.*round-0"):
+        last_good_round(str(run_dir))
