@@ -21,8 +21,8 @@ exactly one `torch.rand(B*G, dtype=float64)` from the device's default generator
 or not, and row r takes the token at which the cumulative probability first exceeds u_r * total (inverse CDF). A
 rollout therefore consumes B*G x (longest completion) uniforms, whatever rows were dropped on the way, and resumes
 from a checkpoint's RNG state exactly; greedy consumes none. (model.generate draws one torch.multinomial per live step
-instead: same distribution, another stream.) Models whose cache holds more than keys and values (recurrent or
-sliding-window layers) are sampled by `model.generate`, as before.
+instead: same distribution, another stream.) Models that `decode` refuses (`decodes_exactly`: a cache holding more
+than keys and values, a rotary embedding not in STATIC_ROPE) are sampled by `model.generate`, as before.
 """
 
 import contextlib
@@ -154,16 +154,30 @@ def _last_logits(lm, cache, input_ids, position_ids, attention_mask):
 
 # transformers' model types whose decoder layer is exactly what decoder_step writes out
 DECODER_STEP_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+# rope types whose frequencies are fixed at init: cos/sin depend on the position alone, not on the calls before
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def decodes_exactly(config) -> bool:
+    """decode's rule on the config: every rope_type of its text config's rope_parameters (one, or one per layer
+    type; none: no rotary embedding) is in STATIC_ROPE. "dynamic" and "longrope" rescale with the longest position
+    of each call, so a prompt prefilled in two calls, or rows leaving the batch, change what the model computes."""
+    rope = getattr(config.get_text_config(), "rope_parameters", None) or {}
+    ropes = [rope] if "rope_type" in rope else [r for r in rope.values() if isinstance(r, dict)]
+    return all(r.get("rope_type", "default") in STATIC_ROPE for r in ropes)
 
 
 def decoder_step(lm, cache, input_ids, position_ids, attention_mask):
     """_last_logits for one new token per row (input_ids (n, 1)) after a SlabLayer cache, for the model types in
-    DECODER_STEP_MODELS: their forward written out, calling each of their modules (embedding, rotary embedding,
-    norms, projections, MLP, head) as their forward does, without what the model's forward adds around a one-token
-    step: the mask built per call, the attention interface's keyword plumbing, output objects. The attention is the
-    same grouped-query attention over the filled part of the slab: a row's one query per head, the G query heads that
-    share a key/value head taken together as G queries of that head (transformers' repeat_kv order), the padded
-    positions masked out."""
+    DECODER_STEP_MODELS with no sliding_window (None: Mistral's forward windows every layer when it is set, whatever
+    layer_types says); any other config runs _last_logits, the model's own forward. Their forward written out,
+    calling each of their modules (embedding, rotary embedding, norms, projections, MLP, head) as their forward does,
+    without what the model's forward adds around a one-token step: the mask built per call, the attention interface's
+    keyword plumbing, output objects. The attention is the same grouped-query attention over the filled part of the
+    slab: a row's one query per head, the G query heads that share a key/value head taken together as G queries of
+    that head (transformers' repeat_kv order), the padded positions masked out."""
+    if lm.config.model_type not in DECODER_STEP_MODELS or getattr(lm.config, "sliding_window", None) is not None:
+        return _last_logits(lm, cache, input_ids, position_ids, attention_mask)
     backbone = lm.get_decoder()
     n = input_ids.shape[0]
     hidden = backbone.embed_tokens(input_ids)  # (n, 1, H)
@@ -296,21 +310,22 @@ def decode(
 ):
     """(tokens, logprobs), both (n, max_new_tokens), sampled for left-padded rows (n, P) whose groups of group_size
     are contiguous repeats of a prompt (anything after a row's first EOS is meaningless); None when lm's cache holds
-    more than full-attention keys and values. sampling: temperature, top_p, top_k.
+    more than full-attention keys and values or not decodes_exactly(lm.config). sampling: temperature, top_p, top_k.
 
     Default: each distinct prompt but its last token goes through the backbone once (no logits) into a SlabLayer
     cache of P + max_new_tokens positions, repeated group_size times (when group_size > 1 and every prompt has more
     than one token); each step feeds one token per row at position prompt length + k; a row that sampled an EOS
     leaves the batch. static=True (what a CUDA graph captures): transformers' StaticCache, every row prefilled and
     run every step with the same shapes, the mask (n, P + max_new_tokens) hiding what is not written. step: the
-    forward of every one-token step (compiled_step(), _last_logits); by default decoder_step for the model types in
-    DECODER_STEP_MODELS (not static), else _last_logits. A whole prompt goes through _last_logits. stream (first,
-    total): these rows are rows first .. first + n - 1 of a global batch of `total` (a rank's share under torchrun):
-    each step draws the whole batch's uniforms and these rows take theirs, so they sample what one process would."""
+    forward of every one-token step (compiled_step(), _last_logits); by default decoder_step (not static), else
+    _last_logits. A whole prompt goes through _last_logits. stream (first, total): these rows are rows first ..
+    first + n - 1 of a global batch of `total` (a rank's share under torchrun): each step draws the whole batch's
+    uniforms and these rows take theirs, so they sample what one process would."""
     device = input_ids.device
     n, width = input_ids.shape
     plain = prompt_cache(lm)
-    if plain is None or not plain.layers or any(type(layer) is not DynamicLayer for layer in plain.layers):
+    refused = plain is None or not plain.layers or any(type(layer) is not DynamicLayer for layer in plain.layers)
+    if refused or not decodes_exactly(lm.config):
         return None
     capacity = width + max_new_tokens
     if static:
@@ -318,7 +333,7 @@ def decode(
     else:
         cache = Cache(layers=[SlabLayer(capacity) for _ in plain.layers])
     if step is None:
-        step = decoder_step if not static and lm.config.model_type in DECODER_STEP_MODELS else _last_logits
+        step = _last_logits if static else decoder_step
     mask = attention_mask.new_zeros(n, capacity)  # one more column set per step, in place
     mask[:, :width] = attention_mask
     next_position = attention_mask.sum(dim=-1, keepdim=True)  # (n, 1): where each row's first new token sits
@@ -398,10 +413,10 @@ def hf_generate(
     stream: tuple[int, int] | None = None,
 ) -> dict:
     """Sample group_size completions per prompt with `decode` (left padding, eval, no_grad), or with model.generate
-    for a model whose cache holds more than full-attention keys and values. compile: static shapes and a
-    CUDA-graph-captured decode step (compiled_step), prompts left-padded to a multiple of 64 so that rollouts share
-    one compiled shape. pack: on a CPU, decode on packed_linears (False: each layer's own forward, to compare).
-    own_step: decoder_step where the model type has it (False: the model's forward every step, to compare).
+    for a model decode refuses (a cache holding more than keys and values, not decodes_exactly). compile: static
+    shapes and a CUDA-graph-captured decode step (compiled_step), prompts left-padded to a multiple of 64 so that
+    rollouts share one compiled shape. pack: on a CPU, decode on packed_linears (False: each layer's own forward,
+    to compare). own_step: decoder_step, on the configs it takes (False: the model's forward every step).
     stream (first, total) under torchrun: these prompts' rows are rows first ... of the global batch's `total`; each
     step draws the whole batch's uniforms (decode), and after the rollout a rank whose rows ended early draws what
     the longest row of any rank drew, so every rank's random stream stays one process's. model.generate's fallback
@@ -423,7 +438,7 @@ def hf_generate(
     was_training = model.training
     try:
         model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
-        step = None if own_step else _last_logits  # None: decode picks decoder_step where the model type has it
+        step = None if own_step else _last_logits  # None: decode's default, decoder_step
         if compile:
             step = compiled_step()
         packing = packed_linears(model, len(rows)) if pack and not compile else contextlib.nullcontext()
@@ -468,8 +483,10 @@ def _model_generate(model, tokenizer, input_ids, attention_mask, group_size, eos
     try:
         lm.generation_config = config
         # Sliding-window models: each distinct prompt but its last token prefilled once (backbone only) and its cache
-        # repeated G times; not models with recurrent states (prompt_cache gives None), whose state cannot be.
-        cache = prompt_cache(lm) if group_size > 1 and int(attention_mask.sum(-1).min()) > 1 else None
+        # repeated G times; not models with recurrent states (prompt_cache gives None), whose state cannot be, nor
+        # a rope that rescales with each call's longest position (not decodes_exactly): generate sees the whole prompt
+        shared = group_size > 1 and int(attention_mask.sum(-1).min()) > 1 and decodes_exactly(lm.config)
+        cache = prompt_cache(lm) if shared else None
         if cache is not None:
             prefix, prefix_mask = input_ids[::group_size, :-1], attention_mask[::group_size, :-1]
             position_ids = (prefix_mask.cumsum(-1) - 1).clamp(min=0)

@@ -2,6 +2,7 @@
 plugins/vllm_engine.py: the vLLM engine's install hint and refusals (its real behaviour, with vllm installed, is in
 test_vllm.py)."""
 
+import copy
 import importlib.util
 
 import pytest
@@ -315,19 +316,19 @@ def test_decoder_step_samples_what_the_models_forward_samples(model_type, monkey
     """decoder_step, the decode step written out for the model types in DECODER_STEP_MODELS, and the model's own
     forward per step take the same tokens from the same uniforms, with log-probs equal to 1e-5, through a shared
     prefill, left padding, grouped-query attention, LoRA and rows leaving the batch; any other model type (Gemma:
-    scaled embeddings) keeps the model's forward."""
+    scaled embeddings) keeps the model's forward (_last_logits, counted: decoder_step hands it every step)."""
     import common.rollout as rollout
 
     model = tiny_decoder(model_type)
     lm = unwrap(model)
     calls = []
-    original = rollout.decoder_step
+    original = rollout._last_logits
 
     def counted(*args):
         calls.append(args[2].shape)  # input_ids
         return original(*args)
 
-    monkeypatch.setattr(rollout, "decoder_step", counted)
+    monkeypatch.setattr(rollout, "_last_logits", counted)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
     rows = [p for p in prompts for _ in range(3)]
     input_ids = pad_batch(rows, 0, side="left")
@@ -336,7 +337,7 @@ def test_decoder_step_samples_what_the_models_forward_samples(model_type, monkey
     sampling = dict(temperature=1.0, top_p=1.0, top_k=0)
     results = []
     with torch.no_grad():
-        for step in (None, rollout._last_logits):
+        for step in (None, original):  # original: not counted (the shared prefill leaves it every step)
             torch.manual_seed(3)
             results.append(decode(lm, input_ids, attention_mask, 3, eos, 0, 12, sampling, step=step))
     cut = [[cut_at_eos(r, eos)[0] for r in tokens.tolist()] for tokens, _ in results]
@@ -346,10 +347,89 @@ def test_decoder_step_samples_what_the_models_forward_samples(model_type, monkey
         width = len(completion)
         torch.testing.assert_close(results[0][1][row, :width], results[1][1][row, :width], atol=1e-5, rtol=0)
     if model_type in rollout.DECODER_STEP_MODELS:
-        assert len(calls) == max(map(len, cut[0]))  # every step: step 0 follows the shared prefill
-        assert all(shape[1] == 1 for shape in calls)
+        assert not calls  # every step written out: step 0 follows the shared prefill
     else:
-        assert not calls
+        assert len(calls) == max(map(len, cut[0]))
+        assert all(shape[1] == 1 for shape in calls)
+
+
+def scaled(**rope):
+    return dict(rope_scaling=dict(rope, original_max_position_embeddings=16))
+
+
+# (model type, config, the path it must take: decode with decoder_step written out, decode with the model's forward
+# every step, or model.generate); the prompts have 17 tokens, original_max_position_embeddings + 1
+CONFIGS = {
+    "default": ("llama", {}, "decoder_step"),
+    "linear": ("llama", scaled(rope_type="linear", factor=2.0), "decoder_step"),
+    "llama3": (
+        "llama",
+        scaled(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0),
+        "decoder_step",
+    ),
+    "yarn": ("llama", scaled(rope_type="yarn", factor=4.0), "decoder_step"),
+    "dynamic": ("llama", scaled(rope_type="dynamic", factor=4.0), "generate"),
+    "longrope": (
+        "llama",
+        scaled(rope_type="longrope", short_factor=[1.0] * 4, long_factor=[1.0, 4.0, 16.0, 64.0]),
+        "generate",
+    ),
+    "mistral_window": ("mistral", dict(sliding_window=4, layer_types=["full_attention"] * 2), "forward"),
+}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_configs_decode_is_not_proved_on_sample_as_model_generate_samples(kind, monkeypatch):
+    """decode and decoder_step take only what they are proved on. A rope that rescales with each call's longest
+    position (dynamic, longrope: the shared prefill of P-1 tokens saw another length than generate's P, and greedy
+    tokens differed) goes to model.generate, without a shared prefill: its greedy tokens, and its samples from one
+    seed, are generate's. A Mistral with sliding_window set and every layer full attention (its forward windows them
+    all; decoder_step did not: logits 9.8 apart) stays in decode with the model's forward every step. Static ropes
+    still run decode and decoder_step, and equal generate."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import common.rollout as rollout
+    from tests.tiny import build_tokenizer
+
+    model_type, extra, path = CONFIGS[kind]
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    sizes.update(intermediate_size=64, vocab_size=400, max_position_embeddings=16, initializer_range=0.2)
+    torch.manual_seed(0)  # initializer_range 0.2: logits large enough that the rope's length flips greedy tokens
+    config = AutoConfig.for_model(model_type, **sizes, **extra)
+    pristine = AutoModelForCausalLM.from_config(config).float().eval()
+    tokenizer = build_tokenizer()
+    calls = {"generate": 0, "forward": 0}
+    for name, counter in (("_model_generate", "generate"), ("_last_logits", "forward")):
+        original = getattr(rollout, name)
+
+        def counted(*args, original=original, counter=counter):
+            calls[counter] += 1
+            return original(*args)
+
+        monkeypatch.setattr(rollout, name, counted)
+    prompts = [list(range(10, 27)), list(range(40, 57))]
+    rows = [p for p in prompts for _ in range(3)]
+    # each call on a fresh copy: a dynamic rope keeps the frequencies of the longest sequence it has seen
+    expected = model_generate_greedy(copy.deepcopy(pristine), tokenizer, rows, 8)
+    ours = hf_generate(copy.deepcopy(pristine), tokenizer, prompts, 3, temperature=0.0, max_new_tokens=8)
+    assert ours["completion_ids"] == expected
+    steps = max(map(len, expected))  # decode's one-token steps: the shared prefill leaves step 0 to the step too
+    assert calls == {"generate": int(path == "generate"), "forward": steps if path == "forward" else 0}
+    if path != "generate":  # two computations: their greedy tokens must not hang on a near tie
+        assert_clear_greedy(pristine, rows, expected)
+        return
+    input_ids = pad_batch(rows, tokenizer.pad_token_id, side="left")
+    attention_mask = pad_batch([[1] * len(r) for r in rows], 0, side="left")
+    sampled = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=0, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        out = copy.deepcopy(pristine).generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=sampled
+        )
+    torch.manual_seed(5)
+    ours = hf_generate(copy.deepcopy(pristine), tokenizer, prompts, 3, temperature=1.0, max_new_tokens=8)
+    assert ours["completion_ids"] == [cut_at_eos(r, [2])[0] for r in out[:, input_ids.shape[1] :].tolist()]
 
 
 def model_generate_greedy(model, tokenizer, prompts, max_new_tokens):
