@@ -435,3 +435,19 @@ def test_a_fork_runs_under_torchrun_unedited(tiny_model_dir, prefs, tmp_path):
     two_dir = run_dir_of(tmp_path / "two")
     assert os.path.basename(two_dir).startswith("grpo_rloo__")  # the fork names its own runs
     assert_same_run(metrics_of(one["run_dir"]), metrics_of(two_dir))
+
+
+def test_an_fsdp_resume_continues_bit_for_bit(tiny_model_dir, prefs, tmp_path):
+    """--fsdp checkpoints hold the gathered weights and AdamW states: resumed on 2 ranks from step 2, the run ends
+    with the straight run's weights bit for bit."""
+    kw = setup("sft", tiny_model_dir, prefs, use_lora=False, learning_rate=1e-3, save_steps=2, fsdp=True)
+    code, _, err = finish(torchrun("sft", {**kw, "output_dir": str(tmp_path / "straight")}))
+    assert code == 0, err[-3000:]
+    straight = run_dir_of(tmp_path / "straight")
+    ckpt = os.path.join(straight, "checkpoints", "step-2")
+    resumed_kw = {**kw, "output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": ckpt}
+    code, _, err = finish(torchrun("sft", resumed_kw))
+    assert code == 0, err[-3000:]
+    a = weights_of(os.path.join(straight, "final"))
+    b = weights_of(os.path.join(run_dir_of(tmp_path / "resumed"), "final"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
