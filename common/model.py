@@ -13,12 +13,14 @@ Every formula is stated in its docstring and checked against a naive reference i
 
 import contextlib
 import copy
+import errno
 import importlib
 import importlib.util
 import inspect
 import json
 import os
 import random
+import shutil
 import warnings
 
 import torch
@@ -27,11 +29,12 @@ from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_t
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DynamicCache
 from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from safetensors import SafetensorError
 
 from common.data import looks_local
 from common.distributed import all_gather, broadcast, gathered_state, is_sharded, local_tensor, rank_and_world
 from common.distributed import reshard
-from common.errors import ModelError, NonFiniteWeightsError
+from common.errors import ModelError, NonFiniteWeightsError, OutputDirError, UserError
 
 DEFAULT = "default"
 REF = "ref"
@@ -401,11 +404,53 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
         model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
 
 
+def _out_of_space(e: Exception, folder: str) -> bool:
+    """Whether a failed write ran out of space: ENOSPC / EDQUOT from Python, the OS's words inside safetensors'
+    error, or torch's writer, whose message drops the errno ('[enforce fail at inline_container.cc:672] . unexpected
+    pos ...'), on a file system left with under 1 MiB (measured before the partial files are removed)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+        return True
+    return "unexpected pos" in str(e) and shutil.disk_usage(folder).free < 2**20
+
+
+@contextlib.contextmanager
+def writing(tmp: str, what: str, last_good: str | None):
+    """Around writing `what` into the temp dir `tmp` (renamed into place when complete): if the writing fails, tmp
+    is removed and a failed write becomes one line that says when the disk is full and names the last good
+    checkpoint (if any), instead of torch's or safetensors' message."""
+    try:
+        yield
+    except Exception as e:
+        full = not isinstance(e, UserError) and _out_of_space(e, os.path.dirname(tmp))
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, UserError) or not isinstance(e, (OSError, RuntimeError, SafetensorError)):
+            raise
+        cause = "no space left on device" if full else f"{type(e).__name__}: {e}"
+        last = f". Last good checkpoint: {last_good}" if last_good else ""
+        raise OutputDirError(f"cannot write {what} ({cause}); removed the half-written {tmp}{last}") from None
+
+
+@contextlib.contextmanager
+def whole_dir(out_dir: str, what: str):
+    """Yields a temp dir beside out_dir to write into, renamed into place once the block completes (a folder already
+    there is replaced only then): a failed write (a full disk) leaves no folder that looks complete, and one line."""
+    out_dir = os.path.abspath(out_dir)
+    tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier write
+    with writing(tmp, what, None):
+        yield tmp
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
 def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
     """out_dir: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as plain
     PEFT / transformers load them, plus the tokenizer; refused when a weight is not finite. A full model's
-    generation config also stops at the trained end of turn. Under torchrun every rank calls it and rank 0 writes
-    (a sharded model gathered into one folder, never shards); a failed write fails every rank."""
+    generation config also stops at the trained end of turn. Written whole (whole_dir) or not at all. Under torchrun
+    every rank calls it and rank 0 writes (a sharded model gathered into one folder, never shards); a failed write
+    fails every rank."""
     check_finite(model)
     if not is_peft(model):
         stop_at_end_of_turn(model, tokenizer)
@@ -413,8 +458,9 @@ def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None
     error = None
     if rank_and_world()[0] == 0:
         try:
-            save_weights(model, out_dir, adapters, gathered)
-            tokenizer.save_pretrained(out_dir)
+            with whole_dir(out_dir, out_dir) as tmp:
+                save_weights(model, tmp, adapters, gathered)
+                tokenizer.save_pretrained(tmp)
         except Exception as e:
             error = e
     error = broadcast(error)

@@ -12,9 +12,7 @@ write and log, how far to train), the model flags (their effect is recorded from
 eval_* (they only evaluate), and whatever fields the script names as free (its speed knobs, its stop rules).
 """
 
-import contextlib
 import dataclasses
-import errno
 import hashlib
 import inspect
 import json
@@ -28,13 +26,12 @@ import warnings
 import torch
 from peft import set_peft_model_state_dict
 
-from common.errors import CorruptCheckpointError, OutputDirError, ResumeError, RunStopped, UserError
-from safetensors import SafetensorError
+from common.errors import CorruptCheckpointError, ResumeError, RunStopped
 from safetensors.torch import load_file
 
 from common.distributed import all_gather, broadcast, gathered_state, is_sharded, load_gathered_state, rank_and_world
 from common.model import DEFAULT, REF, check_finite, is_peft, pick_device, resolve_dtype, save_weights, slot_params
-from common.model import snapshot_ref, unwrap
+from common.model import snapshot_ref, unwrap, writing  # writing: the one-line failed write, re-exported
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 FREE_ON_RESUME = {
@@ -304,35 +301,6 @@ def _load_verified_weights(ckpt: str, meta: dict, model) -> None:
     for slot in sorted(slots | hashes.keys()):
         if slot not in hashes or slot not in slots or adapter_hash(model, slot) != hashes[slot]:
             raise CorruptCheckpointError(f"{ckpt}: the '{slot}' adapter does not match the hash recorded at save time")
-
-
-def _out_of_space(e: Exception, folder: str) -> bool:
-    """Whether a failed write ran out of space: ENOSPC / EDQUOT from Python, the OS's words inside safetensors'
-    error, or torch's writer, whose message drops the errno ('[enforce fail at inline_container.cc:672] . unexpected
-    pos ...'), on a file system left with under 1 MiB (measured before the partial files are removed)."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
-        return True
-    return "unexpected pos" in str(e) and shutil.disk_usage(folder).free < 2**20
-
-
-@contextlib.contextmanager
-def writing(tmp: str, what: str, last_good: str):
-    """Around writing `what` into the temp dir `tmp` (renamed into place when complete): if the writing fails, tmp
-    is removed and a failed write becomes one line that says when the disk is full and names the last good
-    checkpoint, instead of torch's or safetensors' message."""
-    try:
-        yield
-    except Exception as e:
-        full = not isinstance(e, UserError) and _out_of_space(e, os.path.dirname(tmp))
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, UserError) or not isinstance(e, (OSError, RuntimeError, SafetensorError)):
-            raise
-        cause = "no space left on device" if full else f"{type(e).__name__}: {e}"
-        raise OutputDirError(
-            f"cannot write {what} ({cause}); removed the half-written {tmp}. Last good checkpoint: {last_good}"
-        ) from None
 
 
 def list_checkpoints(run_dir: str) -> list[str]:

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import netrc
 import os
 import pathlib
 import signal
@@ -12,8 +13,10 @@ import sys
 import threading
 import time
 import warnings
+from urllib.parse import urlsplit
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
@@ -170,16 +173,30 @@ def check_adapter_weights(folder: str, what: str) -> None:
     """ModelError naming the tensor when a PEFT adapter folder's weights are missing or hold a NaN/Inf: read before
     anything loads them (PEFT loads them without a look, and one NaN trains or scores NaN from the first step)."""
     file = os.path.join(folder, "adapter_model.safetensors")
-    if os.path.isfile(file):
-        tensors = load_file(file)
-    elif os.path.isfile(os.path.join(folder, "adapter_model.bin")):  # PEFT's older format
-        file = os.path.join(folder, "adapter_model.bin")
-        tensors = torch.load(file, map_location="cpu", weights_only=True)
-    else:
-        raise ModelError(f"{what} {folder}: no adapter_model.safetensors (or .bin) there")
+    try:
+        if os.path.isfile(file):
+            tensors = load_file(file)
+        elif os.path.isfile(os.path.join(folder, "adapter_model.bin")):  # PEFT's older format
+            file = os.path.join(folder, "adapter_model.bin")
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
+        else:
+            raise ModelError(f"{what} {folder}: no adapter_model.safetensors (or .bin) there")
+    except (OSError, RuntimeError, SafetensorError, EOFError) as e:  # truncated or damaged: named, not loaded
+        raise ModelError(f"{what} {folder}: {os.path.basename(file)} cannot be read ({e})") from None
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ModelError(f"{what} {folder}: tensor {name} in {os.path.basename(file)} holds NaN/Inf; not loaded")
+
+
+def read_adapter_config(path: str, what: str) -> dict:
+    """An adapter_config.json as a dict, or ModelError naming the file when it is no JSON object (damaged)."""
+    try:
+        config = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{what}: {path} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{what}: {path} holds no JSON object")
+    return config
 
 
 def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
@@ -188,8 +205,7 @@ def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
     config_file = os.path.join(adapter, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise ModelError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
-    with open(config_file) as f:
-        config = json.load(f)
+    config = read_adapter_config(config_file, "--adapter")
     check_adapter_weights(adapter, "--adapter")
     flags = {"--lora-r": ("r", r), "--lora-alpha": ("lora_alpha", alpha), "--lora-dropout": ("lora_dropout", dropout)}
     unused = [f"{flag} {value}" for flag, (key, value) in flags.items() if config.get(key, value) != value]
@@ -205,9 +221,6 @@ def wandb_credentials() -> str | None:
     """Where wandb.init() would find a key or a mode that needs none, read as wandb reads it (WANDB_MODE, its
     WANDB_API_KEY / WANDB_IDENTITY_TOKEN_FILE variables, a netrc entry for WANDB_BASE_URL's host in $NETRC, ~/.netrc
     or ~/_netrc, an api_key in its settings files); None when there is none."""
-    import netrc
-    from urllib.parse import urlsplit
-
     if os.environ.get("WANDB_MODE", "") in ("offline", "disabled", "dryrun"):
         return f"WANDB_MODE={os.environ['WANDB_MODE']}"
     for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):

@@ -30,9 +30,9 @@ import tyro
 
 from common.data import setup_chat_template
 from common.errors import ArgsError, ModelError
-from common.model import attach_lora, load_model, stop_at_end_of_turn
+from common.model import attach_lora, load_model, stop_at_end_of_turn, whole_dir
 from harness.checkpoints import writing
-from harness.cli import one_line_errors
+from harness.cli import check_adapter_weights, one_line_errors, read_adapter_config
 from harness.hub import locate_model
 from scripts.gguf_export import check_exportable, check_gguf, pre_tokenizer_name, rounding_tolerance, write_gguf
 
@@ -99,8 +99,8 @@ def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
         raise ArgsError(f"--adapter {adapter}: a full model (config.json, no adapter_config.json), nothing to merge")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
-    with open(config_path) as f:
-        base = model or json.load(f).get("base_model_name_or_path")
+    base = model or read_adapter_config(config_path, "--adapter").get("base_model_name_or_path")
+    check_adapter_weights(adapter, "--adapter")  # a NaN or a truncated file named before anything loads
     if not base:
         raise ArgsError(f"{config_path} names no base model: give --model")
     policy, tokenizer = load_model(base, dtype, path=locate_model(base))
@@ -160,8 +160,9 @@ def main(args: Args) -> dict:
 
     # ---- 3 save a plain transformers folder (and a GGUF file; and upload them)
     stop_at_end_of_turn(model, tokenizer)  # or generate() on the merged model runs on past every answer
-    model.save_pretrained(out, safe_serialization=True)  # config.json, generation_config.json, model.safetensors
-    tokenizer.save_pretrained(out)
+    with whole_dir(out, out) as tmp:  # renamed into place whole: a full disk leaves no folder that looks complete
+        model.save_pretrained(tmp, safe_serialization=True)  # config.json, generation_config.json, model.safetensors
+        tokenizer.save_pretrained(tmp)
     print(f"merge_adapter: {args.adapter} -> {out} (max |logit diff| vs the adapter model {diff:.2g})")
     result = {"out": out, "max_logit_diff": diff, "tolerance": tolerance}
     if args.gguf:

@@ -6,17 +6,21 @@ import errno
 import fcntl
 import math
 import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+import common.model
 import kto
 import raft
 import sft
-from common.errors import ArgsError, OutputDirError, RewardError
+from common.errors import ArgsError, ModelError, OutputDirError, RewardError
 from common.rewards import compute_rewards
 from harness.cli import wandb_credentials
 from harness.run import make_run_dir
+from scripts import merge_adapter
 from tests.prefs_helpers import write_jsonl
 
 SFT_ROWS = [{"prompt": "Say red", "completion": "red"}, {"prompt": "Say blue", "completion": "blue"}]
@@ -127,3 +131,85 @@ def test_wandb_credentials_are_found_where_wandb_reads_them(no_wandb_credentials
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     assert wandb_credentials() == "WANDB_API_KEY"
+
+
+# ------------------------------------------------------------------------------------------------ final/, merged
+def enospc_after(real, calls: list):
+    """`real`, then a full disk (ENOSPC), as a writer that ran out of space half-way."""
+
+    def write(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(args)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return write
+
+
+def test_a_full_disk_while_writing_final_leaves_no_final_dir(tiny_model_dir, tmp_path, monkeypatch):
+    """final/ was written in place: a full disk left a final/ with README.md alone (LoRA), or config.json and
+    generation_config.json without weights (full), and a raw SafetensorError."""
+    calls = []
+    monkeypatch.setattr(common.model, "save_weights", enospc_after(common.model.save_weights, calls))
+    data = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS)
+    args = sft.Args(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "runs"), max_steps=1, save_steps=0)
+    with pytest.raises(OutputDirError, match=r"^cannot write .*/final \(no space left on device\); removed") as e:
+        sft.main(args)
+    assert calls and "\n" not in str(e.value)
+    run_dir = next((tmp_path / "runs").iterdir())
+    assert not (run_dir / "final").exists() and not [p for p in os.listdir(run_dir) if "tmp" in p]
+
+
+@pytest.fixture(scope="module")
+def base_and_adapter(tmp_path_factory):
+    from tests.test_export import tiny_adapter, tiny_base
+
+    root = tmp_path_factory.mktemp("merge")
+    base = tiny_base(root / "base", "qwen2")
+    return base, tiny_adapter(base, root / "final")
+
+
+@pytest.fixture
+def adapter_copy(base_and_adapter, tmp_path, monkeypatch):
+    def load_model(*args, **kwargs):
+        raise AssertionError("the base was loaded before the adapter was checked")
+
+    monkeypatch.setattr(merge_adapter, "load_model", load_model)
+    return shutil.copytree(base_and_adapter[1], tmp_path / "adapter")
+
+
+def test_merge_adapter_names_a_nan_adapter_before_loading(adapter_copy, tmp_path):
+    """An adapter holding a NaN was blamed on --model / --tolerance after the merge."""
+    weights = adapter_copy / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key].view(-1)[0] = math.nan
+    save_file(tensors, weights)
+    named = f"^--adapter {adapter_copy}: tensor {key} in adapter_model.safetensors holds NaN/Inf"
+    with pytest.raises(ModelError, match=named):
+        merge_adapter.main(merge_adapter.Args(adapter=str(adapter_copy), out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_adapter_names_a_truncated_adapter_or_a_broken_config(adapter_copy, tmp_path):
+    weights = adapter_copy / "adapter_model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    with pytest.raises(ModelError, match=f"^--adapter {adapter_copy}: adapter_model.safetensors cannot be read"):
+        merge_adapter.main(merge_adapter.Args(adapter=str(adapter_copy), out=str(tmp_path / "out")))
+    config = adapter_copy / "adapter_config.json"
+    config.write_text(config.read_text()[:40])
+    with pytest.raises(ModelError, match=f"^--adapter: {config} cannot be read \\(JSONDecodeError"):
+        merge_adapter.main(merge_adapter.Args(adapter=str(adapter_copy), out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_while_merging_leaves_no_output_dir(base_and_adapter, tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerBase
+
+    calls = []
+    real = PreTrainedTokenizerBase.save_pretrained
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", enospc_after(real, calls))
+    out = tmp_path / "merged" / "run"
+    with pytest.raises(OutputDirError, match=f"^cannot write {out} \\(no space left on device\\); removed"):
+        merge_adapter.main(merge_adapter.Args(adapter=base_and_adapter[1], out=str(out)))
+    assert calls and not out.exists() and os.listdir(tmp_path / "merged") == []

@@ -13,7 +13,7 @@ import harness.checkpoints
 import raft
 import sft
 from common.errors import OutputDirError
-from harness.checkpoints import _read_verified_meta
+from harness.checkpoints import _read_verified_meta, write_marker
 from tests.prefs_helpers import write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,6 +109,8 @@ def test_a_second_process_cannot_write_a_run_dir_in_use(tiny_model_dir, tmp_path
     stale .tmp-round-2 stayed. The second is now refused before its model loads, naming the first one's pid."""
     run_dir = tmp_path / f"raft-{uuid.uuid4().hex[:6]}"
     (run_dir / "round-0").mkdir(parents=True)
+    (run_dir / "round-0" / "metrics.json").write_text("{}")
+    write_marker(str(run_dir / "round-0"), raft.ROUND_COMPLETE, {"round": 0})  # a round a resume accepts
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"

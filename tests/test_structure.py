@@ -245,11 +245,14 @@ def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
     runs Llama-family models' one-token steps through decoder_step, the model's forward written out); 7 files and
     3,550 since every script runs under torchrun (common.distributed: the process group, each rank's share of the
     global batch, the reductions, FSDP2; every training script uses it) and the math checker reads exactly or scores
-    0 (issue #40: powers, scientific notation, grouped thousands; grpo, raft and the evals use it))."""
+    0 (issue #40: powers, scientific notation, grouped thousands; grpo, raft and the evals use it)); 3,625 since the
+    decode loop takes only the configurations it is proved on, rewards are checked in float32 and every script's
+    final/ is written whole through a temp dir with the one-line failed write (issue #40: common.model.whole_dir and
+    writing, moved from the harness, which common may not import))."""
     core = counted(closure("grpo", skip=OPTIONAL))
     expected = ["common.data", "common.distributed", "common.errors", "common.model", "common.rewards"]
     assert core == [*expected, "common.rollout", "grpo"]
-    assert lines(core) <= 3550, lines(core)
+    assert lines(core) <= 3625, lines(core)
 
 
 def test_closure_report():
