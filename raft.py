@@ -411,7 +411,19 @@ def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, pre
         stats["grad_norm"] = grad_norm
         for k, v in stats.items():
             totals[prefix + k] = totals.get(prefix + k, 0.0) + v / steps
-    return {**totals, prefix + "steps": steps, prefix + "nonfinite_updates": skipped}
+    # Updates with a finite loss and gradient can still overflow the weights (a huge learning rate), which only the
+    # next forward shows: the policy they left is scored once on the first micro-batch, eval mode (no dropout draw)
+    model.eval()
+    with torch.no_grad():
+        after = step_loss(micro_batch(examples, next(iter(rank_micro_batches(0, ga))), bs, seed))[0].item()
+    model.train()
+    diverged = int(any_rank(not math.isfinite(after)))  # every rank takes the same stop decision
+    return {
+        **totals,
+        prefix + "steps": steps,
+        prefix + "nonfinite_updates": skipped,
+        prefix + "nonfinite_policy": diverged,
+    }
 
 
 def evaluate(model, tokenizer, eval_rows: list[dict], args: Args) -> tuple[dict, list[dict]]:
@@ -671,9 +683,11 @@ def main(args: Args) -> dict:
         if pairs:  # (4) DPO on the pairs against the round-start policy: dpo.py's sigmoid loss
             stats |= run_phase(model, pairs, args, args.dpo_learning_rate, dpo_loss_of, "dpo/", args.seed + rnd)
         skipped = stats.get("sft/nonfinite_updates", 0) + stats.get("dpo/nonfinite_updates", 0)
-        if skipped >= args.breaker_max_nonfinite:  # diverged: this round is not written, the last written one stays
+        broken = stats.get("sft/nonfinite_policy", 0) + stats.get("dpo/nonfinite_policy", 0)
+        if skipped >= args.breaker_max_nonfinite or broken:  # diverged: this round is not written, the last one stays
             last_good = os.path.join(run_dir, f"round-{rnd - 1}")
-            why = f"raft: stopped in round {rnd} ({skipped} updates skipped for a NaN/Inf loss or gradient)"
+            why = f"raft: stopped in round {rnd} ({skipped} updates skipped for a NaN/Inf loss or gradient"
+            why += "; the updated policy's loss is NaN/Inf)" if broken else ")"
             resume = f"round and final/ not written; last good: {last_good} (--resume-from {run_dir})"
             raise RunStopped(f"{why}; {resume}", rnd - 1, last_good, stats)
         t3 = time.perf_counter()

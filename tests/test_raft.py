@@ -16,7 +16,7 @@ import torch
 
 import raft
 from common.data import load_rows, validate_rows
-from common.errors import CorruptCheckpointError
+from common.errors import CorruptCheckpointError, RunStopped
 from harness.checkpoints import write_marker
 from safetensors.torch import load_file, save_file
 from raft import Args, last_good_round, main, make_pairs, select_best, spin_pairs
@@ -493,3 +493,14 @@ def test_a_round_marker_with_a_flipped_bit_is_refused(two_rounds, tmp_path):
         pathlib.Path(run_dir, f"round-{n}", "metrics.json").write_text("{}")
     with pytest.warns(UserWarning), pytest.raises(CorruptCheckpointError, match="no intact round .*round-2.*round-0"):
         last_good_round(str(run_dir))
+
+
+def test_a_huge_learning_rate_stops_with_the_last_good_round(tiny_model_dir, prompts_jsonl, tmp_path):
+    """Issue 40, section 4: --learning-rate 1e30 wrote a round with huge (finite) weights, and the next rollout died
+    on a raw 'index ... out of bounds'. The policy an update leaves is scored once: NaN/Inf stops the round unwritten,
+    naming the last good round."""
+    with pytest.raises(RunStopped, match=r"stopped in round 1 \(.*the updated policy's loss is NaN/Inf\)") as e:
+        run(tiny_model_dir, prompts_jsonl, tmp_path, num_rounds=2, learning_rate=1e30)
+    assert e.value.checkpoint.endswith("round-0") and "last good: " in str(e.value)
+    run_dir = os.path.dirname(e.value.checkpoint)
+    assert sorted(d for d in os.listdir(run_dir) if "round" in d) == ["round-0"]
