@@ -183,10 +183,12 @@ def load_splits(
     eval_steps: int = 0,
     convert=None,
     builtin=None,
+    convert_flag: str | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """(dataset_split rows, eval_split rows or []) of `dataset`, validated as `kind`. A local file or a saved
     Dataset has no splits (load_rows reads all of it whatever the split): its eval_split may only be dataset_split.
-    eval_steps > 0 needs an eval_split (TRL refuses eval_strategy="steps" without an eval_dataset)."""
+    eval_steps > 0 needs an eval_split (TRL refuses eval_strategy="steps" without an eval_dataset).
+    `convert_flag`: the caller's option that converts a known layout on load (validate_rows names it)."""
     if eval_steps and eval_split is None:
         raise ArgsError(f"--eval-steps {eval_steps}: there is nothing to evaluate without --eval-split")
     path = pathlib.Path(dataset)
@@ -197,10 +199,10 @@ def load_splits(
             f"--eval-split {eval_split}: {dataset} is {one} with no splits (all of it is the training "
             f"data); leave --eval-split unset, or pass {dataset_split} to evaluate on the training rows"
         )
-    rows = validate_rows(load_rows(dataset, dataset_split, convert=convert, builtin=builtin), kind)
+    rows = validate_rows(load_rows(dataset, dataset_split, convert=convert, builtin=builtin), kind, convert_flag)
     if eval_split is None:
         return rows, []
-    return rows, validate_rows(load_rows(dataset, eval_split, convert=convert, builtin=builtin), kind)
+    return rows, validate_rows(load_rows(dataset, eval_split, convert=convert, builtin=builtin), kind, convert_flag)
 
 
 # -------------------------------------------------------------------------------------------------- converters
@@ -362,15 +364,33 @@ def _check_row(row: dict, kind: str) -> dict:
     return row
 
 
-def validate_rows(rows: list[dict], kind: str) -> list[dict]:
+# Other toolkits' layouts by their columns (required, optional): rows with exactly these were not converted
+KNOWN_LAYOUTS = {
+    "alpaca": ({"instruction", "output"}, {"input", "system", "history"}),
+    "sharegpt": ({"conversations"}, {"system"}),
+}
+
+
+def validate_rows(rows: list[dict], kind: str, convert_flag: str | None = None) -> list[dict]:
     """Check rows of kind "supervised" | "preference" | "binary" | "prompt" before any model loads; returns them
     normalised (implicit prompts extracted, {messages, label} split, {question, answer} rows through question_row).
-    Raises one DataError listing the first bad rows."""
+    Raises one DataError listing the first bad rows, and when the rows are in a known other layout how to convert
+    them: with the caller's `convert_flag` ("--convert": the option's name) and the layout's name, or in the file."""
     if kind not in ("supervised", "preference", "binary", "prompt"):
         raise ValueError(f"unknown data kind {kind!r}")
     if not rows:
         raise DataError(f"no rows to validate for {kind} data")
-    rows = map_rows(rows, lambda row: _check_row(row, kind), f"{kind} data")
+    try:
+        rows = map_rows(rows, lambda row: _check_row(row, kind), f"{kind} data")
+    except DataError as e:
+        columns = rows[0].keys() - {"_loc"}
+        layout = next((k for k, (need, may) in KNOWN_LAYOUTS.items() if need <= columns <= need | may), None)
+        if layout is None:
+            raise
+        how = f"pass {convert_flag} {layout}" if convert_flag else "convert the file first (docs/data.md, Conversions)"
+        raise DataError(
+            f"{e}\n  the rows are in {layout}'s layout ({', '.join(sorted(columns))}), not TRL's: {how}"
+        ) from None
     same = [r.get("_loc") for r in rows if kind == "preference" and r["chosen"] == r["rejected"]]
     if same:
         warnings.warn(

@@ -15,6 +15,7 @@ from common.data import (
     concat_prompt_completion,
     end_of_turn_token,
     load_rows,
+    load_splits,
     pad_batch,
     setup_chat_template,
     tokenize_binary,
@@ -530,3 +531,28 @@ def test_end_of_turn_probe_falls_back_only_when_the_template_refuses_the_chat(ti
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}"
     with pytest.raises(ValueError, match="chat template fails to render"):
         end_of_turn_token(tokenizer, "tokenizer")
+
+
+def test_rows_in_another_toolkits_layout_say_how_to_convert(tmp_path):
+    # Alpaca rows without a conversion failed naming only the missing 'prompt' and the row's columns (issue 41 s6).
+    alpaca = [{"instruction": "Add 2 and 2.", "input": "", "output": "4", "_loc": f"a.json:{i}"} for i in range(999)]
+    with pytest.raises(DataError) as err:
+        validate_rows(alpaca, "supervised")  # a script with no option to convert on load: convert the file
+    assert "999 bad row(s)" in str(err.value)
+    last = str(err.value).splitlines()[-1]
+    assert "the rows are in alpaca's layout (input, instruction, output)" in last and "convert the file" in last
+    assert "--" not in last
+    with pytest.raises(DataError, match=r"not TRL's: pass --convert alpaca$"):
+        validate_rows(alpaca, "supervised", "--convert")  # the caller names its own option
+    sharegpt = [{"conversations": [{"from": "human", "value": "Hi"}], "_loc": "s.json:1"}]
+    with pytest.raises(DataError, match=r"sharegpt's layout \(conversations\), not TRL's: convert the file first"):
+        validate_rows(sharegpt, "prompt")
+    with pytest.raises(DataError, match=r"pass --convert sharegpt"):
+        validate_rows(sharegpt, "prompt", "--convert")
+    # a row with other columns besides is not called a known layout; a plain missing field says nothing more
+    with pytest.raises(DataError) as err:
+        validate_rows([{"instruction": "a", "output": "b", "id": 3, "_loc": "m.json:1"}], "supervised")
+    assert "layout" not in str(err.value)
+    path = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "a", "input": "b", "output": "c"}])
+    with pytest.raises(DataError, match=r"pass --convert alpaca"):
+        load_splits(path, "train", None, "supervised", convert_flag="--convert")

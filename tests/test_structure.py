@@ -248,11 +248,12 @@ def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
     0 (issue #40: powers, scientific notation, grouped thousands; grpo, raft and the evals use it)); 3,625 since the
     decode loop takes only the configurations it is proved on, rewards are checked in float32 and every script's
     final/ is written whole through a temp dir with the one-line failed write (issue #40: common.model.whole_dir and
-    writing, moved from the harness, which common may not import))."""
+    writing, moved from the harness, which common may not import)); 3,650 since rows in another toolkit's layout
+    (Alpaca, ShareGPT) fail saying how to convert them (issue #41 section 6))."""
     core = counted(closure("grpo", skip=OPTIONAL))
     expected = ["common.data", "common.distributed", "common.errors", "common.model", "common.rewards"]
     assert core == [*expected, "common.rollout", "grpo"]
-    assert lines(core) <= 3625, lines(core)
+    assert lines(core) <= 3650, lines(core)
 
 
 def test_closure_report():
