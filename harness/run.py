@@ -167,11 +167,22 @@ def wandb_id_of(run_dir: str, resumed_from: str | None) -> str | None:
     return None
 
 
+def duration(seconds: float) -> str:
+    """'42 s', '5m03s' or '2h07m': a time a person reads at a glance."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
+    return f"{seconds // 3600:.0f}h{seconds % 3600 // 60:02.0f}m"
+
+
 class Logger:
     """Every logged step goes to metrics.jsonl (one JSON object per step), to TensorBoard or W&B (report_to; "none":
     metrics.jsonl only) and to a tqdm bar, or off a terminal to one stderr line: step/total, the `show` metrics,
-    s/step and ETA (averaged since the Logger started). Under torchrun only rank 0 writes or prints (the metrics a
-    script logs are already reduced over the ranks); every rank keeps the history."""
+    s/step and ETA (averaged since the Logger started). The first logged step also prints, once and on a terminal
+    too, what the run will take at that pace (a slow start -- a CPU, a big model -- is said at once, not found out).
+    Under torchrun only rank 0 writes or prints (the metrics a script logs are already reduced over the ranks);
+    every rank keeps the history."""
 
     def __init__(
         self,
@@ -228,8 +239,17 @@ class Logger:
         self.jsonl.flush()  # a crash loses at most the line being written
         self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self.show if k in metrics}, refresh=False)
         self.bar.update(step - self.bar.n)
+        per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
+        if len(self.history) == 1 and step < self.total:
+            done = step - self.start
+            took = (
+                f"first step took {per_step:.1f} s" if done == 1 else f"first {done} steps took {per_step:.1f} s each"
+            )
+            left = self.total - step
+            self.bar.write(
+                f"{took}; about {duration(per_step * left)} for the remaining {left} steps", file=sys.stderr
+            )
         if self.bar.disable:
-            per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
             shown = "  ".join(f"{k} {metrics[k]:.4g}" for k in self.show if k in metrics)
             eta = per_step * (self.total - step)
             print(

@@ -487,3 +487,39 @@ def test_gsm8k_eval_reports_its_scores_to_wandb(tiny_model_dir, wandb_offline, t
     assert run["name"] == "tiny__builtin-math" and run["config"]["limit"] == 2
     [sent] = run["history"]
     assert sent["eval/builtin-math/accuracy"] == out["accuracy"] and sent["eval/builtin-math/n"] == 2
+
+
+def test_first_logged_step_says_what_the_whole_run_will_take(tmp_path, monkeypatch):
+    """`--max-steps 3` "to try it" took 5 min on a CPU with nothing saying so (issue 41 section 6): the first logged
+    step prints the pace and the time left, once, off a terminal and on one (beside tqdm's bar), on rank 0 only."""
+    import io
+
+    import harness.run
+    from harness.run import Logger, duration
+
+    assert [duration(s) for s in (4.2, 303, 7620)] == ["4 s", "5m03s", "2h07m"]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, every in ((io.StringIO(), 1), (Terminal(), 1), (io.StringIO(), 2)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        folder = tmp_path / f"{type(stream).__name__}{every}"
+        folder.mkdir()
+        logger = Logger(str(folder), {}, 6, every=every, report_to="none")
+        for step in range(1, 7):
+            logger.log(step, {"loss": 1.0})
+        logger.close()
+        text = stream.getvalue()
+        first = "first step took" if every == 1 else "first 2 steps took"
+        left = 5 if every == 1 else 4
+        found = re.findall(rf"{first} \d+\.\d s(?: each)?; about \d+ s for the remaining {left} steps", text)
+        assert len(found) == 1, text
+    monkeypatch.setattr(harness.run, "rank_and_world", lambda: (1, 2))
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    logger = Logger(str(tmp_path / "rank1"), {}, 6, report_to="none")
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert stream.getvalue() == ""
