@@ -61,7 +61,7 @@ from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_error
 from harness.cli import preset_label, resolve_preset
 from harness.hub import check_inputs, locate_model
 from harness.memory import Generate, Pass, plan_memory, row_tokens
-from harness.run import Logger, lock_run_dir, make_run_dir, peak_memory_gb
+from harness.run import Logger, claim_run_dir, make_run_dir, peak_memory_gb
 from plugins.builtin_math import builtin_rows
 from plugins.code import code_reward
 from plugins.judge import api_reward
@@ -588,8 +588,7 @@ def main(args: Args) -> dict:
     if args.resume_from and not 0 <= done < args.num_rounds:  # nothing to continue, or nothing left to run
         why = f"round {done} is done, at or past this run's {args.num_rounds} rounds" if done >= 0 else "no round-N/"
         raise ResumeError(f"--resume-from {run_dir}: {why}")
-    if rank == 0:  # a resume writes into the run dir itself: one process at a time, before any write
-        lock_run_dir(run_dir)
+    claim_run_dir(run_dir)  # a resume writes into the run dir itself: one process at a time, before any write
 
     # ---- 3 model: policy = base + "default" LoRA, or every weight (the last finished round's on resume)
     model, tokenizer = load_model(

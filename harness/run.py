@@ -65,6 +65,20 @@ def _new_run_dir(exp_name: str, model: str, seed: int, root: str) -> str:
     return path
 
 
+def claim_run_dir(run_dir: str) -> None:
+    """Every rank calls it: rank 0 takes run_dir's lock (lock_run_dir) and a refusal (another writer, a file system
+    without locks) is raised on every rank, so none is left waiting at a collective."""
+    error = None
+    if rank_and_world()[0] == 0:
+        try:
+            lock_run_dir(run_dir)
+        except OutputDirError as e:
+            error = str(e)
+    error = broadcast(error)
+    if error:
+        raise OutputDirError(error)
+
+
 _LOCKED: dict[str, int] = {}  # run dirs this process writes: real path -> the descriptor holding the lock
 
 

@@ -18,6 +18,7 @@ import raft
 import sft
 from common.errors import ArgsError, ModelError, OutputDirError, RewardError
 from common.rewards import compute_rewards
+from harness.checkpoints import write_marker
 from harness.cli import wandb_credentials
 from harness.run import make_run_dir
 from scripts import merge_adapter
@@ -213,3 +214,21 @@ def test_a_full_disk_while_merging_leaves_no_output_dir(base_and_adapter, tmp_pa
     with pytest.raises(OutputDirError, match=f"^cannot write {out} \\(no space left on device\\); removed"):
         merge_adapter.main(merge_adapter.Args(adapter=base_and_adapter[1], out=str(out)))
     assert calls and not out.exists() and os.listdir(tmp_path / "merged") == []
+
+
+def test_a_resume_in_a_dir_without_locks_is_named_before_loading(tiny_model_dir, tmp_path, monkeypatch, no_model_load):
+    """raft.py --resume-from on a file system without locks: one line naming the cause (every rank raises it)."""
+    run_dir = tmp_path / "raft-run"
+    (run_dir / "round-0").mkdir(parents=True)
+    (run_dir / "round-0" / "metrics.json").write_text("{}")
+    write_marker(str(run_dir / "round-0"), raft.ROUND_COMPLETE, {"round": 0})
+
+    def flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    args = raft.Args(
+        preset="demo", model=tiny_model_dir, resume_from=str(run_dir), num_rounds=2, eval_dataset="builtin:math"
+    )
+    with pytest.raises(OutputDirError, match=f"^{run_dir}: cannot lock .*No locks available"):
+        raft.main(args)
