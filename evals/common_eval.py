@@ -6,11 +6,13 @@ A checkpoint is `runs/<run>/checkpoints/step-N` (its weights/ holds the PEFT ada
 --no-use-lora), a run's `final/` dir, or a run dir (its final/ if present, else its newest complete checkpoint).
 """
 
+import contextlib
 import json
 import os
 import pathlib
 import re
 import sys
+import threading
 import time
 
 from tqdm.auto import tqdm
@@ -88,6 +90,29 @@ def dataset_tag(dataset: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "-", tag)
 
 
+HEARTBEAT_S = 30.0  # a line this often while one batch decodes: on a CPU one batch can take minutes
+
+
+@contextlib.contextmanager
+def heartbeat(what: str):
+    """While the body runs, a stderr line every HEARTBEAT_S seconds saying `what` and the seconds so far. It comes
+    from a thread, so the decoding itself (and what it returns) is exactly what it is without it."""
+    stop = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat():
+        while not stop.wait(HEARTBEAT_S):
+            tqdm.write(f"generate: {what}, {time.perf_counter() - t0:.0f} s so far", file=sys.stderr)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def generate_completions(
     model,
     tokenizer,
@@ -101,7 +126,9 @@ def generate_completions(
     """Completions (decoded, special tokens dropped) for tokenized prompts: greedy at temperature 0, else
     num_samples draws per prompt; prompt i's are at [i * num_samples, (i + 1) * num_samples).
     progress (the eval CLIs): a line saying what runs, then a bar per batch in a terminal, or off one (a log file)
-    a plain stderr line per batch with the time left; without it (an eval inside training) only a terminal's bar.
+    a plain stderr line per batch with the time left, and within a batch a line every HEARTBEAT_S seconds (a batch
+    of long greedy decodes on a CPU is minutes of silence otherwise); without it (an eval inside training) only a
+    terminal's bar.
 
     Each batch (batch_size prompts) is one `common.rollout.hf_generate` call, the engine the RL scripts sample with,
     so the same EOS ids stop a completion and the model's generation_config cannot add sampling or penalties.
@@ -120,14 +147,16 @@ def generate_completions(
     bar = tqdm(starts, desc="generate", unit="batch", disable=not in_terminal or (len(starts) < 2 and not progress))
     for done, start in enumerate(bar, 1):
         idx = order[start : start + batch_size]
-        out = hf_generate(
-            model,
-            tokenizer,
-            [prompt_ids[i] for i in idx],
-            group_size=num_samples,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-        )
+        what = f"batch {done}/{len(starts)} ({len(idx)} prompts) decoding"
+        with heartbeat(what) if progress else contextlib.nullcontext():
+            out = hf_generate(
+                model,
+                tokenizer,
+                [prompt_ids[i] for i in idx],
+                group_size=num_samples,
+                temperature=temperature,
+                max_new_tokens=max_new_tokens,
+            )
         for j, text in enumerate(out["completions"]):  # hf_generate returns each prompt's group together
             texts[idx[j // num_samples] * num_samples + j % num_samples] = text
         if progress and not in_terminal:

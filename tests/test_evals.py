@@ -525,3 +525,24 @@ def test_cli_parsing():
         [sys.executable, "-m", "evals.gsm8k", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert res.returncode == 0 and "--checkpoint" in res.stdout, res.stderr[-500:]
+
+
+def test_generate_completions_says_progress_within_a_batch(monkeypatch, capsys):
+    """evals.gsm8k sat 3 minutes silent inside one batch on a CPU (issue 41 section 6): with progress on, a line
+    every HEARTBEAT_S seconds while a batch decodes; the completions are the same as without it."""
+    import time
+
+    def slow_hf_generate(model, tokenizer, prompts, group_size, temperature, max_new_tokens):
+        time.sleep(0.5)  # a long batch, at a heartbeat of 0.05 s
+        return {"completions": [f"len {len(p)}" for p in prompts]}
+
+    monkeypatch.setattr(common_eval, "hf_generate", slow_hf_generate)
+    monkeypatch.setattr(common_eval, "HEARTBEAT_S", 0.05)
+    prompts = [[1] * n for n in (3, 7, 1)]
+    quiet = common_eval.generate_completions(None, None, prompts, batch_size=2)
+    assert "decoding" not in capsys.readouterr().err  # an eval inside training says nothing more
+    said = common_eval.generate_completions(None, None, prompts, batch_size=2, progress=True)
+    assert said == quiet
+    err = capsys.readouterr().err
+    for batch in ("batch 1/2 (2 prompts)", "batch 2/2 (1 prompts)"):
+        assert re.search(rf"^generate: {re.escape(batch)} decoding, \d+ s so far$", err, re.MULTILINE), err
