@@ -27,6 +27,7 @@ import torch
 from peft import set_peft_model_state_dict
 
 from common.errors import CorruptCheckpointError, ResumeError, RunStopped
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.distributed import all_gather, broadcast, gathered_state, is_sharded, load_gathered_state, rank_and_world
@@ -272,10 +273,11 @@ def check_finite_files(folder: str) -> None:
     for dirpath, _, files in os.walk(folder):
         for name in sorted(f for f in files if f.endswith(".safetensors")):
             path = os.path.join(dirpath, name)
-            for key, tensor in load_file(path).items():
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                    rel = os.path.relpath(path, folder)
-                    raise CorruptCheckpointError(f"{folder}: {rel}: tensor {key} holds NaN/Inf")
+            with safe_open(path, "pt") as f:  # one tensor at a time: a full model's round is as large as the model
+                tensors = ((key, f.get_tensor(key)) for key in f.keys())
+                bad = next((k for k, x in tensors if x.is_floating_point() and not bool(x.isfinite().all())), None)
+            if bad is not None:
+                raise CorruptCheckpointError(f"{folder}: {os.path.relpath(path, folder)}: tensor {bad} holds NaN/Inf")
 
 
 def _read_verified_meta(ckpt: str) -> dict:
