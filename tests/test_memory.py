@@ -625,3 +625,32 @@ def test_the_plan_is_one_ranks_and_counts_fsdp_shards(script, tiny_model_dir, tm
         rollout = next(k for k in alone if k.startswith("rollout: KV cache"))  # (+ packed weights on a CPU)
         assert replica[rollout] < alone[rollout]
         assert sharded["rollout: gathered weights (FSDP)"] == alone["weights"] - alone["weights"] // 4
+
+
+def test_capability_tables_grpo_cell_stands_beside_the_presets_own_plan():
+    """docs/memory.md's capability table said 7.9 GiB for Qwen2.5-1.5B bf16 LoRA GRPO G=4 while the headline
+    preset plans 19.5 GiB (issue 41 section 6): the preset's rows stand beside the table's, with what differs."""
+    from bench.capability_table import plan_on_card
+
+    text = (ROOT / "docs" / "memory.md").read_text()
+    preset = grpo.resolve_preset(grpo.Args(model="Qwen/Qwen2.5-1.5B", group_size=4), grpo.PRESETS)
+    table = dataclasses.replace(preset, max_prompt_length=256, gradient_checkpointing=True)
+    assert preset.prompts_per_step == 8 and preset.max_completion_length == 512 and preset.max_prompt_length == 512
+    rows = {
+        "the table's row | 256 | 512 | on": table,
+        "grpo.py's gsm8k preset with `--gradient-checkpointing` | 512 | 512 | on": dataclasses.replace(
+            preset, gradient_checkpointing=True
+        ),
+        "grpo.py's gsm8k preset as it starts (`--group-size 4`) | 512 | 512 | off (it fits)": preset,
+    }
+    for row, args in rows.items():
+        parts, checkpointing, _ = plan_on_card(grpo, args, "1.5B", 24)
+        assert checkpointing == args.gradient_checkpointing  # the preset at G 4 fits without: it stays off
+        assert f"| {row} | {parts['total'] / memory.GiB:.1f} |" in text, row
+    g8 = grpo.resolve_preset(grpo.Args(model="Qwen/Qwen2.5-1.5B"), grpo.PRESETS)
+    parts, checkpointing, printed = plan_on_card(grpo, g8, "1.5B", 24)
+    needs = re.search(r"without it the plan needs ([\d.]+) GiB", printed).group(1)
+    assert (
+        checkpointing
+        and f"needs {needs} GiB, so it turns checkpointing on and plans {parts['total'] / memory.GiB:.1f}" in text
+    )
