@@ -9,7 +9,9 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # scripts (sft.py, dpo.py, ...) and common/ import from the repo root
-SHARED_DATA = ROOT.parent / "shared" / "data"
+# The project's shared test data beside the checkout (not shipped with a clone); ONLYONE_SHARED_DATA points elsewhere
+SHARED_DATA = pathlib.Path(os.environ.get("ONLYONE_SHARED_DATA", ROOT.parent / "shared" / "data"))
+NO_SHARED_DATA = "shared data folder"  # the start of the skip reason the shared_data fixture gives
 
 # One thread: on a 2-vCPU machine torch is far faster and steadier for tiny models (tests only, not a user default).
 torch.set_num_threads(1)
@@ -33,7 +35,7 @@ def tiny_model_dir_pad_eos(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data folder {SHARED_DATA} not present (a fresh user clone); these tests need it")
+        pytest.skip(f"{NO_SHARED_DATA} {SHARED_DATA} not present (a fresh user clone); these tests need it")
     return SHARED_DATA
 
 
@@ -44,6 +46,23 @@ def pytest_configure(config):
     running = torch.backends.cpu.get_cpu_capability()
     if asked and asked.upper() != running:
         raise pytest.UsageError(f"ATEN_CPU_CAPABILITY={asked} asked for, but torch runs its {running} CPU kernels")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line at the end when tests skipped for want of the shared data folder: how many, what they cover, what the
+    folder is (a user's clone has none, and a bare count of skips does not say why)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if NO_SHARED_DATA in str(r.longrepr)]
+    if not skipped:
+        return
+    files = sorted({r.nodeid.split("::")[0].removeprefix("tests/") for r in skipped})
+    terminalreporter.write_line(
+        f"{len(skipped)} test(s) skipped because {SHARED_DATA} is absent ({', '.join(files)}): they run the data "
+        "loaders, converters, math checker and evals on real files (GSM8K train/test, IFEval's prompts, "
+        "LLaMA-Factory's Alpaca, ShareGPT and KTO demos). That folder is the project's shared test data, kept beside "
+        "the checkout and not shipped with a clone (its files: gsm8k/{train,test}.jsonl from openai/gsm8k, "
+        "ifeval/input_data.jsonl from google/IFEval, llamafactory-demo/ from LLaMA-Factory's data/; "
+        "ONLYONE_SHARED_DATA names another folder); the rest of the suite covers the same code on built-in rows."
+    )
 
 
 def pytest_collection_modifyitems(config, items):

