@@ -305,6 +305,7 @@ def main(args: Args) -> dict:
         args.eval_steps,
         CONVERTERS.get(args.convert),
         builtin_rows,
+        convert_flag="--convert",  # rows in Alpaca's or ShareGPT's layout: the error names this flag
     )  # eval_rows [] without --eval-split
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
     rows = steer_rows(rows, args.attributes_in)  # SteerLM: rows' attributes written into their prompts
