@@ -455,8 +455,6 @@ def plan_memory(
     are lasting parts on a CPU run (the same RAM); on a GPU they are printed as host memory. --gpu-memory N: the plan
     for a CUDA card of N GiB, on any machine (bf16 under --dtype auto, sdpa attention)."""
     card = args.gpu_memory
-    if args.plan_world_size is not None and not args.plan_world_size >= 1:
-        raise ArgsError(f"--plan-world-size {args.plan_world_size}: must be a number of ranks, >= 1")
     if card is not None and not 0 < card <= 2**20:  # 1 PiB: past it int(card * GiB) overflows into Inf
         raise ArgsError(f"--gpu-memory {card}: must be a card's memory in GiB, > 0 and <= {2**20}")
     if card is not None and not args.plan and not torch.cuda.is_available():
