@@ -377,7 +377,8 @@ def test_a_phase_makes_num_train_epochs_full_passes_over_its_rows():
     seen, model = [], torch.nn.Linear(2, 1)
 
     def step_loss(chunk):  # (the micro-batch's summed loss, its count, stats)
-        seen.extend(e["i"] for e in chunk)
+        if torch.is_grad_enabled():  # an update's rows, not the no-grad check of the policy the phase leaves
+            seen.extend(e["i"] for e in chunk)
         return model.weight.sum() * 0.0, len(chunk), {}
 
     args = Args(per_device_train_batch_size=8, num_train_epochs=2.0)
