@@ -23,6 +23,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
+_OURS: list[bool] = []  # [True] while the process group is the one init_distributed set up
+
+
 def init_distributed(timeout_s: float) -> tuple[int, int]:
     """(rank, world size). Under torchrun: join the process group (NCCL on CUDA, on this node's LOCAL_RANK card;
     gloo on a CPU), every collective bounded by timeout_s (a rank that died makes the others fail, not hang), and
@@ -36,6 +39,7 @@ def init_distributed(timeout_s: float) -> tuple[int, int]:
         backend = "nccl"
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _OURS.append(True)
     if dist.get_rank() != 0:
         sys.stdout = open(os.devnull, "w")  # open for the life of the process
     return rank_and_world()
@@ -43,7 +47,7 @@ def init_distributed(timeout_s: float) -> tuple[int, int]:
 
 def rank_and_world() -> tuple[int, int]:
     """(this process's rank, the number of ranks): (0, 1) without a process group."""
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # (a group of one: vLLM's in-process engine sets up its own)
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
 
@@ -63,7 +67,7 @@ def rank_micro_batches(step: int, gradient_accumulation_steps: int) -> list[int]
 
 def all_sum(values: list[float]) -> list[float]:
     """Each value summed over the ranks (float64, so token counts and sums of losses add exactly)."""
-    if not dist.is_initialized():
+    if rank_and_world()[1] == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=_device())
     dist.all_reduce(t)
@@ -72,7 +76,7 @@ def all_sum(values: list[float]) -> list[float]:
 
 def all_max(value: int) -> int:
     """The largest of the ranks' values (e.g. the longest rollout, whose random draws every rank must match)."""
-    if not dist.is_initialized():
+    if rank_and_world()[1] == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -87,7 +91,7 @@ def any_rank(flag: bool) -> bool:
 def all_gather(items: list) -> list:
     """Every rank's list, concatenated in rank order: what one process would have held (per-row statistics,
     rewards, eval rows)."""
-    if not dist.is_initialized():
+    if rank_and_world()[1] == 1:
         return list(items)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items)
@@ -96,7 +100,7 @@ def all_gather(items: list) -> list:
 
 def broadcast(value):
     """Rank 0's value on every rank (e.g. the run directory rank 0 created)."""
-    if not dist.is_initialized():
+    if rank_and_world()[1] == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -196,6 +200,8 @@ def load_gathered_state(model, weights: dict, optimizer=None, optim: dict | None
 
 
 def close_distributed() -> None:
-    """Leave the process group (torchrun's ranks end together; a later run in the same process starts clean)."""
-    if dist.is_initialized():
+    """Leave the process group init_distributed joined (torchrun's ranks end together; a later run in the same process
+    starts clean); a group someone else set up (vLLM's in-process engine) is theirs to close."""
+    if _OURS and dist.is_initialized():
         dist.destroy_process_group()
+        _OURS.clear()
