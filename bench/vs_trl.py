@@ -12,9 +12,9 @@ tokens of the training forward, prompt + completion, summed over the measured st
 does not, so when the load average exceeds the cores the CPU ratio is the steadier of the two.
 
     OMP_NUM_THREADS=1 python bench/vs_trl.py --cpu 1                # issue #19's three presets on SmolLM2-135M
-    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset sft-8 dpo-4 grpo-2x8   # the first bench's, on the ~26M model
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset sft-8 dpo-4 grpo-2x8 --repeats 3  # the first bench's, on the ~26M model
     OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-4x512 --repeats 3 --steps 5
-    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-full-4 dpo-full-live-4 --repeats 2 --steps 3  # full FT
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-full-4 dpo-full-live-4 --steps 3  # full FT
 
 Presets (PRESETS below): grpo-4x4 = 4 built-in math prompts (asking for "#### N") x G 4, <= 64 new tokens, T 1.0,
 beta 0.04, loss grpo; dpo-4x512 = 4 pairs of single-turn dpo_en_demo rows, max_length 512, sigmoid; sft-4x512 = 4
@@ -350,6 +350,32 @@ def summarise(runs: list[dict]) -> dict:
     }
 
 
+# (name, ours' phase, TRL's phase): the GRPO rollout against TRL's generation, per repeat
+PHASE_RATIOS = [("generation", "rollout", "generation")]
+
+
+def paired_ratios(ours: list[dict], trl: list[dict]) -> dict[str, list[float]]:
+    """Ratio ours / TRL of each repeat's pair of runs (run i of each side, run one after the other), per measure:
+    wall and CPU s/step (each run's median over its measured steps), peak RSS, and the GRPO generation phase. The
+    spread of these ratios is what a reader can expect to see on a re-run; one pooled median hides it."""
+    out = {"time": [], "cpu": [], "rss": []}
+    for o, t in zip(ours, trl):
+        out["time"].append(statistics.median(o["seconds"]) / statistics.median(t["seconds"]))
+        out["cpu"].append(statistics.median(o["cpu_seconds"]) / statistics.median(t["cpu_seconds"]))
+        out["rss"].append(o["peak_rss_mb"] / t["peak_rss_mb"])
+        for name, ours_phase, trl_phase in PHASE_RATIOS:
+            a = [p[ours_phase] for p in o["phases"] if ours_phase in p]
+            b = [p[trl_phase] for p in t["phases"] if trl_phase in p]
+            if a and b:
+                out.setdefault(name, []).append(statistics.median(a) / statistics.median(b))
+    return out
+
+
+def spread(ratios: list[float]) -> str:
+    """'median (min-max)' of a list of ratios, two places: the figure to quote with its range."""
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", nargs="+", default=list(ISSUE_PRESETS), help=f"any of {', '.join(PRESETS)}")
@@ -360,7 +386,13 @@ def main():
         f"default: smollm2-135m for {', '.join(ISSUE_PRESETS + FULL_PRESETS)}, bench for the others",
     )
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is warm-up)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per side, alternating (a ratio is quoted as the median and range"
+        " of the repeats' ratios: at least 3)",
+    )
     parser.add_argument("--cpu", type=int, default=None, help="pin each measured run to this core (taskset -c)")
     parser.add_argument("--out", default="outputs/bench_vs_trl")
     default = "jemalloc" if os.path.exists(MALLOCS["jemalloc"]) else "system"
@@ -391,6 +423,8 @@ def main():
         args.preset = args.preset[0]
         print(json.dumps(measure(args)))
         return
+    if args.repeats < 3:
+        parser.error(f"--repeats {args.repeats}: at least 3 (each ratio is the median and range of the repeats')")
     unknown = [p for p in args.preset if p not in PRESETS]
     if unknown:
         parser.error(f"--preset: unknown {unknown}; choose from {', '.join(PRESETS)}")
@@ -422,6 +456,7 @@ def main():
         method, over, _ = PRESETS[preset]
         row = {"preset": preset, "method": method, "model": os.path.basename(model.rstrip("/")), "config": over}
         row["malloc"] = {"ours": args.ours_malloc, "trl": args.trl_malloc}
+        row["ratios"] = paired_ratios(runs["ours"], runs["trl"])
         results.append(row | {"ours": summarise(runs["ours"]), "trl": summarise(runs["trl"])})
     command = "OMP_NUM_THREADS=1 python bench/vs_trl.py " + " ".join(sys.argv[1:])
     md = markdown(results, command)
@@ -462,6 +497,19 @@ def markdown(results: list[dict], command: str) -> str:
             f"**{o['peak_rss_mb'] / t['peak_rss_mb']:.2f}**",
             f"{min(load):.1f}-{max(load):.1f}",
         ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Ratios ours / TRL per repeat (run i of each side), as median (min-max) over the repeats:",
+        "",
+        "| preset | repeats | CPU s/step | wall s/step | peak RSS | generation | load (1-min, min-max) |",
+        "|---|---:|---|---|---|---|---|",
+    ]
+    for r in results:
+        q = r["ratios"]
+        load = r["ours"]["load"] + r["trl"]["load"]
+        cells = [r["preset"], str(len(q["cpu"])), f"**{spread(q['cpu'])}**", spread(q["time"]), spread(q["rss"])]
+        cells += [spread(q["generation"]) if "generation" in q else "", f"{min(load):.1f}-{max(load):.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Phases, median s/step (ours: the script's time/* metrics; TRL: TRLPhases' wrappers):", ""]
     for r in results:
