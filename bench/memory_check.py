@@ -15,6 +15,13 @@ back to the OS when freed, so RSS follows the live tensors (glibc's default keep
 --full trains every weight (--no-use-lora) in the sft and dpo cases (named <case>-full; DPO's reference is then
 precomputed before the first update, its default): a gradient and two AdamW states per weight instead of the LoRA's.
 
+`--demo-files DIR` runs each script on every LLaMA-Factory demo file it accepts (DIR holds alpaca_en_demo.json,
+dpo_en_demo.json, kto_en_demo.json) as a user launches it: its CLI with defaults and the embedded SmolLM2-135M, a
+few steps (--steps), without and with --gradient-checkpointing, each a fresh process under the environment this bench
+was started with minus any MALLOC_* variable and LD_PRELOAD (glibc's malloc, as a user has it). Planned = the plan's
+total as the run prints it; measured = the child's peak RSS (ru_maxrss: imports, weights, the final save included).
+Exits 1 when a ratio planned / measured is below 1.0 or above 1.3.
+
 On a CUDA machine, `--gpu` runs sft / dpo / grpo on a random-init Qwen2.5-1.5B (bench/qwen_shapes.py) in bf16 and
 compares torch.cuda.max_memory_allocated with the planner's tensors (without the CUDA context and the allocator
 margin, which max_memory_allocated does not see); `--gpu --tiny` runs the same cut down on a CPU (a dry run).
@@ -26,6 +33,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -103,6 +111,81 @@ def case_args(script: str, model: str, batch: int, seq: int, data: str, out: str
         learning_rate=1e-5,
         torch_threads=1,
     )
+
+
+# (script, demo file, extra flags): every pairing the scripts accept (sft reads kto_en_demo's messages; kto unpairs
+# dpo_en_demo's preference rows)
+DEMO_CASES = [
+    ("sft", "alpaca_en_demo.json", ["--convert", "alpaca"]),
+    ("sft", "kto_en_demo.json", []),
+    ("dpo", "dpo_en_demo.json", []),
+    ("orpo", "dpo_en_demo.json", []),
+    ("rm", "dpo_en_demo.json", []),
+    ("kto", "dpo_en_demo.json", []),
+    ("kto", "kto_en_demo.json", []),
+]
+LOW, HIGH = 1.0, 1.3  # planned / measured must lie within
+
+
+def demo_case(script: str, path: str, flags: list[str], steps: int, checkpointing: bool, out: str) -> dict:
+    """One user's run in a fresh process: the plan's total (GiB) it printed, whether checkpointing ran (asked or
+    turned on by the plan), its peak RSS (GiB, ru_maxrss) and the largest memory/peak_gb it logged."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    cmd = [sys.executable, f"{script}.py", "--dataset", path, *flags, "--max-steps", str(steps)]
+    cmd += ["--save-steps", "0", "--report-to", "none", "--output-dir", out]
+    cmd += ["--gradient-checkpointing"] if checkpointing else []
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    text = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} exited {proc.returncode}:\n{text[-3000:]}")
+    planned = float(re.findall(r"^  total +([\d.]+) GiB", text, re.M)[-1])
+    logged = []
+    for root, _, files in os.walk(out):
+        if "metrics.jsonl" in files:
+            with open(os.path.join(root, "metrics.jsonl")) as f:
+                logged += [json.loads(line).get("memory/peak_gb", 0) for line in f if line.strip()]
+    shutil.rmtree(out, ignore_errors=True)
+    return dict(
+        planned=planned,
+        measured=usage.ru_maxrss / 2**20,  # KiB
+        logged=max(logged, default=0.0),
+        checkpointing=checkpointing or "gradient checkpointing turned on" in text,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def demo_files(folder: str, steps: int, only: list[str] | None, md: str | None) -> None:
+    """The table of planned vs measured peaks over DEMO_CASES, without and with --gradient-checkpointing."""
+    with open("/proc/loadavg") as f:
+        print(f"load average at the start: {f.read().split()[:3]}", flush=True)
+    head = "| script | file | checkpointing | planned (GiB) | measured peak RSS (GiB) | planned / measured |"
+    rows = [head, "|---|---|---|---:|---:|---:|"]
+    bad = []
+    for script, name, flags in DEMO_CASES:
+        for asked in (False, True):
+            case = f"{script}-{name.split('_')[0]}" + ("-ckpt" if asked else "")
+            if only and case not in only:
+                continue
+            out = tempfile.mkdtemp(prefix="memdemo-")
+            r = demo_case(script, os.path.join(folder, name), flags, steps, asked, out)
+            ratio = r["planned"] / r["measured"]
+            how = "asked" if asked else ("on (by the plan)" if r["checkpointing"] else "off")
+            rows.append(f"| {script} | {name} | {how} | {r['planned']:.2f} | {r['measured']:.2f} | {ratio:.2f} |")
+            print(rows[-1], f"({case}: {r['seconds']:.0f} s, memory/peak_gb logged {r['logged']:.2f})", flush=True)
+            if not LOW <= ratio <= HIGH:
+                bad.append(f"{case} {ratio:.2f}")
+    with open("/proc/loadavg") as f:
+        print(f"load average at the end: {f.read().split()[:3]}")
+    table = "\n".join(rows) + "\n"
+    print("\n" + table)
+    if md:
+        with open(md, "w") as f:
+            f.write(table)
+    if bad:
+        sys.exit(f"planned / measured outside [{LOW}, {HIGH}]: {', '.join(bad)}")
 
 
 GPU_CASES = {"sft": (4, 1024), "dpo": (2, 1024), "grpo": (4, 512)}  # random weights: completions run full length
@@ -219,10 +302,14 @@ def main() -> None:
     ap.add_argument("--checkpointing", action="store_true", help="every case with --gradient-checkpointing")
     ap.add_argument("--full", action="store_true", help="sft and dpo cases with --no-use-lora (grpo's are skipped)")
     ap.add_argument("--md", help="also write the table to this file")
+    ap.add_argument("--demo-files", metavar="DIR", help="each script on LLaMA-Factory's demo files in DIR (see above)")
+    ap.add_argument("--steps", type=int, default=2, help="with --demo-files: optimizer steps per run")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     cli = ap.parse_args()
     if cli.child:
         return child(json.loads(cli.child))
+    if cli.demo_files:
+        return demo_files(cli.demo_files, cli.steps, cli.only, cli.md)
     from tests.tiny import write_tiny
 
     tmp = tempfile.mkdtemp(prefix="memcheck-")
