@@ -65,12 +65,34 @@ def pytest_terminal_summary(terminalreporter):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # under pytest-xdist, before its worker hook reads the groups
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = in_groups(items)
+
+
+def in_groups(items: list) -> list:
+    """The items, each marked with its xdist group, longest groups first (scripts/run_tests.py runs the suite with
+    --dist loadgroup --no-loadscope-reorder: a group is one worker's, whole, in this order). A file is a group: its
+    module fixtures are built once and its tests run in their order in one process (some compare two runs exactly).
+    Every file that launches torchrun is in one group, first: two ranks a launch, so two launches at once would ask
+    for twice the cores; it is the longest group, so it goes while the other workers take the rest."""
+    sources = {}
+    for item in items:
+        if item.path not in sources:
+            sources[item.path] = item.path.read_text(encoding="utf-8")
+    torchrun = {path for path, text in sources.items() if "torch.distributed.run" in text}
+    group = {item: "torchrun" if item.path in torchrun else item.nodeid.split("::")[0] for item in items}
+    slow = {name: 0 for name in group.values()}  # the `slow` tests a group holds: the longest go first
+    for item in items:
+        slow[group[item]] += item.get_closest_marker("slow") is not None
+        item.add_marker(pytest.mark.xdist_group(group[item]))
+    return sorted(items, key=lambda item: (group[item] != "torchrun", -slow[group[item]]))
 
 
 @pytest.fixture(scope="session")
