@@ -12,7 +12,7 @@ tokens of the training forward, prompt + completion, summed over the measured st
 does not, so when the load average exceeds the cores the CPU ratio is the steadier of the two.
 
     OMP_NUM_THREADS=1 python bench/vs_trl.py --cpu 1                # issue #19's three presets on SmolLM2-135M
-    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset sft-8 dpo-4 grpo-2x8 --repeats 3  # the first bench's, on the ~26M model
+    OMP_NUM_THREADS=1 python bench/vs_trl.py --preset sft-8 dpo-4 grpo-2x8   # the first bench's, on the ~26M model
     OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-4x512 --repeats 3 --steps 5
     OMP_NUM_THREADS=1 python bench/vs_trl.py --preset dpo-full-4 dpo-full-live-4 --steps 3  # full FT
 
