@@ -20,10 +20,13 @@ Llama 3), and makes the template's end-of-turn token the tokenizer's eos (as TRL
 id means "stop" for generation, closes standard completions, and is in every completion's loss mask.
 """
 
+import array
 import json
 import math
 import os
 import pathlib
+import sys
+import time
 import warnings
 
 import jinja2
@@ -507,13 +510,53 @@ def setup_chat_template(tokenizer, template: str = "auto") -> str:
 
 
 # ------------------------------------------------------------------------------------------------ tokenization
+class Ids(array.array):
+    """One tokenized row's token ids (typecode "i") or 0/1 mask ("b") as a C array: 4 or 1 bytes a token, where a
+    list of Python ints costs an 8-byte pointer plus an int object per token, several times the text it came from.
+    It reads like the list it replaces: a slice is an Ids, `+` with a list or an Ids gives a list, and == compares
+    values with a list, so code written for lists of ids (packing, padding, prompt + completion) runs unchanged."""
+
+    __hash__ = None  # mutable, like a list
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        return Ids(self.typecode, item) if isinstance(index, slice) else item
+
+    def __add__(self, other):
+        return self.tolist() + list(other) if isinstance(other, (list, array.array)) else NotImplemented
+
+    def __radd__(self, other):
+        return list(other) + self.tolist() if isinstance(other, (list, array.array)) else NotImplemented
+
+    def __eq__(self, other):
+        return self.tolist() == list(other) if isinstance(other, (list, array.array)) else NotImplemented
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __copy__(self):
+        return Ids(self.typecode, self)
+
+    def __deepcopy__(self, memo):
+        return Ids(self.typecode, self)
+
+
 def _chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def _ids(tokenizer, text: str, special: bool = False) -> list[int]:
-    # A rendered chat already holds its special tokens (BOS included); plain text gets the tokenizer's own (BOS).
-    return tokenizer(text, add_special_tokens=special)["input_ids"]
+def _encode_texts(tokenizer, texts: list[tuple[str, bool]]) -> list[list[int]]:
+    """The ids of each (text, add special tokens) in one call of the tokenizer per flag on the distinct texts (a fast
+    tokenizer encodes a batch in Rust, on several threads unless TOKENIZERS_PARALLELISM is off), the same ids as one
+    call per text. A rendered chat already holds its special tokens (BOS included); plain text gets the tokenizer's."""
+    ids = {}
+    for special in (False, True):
+        distinct = list(dict.fromkeys(text for text, flag in texts if flag is special))
+        if distinct:
+            encoded = tokenizer(distinct, add_special_tokens=special)["input_ids"]
+            ids |= {(text, special): e for text, e in zip(distinct, encoded, strict=True)}
+    return [ids[key] for key in texts]
 
 
 def _common_prefix(a: list | str, b: list | str) -> int:
@@ -535,21 +578,68 @@ def _check_prefix(prefix: str, text: str, loc: str):
         )
 
 
-def _encode(tokenizer, prompt, completion, loc: str) -> tuple[list[int], list[int]]:
-    """(prompt ids, completion ids); the completion ends with its end-of-turn (conversational) or EOS (standard)."""
-    eos = tokenizer.eos_token_id
+def _pair_texts(tokenizer, prompt, completion, loc: str) -> list[tuple[str, bool]]:
+    """The prompt's text and prompt + completion's, as _split reads their ids."""
     if isinstance(prompt, list):
         prompt_text, text = _chat(tokenizer, prompt, True), _chat(tokenizer, prompt + completion)
         _check_prefix(prompt_text, text, loc)
-        prompt_ids, full = _ids(tokenizer, prompt_text), _ids(tokenizer, text)
-    else:
-        # TRL appends the eos string to standard completions; we append its id (one token even if eos isn't special).
-        prompt_ids, full = _ids(tokenizer, prompt, special=True), _ids(tokenizer, prompt + completion, special=True)
+        return [(prompt_text, False), (text, False)]
+    return [(prompt, True), (prompt + completion, True)]
+
+
+def _split(tokenizer, prompt_ids: list[int], full: list[int], standard: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) from the ids of _pair_texts; the completion ends with its end-of-turn
+    (conversational) or EOS (standard)."""
+    eos = tokenizer.eos_token_id
+    # TRL appends the eos string to standard completions; we append its id (one token even if eos isn't special).
+    if standard:
         full = full if full[-1:] == [eos] else full + [eos]
     # As TRL: the completion starts where the prompt's tokens and prompt+completion's first differ; that is right
     # after the prompt unless BPE merged tokens across the boundary (standard rows, e.g. "The sky is" + " blue").
     n = _common_prefix(prompt_ids, full)
     return prompt_ids[:n], _through_last(full[n:], eos)
+
+
+def _messages_texts(tokenizer, messages: list[dict], loc: str) -> list[tuple[str, bool]]:
+    """The whole chat, then for each assistant turn the chat before it (with the generation prompt) and through it;
+    both must be prefixes of the whole render."""
+    text = _chat(tokenizer, messages)
+    texts = [(text, False)]
+    for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
+        before, through = _chat(tokenizer, messages[:i], True), _chat(tokenizer, messages[: i + 1])
+        _check_prefix(before, text, loc)
+        _check_prefix(through, text, loc)
+        texts += [(before, False), (through, False)]
+    return texts
+
+
+def _messages_mask(tokenizer, ids: list[list[int]]) -> list[int]:
+    """A mask on each assistant turn's content + end-of-turn token, from the ids of _messages_texts: token positions
+    via common prefixes, which stay right if BPE merges across a turn boundary."""
+    full = ids[0]
+    mask = [0] * len(full)
+    for before, through in zip(ids[1::2], ids[2::2], strict=True):
+        start = _common_prefix(before, full)
+        turn = _through_last(full[start : _common_prefix(through, full)], tokenizer.eos_token_id)
+        mask[start : start + len(turn)] = [1] * len(turn)
+    return mask
+
+
+def _texts(tokenizer, row: dict, kind: str) -> list[tuple[str, bool]]:
+    """Every (text, add special tokens) that tokenizing a validated row of `kind` encodes, chat templates rendered
+    (and their prefix property checked, naming the row): what TOKENIZE[kind] reads back as `ids`."""
+    loc = row.get("_loc", "<row>")
+    prompt = row.get("prompt")
+    if kind == "prompt":
+        return [(_chat(tokenizer, prompt, True), False) if isinstance(prompt, list) else (prompt, True)]
+    if kind == "preference":
+        chosen = _pair_texts(tokenizer, prompt, row["chosen"], loc)
+        return chosen + _pair_texts(tokenizer, prompt, row["rejected"], loc)
+    if kind == "supervised" and "messages" in row:
+        return _messages_texts(tokenizer, row["messages"], loc)
+    if kind == "supervised" and "text" in row:
+        return [(row["text"], True)]
+    return _pair_texts(tokenizer, prompt, row["completion"], loc)
 
 
 def _fit(prompt_ids: list[int], completions: list[list[int]], max_length: int | None, max_prompt_length: int | None):
@@ -562,37 +652,23 @@ def _fit(prompt_ids: list[int], completions: list[list[int]], max_length: int | 
     return (prompt_ids, completions) if all(completions) else None
 
 
-def _messages_ids(tokenizer, messages: list[dict], loc: str) -> tuple[list[int], list[int]]:
-    """The chat's ids and a mask on each assistant turn's content + end-of-turn token. A turn is located by rendering
-    the chat before it (with the generation prompt) and through it; both must be prefixes of the whole render."""
-    text = _chat(tokenizer, messages)
-    ids = _ids(tokenizer, text)
-    mask = [0] * len(ids)
-    for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
-        before, through = _chat(tokenizer, messages[:i], True), _chat(tokenizer, messages[: i + 1])
-        _check_prefix(before, text, loc)
-        _check_prefix(through, text, loc)
-        # Token positions via common prefixes, which stay right if BPE merges across a turn boundary.
-        start = _common_prefix(_ids(tokenizer, before), ids)
-        turn = _through_last(ids[start : _common_prefix(_ids(tokenizer, through), ids)], tokenizer.eos_token_id)
-        mask[start : start + len(turn)] = [1] * len(turn)
-    return ids, mask
-
-
-def tokenize_sft(tokenizer, row: dict, max_length: int | None, completion_only_loss: bool = True) -> dict | None:
+def tokenize_sft(
+    tokenizer, row: dict, max_length: int | None, completion_only_loss: bool = True, ids: list | None = None
+) -> dict | None:
     """{input_ids, completion_mask}: the mask is on the completion (prompt/completion rows) or on every assistant turn
     (messages rows), end-of-turn/EOS token included; all ones for {text} rows or completion_only_loss=False; never
     on token 0, which no token predicts.
-    Right-truncated to max_length; None when no completion token survives (the caller drops the row)."""
+    Right-truncated to max_length; None when no completion token survives (the caller drops the row).
+    `ids`: the encodings of _texts(tokenizer, row, "supervised") when the caller encoded them (tokenize_dataset)."""
     eos = tokenizer.eos_token_id
+    ids = _encode_texts(tokenizer, _texts(tokenizer, row, "supervised")) if ids is None else ids
     if "messages" in row:
-        input_ids, mask = _messages_ids(tokenizer, row["messages"], row.get("_loc", "<row>"))
+        input_ids, mask = ids[0], _messages_mask(tokenizer, ids)
     elif "text" in row:  # plain language modelling: every token, closed by EOS as TRL does
-        input_ids = _ids(tokenizer, row["text"], special=True)
-        input_ids = input_ids if input_ids[-1:] == [eos] else input_ids + [eos]
+        input_ids = ids[0] if ids[0][-1:] == [eos] else ids[0] + [eos]
         mask = [1] * len(input_ids)
     else:
-        prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], row.get("_loc", "<row>"))
+        prompt_ids, completion_ids = _split(tokenizer, ids[0], ids[1], not isinstance(row["prompt"], list))
         input_ids, mask = prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
     input_ids, mask = input_ids[:max_length], mask[:max_length]  # [:None] keeps everything
     if not any(mask[1:]):
@@ -600,53 +676,89 @@ def tokenize_sft(tokenizer, row: dict, max_length: int | None, completion_only_l
     # Token 0 has no context, so it is never a target (the shift drops it): out of the mask, or the step's token count
     # (the loss's denominator) would count it, once per row padded but not packed (transformers counts labels[1:]).
     mask = mask if completion_only_loss else [1] * len(input_ids)
-    return {"input_ids": input_ids, "completion_mask": [0] + mask[1:]}
+    return {"input_ids": Ids("i", input_ids), "completion_mask": Ids("b", [0] + mask[1:])}
 
 
 def tokenize_preference(
-    tokenizer, row: dict, max_length: int | None, max_prompt_length: int | None = None
+    tokenizer, row: dict, max_length: int | None, max_prompt_length: int | None = None, ids: list | None = None
 ) -> dict | None:
-    """{prompt_ids, chosen_ids, rejected_ids}; completions end with the end-of-turn/EOS token. Truncation: _fit."""
-    prompt_ids, chosen = _encode(tokenizer, row["prompt"], row["chosen"], row.get("_loc", "<row>"))
-    other_ids, rejected = _encode(tokenizer, row["prompt"], row["rejected"], row.get("_loc", "<row>"))
+    """{prompt_ids, chosen_ids, rejected_ids}; completions end with the end-of-turn/EOS token. Truncation: _fit.
+    `ids`: as tokenize_sft's."""
+    ids = _encode_texts(tokenizer, _texts(tokenizer, row, "preference")) if ids is None else ids
+    standard = not isinstance(row["prompt"], list)
+    prompt_ids, chosen = _split(tokenizer, ids[0], ids[1], standard)
+    other_ids, rejected = _split(tokenizer, ids[2], ids[3], standard)
     # The two prompts differ only if BPE merged differently into each answer: share the common part, as TRL does.
     n = _common_prefix(prompt_ids, other_ids)
     fitted = _fit(prompt_ids[:n], [prompt_ids[n:] + chosen, other_ids[n:] + rejected], max_length, max_prompt_length)
-    return fitted and {"prompt_ids": fitted[0], "chosen_ids": fitted[1][0], "rejected_ids": fitted[1][1]}
+    return fitted and {
+        "prompt_ids": Ids("i", fitted[0]),
+        "chosen_ids": Ids("i", fitted[1][0]),
+        "rejected_ids": Ids("i", fitted[1][1]),
+    }
 
 
-def tokenize_binary(tokenizer, row: dict, max_length: int | None, max_prompt_length: int | None = None) -> dict | None:
-    """{prompt_ids, completion_ids, label}; truncated like tokenize_preference."""
-    prompt_ids, completion_ids = _encode(tokenizer, row["prompt"], row["completion"], row.get("_loc", "<row>"))
+def tokenize_binary(
+    tokenizer, row: dict, max_length: int | None, max_prompt_length: int | None = None, ids: list | None = None
+) -> dict | None:
+    """{prompt_ids, completion_ids, label}; truncated like tokenize_preference. `ids`: as tokenize_sft's."""
+    ids = _encode_texts(tokenizer, _texts(tokenizer, row, "binary")) if ids is None else ids
+    prompt_ids, completion_ids = _split(tokenizer, ids[0], ids[1], not isinstance(row["prompt"], list))
     fitted = _fit(prompt_ids, [completion_ids], max_length, max_prompt_length)
-    return fitted and {"prompt_ids": fitted[0], "completion_ids": fitted[1][0], "label": row["label"]}
+    return fitted and {
+        "prompt_ids": Ids("i", fitted[0]),
+        "completion_ids": Ids("i", fitted[1][0]),
+        "label": row["label"],
+    }
 
 
-def tokenize_prompt(tokenizer, row: dict, max_prompt_length: int | None) -> dict | None:
-    """{prompt_ids}, conversational prompts rendered with the generation prompt; None (drop) when too long."""
-    prompt = row["prompt"]
-    ids = (
-        _ids(tokenizer, _chat(tokenizer, prompt, True)) if isinstance(prompt, list) else _ids(tokenizer, prompt, True)
-    )
-    return None if max_prompt_length is not None and len(ids) > max_prompt_length else {"prompt_ids": ids}
+def tokenize_prompt(tokenizer, row: dict, max_prompt_length: int | None, ids: list | None = None) -> dict | None:
+    """{prompt_ids}, conversational prompts rendered with the generation prompt; None (drop) when too long.
+    `ids`: as tokenize_sft's."""
+    ids = _encode_texts(tokenizer, _texts(tokenizer, row, "prompt")) if ids is None else ids
+    too_long = max_prompt_length is not None and len(ids[0]) > max_prompt_length
+    return None if too_long else {"prompt_ids": Ids("i", ids[0])}
 
 
 TOKENIZE = dict(
     supervised=tokenize_sft, preference=tokenize_preference, binary=tokenize_binary, prompt=tokenize_prompt
 )
+TOKENIZE_BATCH = 1000  # rows whose texts go to the tokenizer in one call
+PROGRESS_EVERY = 10.0  # seconds between progress lines; a set tokenized faster than this prints none
 
 
 def tokenize_dataset(tokenizer, rows: list[dict], kind: str, max_length: int | None, **kw) -> list[dict]:
     """Tokenize validated rows with TOKENIZE[kind] (for "prompt", max_length is the prompt limit), dropping those that
-    do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs)."""
+    do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs).
+    The texts of TOKENIZE_BATCH rows at a time are encoded in one call (_encode_texts), with a progress line on stderr
+    every PROGRESS_EVERY seconds."""
     examples = []
     dropped = []
-    for row in rows:
-        example = TOKENIZE[kind](tokenizer, row, max_length, **kw)
-        if example is None:
-            dropped.append(row.get("_loc"))
-        else:
-            examples.append((row if kind == "prompt" else {"_loc": row.get("_loc")}) | example)
+    start = time.perf_counter()
+    shown = start
+    for first in range(0, len(rows), TOKENIZE_BATCH):
+        batch = rows[first : first + TOKENIZE_BATCH]
+        texts = [_texts(tokenizer, row, kind) for row in batch]
+        encoded = iter(_encode_texts(tokenizer, [t for row_texts in texts for t in row_texts]))
+        for row, row_texts in zip(batch, texts, strict=True):
+            ids = [next(encoded) for _ in row_texts]
+            example = TOKENIZE[kind](tokenizer, row, max_length, ids=ids, **kw)
+            if example is None:
+                dropped.append(row.get("_loc"))
+            else:
+                examples.append((row if kind == "prompt" else {"_loc": row.get("_loc")}) | example)
+        now = time.perf_counter()
+        if now - shown >= PROGRESS_EVERY:
+            shown = now
+            done = first + len(batch)
+            print(
+                f"tokenizing {kind} rows: {done:,} of {len(rows):,} ({done / (now - start):,.0f} rows/s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    if shown > start:
+        took = time.perf_counter() - start
+        print(f"tokenized {len(rows):,} {kind} rows in {took:.0f} s", file=sys.stderr, flush=True)
     if dropped:
         what = "the prompt is too long" if kind == "prompt" else "no completion token would be left"
         warnings.warn(

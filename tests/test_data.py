@@ -1,15 +1,24 @@
 """common/data.py (with its chat templates) and sft.py's packing: loading, converters, validation errors, masks per
 template, packing."""
 
+import copy
 import json
+import pickle
 import re
+import sys
+import warnings
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+import sft
+from common import data
 from common.data import (
+    TOKENIZE,
+    Ids,
+    concat_pairs,
     sharegpt_row,
     collate_sft,
     concat_prompt_completion,
@@ -26,6 +35,8 @@ from common.data import (
     validate_rows,
 )
 from common.errors import DataError
+from harness import memory
+from plugins.embedded import resolve_model
 from sft import alpaca_row, collate_packed, pack_examples
 from tests.tiny import CORPUS
 
@@ -556,3 +567,147 @@ def test_rows_in_another_toolkits_layout_say_how_to_convert(tmp_path):
     path = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "a", "input": "b", "output": "c"}])
     with pytest.raises(DataError, match=r"pass --convert alpaca"):
         load_splits(path, "train", None, "supervised", convert_flag="--convert")
+
+
+# ------------------------------------------------------------------ compact rows, batched tokenization, the plan
+MIXED = [
+    {"messages": CHAT, "_loc": "d.jsonl:1"},
+    {"prompt": CHAT[1:2], "completion": CHAT[2:3], "_loc": "d.jsonl:2"},
+    {"prompt": "The sky is", "completion": " blue", "_loc": "d.jsonl:3"},
+    {"text": "The quick brown fox jumps over the lazy dog.", "_loc": "d.jsonl:4"},
+    {"prompt": CHAT[:4], "completion": CHAT[4:], "_loc": "d.jsonl:5"},
+] * 3
+PAIRS = [
+    {"prompt": CHAT[:4], "chosen": CHAT[4:], "rejected": [{"role": "assistant", "content": "No."}], "_loc": "p:1"},
+    {"prompt": "1 2 3", "chosen": " 4", "rejected": " 5 6", "_loc": "p:2"},
+    {"prompt": CHAT[1:2], "chosen": CHAT[2:3], "rejected": CHAT[4:5], "_loc": "p:3"},
+] * 3
+
+
+class CountingTokenizer:
+    """The tokenizer, counting the calls that encode text (and how many texts each got)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.calls = []
+
+    def __call__(self, text, **kw):
+        self.calls.append(len(text) if isinstance(text, list) else 1)
+        return self.tokenizer(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def per_row(tokenizer, rows, kind, max_length, **kw) -> list[dict]:
+    """The per-row path, one tokenizer call per text (as before batching)."""
+    out = []
+    for row in rows:
+        ids = [tokenizer(t, add_special_tokens=s)["input_ids"] for t, s in data._texts(tokenizer, row, kind)]
+        example = TOKENIZE[kind](tokenizer, row, max_length, ids=ids, **kw)
+        if example is not None:
+            out.append((row if kind == "prompt" else {"_loc": row["_loc"]}) | example)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    setup_chat_template(tokenizer)
+    return tokenizer
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_batched_tokenization_gives_the_per_row_ids_in_few_calls(which, tok, request, monkeypatch):
+    """tokenize_dataset encodes the texts of TOKENIZE_BATCH rows in one call per special-token flag, with the ids,
+    truncation, prompt/completion boundaries and drops of one call per text."""
+    tokenizer = tok if which == "tiny" else request.getfixturevalue("smollm2")
+    monkeypatch.setattr(data, "TOKENIZE_BATCH", 4)
+    prompts = [{"prompt": r["prompt"], "_loc": r["_loc"]} for r in PAIRS] + [{"prompt": "Hi there", "_loc": "q"}]
+    cases = [
+        (MIXED, "supervised", None, {}),
+        (MIXED, "supervised", 24, {"completion_only_loss": False}),
+        (PAIRS, "preference", None, {}),
+        (PAIRS, "preference", 30, {"max_prompt_length": 12}),
+        ([r | {"completion": r["chosen"], "label": True} for r in PAIRS], "binary", 30, {"max_prompt_length": 12}),
+        (prompts, "prompt", None, {}),
+        (prompts, "prompt", 20, {}),
+    ]
+    for rows, kind, max_length, kw in cases:
+        counting = CountingTokenizer(tokenizer)
+        with warnings.catch_warnings(record=True) as batched_warnings:
+            warnings.simplefilter("always")
+            batched = tokenize_dataset(counting, rows, kind, max_length, **kw)
+        expected = per_row(tokenizer, rows, kind, max_length, **kw)
+        assert batched == expected, (kind, max_length)
+        assert [e["_loc"] for e in batched] == [e["_loc"] for e in expected]
+        assert len(counting.calls) <= 2 * -(-len(rows) // 4)  # one per flag and batch; per text: one per text
+        assert len(batched_warnings) == (len(expected) < len(rows))  # one drop warning, only when rows were dropped
+
+
+def test_batched_tokenization_names_the_bad_row(tok):
+    tokenizer = AutoTokenizer.from_pretrained(tok.name_or_path)
+    tokenizer.chat_template = (  # rewrites earlier assistant turns: no prefix property
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>assistant\n"
+        "(earlier)<|im_end|>\n' }}{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    rows = [{"messages": CHAT[1:3], "_loc": f"chat.jsonl:{i}"} for i in (1, 2)] + [{"messages": CHAT, "_loc": "c:3"}]
+    with pytest.raises(DataError, match=r"^c:3: the chat template renders this chat's start differently"):
+        tokenize_dataset(tokenizer, rows, "supervised", None)
+
+
+def test_tokenized_rows_are_compact_arrays_that_read_like_lists(tok):
+    """Token ids in 4-byte C arrays and masks in 1-byte ones, not lists of Python ints (an 8-byte pointer per token,
+    plus an int object past 256); the collated batches are the lists' exactly."""
+    rows = [
+        {"prompt": "The quick brown fox " * (1 + i % 5), "completion": " jumps over the lazy dog." * 8}
+        for i in range(20)
+    ]
+    examples = tokenize_dataset(tok, [r | {"_loc": str(i)} for i, r in enumerate(rows)], "supervised", None)
+    tokens = sum(len(e["input_ids"]) for e in examples)
+    held = sum(sys.getsizeof(e["input_ids"]) + sys.getsizeof(e["completion_mask"]) for e in examples)
+    assert held / tokens < 7  # ids 4 + mask 1 + two array headers a row; lists: 16 + int objects
+    as_lists = [{k: list(v) if isinstance(v, Ids) else v for k, v in e.items()} for e in examples]
+    for got, want in zip(collate_sft(examples, 0).values(), collate_sft(as_lists, 0).values(), strict=True):
+        assert torch.equal(got, want)
+    packs = pack_examples(examples, 400)
+    assert packs == pack_examples(as_lists, 400)
+    ids = examples[0]["input_ids"]
+    assert isinstance(ids[1:], Ids) and ids[1:] == as_lists[0]["input_ids"][1:] and ids != ids[1:]
+    assert [0] + ids[1:] == [0] + as_lists[0]["input_ids"][1:] and ids + [7] == as_lists[0]["input_ids"] + [7]
+    assert pickle.loads(pickle.dumps(ids)) == ids and type(copy.deepcopy(ids)) is Ids
+    pairs = tokenize_dataset(tok, PAIRS, "preference", None)
+    listed = [{k: list(v) if isinstance(v, Ids) else v for k, v in e.items()} for e in pairs]
+    for got, want in zip(concat_pairs(pairs, 0, "cpu").values(), concat_pairs(listed, 0, "cpu").values(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_progress_line_for_long_tokenizations_only(tok, capsys, monkeypatch):
+    rows = [r | {"_loc": f"{r['_loc']}.{i}"} for i, r in enumerate(MIXED * 4)]
+    tokenize_dataset(tok, rows, "supervised", None)
+    assert capsys.readouterr().err == ""  # a small set: silent
+    monkeypatch.setattr(data, "TOKENIZE_BATCH", 20)
+    monkeypatch.setattr(data, "PROGRESS_EVERY", 0.0)
+    tokenize_dataset(tok, rows, "supervised", None)
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"tokenizing supervised rows: 20 of 60 \([\d,]+ rows/s\)", lines[0])
+    assert len(lines) == 4 and lines[-1].startswith("tokenized 60 supervised rows in ")
+
+
+def test_the_plan_counts_the_tokenized_rows(tok, tiny_model_dir, tmp_path):
+    """examples_bytes: what the examples add to the rows, measured like rows_bytes; with the tokenizer within a few
+    percent of the real examples, without it (the UTF-8 byte bound) above them; the plan holds it as a part."""
+    words = "the quick brown fox jumps over the lazy dog and some more words".split()
+    rows = [{"prompt": " ".join(words[i % 7 :]), "completion": " ".join(words[: 3 + i % 9])} for i in range(3000)]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = validate_rows(load_rows(str(path)), "supervised")
+    examples = tokenize_dataset(tok, loaded, "supervised", None)
+    seen = set()
+    memory._object_bytes(loaded, seen)
+    real = memory._object_bytes(examples, seen) + sys.getsizeof(examples)
+    assert memory.examples_bytes(loaded, tok) == pytest.approx(real, rel=0.05)
+    assert real < memory.examples_bytes(loaded) < 3 * real
+    plan = sft.main(sft.Args(model=tiny_model_dir, dataset=str(path), output_dir=str(tmp_path / "run"), plan=True))
+    assert plan["memory_plan"]["dataset tokens"] == pytest.approx(real, rel=0.05)
