@@ -127,8 +127,10 @@ class VLLMEngine:
         ]
         self._set_awake(True)
         with preserved_rng():
+            # list(): vLLM takes a prompt's ids as a list; a tokenized row holds them as a compact array
+            # (common.data.Ids)
             outs = self.llm.generate(
-                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=self.lora
+                [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False, lora_request=self.lora
             )
         rows = []
         completions = []
