@@ -20,11 +20,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
-from common.distributed import rank_and_world
+from common.distributed import any_rank, rank_and_world
 from common.errors import USER_ERRORS, ArgsError, ModelError, RunStopped
 from common.model import pick_device, require, resolve_dtype
 from plugins.embedded import MODEL_ALIASES
 
+_DEFERRED_CTRL_C = False  # a Ctrl-C a run answered by finishing its final/ (StopOnCtrlC.finishing): exit 130
 PROJECT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # a warning raised under it is ours
 
 
@@ -48,7 +49,8 @@ def one_line_errors():
     (a second Ctrl-C: 130), not a traceback. Errors on the user's side (common.errors.USER_ERRORS) print their
     message; any other also names its type and that ONLYONE_DEBUG=1 shows the traceback (the exception is then
     re-raised as it is). A stop the user asked for (Ctrl-C: RunStopped.requested) is no error: its message alone
-    (it names the script, the checkpoint and the resume command) and status 130, the shell's code for an interrupt.
+    (it names the script, the checkpoint and the resume command) and status 130, the shell's code for an interrupt;
+    a Ctrl-C the run answered by completing its last step and final/ (StopOnCtrlC.finishing) also ends in 130.
     A warning is one line too, `<prog>: warning: <message>`, not Python's two (file:line: category, then the
     warnings.warn( source line); one raised outside this project also names its category and origin. Off a terminal
     (a log file, CI) the hub, transformers and datasets loading bars are turned off first: their carriage-return
@@ -65,10 +67,16 @@ def one_line_errors():
         origin = "" if ours else f" ({category.__name__} from {filename}:{lineno})"
         print(f"{prog}: warning: {message}{origin}".replace("\n", " "), file=file or sys.stderr)
 
+    global _DEFERRED_CTRL_C
+    _DEFERRED_CTRL_C = False
     previous = warnings.showwarning
     warnings.showwarning = one_line_warning  # the warnings module's documented hook for how a warning is shown
     try:
         yield
+        if _DEFERRED_CTRL_C:  # the run completed (final/ written), then it answers the Ctrl-C as a stop does
+            if rank_and_world()[0] == 0:
+                print(f"{prog}: Ctrl-C: the last step and final/ were completed first; exit 130", file=sys.stderr)
+            raise SystemExit(130)
     except KeyboardInterrupt:
         prog = _rank_tag(name)
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -295,19 +303,35 @@ def check_parallel_flags(args) -> None:
 
 class StopOnCtrlC:
     """While a loop runs over watch(steps): Ctrl-C (SIGINT) sets .requested, so the loop can stop at the end of its
-    step with a checkpoint; a second Ctrl-C aborts at once (KeyboardInterrupt). However the loop ends (its last
-    step, an exception, a stop) the previous handler is back: the generator's `finally` runs when the loop drops it,
-    so an in-process caller's next Ctrl-C is never swallowed as a stop request. Python only lets the main thread
-    install a handler: elsewhere Ctrl-C keeps its default."""
+    step with a checkpoint; a second Ctrl-C aborts at once (KeyboardInterrupt). When the loop runs out (its last
+    step done) the handler stays installed for the final save: `with interrupt.finishing():` around it. There a
+    Ctrl-C (or the one pressed during the last step) is answered with one line and the write completes, however
+    often Ctrl-C is pressed: aborting it would leave neither final/ nor a checkpoint of the last step. After it the
+    CLI exits 130 (one_line_errors), as a stop does: a wrapper script sees "interrupted". The previous handler is
+    back on every way out: when the loop raises or breaks (the generator's `finally` runs as the loop drops it) and
+    when finishing() ends, normally or by an exception, so an in-process caller's next Ctrl-C is never swallowed as
+    a stop request. Python only lets the main thread install a handler: elsewhere Ctrl-C keeps its default."""
 
     def __init__(self):
         self.requested = False
         self.first = 0.0
+        self.final = False  # in finishing(): no Ctrl-C interrupts the write
+        self.previous = None
 
     def _handle(self, signum, frame):
         # Under torchrun a terminal's Ctrl-C reaches each rank twice at once (from the terminal, and forwarded by
         # torchrun): a repeat within a second is the same Ctrl-C.
-        if self.requested and time.monotonic() - self.first > 1.0:
+        repeat = time.monotonic() - self.first <= 1.0
+        if self.final:
+            if not repeat:
+                print(
+                    "\nCtrl-C: writing final/ first (stopping now would lose the last step); it ends by itself",
+                    file=sys.stderr,
+                )
+            self.requested = True
+            self.first = time.monotonic()
+            return
+        if self.requested and not repeat:
             raise KeyboardInterrupt
         if self.requested:
             return
@@ -315,12 +339,36 @@ class StopOnCtrlC:
         self.first = time.monotonic()
         print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
 
+    def _restore(self) -> None:
+        if self.previous is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, self.previous)
+        self.previous = None
+
     def watch(self, steps):
-        """Yield each of `steps` with this handler installed; restore the previous one on every way out."""
+        """Yield each of `steps` with this handler installed. It stays installed when they run out (finishing()
+        puts the previous one back); a loop that raises or breaks puts it back at once."""
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, self._handle) if main else None
+        self.previous = signal.signal(signal.SIGINT, self._handle) if main else None
         try:
             yield from steps
+        except BaseException:  # GeneratorExit: the loop raised or broke out
+            self._restore()
+            raise
+
+    @contextlib.contextmanager
+    def finishing(self):
+        """Around the final save, right after the loop: a Ctrl-C is answered and the write completes. Every rank
+        leaves with the same answer to "was Ctrl-C pressed" (all-reduced), and a run that took one is marked so
+        that the CLI exits 130 after the run's end line."""
+        global _DEFERRED_CTRL_C
+        self.final = True
+        if self.requested:  # pressed during the last step, which the loop let finish
+            print("Ctrl-C during the last step: writing final/ first (it ends by itself)", file=sys.stderr)
+        try:
+            yield
+            requested = any_rank(self.requested)
         finally:
-            if previous is not None:  # None: a handler not set from Python, which cannot be put back
-                signal.signal(signal.SIGINT, previous)
+            self.final = False
+            self._restore()
+        self.requested = requested
+        _DEFERRED_CTRL_C = _DEFERRED_CTRL_C or requested

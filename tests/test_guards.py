@@ -207,7 +207,6 @@ def test_ctrl_c_saves_at_the_step_boundary_and_prints_the_resume_command(tiny_mo
 def test_ctrl_c_on_a_save_step_keeps_the_checkpoint_it_just_wrote(tiny_model_dir, prefs, tmp_path, monkeypatch):
     """The stop saved the step again right after the loop's save of it; a save deletes an existing step-N before
     renaming the new one into place, so with --save-total-limit 1 a kill in between left no checkpoint."""
-    from types import SimpleNamespace
 
     import dpo
     from harness.checkpoints import COMPLETE, Checkpoints
@@ -220,12 +219,21 @@ def test_ctrl_c_on_a_save_step_keeps_the_checkpoint_it_just_wrote(tiny_model_dir
         return save(self, step, *a, **k)
 
     monkeypatch.setattr(Checkpoints, "save", recorded)
-    monkeypatch.setattr(dpo, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, watch=iter))
+    monkeypatch.setattr(dpo, "StopOnCtrlC", pressed)
     args = dpo.Args(model=tiny_model_dir, dataset=prefs, output_dir=str(tmp_path), max_steps=3, save_steps=1)
     with pytest.raises(RunStopped) as stopped:
         dpo.main(dataclasses.replace(args, save_total_limit=1))
     assert stopped.value.step == 1 and saves == [1]  # the loop's save of step 1, and no second one by the stop
     assert os.path.isfile(os.path.join(stopped.value.checkpoint, COMPLETE))
+
+
+def pressed():
+    """A StopOnCtrlC as after a Ctrl-C (its handler installed as the real one's)."""
+    from harness.cli import StopOnCtrlC
+
+    interrupt = StopOnCtrlC()
+    interrupt.requested = True
+    return interrupt
 
 
 LAST_STEP = {  # one step on each script's own kind of rows
@@ -239,10 +247,9 @@ LAST_STEP = {  # one step on each script's own kind of rows
 def test_ctrl_c_during_the_last_step_finishes_the_run(script, tiny_model_dir, prefs, tmp_path, monkeypatch):
     """A Ctrl-C in the last step raised RunStopped with a checkpoint at total_steps, which --resume-from-checkpoint
     refuses (no steps left): the run could neither finish nor resume, and final/ was never written."""
-    from types import SimpleNamespace
 
     module = importlib.import_module(script)
-    monkeypatch.setattr(module, "StopOnCtrlC", lambda: SimpleNamespace(requested=True, watch=iter))
+    monkeypatch.setattr(module, "StopOnCtrlC", pressed)
     kw = dict(model=tiny_model_dir, output_dir=str(tmp_path), max_steps=1, save_steps=0, preset="demo")
     out = module.main(module.Args(**kw | LAST_STEP.get(script, dict(dataset=prefs))))
     assert os.path.isfile(os.path.join(out["final_dir"], "adapter_model.safetensors"))
