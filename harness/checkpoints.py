@@ -21,6 +21,7 @@ import pathlib
 import random
 import re
 import shutil
+import time
 import warnings
 
 import torch
@@ -324,13 +325,22 @@ def resolve_checkpoint(path: str) -> str:
 
 
 class Checkpoints:
-    """A run's checkpoints: `save` one (keeping the newest `keep`), `resume` from one, `stop` the run with one."""
+    """A run's checkpoints: `save` one (keeping the newest `keep`), `resume` from one, `stop` the run with one. It
+    also keeps the run's clock: elapsed() is the training time since it was made, plus a resumed checkpoint's own
+    (each checkpoint records it), so a resumed run's end line gives the whole run's seconds."""
 
     def __init__(self, run_dir: str, identity: dict, keep: int = 2):
         self.run_dir = run_dir
         self.identity = identity
         self.keep = keep
         self.saved_step = None
+        self.started = time.perf_counter()
+        self.elapsed_before = 0.0  # a resumed checkpoint's elapsed_s
+
+    def elapsed(self) -> float:
+        """Seconds of training in this run so far, the part before a resume included (the time between that
+        checkpoint and the stop or crash, spent on steps trained again, is not)."""
+        return self.elapsed_before + time.perf_counter() - self.started
 
     def save(self, step: int, model, optimizer=None, scheduler=None, state: dict | None = None) -> str:
         """Write run_dir/checkpoints/step-N atomically and keep the newest `keep` complete ones; the marker records
@@ -381,6 +391,7 @@ class Checkpoints:
             torch.save(saved, os.path.join(tmp, "state.pt"))
             meta = {
                 "step": step,
+                "elapsed_s": self.elapsed(),
                 "world_size": world,
                 "trainer_state": {k: v for k, v in state.items() if k not in tensors},
                 "identity": self.identity,
@@ -447,7 +458,31 @@ class Checkpoints:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+        elapsed = meta.get("elapsed_s", 0.0)  # absent in checkpoints written before it was recorded
+        self.elapsed_before = float(elapsed) if isinstance(elapsed, int | float) else 0.0
+        broadcast(None)  # every rank has chosen its checkpoint before rank 0 moves any
+        if rank == 0:
+            self._set_aside_newer(ckpt, meta["step"])
         return meta["step"], meta["trainer_state"] | state.get("tensors", {})
+
+    def _set_aside_newer(self, ckpt: str, step: int) -> None:
+        """A resume in this run dir from an older checkpoint: the newer step-N/ (another branch of the run, or a
+        damaged one the resume fell back from) move to checkpoints/replaced-<time>/, named in one line: kept, never
+        resumed from the run dir in place of the steps trained again, and never deleted by the rotation."""
+        root = os.path.join(self.run_dir, "checkpoints")
+        if os.path.realpath(os.path.dirname(os.path.abspath(ckpt))) != os.path.realpath(root):
+            return
+        newer = sorted(
+            (n for n in os.listdir(root) if re.fullmatch(r"step-\d+", n) and int(n[5:]) > step),
+            key=lambda n: int(n[5:]),
+        )
+        if not newer:
+            return
+        aside = os.path.join(root, f"replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.makedirs(aside, exist_ok=True)
+        for name in newer:
+            os.replace(os.path.join(root, name), os.path.join(aside, name))
+        print(f"resume at step {step}: the newer checkpoints {', '.join(newer)} moved to {aside} (kept, not resumed)")
 
     def stop(self, reason: str, step: int, model, optimizer, scheduler, state: dict, result: dict) -> RunStopped:
         """The RunStopped a script raises to stop at `step`: a checkpoint of this step is saved first (unless the

@@ -20,25 +20,54 @@ from tqdm.auto import tqdm
 from common.distributed import broadcast, rank_and_world
 from common.errors import OutputDirError
 from common.model import require
+from harness.checkpoints import COMPLETE
 
 
-def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs") -> str:
+def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs", resume_path: str | None = None) -> str:
     """runs/<exp_name>__<model>__<seed>__<time>-<6 hex>, CleanRL's run naming (model path reduced to its last part)
     plus a random tag, so two runs started in the same second never share a directory. Scripts call it before the
     model loads: the directory is created and a probe file written and deleted, so an unwritable --output-dir fails
-    in a second, not after minutes of loading. Under torchrun rank 0 creates it (the run's one writer) and every
-    rank gets its path, or the same one-line error."""
+    in a second, not after minutes of loading. resume_path (--resume-from-checkpoint: a run dir, or a checkpoint in
+    its checkpoints/) continues that run dir instead, as TRL resumes into its output dir: its lock is taken here,
+    and the Logger continues its metrics. A checkpoint that sits in no run dir starts a new one, said in one line.
+    Under torchrun rank 0 creates or locks it (the run's one writer) and every rank gets its path, or the same
+    one-line error."""
     path = None
     error = None
     if rank_and_world()[0] == 0:
         try:
-            path = _new_run_dir(exp_name, model, seed, root)
-        except OutputDirError as e:
-            error = str(e)
+            path = resumed_run_dir(resume_path) if resume_path else None
+            if path is None:
+                path = _new_run_dir(exp_name, model, seed, root)
+                if resume_path:
+                    why = "is in no run dir's checkpoints/: this resume writes a new run dir"
+                    print(f"note: {resume_path} {why}, {path}")
+        except (OutputDirError, FileNotFoundError) as e:
+            error = e
     path, error = broadcast((path, error))
     if error:
-        raise OutputDirError(error)
+        raise error
     return path
+
+
+def resumed_run_dir(resume_path: str) -> str | None:
+    """The run dir a --resume-from-checkpoint continues, locked for this process: the folder itself when it holds
+    checkpoints/, or the run dir of a checkpoint in <run dir>/checkpoints/; None for a checkpoint elsewhere (a
+    copied step-N/ alone). FileNotFoundError when the path is neither a checkpoint nor a run dir with checkpoints."""
+    path = os.path.normpath(resume_path)
+    if os.path.isfile(os.path.join(path, COMPLETE)):  # a checkpoint
+        parent = os.path.dirname(os.path.abspath(path))
+        run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+    elif os.path.isdir(os.path.join(path, "checkpoints")):
+        run_dir = path
+    else:
+        raise FileNotFoundError(f"--resume-from-checkpoint {resume_path}: no complete checkpoint there")
+    if run_dir is not None:
+        try:
+            lock_run_dir(run_dir)
+        except OSError as e:  # a run dir this user cannot write: refused before the model loads
+            raise OutputDirError(f"--resume-from-checkpoint {resume_path}: cannot write its run dir ({e})") from None
+    return run_dir
 
 
 def _new_run_dir(exp_name: str, model: str, seed: int, root: str) -> str:
@@ -181,6 +210,47 @@ def wandb_id_of(run_dir: str, resumed_from: str | None) -> str | None:
     return None
 
 
+def continue_metrics(log_file: str, start_step: int) -> list[dict]:
+    """A resume in place: log_file keeps its steps up to start_step, which are returned; the lines after it (steps a
+    resume from an older checkpoint trains again, or a line cut short by a crash) are moved to
+    metrics.replaced-<time>.jsonl beside it, never dropped, with one printed line naming it. The file is replaced
+    whole (a temp file renamed into place)."""
+    kept = []
+    kept_lines = []
+    moved = []
+    moved_steps = []
+    with open(log_file) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (ValueError, TypeError, KeyError):
+                moved.append(line)
+                continue
+            if step <= start_step:
+                kept.append(record)
+                kept_lines.append(line)
+            else:
+                moved.append(line)
+                moved_steps.append(step)
+    if moved:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = os.path.join(os.path.dirname(log_file), f"metrics.replaced-{stamp}.jsonl")
+        n = 1
+        while os.path.exists(aside):
+            n += 1
+            aside = os.path.join(os.path.dirname(log_file), f"metrics.replaced-{stamp}-{n}.jsonl")
+        with open(aside, "w") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+        which = f"steps {min(moved_steps)}..{max(moved_steps)}" if moved_steps else "a line cut short"
+        print(f"resume at step {start_step}: {len(moved)} lines of metrics.jsonl after it ({which}) moved to {aside}")
+    tmp = log_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in kept_lines)
+    os.replace(tmp, log_file)
+    return kept
+
+
 def duration(seconds: float) -> str:
     """'42 s', '5m03s' or '2h07m': a time a person reads at a glance."""
     if seconds < 60:
@@ -195,8 +265,11 @@ class Logger:
     metrics.jsonl only) and to a tqdm bar, or off a terminal to one stderr line: step/total, the `show` metrics,
     s/step and ETA (averaged since the Logger started). The first logged step also prints, once and on a terminal
     too, what the run will take at that pace (a slow start -- a CPU, a big model -- is said at once, not found out).
-    Under torchrun only rank 0 writes or prints (the metrics a script logs are already reduced over the ranks);
-    every rank keeps the history."""
+    A run dir that already has a metrics.jsonl is a resume in place: its steps up to start_step are the start of
+    .history (so the end line covers the whole run), the steps after it (a resume from an older checkpoint trains
+    them again) are moved to metrics.replaced-<time>.jsonl with one line saying so, TensorBoard purges its events
+    from start_step + 1 on, and W&B continues the run's own id. Under torchrun only rank 0 writes or prints (the
+    metrics a script logs are already reduced over the ranks); every rank keeps the history."""
 
     def __init__(
         self,
@@ -214,12 +287,17 @@ class Logger:
         self.run_dir = run_dir
         self.show = show
         self.main = rank_and_world()[0] == 0  # the run's one writer
+        log_file = os.path.join(run_dir, "metrics.jsonl")
+        earlier = None
         if not self.main:
             report_to = "none"
         else:
+            earlier = continue_metrics(log_file, start_step) if os.path.exists(log_file) else None
             with open(os.path.join(run_dir, "args.json"), "w") as f:
                 json.dump(config, f, indent=2)
-        self.writer = SummaryWriter(run_dir) if report_to == "tensorboard" else None
+        earlier = broadcast(earlier)  # every rank's history starts with the run's earlier steps
+        purge = None if earlier is None else start_step + 1  # TensorBoard drops the replaced steps' events
+        self.writer = SummaryWriter(run_dir, purge_step=purge) if report_to == "tensorboard" else None
         self.wandb = None
         if report_to == "wandb":
             self.wandb = wandb_run(
@@ -227,14 +305,15 @@ class Logger:
             )
             with open(os.path.join(run_dir, WANDB_ID), "w") as f:
                 f.write(self.wandb.id)
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if self.main else None
+        self.jsonl = open(log_file, "a") if self.main else None
         on_terminal = self.main and sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, initial=start_step, dynamic_ncols=True, disable=not on_terminal)
         self.total = total_steps
         self.start = start_step
         self.t0 = time.perf_counter()
         self.every = every
-        self.history = []
+        self.history = earlier or []
+        self.paced = False  # the first step this process trains says what the run will take
 
     def log(self, step: int, metrics: dict) -> None:
         """Log at every `every`-th step and the last (TRL's logging_steps cadence); other steps are skipped."""
@@ -254,12 +333,13 @@ class Logger:
         self.bar.set_postfix({k: f"{metrics[k]:.4g}" for k in self.show if k in metrics}, refresh=False)
         self.bar.update(step - self.bar.n)
         per_step = (time.perf_counter() - self.t0) / max(step - self.start, 1)
-        if len(self.history) == 1 and step < self.total:
+        if not self.paced and self.start < step < self.total:
             done = step - self.start
             took = (
                 f"first step took {per_step:.1f} s" if done == 1 else f"first {done} steps took {per_step:.1f} s each"
             )
             left = self.total - step
+            self.paced = True
             self.bar.write(
                 f"{took}; about {duration(per_step * left)} for the remaining {left} steps", file=sys.stderr
             )
@@ -283,6 +363,14 @@ class Logger:
             if values:
                 parts.append(f"{key} {sum(values[:k]) / k:.4f} -> {sum(values[-k:]) / k:.4f}{mean}")
         return ", ".join(parts) or "no step logged"
+
+    def took(self, seconds: float, unit: str = "steps") -> str:
+        """The end line's cost and place: '372 s for 20 steps on 2 torch threads; run dir runs/...'. seconds: the
+        whole run's training time, a resumed run's earlier part included (Checkpoints.elapsed); the thread count,
+        because a CPU run's speed depends on it and so can its figures (a reduction summed
+        in another order rounds otherwise, and sampling can then take another token)."""
+        threads = torch.get_num_threads()
+        return f"{seconds:.0f} s for {self.total} {unit} on {threads} torch threads; run dir {self.run_dir}"
 
     def close(self) -> None:
         self.bar.close()
