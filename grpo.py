@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -666,7 +665,6 @@ FREE_ON_RESUME = ("torch_threads", "compile", "engine", "groups_per_micro_batch"
 
 def main(args: Args) -> dict:
     # ---- 1 setup: the preset, flags checked before any weights load, threads, seed
-    t_start = time.perf_counter()
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     check_args(args)
@@ -694,7 +692,8 @@ def main(args: Args) -> dict:
 
     # ---- 3 model: policy = base + "default" LoRA (or every weight); reference = a frozen copy of the starting
     # adapter in "ref", or of the starting weights in CPU memory (only if beta != 0)
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    # a resume continues its run dir (metrics, TensorBoard, W&B); a new run gets a new one
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir, args.resume_from_checkpoint)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -873,14 +872,15 @@ def main(args: Args) -> dict:
             raise checkpoints.stop(stop, step + 1, model, optimizer, scheduler, state, result)
 
     # ---- 5 save: the "default" adapter alone (plain PEFT) or the full model (plain transformers), with the tokenizer
-    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
+    with interrupt.finishing():  # from the last step on, a Ctrl-C lets final/ complete (then exit 130)
+        final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
     logger.close()
     close_distributed()
     keys = ["reward"]
     if len(reward_funcs) > 1:
         keys += [f"rewards/{name}/mean" for name, _, _ in reward_funcs]
     keys += sorted({k for h in logger.history for k in h if k.endswith("/accuracy")})  # held-out: before -> after
-    took = f"{time.perf_counter() - t_start:.0f} s for {args.max_steps - start_step} steps; run dir {run_dir}"
+    took = logger.took(checkpoints.elapsed())  # the whole run's, a resume's earlier part included
     print(f"grpo: {logger.trend(*keys)}, kl {metrics.get('kl', 0.0):.4f}, {took}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": history, "model": model}
 

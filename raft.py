@@ -553,7 +553,6 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 
 def main(args: Args) -> dict:
     # ---- 1 setup
-    t_start = time.perf_counter()
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     spin = args.mode == "spin"
@@ -704,14 +703,17 @@ def main(args: Args) -> dict:
             raise RunStopped(why, rnd, os.path.join(run_dir, f"round-{rnd}"), metrics, requested=True)
 
     # ---- 5 save: the final policy alone in final/ (a plain PEFT adapter or transformers model + tokenizer)
-    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
+    with interrupt.finishing():  # from the last round on, a Ctrl-C lets final/ complete (then exit 130)
+        final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer, adapters=["default"])
     logger.close()
     close_distributed()
-    accuracy = []  # from the files: rounds run before a resume included
+    accuracy = []  # from the files: rounds run before a resume included, and so are their seconds
+    seconds = 0.0
     for n in range(args.num_rounds + 1):
         round_metrics = json.loads(pathlib.Path(run_dir, f"round-{n}", "metrics.json").read_text())
         accuracy.append(round_metrics.get(acc_key, math.nan))
-    took = f"{time.perf_counter() - t_start:.0f} s; run dir {run_dir}, saved {final_dir}"
+        seconds += round_metrics.get("time/round", 0.0)
+    took = f"{logger.took(seconds, 'rounds')}, saved {final_dir}"
     print(f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, {took}")
     out = {"run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "accuracy_by_round": accuracy}
     return {**metrics, **out, "model": model}

@@ -263,11 +263,9 @@ def test_a_killed_rank_ends_the_run_and_its_resume_equals_the_straight_run(tiny_
     assert code != 0 and time.time() - t0 < 120
     run_dir = run_dir_of(tmp_path / "killed")
     assert not os.path.exists(os.path.join(run_dir, "final"))
-    code, _, err = finish(
-        torchrun("sft", {**kw, "output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": run_dir})
-    )
+    code, _, err = finish(torchrun("sft", {**kw, "resume_from_checkpoint": run_dir}))  # continues that run dir
     assert code == 0, err[-3000:]
-    resumed = weights_of(os.path.join(run_dir_of(tmp_path / "resumed"), "final"))
+    resumed = weights_of(os.path.join(run_dir, "final"))
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
@@ -446,9 +444,8 @@ def test_an_fsdp_resume_continues_bit_for_bit(tiny_model_dir, prefs, tmp_path):
     assert code == 0, err[-3000:]
     straight = run_dir_of(tmp_path / "straight")
     ckpt = os.path.join(straight, "checkpoints", "step-2")
-    resumed_kw = {**kw, "output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": ckpt}
-    code, _, err = finish(torchrun("sft", resumed_kw))
-    assert code == 0, err[-3000:]
     a = weights_of(os.path.join(straight, "final"))
-    b = weights_of(os.path.join(run_dir_of(tmp_path / "resumed"), "final"))
+    code, _, err = finish(torchrun("sft", {**kw, "resume_from_checkpoint": ckpt}))  # steps 3.. again, in place
+    assert code == 0, err[-3000:]
+    b = weights_of(os.path.join(straight, "final"))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -2,6 +2,7 @@
 
 import math
 import os
+import shutil
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -234,10 +235,12 @@ def test_resume_restores_policy_and_reference(tiny_model_dir, prefs, tmp_path):
     start = make_sft_adapter(tiny_model_dir, tmp_path / "sft")
     common = dict(adapter=str(tmp_path / "sft"), max_steps=4)
     straight = run(tiny_model_dir, prefs, tmp_path / "a", save_steps=2, **common)
-    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    ckpt = os.path.join(
+        shutil.copytree(straight["run_dir"], tmp_path / "b"), "checkpoints", "step-2"
+    )  # resumed in place
     resumed = run(tiny_model_dir, prefs, tmp_path / "b", resume_from_checkpoint=ckpt, **common)
-    assert [h["step"] for h in resumed["history"]] == [3, 4]
-    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"][2:]]
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]  # the run dir's steps, then the resumed ones
+    assert [h["loss"] for h in resumed["history"][2:]] == [h["loss"] for h in straight["history"][2:]]
     a, b = slot_state(straight["model"], "default"), slot_state(resumed["model"], "default")
     assert all(torch.equal(a[k], b[k]) for k in a), "2 steps + resume + 2 steps differs from 4 straight steps"
     assert_adapters(resumed["model"], start, with_ref=True)

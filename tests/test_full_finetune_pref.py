@@ -5,6 +5,7 @@ that generate() stops at the trained end of turn, and 2 steps + resume + 2 steps
 import dataclasses
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -162,10 +163,12 @@ def test_dpo_full_fine_tune_per_step_reference_is_the_start_bit_for_bit(base_dir
 def test_dpo_full_fine_tune_resumes_exactly(base_dir, prefs, tmp_path, precompute):
     common = dict(max_steps=4, precompute_ref_log_probs=precompute)
     straight = run_dpo(base_dir, prefs, tmp_path / "a", save_steps=2, **common)
-    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    ckpt = os.path.join(
+        shutil.copytree(straight["run_dir"], tmp_path / "b"), "checkpoints", "step-2"
+    )  # resumed in place
     resumed = run_dpo(base_dir, prefs, tmp_path / "b", resume_from_checkpoint=ckpt, **common)
-    assert [h["step"] for h in resumed["history"]] == [3, 4]
-    assert computed(resumed["history"]) == computed(straight["history"][2:])
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
+    assert computed(resumed["history"][2:]) == computed(straight["history"][2:])
     a, b = (load_file(os.path.join(o["final_dir"], "model.safetensors")) for o in (straight, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -234,10 +237,12 @@ def test_kto_full_fine_tune_per_step_reference_is_the_start_bit_for_bit(base_dir
 def test_kto_full_fine_tune_resumes_exactly(base_dir, binary, tmp_path, precompute):
     common = dict(max_steps=4, precompute_ref_log_probs=precompute)
     straight = run_kto(base_dir, binary, tmp_path / "a", save_steps=2, **common)
-    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    ckpt = os.path.join(
+        shutil.copytree(straight["run_dir"], tmp_path / "b"), "checkpoints", "step-2"
+    )  # resumed in place
     resumed = run_kto(base_dir, binary, tmp_path / "b", resume_from_checkpoint=ckpt, **common)
-    assert [h["step"] for h in resumed["history"]] == [3, 4]
-    assert computed(resumed["history"]) == computed(straight["history"][2:])
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
+    assert computed(resumed["history"][2:]) == computed(straight["history"][2:])
     a, b = (load_file(os.path.join(o["final_dir"], "model.safetensors")) for o in (straight, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -308,10 +313,12 @@ def test_rm_full_model_with_a_nan_weight_is_refused_naming_the_tensor(base_dir, 
 
 def test_rm_full_fine_tune_resumes_exactly(base_dir, prefs, tmp_path):
     straight = run_rm(base_dir, prefs, tmp_path / "a", max_steps=4, save_steps=2)
-    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    ckpt = os.path.join(
+        shutil.copytree(straight["run_dir"], tmp_path / "b"), "checkpoints", "step-2"
+    )  # resumed in place
     resumed = run_rm(base_dir, prefs, tmp_path / "b", max_steps=4, resume_from_checkpoint=ckpt)
-    assert [h["step"] for h in resumed["history"]] == [3, 4]
-    assert computed(resumed["history"]) == computed(straight["history"][2:])
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
+    assert computed(resumed["history"][2:]) == computed(straight["history"][2:])
     for name in ("model.safetensors", HEAD_FILE):
         a, b = (load_file(os.path.join(o["final_dir"], name)) for o in (straight, resumed))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -4,6 +4,7 @@ resume), every circuit breaker on a forced condition, and the CLI."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -298,7 +299,9 @@ def test_several_iterations_without_reference_and_exact_resume(tiny_model_dir, p
     straight = run(tiny_model_dir, prompts_jsonl, tmp_path / "a", save_steps=2, **kw)
     assert "ref" not in spy_model["model"].peft_config and "kl" not in straight
     assert any(h["clip_ratio/region_mean"] > 0 for h in straight["history"])
-    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    ckpt = os.path.join(
+        shutil.copytree(straight["run_dir"], tmp_path / "b"), "checkpoints", "step-2"
+    )  # resumed in place
     resumed = run(tiny_model_dir, prompts_jsonl, tmp_path / "b", resume_from_checkpoint=ckpt, **kw)
     assert [h["step"] for h in resumed["history"]] == [3, 4]
     from safetensors.torch import load_file

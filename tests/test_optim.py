@@ -5,6 +5,7 @@ choice is part of the run's identity, and a missing bitsandbytes is one line bef
 import dataclasses
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,8 +111,10 @@ def test_an_8bit_run_resumes_exactly(script, kw, tiny_model_dir, tmp_path):
     module, args = args_for(script, tiny_model_dir, prefs, tmp_path / "a", max_steps=4, save_steps=2, **kw)
     args = dataclasses.replace(args, optim="adamw_8bit", learning_rate=1e-3)
     straight = module.main(args)
-    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
-    resumed = module.main(dataclasses.replace(args, output_dir=str(tmp_path / "b"), resume_from_checkpoint=ckpt))
+    ckpt = os.path.join(
+        shutil.copytree(straight["run_dir"], tmp_path / "b"), "checkpoints", "step-2"
+    )  # resumed in place
+    resumed = module.main(dataclasses.replace(args, resume_from_checkpoint=ckpt))
 
     def logged(history):
         return [{k: v for k, v in h.items() if not k.startswith(WALL_CLOCK)} for h in history if h["step"] > 2]

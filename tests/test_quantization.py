@@ -138,8 +138,8 @@ def test_dpo_two_steps_on_a_4bit_base_and_resume(tiny_model_dir, tmp_path, spy):
     assert_qlora_step(spy, straight["history"], with_ref=True)
     ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-1")
     resumed = dpo.main(dpo.Args(output_dir=str(tmp_path / "b"), resume_from_checkpoint=ckpt, **kw))
-    assert [h["step"] for h in resumed["history"]] == [2]
-    assert resumed["history"][0]["loss"] == straight["history"][1]["loss"]
+    assert [h["step"] for h in resumed["history"]] == [1, 2]  # the run dir's step, then the resumed one
+    assert resumed["history"][-1]["loss"] == straight["history"][1]["loss"]
     for slot in ("default", REF):
         a, b = slot_state(straight["model"], slot), slot_state(resumed["model"], slot)
         assert all(torch.equal(a[k], b[k]) for k in a), f"resumed '{slot}' differs from the straight run's"

@@ -69,16 +69,16 @@ def test_a_different_base_model_of_the_same_shape_is_refused(sft_run_dir, memo, 
     assert "\n" not in str(e.value) and "base.config_sha256" not in str(e.value)  # one line, only what differs
 
 
-def test_a_different_lora_alpha_is_refused_and_the_override_lists_it(tiny_model_dir, sft_run_dir, memo, tmp_path):
-    kw = dict(max_steps=3, lora_alpha=64, resume_from_checkpoint=ckpt(sft_run_dir, 2))
+def test_a_different_lora_alpha_is_refused_and_the_override_lists_it(tiny_model_dir, run_copy, memo, tmp_path):
+    kw = dict(max_steps=3, lora_alpha=64, resume_from_checkpoint=ckpt(run_copy, 2))
     with pytest.raises(ResumeError, match="lora.alpha: saved 32, now 64"):
         sft_run(tiny_model_dir, memo, tmp_path / "a", **kw)
     with pytest.warns(UserWarning, match="--resume-ignore-mismatch: .*lora.alpha: saved 32, now 64"):
         out = sft_run(tiny_model_dir, memo, tmp_path / "b", resume_ignore_mismatch=True, **kw)
-    assert [h["step"] for h in out["history"]] == [3]
+    assert [h["step"] for h in out["history"]] == [1, 2, 3]  # the run dir's steps, then the resumed one
 
 
-def test_a_math_arg_is_refused_but_logging_output_and_length_are_not(tiny_model_dir, sft_run_dir, memo, tmp_path):
+def test_a_math_arg_is_refused_but_logging_output_and_length_are_not(tiny_model_dir, run_copy, memo, tmp_path):
     with pytest.raises(ResumeError, match="args.learning_rate: saved 0.01, now 0.02"):
         sft_run(
             tiny_model_dir,
@@ -86,7 +86,7 @@ def test_a_math_arg_is_refused_but_logging_output_and_length_are_not(tiny_model_
             tmp_path / "a",
             max_steps=3,
             learning_rate=2e-2,
-            resume_from_checkpoint=ckpt(sft_run_dir, 2),
+            resume_from_checkpoint=ckpt(run_copy, 2),
         )
     out = sft_run(
         tiny_model_dir,
@@ -96,15 +96,15 @@ def test_a_math_arg_is_refused_but_logging_output_and_length_are_not(tiny_model_
         logging_steps=2,
         save_steps=0,
         exp_name="x",
-        resume_from_checkpoint=ckpt(sft_run_dir, 2),
+        resume_from_checkpoint=ckpt(run_copy, 2),
     )
-    assert [h["step"] for h in out["history"]] == [3]
+    assert [h["step"] for h in out["history"]] == [1, 2, 3]
 
 
-def test_a_resume_may_add_ignore_memory_plan(tiny_model_dir, sft_run_dir, memo, tmp_path):
+def test_a_resume_may_add_ignore_memory_plan(tiny_model_dir, run_copy, memo, tmp_path):
     """--ignore-memory-plan (what a resume on a busier machine needs) counted as a math arg: the run was refused."""
-    kw = dict(max_steps=3, ignore_memory_plan=True, resume_from_checkpoint=ckpt(sft_run_dir, 2))
-    assert [h["step"] for h in sft_run(tiny_model_dir, memo, tmp_path, **kw)["history"]] == [3]
+    kw = dict(max_steps=3, ignore_memory_plan=True, resume_from_checkpoint=ckpt(run_copy, 2))
+    assert [h["step"] for h in sft_run(tiny_model_dir, memo, tmp_path, **kw)["history"]] == [1, 2, 3]
 
 
 def test_another_scripts_checkpoint_is_refused(tiny_model_dir, memo, tmp_path):
@@ -203,18 +203,28 @@ def test_a_file_added_to_a_checkpoint_is_refused(tiny_model_dir, run_copy, memo,
         sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, resume_from_checkpoint=step2)
 
 
-def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tiny_model_dir, run_copy, memo, tmp_path):
-    weights = os.path.join(ckpt(run_copy, 2), "weights", "adapter_model.safetensors")
+def truncate_weights(step_dir) -> None:
+    weights = os.path.join(step_dir, "weights", "adapter_model.safetensors")
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(
+    tiny_model_dir, sft_run_dir, run_copy, memo, tmp_path
+):
+    truncate_weights(ckpt(run_copy, 2))
     with pytest.warns(UserWarning, match="step-2: .*falling back to the previous checkpoint"):
         out = sft_run(tiny_model_dir, memo, tmp_path / "a", max_steps=3, resume_from_checkpoint=str(run_copy))
-    assert [h["step"] for h in out["history"]] == [2, 3]  # resumed from step-1
+    assert [h["step"] for h in out["history"]] == [1, 2, 3]  # resumed from step-1, in the run dir
+    # the damaged step-2 was moved aside (kept, never resumed from the run dir again); the new step-2 took its place
+    assert [p.name for p in (run_copy / "checkpoints").glob("replaced-*/*")] == ["step-2"]
     # With no intact checkpoint left it is an error that lists each one.
-    flip_one_value(os.path.join(ckpt(run_copy, 1), "weights", "adapter_model.safetensors"))
+    damaged = shutil.copytree(sft_run_dir, tmp_path / "damaged")
+    truncate_weights(ckpt(damaged, 2))
+    flip_one_value(os.path.join(ckpt(damaged, 1), "weights", "adapter_model.safetensors"))
     no_good = pytest.raises(CorruptCheckpointError, match="no intact checkpoint.*step-2.*step-1")
     with pytest.warns(UserWarning), no_good:
-        sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=str(run_copy))
+        sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=str(damaged))
 
 
 def test_identity_records_what_the_checkpoint_belongs_to(sft_run_dir):
@@ -321,4 +331,4 @@ def test_a_flipped_bit_in_the_marker_is_a_corrupt_checkpoint(tiny_model_dir, run
     assert "\n" not in str(e.value)
     with pytest.warns(UserWarning, match="step-2: .*own hash.*falling back to the previous checkpoint"):
         out = sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=str(run_copy))
-    assert [h["step"] for h in out["history"]] == [2, 3]  # resumed from step-1
+    assert [h["step"] for h in out["history"]] == [1, 2, 3]  # resumed from step-1

@@ -189,10 +189,12 @@ def test_regression_mse_falls_for_every_attribute(tiny_model_dir, tmp_path):
 
 def test_resume_restores_adapter_and_head_exactly(tiny_model_dir, prefs, tmp_path):
     straight = run(tiny_model_dir, prefs, tmp_path / "a", max_steps=4, save_steps=2)
-    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-2")
+    ckpt = os.path.join(
+        shutil.copytree(straight["run_dir"], tmp_path / "b"), "checkpoints", "step-2"
+    )  # resumed in place
     resumed = run(tiny_model_dir, prefs, tmp_path / "b", max_steps=4, resume_from_checkpoint=ckpt)
-    assert [h["step"] for h in resumed["history"]] == [3, 4]
-    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"][2:]]
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
+    assert [h["loss"] for h in resumed["history"][2:]] == [h["loss"] for h in straight["history"][2:]]
     a, b = (load_file(os.path.join(o["final_dir"], HEAD_FILE))["weight"] for o in (straight, resumed))
     assert torch.equal(a, b)
     # The head travels in state.pt, whose sha256 the marker records: not as JSON floats outside the hashes

@@ -1,19 +1,25 @@
 """Files on disk (issue: reliability round 3): a save that fills the disk says so, names the last good checkpoint and
 removes its half-written folder; one process at a time writes a run directory."""
 
+import importlib
 import os
+import signal
 import subprocess
 import sys
 import uuid
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import common.model
 import harness.checkpoints
 import raft
 import sft
 from common.errors import OutputDirError
 from harness.checkpoints import _read_verified_meta, write_marker
+from harness.cli import one_line_errors
+from harness.run import Logger
 from tests.prefs_helpers import write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,3 +142,126 @@ def test_a_second_process_cannot_write_a_run_dir_in_use(tiny_model_dir, tmp_path
         text=True,
     )
     assert done.returncode == 0, done.stderr
+
+
+# ------------------------------------------------------------------------ Ctrl-C at the end of a run (issue 40 §5)
+PREFS = [{"prompt": f"Pick {i}", "chosen": f"yes {i}", "rejected": f"no {i} no"} for i in range(8)]  # dpo's rows
+END_RUNS = {  # two steps of each on the tiny model
+    "dpo": dict(per_device_train_batch_size=4),
+    "grpo": dict(dataset="builtin:math", group_size=2, prompts_per_step=1, max_completion_length=4, preset="demo"),
+}
+
+
+def end_run_args(script, model_dir, tmp_path):
+    module = importlib.import_module(script)
+    kw = dict(model=model_dir, output_dir=str(tmp_path / "runs"), max_steps=2, save_steps=0)
+    if script == "dpo":
+        kw["dataset"] = write_jsonl(tmp_path / "prefs.jsonl", PREFS)
+    return module, module.Args(**kw | END_RUNS[script])
+
+
+def ctrl_c() -> None:
+    os.kill(os.getpid(), signal.SIGINT)  # what a terminal's Ctrl-C delivers, at this exact point
+
+
+def assert_complete_final(final_dir) -> None:
+    """final/ as plain PEFT loads it: the adapter's config and finite weights, and the tokenizer."""
+    names = set(os.listdir(final_dir))
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= names, names
+    weights = load_file(os.path.join(final_dir, "adapter_model.safetensors"))
+    assert weights and all(bool(t.isfinite().all()) for t in weights.values())
+    assert not [n for n in os.listdir(os.path.dirname(final_dir)) if n.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("script", ["dpo", "grpo"])
+@pytest.mark.parametrize("when", ["save_final", "first_write", "last_step"])
+def test_ctrl_c_at_the_end_of_a_run_leaves_a_complete_final_and_exits_130(
+    script, when, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """A Ctrl-C just after the last step (as save_final starts, or at final/'s first file write) or during the last
+    step: the handler was already gone, so KeyboardInterrupt left no final/ and no checkpoint of the last step. Now
+    the write completes, a second Ctrl-C included, and the CLI exits 130 after the run's end line."""
+    module, args = end_run_args(script, tiny_model_dir, tmp_path)
+    if when == "save_final":
+        real_save = module.save_final
+
+        def save_final(*a, **k):
+            ctrl_c()
+            return real_save(*a, **k)
+
+        monkeypatch.setattr(module, "save_final", save_final)
+    elif when == "first_write":
+        real_weights = common.model.save_weights
+
+        def save_weights(*a, **k):  # final/'s first file: two Ctrl-Cs there, the write still completes
+            ctrl_c()
+            ctrl_c()
+            return real_weights(*a, **k)
+
+        monkeypatch.setattr(common.model, "save_weights", save_weights)
+    else:
+        real_log = Logger.log
+
+        def log(self, step, metrics):
+            if step == args.max_steps:
+                ctrl_c()
+            return real_log(self, step, metrics)
+
+        monkeypatch.setattr(Logger, "log", log)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own: Ctrl-C raises
+    try:
+        with pytest.raises(SystemExit) as exited, one_line_errors():
+            module.main(args)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handler is back
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert exited.value.code == 130
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert_complete_final(run_dir / "final")
+    out, err = capsys.readouterr()
+    assert f"{script}: " in out and "s for 2 steps on " in out  # the run's end line
+    assert "writing final/ first" in err and "exit 130" in err.strip().splitlines()[-1]
+
+
+DRIVER = """
+import os, sys, time
+import tyro
+import sft
+from harness.cli import one_line_errors
+real = sft.save_final
+def save_final(*a, **k):  # the last step is done: hold here until the parent's SIGINT has been sent
+    print("LAST STEP DONE", flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.02)
+    return real(*a, **k)
+sft.save_final = save_final
+with one_line_errors():
+    sft.main(tyro.cli(sft.Args, args=sys.argv[2:]))
+"""
+
+
+def test_sft_cli_ctrl_c_right_after_the_last_step_completes_final(tiny_model_dir, tmp_path):
+    """sft.py's window between its last step and final/ (hit by timing from outside): a SIGINT from another process
+    landing there. The parent sends it, then lets the run go on; the old code died there with exit 130 and no
+    final/."""
+    data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    go = tmp_path / "go"
+    cmd = [sys.executable, "-c", DRIVER, str(go), "--model", tiny_model_dir, "--dataset", data]
+    cmd += ["--max-steps", "2", "--save-steps", "0", "--output-dir", str(tmp_path / "runs")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "LAST STEP DONE":
+                break
+        proc.send_signal(signal.SIGINT)  # pending in the child before it can see `go`
+        go.write_text("")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert_complete_final(run_dir / "final")
+    assert "sft: loss " in out and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(": Ctrl-C: the last step and final/ were completed first; exit 130")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -117,14 +118,16 @@ def test_gradient_accumulation_1x4_equals_4x1(tiny_model_dir, memo_jsonl, tmp_pa
 
 def test_resume_is_exact(tiny_model_dir, memo_jsonl, tmp_path):
     straight = run(tiny_model_dir, memo_jsonl, tmp_path / "a", max_steps=6, save_steps=3, lora_dropout=0.1)
-    ckpt = os.path.join(straight["run_dir"], "checkpoints", "step-3")
+    ckpt = os.path.join(
+        shutil.copytree(straight["run_dir"], tmp_path / "b"), "checkpoints", "step-3"
+    )  # resumed in place
     assert os.path.isdir(ckpt)
     resumed = run(
         tiny_model_dir, memo_jsonl, tmp_path / "b", max_steps=6, lora_dropout=0.1, resume_from_checkpoint=ckpt
     )
     a, b = adapter(straight), adapter(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a), "3 steps + resume + 3 steps differs from 6 straight steps"
-    assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4, 5, 6]  # the run dir's steps, then the resumed ones
 
 
 @pytest.mark.numerics
