@@ -482,7 +482,8 @@ class Checkpoints:
         os.makedirs(aside, exist_ok=True)
         for name in newer:
             os.replace(os.path.join(root, name), os.path.join(aside, name))
-        print(f"resume at step {step}: the newer checkpoints {', '.join(newer)} moved to {aside} (kept, not resumed)")
+        which = f"checkpoint{'s' if len(newer) > 1 else ''} {', '.join(newer)}"
+        print(f"resume at step {step}: the newer {which} moved to {aside} (kept, not resumed)")
 
     def stop(self, reason: str, step: int, model, optimizer, scheduler, state: dict, result: dict) -> RunStopped:
         """The RunStopped a script raises to stop at `step`: a checkpoint of this step is saved first (unless the

@@ -243,7 +243,8 @@ def continue_metrics(log_file: str, start_step: int) -> list[dict]:
         with open(aside, "w") as f:
             f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
         which = f"steps {min(moved_steps)}..{max(moved_steps)}" if moved_steps else "a line cut short"
-        print(f"resume at step {start_step}: {len(moved)} lines of metrics.jsonl after it ({which}) moved to {aside}")
+        lines = f"{len(moved)} line{'s' if len(moved) != 1 else ''}"
+        print(f"resume at step {start_step}: {lines} of metrics.jsonl after it ({which}) moved to {aside}")
     tmp = log_file + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(line if line.endswith("\n") else line + "\n" for line in kept_lines)
@@ -370,7 +371,8 @@ class Logger:
         because a CPU run's speed depends on it and so can its figures (a reduction summed
         in another order rounds otherwise, and sampling can then take another token)."""
         threads = torch.get_num_threads()
-        return f"{seconds:.0f} s for {self.total} {unit} on {threads} torch threads; run dir {self.run_dir}"
+        on = f"{threads} torch thread{'s' if threads != 1 else ''}"
+        return f"{seconds:.0f} s for {self.total} {unit} on {on}; run dir {self.run_dir}"
 
     def close(self) -> None:
         self.bar.close()

@@ -230,7 +230,7 @@ def test_a_resume_from_an_older_checkpoint_keeps_what_it_replaces(tiny_model_dir
     ]
     [replaced] = [p for p in os.listdir(os.path.join(run_dir, "checkpoints")) if p.startswith("replaced-")]
     assert os.listdir(os.path.join(run_dir, "checkpoints", replaced)) == ["step-4"]
-    assert "the newer checkpoints step-4 moved to" in out
+    assert "the newer checkpoint step-4 moved to" in out
     assert sorted(n for n in os.listdir(os.path.join(run_dir, "checkpoints")) if n.startswith("step-")) == [
         "step-2",
         "step-4",
