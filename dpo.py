@@ -50,7 +50,7 @@ from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_error
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.flags import OptionalBool
 from harness.hub import check_inputs, locate_model
-from harness.memory import Pass, plan_memory, row_tokens
+from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 
@@ -381,10 +381,14 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     args = resolve_reference(args)
     use_ref = args.loss_type != "simpo"
     n = 2 * args.per_device_train_batch_size  # chosen + rejected
-    T = min(args.max_length, row_tokens(args, rows) or args.max_length)
-    step = [Pass(n, T, n * T, grad=True)]
+
+    def pair(e):  # a pair's two sequences: prompt + chosen, prompt + rejected
+        return [len(e["prompt_ids"]) + len(e["chosen_ids"]), len(e["prompt_ids"]) + len(e["rejected_ids"])]
+
+    T = sequence_tokens(args, rows, n, "preference", pair, max_prompt_length=args.max_prompt_length)
+    step = [Pass(n, T, n * T, grad=True, padding_mask=False)]  # right-padded rows: no padding mask
     if use_ref and not args.precompute_ref_log_probs:  # before the policy's pass: never beside its graph
-        step.insert(0, Pass(n, T, n * T, name="reference pass"))
+        step.insert(0, Pass(n, T, n * T, padding_mask=False, name="reference pass"))
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
         args,
@@ -422,7 +426,8 @@ def main(args: Args) -> dict:
 
     # ---- 3 model: policy = base + "default" LoRA (or every weight); reference = a frozen copy of the start: the "ref"
     # slot on the same backbone (full fine-tuning: the weights in CPU memory, until the reference is precomputed)
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    # a resume continues its run dir (metrics, TensorBoard, W&B); a new run gets a new one
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir, args.resume_from_checkpoint)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -547,10 +552,12 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: the trained adapter at the top of final/ (plain PEFT loads it), the "ref" slot in final/ref/; or the
     # full model, as plain transformers loads it
-    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
+    with interrupt.finishing():  # from the last step on, a Ctrl-C lets final/ complete (then exit 130)
+        final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     close_distributed()
-    print(f"dpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")
+    took = logger.took(checkpoints.elapsed())
+    print(f"dpo: {logger.trend('loss', 'rewards/accuracies')}, {took}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -43,7 +43,7 @@ from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.hub import check_inputs, locate_model
-from harness.memory import Pass, plan_memory, row_tokens
+from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 
@@ -205,8 +205,12 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     """The memory plan of one micro-batch of pairs (harness.memory): one forward and backward over its [chosen;
     rejected] rows; ORPO has no reference. Returns (plan, gradient checkpointing)."""
     n = 2 * args.per_device_train_batch_size  # chosen + rejected
-    T = min(args.max_length, row_tokens(args, rows) or args.max_length)
-    step = [Pass(n, T, n * T, grad=True)]
+
+    def pair(e):  # a pair's two sequences: prompt + chosen, prompt + rejected
+        return [len(e["prompt_ids"]) + len(e["chosen_ids"]), len(e["prompt_ids"]) + len(e["rejected_ids"])]
+
+    T = sequence_tokens(args, rows, n, "preference", pair, max_prompt_length=args.max_prompt_length)
+    step = [Pass(n, T, n * T, grad=True, padding_mask=False)]  # right-padded rows: no padding mask
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
         args, {"step": step}, lora=args.use_lora, dropout_off=args.disable_dropout, knobs=knobs, rows=rows
@@ -234,7 +238,8 @@ def main(args: Args) -> dict:
         return {"memory_plan": plan}
 
     # ---- 3 model: the policy only (ORPO has no reference)
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    # a resume continues its run dir (metrics, TensorBoard, W&B); a new run gets a new one
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir, args.resume_from_checkpoint)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -381,10 +386,12 @@ def main(args: Args) -> dict:
             raise checkpoints.stop(why, step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
-    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
+    with interrupt.finishing():  # from the last step on, a Ctrl-C lets final/ complete (then exit 130)
+        final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     close_distributed()
-    print(f"orpo: {logger.trend('loss', 'rewards/accuracies')} after {total_steps} steps; saved {final_dir}")
+    took = logger.took(checkpoints.elapsed())
+    print(f"orpo: {logger.trend('loss', 'rewards/accuracies')}, {took}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

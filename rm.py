@@ -48,7 +48,7 @@ from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.hub import check_inputs, locate_model
-from harness.memory import Pass, plan_memory, row_tokens
+from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.reward_model import reward_logits, save_reward
@@ -277,7 +277,13 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     rejected], or the regression rows), through the small reward head only. Returns (plan, checkpointing)."""
     bs = args.per_device_train_batch_size
     n = bs if args.loss_type == "regression" else 2 * bs
-    T = min(args.max_length, row_tokens(args, rows) or args.max_length)
+    kind = "supervised" if args.loss_type == "regression" else "preference"
+
+    def lengths(e):  # the regression row, or a pair's two sequences
+        sides = [[]] if kind == "supervised" else [e["chosen_ids"], e["rejected_ids"]]
+        return [len(e.get("input_ids", e.get("prompt_ids"))) + len(side) for side in sides]
+
+    T = sequence_tokens(args, rows, n, kind, lengths, grouped=False)  # one padded batch, with its padding mask
     step = [Pass(n, T, n * T, grad=True, vocab=False)]
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
@@ -310,7 +316,8 @@ def main(args: Args) -> dict:
         return {"memory_plan": plan}
 
     # ---- 3 model: base + trainable "default" LoRA (or every weight; dropout off, as TRL), and the head
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    # a resume continues its run dir (metrics, TensorBoard, W&B); a new run gets a new one
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir, args.resume_from_checkpoint)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -428,19 +435,20 @@ def main(args: Args) -> dict:
 
     # ---- 5 save: the adapter (or the full model) at the top of final/, as plain PEFT (transformers) loads it, and the
     # head and reward_config.json beside it
-    head_weight = full_weight(head.weight)  # FSDP2: the head gathered whole from its shards (a collective)
-    del unwrap(model).score  # in its own file: final/'s weights are the backbone's alone
-    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
-    head.weight = torch.nn.Parameter(head_weight.detach())  # the whole head, as save_reward writes it
-    if rank == 0:  # the run's one writer
-        save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization, args.max_length)
+    with interrupt.finishing():  # from the last step on, a Ctrl-C lets final/ complete (then exit 130)
+        head_weight = full_weight(head.weight)  # FSDP2: the head gathered whole from its shards (a collective)
+        del unwrap(model).score  # in its own file: final/'s weights are the backbone's alone
+        final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
+        head.weight = torch.nn.Parameter(head_weight.detach())  # the whole head, as save_reward writes it
+        if rank == 0:  # the run's one writer
+            save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization, args.max_length)
     logger.close()
     close_distributed()
     first = logger.history[0] if logger.history else {}
     last_logged = logger.history[-1] if logger.history else {}
     shown = "accuracy" if args.loss_type == "bradley_terry" else f"mse/{attributes[0]}"
     print(f"rm: loss {first.get('loss', math.nan):.4f} -> {last_logged.get('loss', math.nan):.4f}, {shown} ", end="")
-    print(f"{last_logged.get(shown, math.nan):.3f} after {total_steps} steps; saved {final_dir}")
+    print(f"{last_logged.get(shown, math.nan):.3f}, {logger.took(checkpoints.elapsed())}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -43,7 +43,7 @@ from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.hub import check_inputs, locate_model
-from harness.memory import Pass, plan_memory, row_tokens
+from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.reward_model import label_rows
@@ -273,9 +273,15 @@ def check_args(args: Args) -> None:
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     """The memory plan of one micro-batch (harness.memory): one forward and backward over its rows, every token
     through the head. Returns (plan, gradient checkpointing)."""
-    T = min(args.max_length, row_tokens(args, rows) or args.max_length)
     bs = args.per_device_train_batch_size
-    step = [Pass(bs, T, bs * T, grad=True)]
+
+    def lengths(e):  # one sequence
+        return [len(e["input_ids"])]
+
+    kw = dict(completion_only_loss=args.completion_only_loss)
+    # packed rows fill max_length; each micro-batch's rows otherwise, right-padded (no padding mask)
+    T = args.max_length if args.packing else sequence_tokens(args, rows, bs, "supervised", lengths, **kw)
+    step = [Pass(bs, T, bs * T, grad=True, padding_mask=args.packing)]
     return plan_memory(
         args,
         {"step": step},
@@ -316,7 +322,8 @@ def main(args: Args) -> dict:
         return {"memory_plan": plan}
 
     # ---- 3 model: policy = base + "default" LoRA (or every weight), optimizer
-    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
+    # a resume continues its run dir (metrics, TensorBoard, W&B); a new run gets a new one
+    run_dir = make_run_dir(args.exp_name, args.model, args.seed, args.output_dir, args.resume_from_checkpoint)
     model, tokenizer = load_model(
         args.model,
         args.dtype,
@@ -445,10 +452,11 @@ def main(args: Args) -> dict:
             raise checkpoints.stop(why, step + 1, model, optimizer, scheduler, state, metrics)
 
     # ---- 5 save: an adapter (or full model) that plain PEFT / transformers can load, with the tokenizer
-    final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
+    with interrupt.finishing():  # from the last step on, a Ctrl-C lets final/ complete (then exit 130)
+        final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     close_distributed()
-    print(f"sft: {logger.trend('loss')} over {total_steps - start_step} steps; saved {final_dir}")
+    print(f"sft: {logger.trend('loss')}, {logger.took(checkpoints.elapsed())}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history}
 
 

@@ -9,19 +9,21 @@ is held when it runs. Per-token activation counts are what autograd saves in tra
 (checked with saved_tensors_hooks; bench/memory_check.py checks the sums against measured peaks).
 """
 
+import ctypes
 import dataclasses
 import json
 import os
 import sys
+import warnings
 
 import torch
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer
 
-from common.data import TOKENIZE, looks_local, setup_chat_template
+from common.data import TOKENIZE, Ids, looks_local, micro_batch, setup_chat_template, tokenize_dataset, training_steps
 from common.distributed import rank_and_world
 from common.errors import ArgsError, ModelError
-from common.model import pick_device, resolve_dtype
+from common.model import length_groups, pick_device, resolve_dtype
 from harness.cli import flag_name
 from harness.hub import check_hub, hub_unreachable
 from plugins.embedded import ALIAS_CONFIGS, MARKER, SHIPPED, cache_dir
@@ -33,6 +35,8 @@ CPU_RUNTIME = GiB // 2  # torch + transformers + peft imported (docs/memory.md: 
 ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, docs/memory.md)
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps fp32 moments under --optim adamw_8bit
 TOKENIZED_ROWS = 1000  # real lengths: the rows longest in UTF-8 bytes are tokenized, at most this many
+DRAWN_ROWS = 20_000  # up to this many rows the plan tokenizes them all and finds the micro-batches the run draws
+MMAP_THRESHOLD = 1 << 20  # CPU runs: glibc serves blocks from this size with mmap, freed straight back (steady_heap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +44,9 @@ class Pass:
     """One forward over `rows` sequences of `tokens` tokens, and its backward when `grad`. `scored` of the tokens go
     through the output head (chunked log-probs; with `entropy` one more buffer; `vocab=False`: a reward model's
     small head instead, no vocabulary logits). `context`: earlier tokens each row attends to through a KV cache that
-    a shared prompt pass filled (grad). `kv_cache`: the pass keeps a KV cache of all its tokens. `name` labels a
-    no-grad pass in the plan."""
+    a shared prompt pass filled (grad). `kv_cache`: the pass keeps a KV cache of all its tokens. `padding_mask`:
+    sdpa gets a float padding mask (False: right-padded rows, which common.model.sequence_logps runs on the causal
+    path without one). `name` labels a no-grad pass in the plan."""
 
     rows: int
     tokens: int
@@ -51,6 +56,7 @@ class Pass:
     vocab: bool = True
     context: int = 0
     kv_cache: bool = False
+    padding_mask: bool = True
     name: str = "no-grad pass"
 
 
@@ -190,7 +196,7 @@ def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tu
     """(kept for backward, one layer's working set, log-prob buffer) in bytes of one Pass."""
     L, H, F, Hq, K = _shape(c)
     tokens = p.rows * p.tokens
-    mask = 0 if t.flash_attention else p.rows * p.tokens * p.tokens * 4  # sdpa keeps a float mask
+    mask = 0 if t.flash_attention or not p.padding_mask else p.rows * p.tokens * p.tokens * 4  # sdpa's float mask
     layer = _layer_act(c, b, t.lora_r, t.dropout) * tokens + mask
     kept = 0
     if p.grad:
@@ -315,9 +321,14 @@ def rows_bytes(rows: list[dict], sample: int = 1000) -> int:
     if not rows:
         return 0
     picked = rows[:: max(1, len(rows) // sample)]
-    seen = set()
+    return int(_object_bytes(picked, set()) * len(rows) / len(picked)) + sys.getsizeof(rows)
+
+
+def _object_bytes(objects: list, seen: set) -> int:
+    """CPython's sizes of `objects` and of what they hold through dicts, lists and tuples (an array's size includes
+    its items), each object once: `seen` holds the ids of those already counted, and gains these."""
     total = 0
-    stack = list(picked)
+    stack = list(objects)
     while stack:
         x = stack.pop()
         if id(x) in seen:
@@ -329,7 +340,40 @@ def rows_bytes(rows: list[dict], sample: int = 1000) -> int:
             stack.extend(x.values())
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
-    return int(total * len(rows) / len(picked)) + sys.getsizeof(rows)
+    return total
+
+
+def _example(tokenizer, row: dict) -> dict | None:
+    """The example common.data.tokenize_dataset builds from a validated row, untruncated (None: a row it drops); with
+    no tokenizer, each id array as long as its text's UTF-8 byte bound (_size). A {prompt, completion} row is planned
+    as supervised (input_ids + a mask), which holds more than the binary kind's two id arrays."""
+    if "chosen" in row:
+        kind, fields = "preference", {"prompt_ids": "prompt", "chosen_ids": "chosen", "rejected_ids": "rejected"}
+    elif any(k in row for k in ("completion", "messages", "text")):
+        kind, fields = "supervised", {"input_ids": ("prompt", "completion", "messages", "text")}
+    else:
+        kind, fields = "prompt", {"prompt_ids": "prompt"}
+    if tokenizer is not None:
+        example = TOKENIZE[kind](tokenizer, row, None)
+    else:
+        sizes = {k: sum(_size(row.get(f)) for f in ([v] if isinstance(v, str) else v)) for k, v in fields.items()}
+        example = {k: Ids("i", bytes(4 * n)) for k, n in sizes.items()}
+        if kind == "supervised":
+            example["completion_mask"] = Ids("b", bytes(sizes["input_ids"]))
+    return example and (row if kind == "prompt" else {"_loc": row.get("_loc")}) | example
+
+
+def examples_bytes(rows: list[dict], tokenizer=None, sample: int = 1000) -> int:
+    """Host memory the run's tokenized examples add to the loaded rows (a dict a row, its token ids and masks in C
+    arrays; what an example shares with its row, a prompt row's fields, is the rows'): an even sample of `sample`
+    rows tokenized as the run does but untruncated (_example), scaled to all of them."""
+    if not rows:
+        return 0
+    picked = rows[:: max(1, len(rows) // sample)]
+    seen = set()
+    _object_bytes(picked, seen)
+    examples = [e for e in (_example(tokenizer, r) for r in picked) if e is not None]
+    return int(_object_bytes(examples, seen) * len(rows) / len(picked)) + sys.getsizeof(rows)
 
 
 def longest_row(rows: list[dict]) -> int:
@@ -392,6 +436,80 @@ def row_tokens(args, rows: list[dict]) -> int:
     return longest
 
 
+def padded_tokens(lengths: list[int], grouped: bool = True) -> int:
+    """Tokens a micro-batch of right-padded sequences of `lengths` runs as: in common.model.length_groups' groups,
+    each padded to its longest row (`grouped`), or as one batch padded to the longest."""
+    if not grouped:
+        return len(lengths) * max(lengths)
+    mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    groups = length_groups(mask)
+    if groups is None:  # an empty row: the run keeps the one padded batch
+        return len(lengths) * max(lengths)
+    return sum(len(rows) * (end - start) for rows, start, end in groups)
+
+
+def batch_tokens(args, rows: list[dict], kind: str, sequences, grouped: bool = True, min_rows: int = 1, **kw) -> int:
+    """The most tokens any micro-batch of this run holds, padded as it runs (padded_tokens of the lengths
+    `sequences(example)` lists for its examples), found by tokenizing the rows as the run does (tokenize_dataset with
+    --max-length and `kw`: the same rows dropped, the same order) and drawing every rank's micro-batches of every
+    step as the run draws them (common.data.micro_batch, `min_rows`). 0 when that is not done here: no rows, more
+    than DRAWN_ROWS, or --model's tokenizer not on this machine."""
+    if not rows or len(rows) > DRAWN_ROWS:
+        return 0
+    tokenizer = local_tokenizer(args.model, args.trust_remote_code)
+    if tokenizer is None:
+        return 0
+    setup_chat_template(tokenizer, args.template)
+    with warnings.catch_warnings():  # the rows a limit drops: the run says so itself, once
+        warnings.simplefilter("ignore")
+        examples = tokenize_dataset(tokenizer, rows, kind, args.max_length, **kw)
+    if not examples:
+        return 0
+    bs = args.per_device_train_batch_size
+    world = args.plan_world_size or rank_and_world()[1]
+    ga = args.gradient_accumulation_steps
+    steps, _ = training_steps(len(examples), bs, ga * world, args.max_steps, args.num_train_epochs)
+    most = 0
+    for index in range(steps * ga * world):
+        batch = micro_batch(examples, index, bs, args.seed, min_rows=min_rows)
+        most = max(most, padded_tokens([n for e in batch for n in sequences(e)], grouped))
+    print(
+        f"row lengths: the largest of the run's {steps * ga * world} micro-batches holds {most} tokens, padded as it "
+        f"runs (all {len(rows)} rows tokenized with the model's tokenizer)",
+        flush=True,
+    )
+    return most
+
+
+def sequence_tokens(args, rows: list[dict], n: int, kind: str, sequences, **kw) -> int:
+    """Tokens per sequence to plan a micro-batch of `n` sequences at: the run's largest micro-batch's padded tokens
+    shared out over its n sequences (batch_tokens; activations grow with the tokens, not with their split), else the
+    longest row capped by --max-length (row_tokens: every sequence as long as the longest)."""
+    most = batch_tokens(args, rows, kind, sequences, **kw)
+    if most:
+        return -(-most // n)
+    return min(args.max_length, row_tokens(args, rows) or args.max_length)
+
+
+def steady_heap() -> bool:
+    """On glibc, serve every block of MMAP_THRESHOLD bytes or more with its own mmap and give it back when freed.
+    glibc's default raises that threshold to the largest block freed so far (up to 32 MiB), so a CPU run's
+    activations move into its heap, where freed blocks of one step's shapes stay resident beside the next step's:
+    the peak RSS then climbs from step to step past what the tensors need (docs/memory.md). False where this is not
+    glibc (another allocator was chosen: it is left alone)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018  glibc alone has it
+    except (OSError, AttributeError):
+        return False
+    if os.environ.get("LD_PRELOAD") or os.environ.get("MALLOC_MMAP_THRESHOLD_"):  # the launcher chose: keep it
+        return False
+    m_mmap_threshold = -3  # malloc.h
+    if libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD) != 1:
+        raise OSError(f"mallopt(M_MMAP_THRESHOLD, {MMAP_THRESHOLD}) failed")
+    return True
+
+
 def suggestion(knobs: list[tuple[str, object, object]], checkpointing: bool) -> str:
     """What to try, in the order the script lists its knobs (name, value, least): an int above `least` is halved;
     a knob left unset (None) whose `least` is a value suggests that value (e.g. quantization 4bit)."""
@@ -451,9 +569,10 @@ def plan_memory(
     it; `phases_checkpointed`: the passes under checkpointing, when they differ). A plan that does not fit is refused
     (ArgsError naming the script's `knobs` to try: (flag, least value)) unless --ignore-memory-plan or --plan.
     As the model will load: --dtype auto resolved for this device, and an --adapter's own rank and dropout. The loaded
-    `rows` and a `reference_copy` (a full fine-tune's starting weights kept in host memory, common.model.snapshot_ref)
-    are lasting parts on a CPU run (the same RAM); on a GPU they are printed as host memory. --gpu-memory N: the plan
-    for a CUDA card of N GiB, on any machine (bf16 under --dtype auto, sdpa attention)."""
+    `rows`, their tokenized examples (examples_bytes) and a `reference_copy` (a full fine-tune's starting weights kept
+    in host memory, common.model.snapshot_ref) are lasting parts on a CPU run (the same RAM); on a GPU they are
+    printed as host memory. --gpu-memory N: the plan for a CUDA card of N GiB, on any machine (bf16 under --dtype
+    auto, sdpa attention)."""
     card = args.gpu_memory
     if card is not None and not 0 < card <= 2**20:  # 1 PiB: past it int(card * GiB) overflows into Inf
         raise ArgsError(f"--gpu-memory {card}: must be a card's memory in GiB, > 0 and <= {2**20}")
@@ -462,6 +581,10 @@ def plan_memory(
     device = "cuda" if card is not None or torch.cuda.is_available() else "cpu"
     budget, what = (int(card * GiB), f"CUDA card (--gpu-memory {card:g})") if card else device_memory(device)
     data = rows_bytes(rows or [])
+    tokenizer = local_tokenizer(args.model, args.trust_remote_code) if rows else None
+    if tokenizer is not None:
+        setup_chat_template(tokenizer, args.template)
+    tokens = examples_bytes(rows or [], tokenizer)
     config = model_config(args.model, args.trust_remote_code)
     if shipped_only(args.model):
         print(f"config: {args.model}'s config.json is not here, the hub is out of reach: its shipped architecture")
@@ -472,7 +595,9 @@ def plan_memory(
     copy = weight_bytes(config, None, 4 if fp32 else 2) if reference_copy else 0
     copy //= world if args.fsdp else 1  # FSDP2: each rank keeps its shards of the reference
     if device == "cpu":
-        extra = (extra or {}) | {"dataset rows": data, "reference weights (CPU copy)": copy}
+        extra = (extra or {}) | {"dataset rows": data, "dataset tokens": tokens, "reference weights (CPU copy)": copy}
+    if device == "cpu" and not args.plan and card is None:
+        steady_heap()  # the plan counts live tensors: RSS follows them only when freed blocks leave it
     lora_r = args.lora_r
     rate = args.lora_dropout
     adapter_config = os.path.join(args.adapter, "adapter_config.json") if args.adapter else None
@@ -514,7 +639,8 @@ def plan_memory(
     print(format_plan(parts, budget, what), flush=True)
     if device != "cpu":
         # the reference is pinned host memory; while it is swapped in, the trained weights wait there too
-        host = f"dataset rows {data / GiB:.2f} GiB" + (f", reference weights 2 x {copy / GiB:.2f} GiB" if copy else "")
+        host = f"dataset rows {data / GiB:.2f} GiB" + (f" + their tokens {tokens / GiB:.2f} GiB" if tokens else "")
+        host += f", reference weights 2 x {copy / GiB:.2f} GiB" if copy else ""
         print(f"  host RAM (not in the total): {host}", flush=True)
     if parts["total"] > budget and not ignore and not args.plan:
         values = [(name, getattr(args, name), least) for name, least in knobs]
