@@ -242,7 +242,7 @@ def to_html(title: str, cells: list[list[str]], finals: list[list[str]], plots: 
             return "<p>(none)</p>"
         head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
-        return f"<table><tr>{head}</tr>{body}</table>"
+        return f"<div class='wide'><table><tr>{head}</tr>{body}</table></div>"
 
     images = []
     for metric, png in plots.items():
@@ -251,12 +251,16 @@ def to_html(title: str, cells: list[list[str]], finals: list[list[str]], plots: 
         images.append(
             f'<h3>{html.escape(metric)}</h3><img alt="{html.escape(metric)}" src="data:image/png;base64,{data}">'
         )
+    # A three-panel curve is wider than the page: images scale down to the page's width (never cropped), and a
+    # table wider than the window scrolls inside its box instead of pushing the whole page sideways.
     style = (
-        "body{font-family:sans-serif;max-width:960px;margin:2em auto}table{border-collapse:collapse}"
+        "body{font-family:sans-serif;max-width:960px;margin:2em auto;padding:0 1em}img{max-width:100%;height:auto}"
+        ".wide{overflow-x:auto}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}td:first-child{text-align:left}"
     )
     return (
-        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{html.escape(title)}</title>"
         f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><h2>Eval scores</h2>"
         f"<p>{html.escape(DELTAS_NOTE)}</p>{table(cells)}<h2>Training runs</h2>"
         f"<p>{html.escape(RUNS_NOTE)}</p>{table(finals)}{''.join(images)}</body></html>"

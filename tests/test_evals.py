@@ -457,6 +457,8 @@ def test_report_renders_tables_curves_and_one_html_file(tmp_path):
     page = open(out["html"]).read()
     assert page.count("data:image/png;base64,") == 6 and "0.250 (-0.050)" in page and "0.450 (+0.050)" in page
     assert 'src="http' not in page and '.png"' not in page  # self-contained: no external or file references
+    # A 1,440 px figure scales to the page (tests/test_report_browser.py checks the layout itself in Chromium).
+    assert "img{max-width:100%;height:auto}" in page
 
 
 def test_report_gives_no_delta_between_different_example_sets():
