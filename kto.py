@@ -252,9 +252,8 @@ def check_args(args: Args) -> None:
 
 
 def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
-    """The memory plan of one micro-batch (harness.memory): the policy's forward and backward, and the no-grad
-    passes (mismatched pairs, the reference unless precomputed) while its graph is held, one at a time. Returns
-    (plan, gradient checkpointing)."""
+    """The memory plan of one micro-batch (harness.memory): the no-grad passes (mismatched pairs, the reference unless
+    precomputed), one at a time, then the policy's forward and backward. Returns (plan, gradient checkpointing)."""
     args = resolve_reference(args)
     bs = args.per_device_train_batch_size
 
@@ -264,8 +263,8 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     kw = dict(min_rows=2, max_prompt_length=args.max_prompt_length)  # micro-batches as the run draws them
     T = sequence_tokens(args, rows, bs, "binary", row, **kw)
     no_grad = "mismatched pairs" if args.precompute_ref_log_probs else "mismatched pairs, reference pass"
-    # right-padded rows: no padding mask
-    step = [Pass(bs, T, bs * T, grad=True, padding_mask=False), Pass(bs, T, bs * T, padding_mask=False, name=no_grad)]
+    # right-padded rows: no padding mask; the no-grad passes run before the policy's graph is built
+    step = [Pass(bs, T, bs * T, padding_mask=False, name=no_grad), Pass(bs, T, bs * T, grad=True, padding_mask=False)]
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
         args,
