@@ -292,7 +292,9 @@ def _cgroups(max_procs: int, memory: int) -> list[str]:
 
 def _cgroup(root: str, limits: dict[str, int]) -> str | None:
     """A new cgroup under root with these limits, or None (no such hierarchy or controller here, or not root)."""
-    path = os.path.join(root, f"onlyone_{uuid.uuid4().hex[:12]}")
+    # the creating process's pid in the name: whose sandbox an empty group belongs to stays known (tests tell another
+    # test process's sandbox, in flight, from a leftover)
+    path = os.path.join(root, f"onlyone_{os.getpid()}_{uuid.uuid4().hex[:12]}")
     try:
         os.mkdir(path)
         if not os.path.isfile(os.path.join(path, "cgroup.procs")):  # a plain directory (a tmpfs), not a cgroup

@@ -160,16 +160,26 @@ def test_math_reward_leading_dot_and_bold_answers(completion, reference, reward)
 # ---------------------------------------------------------------------------------------------------- code sandbox
 def _sandbox_leftovers(grace: float = 5.0) -> list[str]:
     """Processes of a sandbox and sandbox cgroups still present, but for those another test process has in flight (a
-    parallel worker's sandbox is no leftover of ours; one orphaned to init or a subreaper is, whoever leaked it). An
-    empty cgroup gets `grace` seconds to go: another process makes its cgroups just before its sandbox joins them and
-    removes them just after it ends."""
-    found = [f"pid {pid}: {cmdline[:80]!r}" for pid, cmdline in _sandbox_processes() if not _in_flight_elsewhere(pid)]
+    parallel worker's sandbox is no leftover of ours; one orphaned to init or a subreaper is, whoever leaked it). A
+    cgroup's name holds the pid of the process that made it (plugins/code.py): one made by another live test process
+    is that process's (it makes its cgroups just before its sandbox joins them and removes them just after it ends,
+    which under load can take seconds); one of ours, or of a process that is gone, is a leftover once its members are
+    gone and `grace` seconds have passed."""
     deadline = time.monotonic() + grace
+    # A process counts if it is still there, not in flight elsewhere, after the grace: one that ends meanwhile (another
+    # worker's sandbox between our listing and our look at its parent) is no leftover.
+    suspects = [(pid, cmdline) for pid, cmdline in _sandbox_processes() if not _in_flight_elsewhere(pid)]
+    while suspects and time.monotonic() < deadline:
+        time.sleep(0.05)
+        suspects = [(pid, c) for pid, c in suspects if _cmdline(pid) is not None and not _in_flight_elsewhere(pid)]
+    found = [f"pid {pid}: {cmdline[:80]!r}" for pid, cmdline in suspects if _cmdline(pid) is not None]
     for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/memory", "/sys/fs/cgroup"):
         if not os.path.isdir(root):
             continue
         for name in [d for d in os.listdir(root) if d.startswith("onlyone_")]:
             path = os.path.join(root, name)
+            if _made_elsewhere(name):
+                continue
             members = _cgroup_members(path)
             while members == [] and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -177,6 +187,15 @@ def _sandbox_leftovers(grace: float = 5.0) -> list[str]:
             if members is not None and not (members and all(_in_flight_elsewhere(pid) for pid in members)):
                 found.append(f"cgroup {path} (processes {members})")
     return found
+
+
+def _made_elsewhere(name: str) -> bool:
+    """Whether cgroup `name` (onlyone_<pid>_<hex>) was made by another live process of this interpreter (a pytest-xdist
+    worker, a parallel rerun), not by this process nor by one that is gone."""
+    creator = name.split("_")[1]
+    if not creator.isdigit() or int(creator) == os.getpid():
+        return False
+    return os.path.realpath(f"/proc/{creator}/exe") == os.path.realpath(sys.executable)
 
 
 def _sandbox_processes() -> list[tuple[int, bytes]]:
@@ -238,11 +257,23 @@ def kind(request, monkeypatch) -> str:
     return request.param
 
 
+def _leftover_keys(found: list[str]) -> set[str]:
+    """'pid N' / 'cgroup PATH' of each line of _sandbox_leftovers (its members and command line may change)."""
+    return {line.split(" (")[0].split(": ")[0] for line in found}
+
+
+def _new_leftovers(before: set[str]) -> list[str]:
+    """What _sandbox_leftovers finds now that was not there before the test: what this test left behind. (A leftover
+    of an earlier, dead process, e.g. a run killed mid-test, is not this test's doing and would fail every test.)"""
+    return [line for line in _sandbox_leftovers() if _leftover_keys([line]) - before]
+
+
 @pytest.fixture
 def no_leftovers(kind):
     """Every sandbox test must leave no process and no cgroup behind."""
+    before = _leftover_keys(_sandbox_leftovers(grace=0))
     yield
-    assert _sandbox_leftovers() == []
+    assert _new_leftovers(before) == []
 
 
 @pytest.fixture
@@ -271,6 +302,7 @@ def test_a_sandbox_left_running_is_a_leftover(kind, monkeypatch):
     from plugins import code
 
     run_python("pass")  # a sandbox's first use checks itself: before the patch
+    before = _leftover_keys(_sandbox_leftovers(grace=0))
     kill_all = code._kill_all
     left = []
     monkeypatch.setattr(code, "_kill_all", lambda proc, cgroups: left.append((proc, cgroups)))
@@ -283,7 +315,7 @@ def test_a_sandbox_left_running_is_a_leftover(kind, monkeypatch):
     finally:
         for proc, cgroups in left:
             kill_all(proc, cgroups)
-    assert _sandbox_leftovers() == []
+    assert _new_leftovers(before) == []
 
 
 def test_a_sandbox_process_is_in_flight_elsewhere_only_under_another_live_test_process():
@@ -292,7 +324,9 @@ def test_a_sandbox_process_is_in_flight_elsewhere_only_under_another_live_test_p
     subreaper's) are leftovers."""
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     ours = subprocess.Popen(sleep)
-    spawn = f"import subprocess, sys; p = subprocess.Popen({sleep!r}); print(p.pid, flush=True)"
+    # the sleeper's output is not the pipe: the orphan's parent's output ends when the parent exits
+    quiet = "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL"
+    spawn = f"import subprocess; p = subprocess.Popen({sleep!r}, {quiet}); print(p.pid, flush=True)"
     elsewhere = subprocess.Popen([sys.executable, "-c", spawn + "; p.wait()"], stdout=subprocess.PIPE, text=True)
     orphan = int(subprocess.run([sys.executable, "-c", spawn], capture_output=True, text=True, check=True).stdout)
     grandchild = int(elsewhere.stdout.readline())
