@@ -221,6 +221,7 @@ def continue_metrics(log_file: str, start_step: int) -> list[dict]:
     moved_steps = []
     with open(log_file) as f:
         for line in f:
+            line = line if line.endswith("\n") else line + "\n"  # a last line cut short by a crash
             try:
                 record = json.loads(line)
                 step = int(record["step"])
@@ -241,13 +242,13 @@ def continue_metrics(log_file: str, start_step: int) -> list[dict]:
             n += 1
             aside = os.path.join(os.path.dirname(log_file), f"metrics.replaced-{stamp}-{n}.jsonl")
         with open(aside, "w") as f:
-            f.writelines(line if line.endswith("\n") else line + "\n" for line in moved)
+            f.writelines(moved)
         which = f"steps {min(moved_steps)}..{max(moved_steps)}" if moved_steps else "a line cut short"
         lines = f"{len(moved)} line{'s' if len(moved) != 1 else ''}"
         print(f"resume at step {start_step}: {lines} of metrics.jsonl after it ({which}) moved to {aside}")
     tmp = log_file + ".tmp"
     with open(tmp, "w") as f:
-        f.writelines(line if line.endswith("\n") else line + "\n" for line in kept_lines)
+        f.writelines(kept_lines)
     os.replace(tmp, log_file)
     return kept
 
@@ -366,7 +367,7 @@ class Logger:
         return ", ".join(parts) or "no step logged"
 
     def took(self, seconds: float, unit: str = "steps") -> str:
-        """The end line's cost and place: '372 s for 20 steps on 2 torch threads; run dir runs/...'. seconds: the
+        """The end line's cost and place: '<S> s for <N> steps on <T> torch threads; run dir <path>'. seconds: the
         whole run's training time, a resumed run's earlier part included (Checkpoints.elapsed); the thread count,
         because a CPU run's speed depends on it and so can its figures (a reduction summed
         in another order rounds otherwise, and sampling can then take another token)."""
