@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from common.distributed import all_gather, broadcast, gathered_state, is_sharded, load_gathered_state, rank_and_world
 from common.model import DEFAULT, REF, check_finite, is_peft, pick_device, resolve_dtype, save_weights, slot_params
-from common.model import snapshot_ref, unwrap, writing  # writing: the one-line failed write, re-exported
+from common.model import all_finite, snapshot_ref, unwrap, writing  # writing: the one-line failed write, re-exported
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 FREE_ON_RESUME = {
@@ -276,7 +276,7 @@ def check_finite_files(folder: str) -> None:
             path = os.path.join(dirpath, name)
             with safe_open(path, "pt") as f:  # one tensor at a time: a full model's round is as large as the model
                 tensors = ((key, f.get_tensor(key)) for key in f.keys())
-                bad = next((k for k, x in tensors if x.is_floating_point() and not bool(x.isfinite().all())), None)
+                bad = next((k for k, x in tensors if not all_finite(x)), None)
             if bad is not None:
                 raise CorruptCheckpointError(f"{folder}: {os.path.relpath(path, folder)}: tensor {bad} holds NaN/Inf")
 

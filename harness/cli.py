@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 
 from common.distributed import any_rank, rank_and_world
 from common.errors import USER_ERRORS, ArgsError, ModelError, RunStopped
-from common.model import pick_device, require, resolve_dtype
+from common.model import all_finite, pick_device, require, resolve_dtype
 from plugins.embedded import MODEL_ALIASES
 
 _DEFERRED_CTRL_C = False  # a Ctrl-C a run answered by finishing its final/ (StopOnCtrlC.finishing): exit 130
@@ -192,7 +192,7 @@ def check_adapter_weights(folder: str, what: str) -> None:
     except (OSError, RuntimeError, SafetensorError, EOFError) as e:  # truncated or damaged: named, not loaded
         raise ModelError(f"{what} {folder}: {os.path.basename(file)} cannot be read ({e})") from None
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             raise ModelError(f"{what} {folder}: tensor {name} in {os.path.basename(file)} holds NaN/Inf; not loaded")
 
 

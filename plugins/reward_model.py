@@ -29,7 +29,7 @@ from common.data import collate_sft, tokenize_sft
 from common.errors import ArgsError, DataError, ModelError
 from common.distributed import reshard
 from common.model import REWARD, as_reference, decoder_hidden, is_peft, load_model, pick_device, resolve_dtype
-from common.model import same_base, unwrap
+from common.model import all_finite, same_base, unwrap
 from common.rewards import split_weight
 from harness.checkpoints import adapter_hash
 from harness.cli import check_adapter_weights
@@ -87,7 +87,7 @@ def check_model_weights(path: str) -> None:
         with safe_open(file, "pt") as f:
             for key in f.keys():
                 tensor = f.get_tensor(key)
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                if not all_finite(tensor):
                     raise ModelError(f"reward model {path}: tensor {key} in {os.path.basename(file)} holds NaN/Inf")
 
 
@@ -104,7 +104,7 @@ def read_config(path: str) -> dict:
         check_model_weights(path)
     else:
         check_adapter_weights(path, "reward model")
-    if not bool(torch.isfinite(load_file(os.path.join(path, HEAD_FILE))["weight"]).all()):
+    if not all_finite(load_file(os.path.join(path, HEAD_FILE))["weight"]):
         raise ModelError(f"reward model {path}: {HEAD_FILE} holds NaN/Inf; not loaded")
     return config
 

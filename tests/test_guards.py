@@ -123,6 +123,31 @@ def test_non_finite_weights_are_never_saved(tiny_model_dir, sft_rows, tmp_path, 
     assert not (run_dir / "final").exists() and not (run_dir / "checkpoints" / "step-1").exists()
 
 
+def test_the_finite_check_before_a_save_holds_no_copy_of_a_weight():
+    """check_finite runs before every save: torch.isfinite of a whole weight allocated |w| and three bool masks
+    (a 64 MiB |w| and 48 MiB of masks for this 64 MiB weight: a spike the size of an embedding at the end of a run); a
+    chunk at a time no tensor it makes reaches 8 MiB, and still finds a NaN or an Inf in the last element, or a NaN in a bf16 weight."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.model import all_finite, check_finite
+
+    model = torch.nn.Embedding(4096, 4096)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        check_finite(model)
+    largest = max(e.cpu_memory_usage for e in prof.events())  # the largest tensor an op made (old: |w|, 64 MiB)
+    assert largest < 8 * 2**20, f"the check made a {largest / 2**20:.0f} MiB tensor for a 64 MiB weight"
+    for bad in (math.nan, math.inf, -math.inf):
+        with torch.no_grad():
+            model.weight[-1, -1] = bad
+        with pytest.raises(NonFiniteWeightsError, match="1 weight tensors hold NaN/Inf .e.g. weight."):
+            check_finite(model)
+        model.weight.data[-1, -1] = 0.0
+    half = torch.zeros(3 * 2**20 + 7, dtype=torch.bfloat16)
+    assert all_finite(half) and all_finite(torch.arange(5)) and all_finite(torch.empty(0))
+    half[-1] = math.nan
+    assert not all_finite(half)
+
+
 def test_breaker_stop_exits_non_zero_with_one_line(tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Count to {i}"} for i in range(8)])
     done = subprocess.run(
