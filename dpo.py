@@ -385,10 +385,10 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     def pair(e):  # a pair's two sequences: prompt + chosen, prompt + rejected
         return [len(e["prompt_ids"]) + len(e["chosen_ids"]), len(e["prompt_ids"]) + len(e["rejected_ids"])]
 
-    T = sequence_tokens(args, rows, n, "preference", pair, max_prompt_length=args.max_prompt_length)
-    step = [Pass(n, T, n * T, grad=True, padding_mask=False)]  # right-padded rows: no padding mask
+    T, group = sequence_tokens(args, rows, n, "preference", pair, max_prompt_length=args.max_prompt_length)
+    step = [Pass(n, T, n * T, grad=True, padding_mask=False, group=group)]  # right-padded rows: no padding mask
     if use_ref and not args.precompute_ref_log_probs:  # before the policy's pass: never beside its graph
-        step.insert(0, Pass(n, T, n * T, padding_mask=False, name="reference pass"))
+        step.insert(0, Pass(n, T, n * T, padding_mask=False, group=group, name="reference pass"))
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
         args,

@@ -261,10 +261,11 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         return [len(e["prompt_ids"]) + len(e["completion_ids"])]
 
     kw = dict(min_rows=2, max_prompt_length=args.max_prompt_length)  # micro-batches as the run draws them
-    T = sequence_tokens(args, rows, bs, "binary", row, **kw)
+    T, group = sequence_tokens(args, rows, bs, "binary", row, **kw)
     no_grad = "mismatched pairs" if args.precompute_ref_log_probs else "mismatched pairs, reference pass"
     # right-padded rows: no padding mask; the no-grad passes run before the policy's graph is built
-    step = [Pass(bs, T, bs * T, padding_mask=False, name=no_grad), Pass(bs, T, bs * T, grad=True, padding_mask=False)]
+    step = [Pass(bs, T, bs * T, padding_mask=False, group=group, name=no_grad)]
+    step += [Pass(bs, T, bs * T, grad=True, padding_mask=False, group=group)]
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
         args,

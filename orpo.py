@@ -209,8 +209,8 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     def pair(e):  # a pair's two sequences: prompt + chosen, prompt + rejected
         return [len(e["prompt_ids"]) + len(e["chosen_ids"]), len(e["prompt_ids"]) + len(e["rejected_ids"])]
 
-    T = sequence_tokens(args, rows, n, "preference", pair, max_prompt_length=args.max_prompt_length)
-    step = [Pass(n, T, n * T, grad=True, padding_mask=False)]  # right-padded rows: no padding mask
+    T, group = sequence_tokens(args, rows, n, "preference", pair, max_prompt_length=args.max_prompt_length)
+    step = [Pass(n, T, n * T, grad=True, padding_mask=False, group=group)]  # right-padded rows: no padding mask
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(
         args, {"step": step}, lora=args.use_lora, dropout_off=args.disable_dropout, knobs=knobs, rows=rows

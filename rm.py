@@ -283,7 +283,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         sides = [[]] if kind == "supervised" else [e["chosen_ids"], e["rejected_ids"]]
         return [len(e.get("input_ids", e.get("prompt_ids"))) + len(side) for side in sides]
 
-    T = sequence_tokens(args, rows, n, kind, lengths, grouped=False)  # one padded batch, with its padding mask
+    T, _ = sequence_tokens(args, rows, n, kind, lengths, grouped=False)  # one padded batch, with its padding mask
     step = [Pass(n, T, n * T, grad=True, vocab=False)]
     knobs = [("per_device_train_batch_size", 1), ("quantization", "4bit"), ("max_length", 64)]
     return plan_memory(

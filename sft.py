@@ -280,8 +280,8 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
 
     kw = dict(completion_only_loss=args.completion_only_loss)
     # packed rows fill max_length; each micro-batch's rows otherwise, right-padded (no padding mask)
-    T = args.max_length if args.packing else sequence_tokens(args, rows, bs, "supervised", lengths, **kw)
-    step = [Pass(bs, T, bs * T, grad=True, padding_mask=args.packing)]
+    T, group = (args.max_length, 0) if args.packing else sequence_tokens(args, rows, bs, "supervised", lengths, **kw)
+    step = [Pass(bs, T, bs * T, grad=True, padding_mask=args.packing, group=group)]
     return plan_memory(
         args,
         {"step": step},

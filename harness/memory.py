@@ -31,7 +31,9 @@ from plugins.embedded import ALIAS_CONFIGS, MARKER, SHIPPED, cache_dir
 GiB = 2**30
 CHUNK = 1024  # common.model.chunked_logps's default chunk_size (rows of logits per chunk)
 CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces, outside torch's allocator (docs/memory.md)
-CPU_RUNTIME = GiB // 2  # torch + transformers + peft imported (docs/memory.md: measured)
+# a CPU process beside its tensors: torch + transformers + peft imported (0.43 GiB), the tokenizer, Python's objects
+# and the small blocks glibc's heap keeps (0.71 GiB at the end of sft.py's run, its model freed: docs/memory.md)
+CPU_RUNTIME = int(0.7 * GiB)
 ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, docs/memory.md)
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps fp32 moments under --optim adamw_8bit
 TOKENIZED_ROWS = 1000  # real lengths: the rows longest in UTF-8 bytes are tokenized, at most this many
@@ -46,7 +48,9 @@ class Pass:
     small head instead, no vocabulary logits). `context`: earlier tokens each row attends to through a KV cache that
     a shared prompt pass filled (grad). `kv_cache`: the pass keeps a KV cache of all its tokens. `padding_mask`:
     sdpa gets a float padding mask (False: right-padded rows, which common.model.sequence_logps runs on the causal
-    path without one). `name` labels a no-grad pass in the plan."""
+    path without one). `group`: tokens of its largest length group (common.model.sequence_logps runs a padded batch
+    group by group, so a layer's backward, and under checkpointing its recomputed activations, hold one group at a
+    time); 0: one group of all its tokens. `name` labels a no-grad pass in the plan."""
 
     rows: int
     tokens: int
@@ -57,6 +61,7 @@ class Pass:
     context: int = 0
     kv_cache: bool = False
     padding_mask: bool = True
+    group: int = 0
     name: str = "no-grad pass"
 
 
@@ -193,21 +198,26 @@ def _layer_act(c: dict, b: int, lora_r: int | None, dropout: bool) -> int:
 
 
 def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tuple[int, int, int]:
-    """(kept for backward, one layer's working set, log-prob buffer) in bytes of one Pass."""
+    """(kept for backward, one layer's working set, log-prob buffer) in bytes of one Pass. Under checkpointing the
+    working set holds the recomputed layer too (one length group's: the backward recomputes group by group)."""
     L, H, F, Hq, K = _shape(c)
     tokens = p.rows * p.tokens
+    group = min(p.group or tokens, tokens)
     mask = 0 if t.flash_attention or not p.padding_mask else p.rows * p.tokens * p.tokens * 4  # sdpa's float mask
-    layer = _layer_act(c, b, t.lora_r, t.dropout) * tokens + mask
+    per_token = _layer_act(c, b, t.lora_r, t.dropout)
     kept = 0
     if p.grad:
         # checkpointing keeps each layer's input and recomputes one layer at a time (transformers, per layer)
-        kept = L * tokens * H * b + layer if checkpointing else L * layer
+        kept = L * tokens * H * b if checkpointing else L * (per_token * tokens + mask)
         # attending to a shared prompt: its K and V repeated to all heads, the cache of all layers, the fp32 mask
         n, P, C = p.rows, p.context, p.tokens
         kept += L * n * (P * 2 * Hq * b + (P + C) * 2 * K * b + C * (P + C) * 4) if p.context else 0
     kept += tokens * H * (4 + b) + p.scored * H * b  # final norm in/out + the scored rows gathered for the head
-    # a layer's gradients (backward) or its live tensors (no grad); sdpa: the model's own copy of the float mask
-    work = tokens * (2 * H + 3 * F) * b + mask
+    # a layer's gradients (backward) or its live tensors (no grad), one group at a time; sdpa: the model's own copy of
+    # the float mask
+    work = group * (2 * H + 3 * F) * b + mask
+    if p.grad and checkpointing:
+        work += per_token * group + mask
     if p.kv_cache:
         work += L * tokens * 2 * K * b
     if not p.vocab:
@@ -286,14 +296,20 @@ def estimate(
             kept, work, head = _pass_bytes(c, b, p, trained, checkpointing)
             if p.grad:
                 held += kept
-                last = (work, head)
+                last = (work, head, p.grad * p.scored * _shape(c)[1] * (4 + b))
             else:
                 parts[f"{phase}: {p.name}"] = work + head
                 peak = max(peak, held + work + head)
         if last is not None:  # the backward starts from the last grad pass
-            parts |= {f"{phase}: activations": held, f"{phase}: layer working set": last[0]}
-            parts[f"{phase}: log-prob buffer"] = last[1]
-            peak = max(peak, held + last[0] + last[1])
+            work, head, grad_rows = last
+            parts |= {f"{phase}: activations": held, f"{phase}: layer working set": work}
+            parts[f"{phase}: log-prob buffer"] = head
+            # under checkpointing the head's chunks are freed before the first layer is recomputed, while the rows'
+            # d logp / d h (then the gradient that flows down) stays: the larger of the rest counts (measured: the
+            # peak of a checkpointed DPO step is its last head forward). Without, both are added: the plan stayed at
+            # or above every measured peak so (docs/memory.md)
+            top = grad_rows + max(work, head - grad_rows) if checkpointing else work + head
+            peak = max(peak, held + top)
         if gathered and any(not isinstance(p, Generate) for p in passes):
             parts[f"{phase}: gathered units (FSDP)"] = gathered
             peak += gathered
@@ -436,59 +452,67 @@ def row_tokens(args, rows: list[dict]) -> int:
     return longest
 
 
-def padded_tokens(lengths: list[int], grouped: bool = True) -> int:
-    """Tokens a micro-batch of right-padded sequences of `lengths` runs as: in common.model.length_groups' groups,
-    each padded to its longest row (`grouped`), or as one batch padded to the longest."""
+def padded_tokens(lengths: list[int], grouped: bool = True) -> tuple[int, int]:
+    """(tokens, those of its largest group) a micro-batch of right-padded sequences of `lengths` runs as: in
+    common.model.length_groups' groups, each padded to its longest row (`grouped`), or as one batch padded to the
+    longest."""
+    whole = len(lengths) * max(lengths)
     if not grouped:
-        return len(lengths) * max(lengths)
+        return whole, whole
     mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
     groups = length_groups(mask)
     if groups is None:  # an empty row: the run keeps the one padded batch
-        return len(lengths) * max(lengths)
-    return sum(len(rows) * (end - start) for rows, start, end in groups)
+        return whole, whole
+    sizes = [len(rows) * (end - start) for rows, start, end in groups]
+    return sum(sizes), max(sizes)
 
 
-def batch_tokens(args, rows: list[dict], kind: str, sequences, grouped: bool = True, min_rows: int = 1, **kw) -> int:
-    """The most tokens any micro-batch of this run holds, padded as it runs (padded_tokens of the lengths
+def batch_tokens(
+    args, rows: list[dict], kind: str, sequences, grouped: bool = True, min_rows: int = 1, **kw
+) -> tuple[int, int]:
+    """The most tokens any micro-batch of this run holds, padded as it runs, and the most of any one length group
+    (padded_tokens of the lengths
     `sequences(example)` lists for its examples), found by tokenizing the rows as the run does (tokenize_dataset with
     --max-length and `kw`: the same rows dropped, the same order) and drawing every rank's micro-batches of every
     step as the run draws them (common.data.micro_batch, `min_rows`). 0 when that is not done here: no rows, more
-    than DRAWN_ROWS, or --model's tokenizer not on this machine."""
+    than DRAWN_ROWS, or --model's tokenizer not on this machine (0, 0)."""
     if not rows or len(rows) > DRAWN_ROWS:
-        return 0
+        return 0, 0
     tokenizer = local_tokenizer(args.model, args.trust_remote_code)
     if tokenizer is None:
-        return 0
+        return 0, 0
     setup_chat_template(tokenizer, args.template)
     with warnings.catch_warnings():  # the rows a limit drops: the run says so itself, once
         warnings.simplefilter("ignore")
         examples = tokenize_dataset(tokenizer, rows, kind, args.max_length, **kw)
     if not examples:
-        return 0
+        return 0, 0
     bs = args.per_device_train_batch_size
     world = args.plan_world_size or rank_and_world()[1]
     ga = args.gradient_accumulation_steps
     steps, _ = training_steps(len(examples), bs, ga * world, args.max_steps, args.num_train_epochs)
-    most = 0
+    most = group = 0
     for index in range(steps * ga * world):
         batch = micro_batch(examples, index, bs, args.seed, min_rows=min_rows)
-        most = max(most, padded_tokens([n for e in batch for n in sequences(e)], grouped))
+        tokens, largest = padded_tokens([n for e in batch for n in sequences(e)], grouped)
+        most, group = max(most, tokens), max(group, largest)
     print(
         f"row lengths: the largest of the run's {steps * ga * world} micro-batches holds {most} tokens, padded as it "
         f"runs (all {len(rows)} rows tokenized with the model's tokenizer)",
         flush=True,
     )
-    return most
+    return most, group
 
 
-def sequence_tokens(args, rows: list[dict], n: int, kind: str, sequences, **kw) -> int:
-    """Tokens per sequence to plan a micro-batch of `n` sequences at: the run's largest micro-batch's padded tokens
-    shared out over its n sequences (batch_tokens; activations grow with the tokens, not with their split), else the
-    longest row capped by --max-length (row_tokens: every sequence as long as the longest)."""
-    most = batch_tokens(args, rows, kind, sequences, **kw)
+def sequence_tokens(args, rows: list[dict], n: int, kind: str, sequences, **kw) -> tuple[int, int]:
+    """(tokens per sequence, tokens of the largest length group) to plan a micro-batch of `n` sequences at: the run's
+    largest micro-batch's padded tokens shared out over its n sequences (batch_tokens; activations grow with the
+    tokens, not with their split) and its largest group, else the longest row capped by --max-length (row_tokens:
+    every sequence as long as the longest) and 0 (Pass.group: one group)."""
+    most, group = batch_tokens(args, rows, kind, sequences, **kw)
     if most:
-        return -(-most // n)
-    return min(args.max_length, row_tokens(args, rows) or args.max_length)
+        return -(-most // n), group
+    return min(args.max_length, row_tokens(args, rows) or args.max_length), 0
 
 
 def steady_heap() -> bool:
@@ -539,7 +563,8 @@ def format_plan(parts: dict[str, int], budget: int, what: str) -> str:
     width = max(map(len, parts)) + 2
     head = (
         "memory plan (peak = the parts without a phase + the largest phase: step, rollout or reference; in a step "
-        "the passes run in order and the backward starts from the last):"
+        "the passes run in order and the backward starts from the last; under gradient checkpointing its layer "
+        "working set and log-prob buffer are never held at once, so the larger counts):"
     )
     rows = []
     for k, v in parts.items():

@@ -124,9 +124,10 @@ def test_non_finite_weights_are_never_saved(tiny_model_dir, sft_rows, tmp_path, 
 
 
 def test_the_finite_check_before_a_save_holds_no_copy_of_a_weight():
-    """check_finite runs before every save: torch.isfinite of a whole weight allocated |w| and three bool masks
-    (a 64 MiB |w| and 48 MiB of masks for this 64 MiB weight: a spike the size of an embedding at the end of a run); a
-    chunk at a time no tensor it makes reaches 8 MiB, and still finds a NaN or an Inf in the last element, or a NaN in a bf16 weight."""
+    """check_finite runs before every save: torch.isfinite of a whole weight allocated |w| and three bool masks (a 64
+    MiB |w| and 48 MiB of masks for this 64 MiB weight: a spike the size of an embedding at the end of a run). A chunk
+    at a time no tensor it makes reaches 8 MiB, and it still finds a NaN or an Inf in the last element, or a NaN in a
+    bf16 weight."""
     from torch.profiler import ProfilerActivity, profile
 
     from common.model import all_finite, check_finite

@@ -88,7 +88,24 @@ def test_each_part_of_an_sft_plan_by_hand(monkeypatch, on_cpu):
     assert p["allocator (10 %)"] == int(0.1 * (6816 + 8192 + 10112 + 2176 + 2560)) == 2985
     assert p["total"] == 6816 + 8192 + CPU_RUNTIME + 14848 + 2985
     ckpt = estimate(CFG, Trained("fp32", None, 2), STEP, checkpointing=True, device="cpu")
-    assert ckpt["step: activations"] == 2 * 8 * 8 * 4 + (568 * 8 + 128) + 512 + 256  # layer inputs + one layer
+    assert ckpt["step: activations"] == 2 * 8 * 8 * 4 + 512 + 256  # the layers' inputs (+ final norm, scored rows)
+    # the backward recomputes one layer at a time: its activations join its gradients' working set
+    assert ckpt["step: layer working set"] == p["step: layer working set"] + 568 * 8 + 128
+    assert ckpt["step: log-prob buffer"] == p["step: log-prob buffer"]
+    # the head's chunks are freed before the first recompute, the rows' d logp / d h (8 x 8 x (4 + 4)) stays: the
+    # larger of the working set and the rest of the buffer counts, not their sum
+    held = 6816 + 8192 + CPU_RUNTIME + 2 * 8 * 8 * 4 + 512 + 256
+    rows = 8 * 8 * (4 + 4)
+    top = rows + max(ckpt["step: layer working set"], ckpt["step: log-prob buffer"] - rows)
+    assert top == 512 + 6848 < ckpt["step: layer working set"] + ckpt["step: log-prob buffer"]
+    assert ckpt["total"] == held + top + int(0.1 * (held - CPU_RUNTIME + top))
+    # sequence_logps runs a padded batch group by group: a layer's working set (and its recompute) is one group's
+    halves = {"step": [Pass(2, 4, 8, grad=True, group=4)]}
+    half = estimate(CFG, Trained("fp32", None, 2), halves, device="cpu")
+    assert half["step: activations"] == p["step: activations"]  # every group's activations wait for the backward
+    assert half["step: layer working set"] == 4 * (16 + 48) * 4 + 128
+    half_ckpt = estimate(CFG, Trained("fp32", None, 2), halves, checkpointing=True, device="cpu")
+    assert half_ckpt["step: layer working set"] == 4 * (16 + 48) * 4 + 128 + 568 * 4 + 128
     drop = estimate(CFG, Trained("fp32", None, 2, dropout=True), STEP, device="cpu")
     # + a dropped copy of each LoRA module's input (q, k, v, gate, up: 8; o: 8; down: 16) and its bool mask
     assert drop["step: activations"] - p["step: activations"] == 2 * 8 * (6 * 8 + 16) * 5
@@ -694,9 +711,11 @@ def test_the_plan_takes_the_micro_batches_the_run_draws_not_every_row_at_the_lon
 
 
 def test_padded_tokens_follow_the_runs_length_groups():
-    assert memory.padded_tokens([100, 10, 10, 10]) == 130  # the long row alone, the short ones together
-    assert memory.padded_tokens([100, 10, 10, 10], grouped=False) == 400  # one batch padded to its longest
-    assert memory.padded_tokens([100, 95, 90]) == 300  # within 1.125 x their tokens: one group, padded to 100
+    # (tokens, those of the largest group): the long row alone, the short ones together
+    assert memory.padded_tokens([100, 10, 10, 10]) == (130, 100)
+    assert memory.padded_tokens([100, 10, 10, 10], grouped=False) == (400, 400)  # one batch padded to its longest
+    assert memory.padded_tokens([100, 95, 90]) == (300, 300)  # within 1.125 x their tokens: one group, padded to 100
+    assert memory.padded_tokens([40, 40, 40, 10, 10]) == (140, 120)
 
 
 STEADY = """
