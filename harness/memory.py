@@ -32,7 +32,7 @@ GiB = 2**30
 CHUNK = 1024  # common.model.chunked_logps's default chunk_size (rows of logits per chunk)
 CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces, outside torch's allocator (docs/memory.md)
 # a CPU process beside its tensors: torch + transformers + peft imported (0.43 GiB), the tokenizer, Python's objects
-# and the small blocks glibc's heap keeps (0.71 GiB at the end of sft.py's run, its model freed: docs/memory.md)
+# and the small blocks glibc's heap keeps (0.71 GiB at the end of an SFT run, its model freed: docs/memory.md)
 CPU_RUNTIME = int(0.7 * GiB)
 ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, docs/memory.md)
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps fp32 moments under --optim adamw_8bit
@@ -296,7 +296,7 @@ def estimate(
             kept, work, head = _pass_bytes(c, b, p, trained, checkpointing)
             if p.grad:
                 held += kept
-                last = (work, head, p.grad * p.scored * _shape(c)[1] * (4 + b))
+                last = (work, head, p.vocab * p.scored * _shape(c)[1] * (4 + b))  # the rows' d logp / d h
             else:
                 parts[f"{phase}: {p.name}"] = work + head
                 peak = max(peak, held + work + head)
