@@ -572,7 +572,8 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
     P = min(args.max_prompt_length, row_tokens(args, rows) or args.max_prompt_length)
     vllm_share = args.vllm_gpu_memory_utilization if args.engine == "vllm" else None
     world = args.plan_world_size or rank_and_world()[1]  # a rank samples its share of the step's prompts
-    rollout = [Generate(args.prompts_per_step // world, G, P, C, vllm_share)]
+    # max_steps None: a preset not resolved yet (an Args built by hand); one rollout is the least a run samples
+    rollout = [Generate(args.prompts_per_step // world, G, P, C, vllm_share, rollouts=args.max_steps or 1)]
     reference = []
     if args.beta != 0.0 or args.num_iterations > 1:
         reference = [Pass(g * G, P + C, g * G * C, kv_cache=True)]

@@ -39,6 +39,10 @@ MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps fp32 mome
 TOKENIZED_ROWS = 1000  # real lengths: the rows longest in UTF-8 bytes are tokenized, at most this many
 DRAWN_ROWS = 20_000  # up to this many rows the plan tokenizes them all and finds the micro-batches the run draws
 MMAP_THRESHOLD = 1 << 20  # CPU runs: glibc serves blocks from this size with mmap, freed straight back (steady_heap)
+# a packed CPU rollout: oneDNN and ideep cache a primitive (its JIT kernels) per Linear shape and input row count, each
+# up to this many, and this much resident per cached row count of one shape, both caches together (docs/memory.md)
+KERNEL_CACHE = 1024
+KERNEL_BYTES = int(0.64 * 2**20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +73,15 @@ class Pass:
 class Generate:
     """Sampling `group_size` completions of <= new_tokens tokens for each of `prompts` prompts of <= prompt_tokens:
     a KV cache of every row over all layers, the prompts' prefill working set, and the last position's fp32 logits
-    and scores. vllm_share: a vLLM engine that takes this share of the card instead."""
+    and scores. vllm_share: a vLLM engine that takes this share of the card instead. rollouts: how many the run
+    samples (each prefills its prompts at a new row count: rollout_kernels)."""
 
     prompts: int
     group_size: int
     prompt_tokens: int
     new_tokens: int
     vllm_share: float | None = None
+    rollouts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +255,20 @@ def _generate_bytes(
     return "KV cache + packed weights", kv + packed
 
 
+def rollout_kernels(c: dict, g: Generate, quantization: str | None) -> int:
+    """What a CPU float32 rollout on common.rollout.packed_linears leaves cached for the rest of the run: oneDNN's
+    and ideep's primitives, one per packed Linear shape (q, k/v, o, gate/up, down, the head; a quantized decoder
+    packs the head alone) and input row count, each cache up to KERNEL_CACHE of them. Row counts: the decode's live
+    rows (1 .. prompts x group_size, as rows that sampled an EOS leave) and one prefill per rollout."""
+    L, H, F, Hq, K = _shape(c)
+    bias = bool(c.get("attention_bias", c.get("model_type") == "qwen2"))
+    shapes = {(H, c["vocab_size"], False)}
+    if not quantization:
+        shapes |= {(H, Hq, bias), (H, K, bias), (Hq, H, False), (H, F, False), (F, H, False)}
+    row_counts = g.prompts * g.group_size + g.rollouts
+    return min(KERNEL_CACHE, len(shapes) * row_counts) * KERNEL_BYTES
+
+
 def estimate(
     c: dict,
     trained: Trained,
@@ -288,6 +308,8 @@ def estimate(
             if isinstance(p, Generate):
                 name, size = _generate_bytes(c, b, p, device_bytes, device, trained.quantization)
                 parts[f"{phase}: {name}"] = size
+                if name.endswith("packed weights"):  # cached after the first rollout: beside every later phase
+                    parts["rollout kernels (oneDNN, cached)"] = rollout_kernels(c, p, trained.quantization)
                 if n > 1:
                     parts[f"{phase}: gathered weights (FSDP)"] = full_weights - full_weights // n
                     size += full_weights - full_weights // n
