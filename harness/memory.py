@@ -31,8 +31,8 @@ from plugins.embedded import ALIAS_CONFIGS, MARKER, SHIPPED, cache_dir
 GiB = 2**30
 CHUNK = 1024  # common.model.chunked_logps's default chunk_size (rows of logits per chunk)
 CUDA_CONTEXT = GiB // 2  # CUDA context + cuBLAS workspaces, outside torch's allocator (docs/memory.md)
-# a CPU process beside its tensors: torch + transformers + peft imported (0.43 GiB), the tokenizer, Python's objects
-# and the small blocks glibc's heap keeps (0.71 GiB at the end of an SFT run, its model freed: docs/memory.md)
+# a CPU process beside its tensors: torch + transformers + peft imported, the tokenizer, Python's objects and the small
+# blocks glibc's heap keeps (docs/memory.md: measured at the end of a run, its model freed)
 CPU_RUNTIME = int(0.7 * GiB)
 ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU: glibc keeps more, docs/memory.md)
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps fp32 moments under --optim adamw_8bit
@@ -203,9 +203,10 @@ def _layer_act(c: dict, b: int, lora_r: int | None, dropout: bool) -> int:
     return n + 7 * lora_r * b + dropped
 
 
-def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tuple[int, int, int]:
-    """(kept for backward, one layer's working set, log-prob buffer) in bytes of one Pass. Under checkpointing the
-    working set holds the recomputed layer too (one length group's: the backward recomputes group by group)."""
+def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tuple[int, int, int, int]:
+    """(kept for backward, one layer's working set, log-prob buffer, the part of that buffer the backward keeps) in
+    bytes of one Pass. Under checkpointing the working set holds the recomputed layer too (one length group's: the
+    backward recomputes group by group)."""
     L, H, F, Hq, K = _shape(c)
     tokens = p.rows * p.tokens
     group = min(p.group or tokens, tokens)
@@ -227,13 +228,14 @@ def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tu
     if p.kv_cache:
         work += L * tokens * 2 * K * b
     if not p.vocab:
-        return kept, work, 0
+        return kept, work, 0, 0
     # chunked_logps: (chunk, V) fp32 logits + softmax (one more with entropy); a bf16 head is cast to fp32 once;
     # with grad, a frozen head's fp32 d logp / d h of the scored rows (kept to backward) and the rows' gradient
     rows = min(CHUNK, p.scored)
     V = c["vocab_size"]
-    head = (2 + p.entropy) * rows * V * 4 + (b != 4) * V * H * 4 + p.grad * p.scored * H * (4 + b)
-    return kept, work, head
+    grad_rows = p.grad * p.scored * H * (4 + b)
+    head = (2 + p.entropy) * rows * V * 4 + (b != 4) * V * H * 4 + grad_rows
+    return kept, work, head, grad_rows
 
 
 def _generate_bytes(
@@ -315,10 +317,10 @@ def estimate(
                     size += full_weights - full_weights // n
                 peak = max(peak, held + size)
                 continue
-            kept, work, head = _pass_bytes(c, b, p, trained, checkpointing)
+            kept, work, head, grad_rows = _pass_bytes(c, b, p, trained, checkpointing)
             if p.grad:
                 held += kept
-                last = (work, head, p.vocab * p.scored * _shape(c)[1] * (4 + b))  # the rows' d logp / d h
+                last = (work, head, grad_rows)
             else:
                 parts[f"{phase}: {p.name}"] = work + head
                 peak = max(peak, held + work + head)
@@ -493,11 +495,10 @@ def batch_tokens(
     args, rows: list[dict], kind: str, sequences, grouped: bool = True, min_rows: int = 1, **kw
 ) -> tuple[int, int]:
     """The most tokens any micro-batch of this run holds, padded as it runs, and the most of any one length group
-    (padded_tokens of the lengths
-    `sequences(example)` lists for its examples), found by tokenizing the rows as the run does (tokenize_dataset with
-    --max-length and `kw`: the same rows dropped, the same order) and drawing every rank's micro-batches of every
-    step as the run draws them (common.data.micro_batch, `min_rows`). 0 when that is not done here: no rows, more
-    than DRAWN_ROWS, or --model's tokenizer not on this machine (0, 0)."""
+    (padded_tokens of the lengths `sequences(example)` lists for its examples), found by tokenizing the rows as the
+    run does (tokenize_dataset with --max-length and `kw`: the same rows dropped, the same order) and drawing every
+    rank's micro-batches of every step as the run draws them (common.data.micro_batch, `min_rows`). (0, 0) when that
+    is not done here: no rows, more than DRAWN_ROWS, or --model's tokenizer not on this machine."""
     if not rows or len(rows) > DRAWN_ROWS:
         return 0, 0
     tokenizer = local_tokenizer(args.model, args.trust_remote_code)

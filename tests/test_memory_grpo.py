@@ -79,7 +79,7 @@ print("PLANNED", rollout_kernels(model_config({model!r}), Generate(8, 4, 32, 256
     reason="common.rollout.packed_linears packs on x86-64 with oneDNN only",
 )
 def test_what_two_packed_rollouts_leave_resident_is_within_the_planned_part(tiny_model_dir):
-    """The GRPO bench cases on the tiny model measured 39 % / 25 % over their plan: after the first rollout the
+    """The GRPO bench cases on the tiny model measured above their plan: after the first rollout the
     process keeps tens of MiB that no plan part held (oneDNN's and ideep's primitives, one per Linear shape and row
     count). Fresh process, freed blocks of 64 KiB or more unmapped, so what stays resident is what is held."""
     out = subprocess.run(
