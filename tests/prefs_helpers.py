@@ -3,12 +3,12 @@ model for calling TRL's loss code without a trainer, and the CLI runner."""
 
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file
+from tests import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,6 +163,6 @@ def hf_chosen_nll(model_dir, data, batch_size, seed, concat_pairs, micro_batch, 
 
 def run_cli(script, *args, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
+    return cli.run(
         [sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout
     )

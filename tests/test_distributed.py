@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import cli
 from tests.conftest import ROOT
 from tests.prefs_helpers import binary_rows, preference_rows, write_jsonl
 
@@ -344,7 +345,7 @@ def test_a_resume_on_another_number_of_ranks_is_refused_in_one_line(tiny_model_d
     code, _, err = finish(torchrun("sft", {**kw, "output_dir": str(tmp_path / "two")}))
     assert code == 0, err[-3000:]
     run_dir = run_dir_of(tmp_path / "two")
-    alone = subprocess.run(
+    alone = cli.run(
         [sys.executable, "sft.py", *flags({**kw, "max_steps": 3, "resume_from_checkpoint": run_dir})],
         cwd=ROOT,
         env=ENV,

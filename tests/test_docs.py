@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests import cli
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = ("sft", "dpo", "orpo", "kto", "rm", "grpo", "raft")
@@ -218,7 +219,7 @@ def test_sft_plan_runs_on_the_tiny_model(tiny_model_dir, tmp_path):
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "sft.py", "--plan", "--model", tiny_model_dir, "--preset", "demo"]
     cmd += ["--output-dir", str(out_dir)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    done = cli.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sft: preset demo" in done.stdout
     assert "memory plan (peak" in done.stdout and re.search(r"^\s+total\s+[\d.]+ GiB of ", done.stdout, re.M)

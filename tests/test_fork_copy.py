@@ -33,6 +33,7 @@ from tests.conftest import ROOT
 from tests.prefs_helpers import binary_rows, preference_rows, write_jsonl
 from tests.test_distributed import ENV, flags, logged, run_dir_of, setup, weights_of
 from tests.test_structure import MODULES, imports
+from tests import cli
 
 SCRIPTS = ("sft", "dpo", "orpo", "kto", "rm", "grpo", "raft")
 COMPARED = ("sft", "dpo", "orpo", "kto", "rm", "grpo")  # the methods scripts/compare_with_trl.py runs by script name
@@ -170,7 +171,7 @@ def test_a_copy_trains_as_its_script_in_process_and_run_from_a_folder_outside_th
     copy = load(copies[script])
     inside = copy.main(copy.Args(**kw, output_dir=str(tmp_path / "inside")))
     path = outside[script]
-    done = subprocess.run(
+    done = cli.run(
         [sys.executable, path.name, *flags({**kw, "output_dir": str(tmp_path / "outside")})],
         cwd=path.parent, env={**ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -223,7 +224,7 @@ def test_a_one_line_idea_in_a_copy_is_reported_as_run_on_the_command_line(tmp_pa
     assert source.count(line) == 1, "dpo.py's sigmoid loss line moved: pick the edited line again"
     fork.write_text(source.replace(line, "        losses = F.softplus(-beta * delta)  # the idea\n"))
     out = tmp_path / "out"
-    done = subprocess.run(
+    done = cli.run(
         [sys.executable, str(ROOT / "scripts" / "compare_with_trl.py"), "--method", "dpo", "--fork", str(fork),
          "--steps", "2", "--out", str(out)],
         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600,

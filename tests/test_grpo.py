@@ -15,6 +15,7 @@ import grpo
 from common.errors import RunStopped
 from grpo import Args, aggregate_loss, grpo_per_token_loss, main
 from tests.tiny import write_learnable
+from tests import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOW = 200  # the rule reward: share of completion tokens with id < LOW
@@ -526,7 +527,7 @@ def test_cli_help_and_one_step(tiny_model_dir, prompts_jsonl, tmp_path):
     flat = " ".join(help_out.stdout.replace("│", " ").split())  # tyro's box wraps lines anywhere
     assert all(name in flat for name in grpo.REWARDS), "--help must list every reward function by name"
     assert "[model & LoRA]" in flat and "demo: 64; gsm8k: 512" in flat  # the groups, and both presets' values
-    done = subprocess.run(
+    done = cli.run(
         [
             sys.executable,
             "grpo.py",

@@ -17,6 +17,7 @@ import torch
 
 from common.errors import ArgsError, NonFiniteWeightsError, RunStopped
 from tests.prefs_helpers import preference_rows, write_jsonl
+from tests import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -151,7 +152,7 @@ def test_the_finite_check_before_a_save_holds_no_copy_of_a_weight():
 
 def test_breaker_stop_exits_non_zero_with_one_line(tiny_model_dir, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Count to {i}"} for i in range(8)])
-    done = subprocess.run(
+    done = cli.run(
         [
             sys.executable,
             "grpo.py",

@@ -23,6 +23,7 @@ from harness import memory
 from harness.memory import CPU_RUNTIME, Pass, Trained, adamw_state_bytes, estimate, lora_params, param_counts
 from harness.memory import trained_tensors
 from tests.conftest import ROOT
+from tests import cli
 
 # L 2, H 8, intermediate F 16, 2 heads of 4 (Hq 8), 1 kv head (K 4), vocab 32, untied, no attention bias
 CFG = dict(model_type="llama", num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
@@ -498,13 +499,13 @@ def test_each_scripts_real_preset_starts_on_a_24_or_48_gib_card(script, size, ca
 
 def test_cli_plan_subprocess(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "sft.py", "--plan", "--model", tiny_model_dir, "--preset", "demo"]
-    out = subprocess.run(
+    out = cli.run(
         [*cmd, "--output-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "step: activations" in out.stdout and "physical RAM" in out.stdout and os.listdir(tmp_path) == []
-    table = subprocess.run([sys.executable, "bench/capability_table.py", "--gpu-memory", "24"], cwd=ROOT,
+    table = cli.run([sys.executable, "bench/capability_table.py", "--gpu-memory", "24"], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert table.returncode == 0 and "Qwen2.5-7B" in table.stdout and "(no)" in table.stdout
 

@@ -20,6 +20,7 @@ from common.errors import CorruptCheckpointError, RunStopped
 from harness.checkpoints import write_marker
 from safetensors.torch import load_file, save_file
 from raft import Args, last_good_round, main, make_pairs, select_best, spin_pairs
+from tests import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAN = math.nan
@@ -405,7 +406,7 @@ def test_cli_help_and_one_round(tiny_model_dir, prompts_jsonl, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     help_out = subprocess.run([sys.executable, "raft.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--reward-threshold" in help_out.stdout and "--mode" in help_out.stdout
-    done = subprocess.run(
+    done = cli.run(
         [
             sys.executable,
             "raft.py",

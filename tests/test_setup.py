@@ -17,6 +17,7 @@ import pytest
 import tyro
 
 from harness.fast_help import help_before_imports
+from tests import cli
 from tests.conftest import ROOT
 
 SCRIPTS = ("sft", "dpo", "orpo", "kto", "rm", "grpo", "raft")
@@ -215,7 +216,7 @@ def test_the_suite_runs_each_file_whole_in_a_group_and_the_torchrun_files_first_
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
 
     def collected(env: dict) -> list[str]:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        done = cli.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         order = [line.split("::")[0] for line in done.stdout.splitlines() if "::" in line]
         return [f for i, f in enumerate(order) if i == 0 or order[i - 1] != f]  # each file once, in order
@@ -264,7 +265,7 @@ def test_a_clone_without_the_shared_data_says_what_its_skips_cover(tmp_path):
     (issue 41 section 6): the run ends with one line giving the count, what they cover and what the folder is."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ONLYONE_SHARED_DATA": str(tmp_path / "absent")}
     tests = ["tests/test_math_checker.py::test_every_gsm8k_row_passes_the_row_check", "tests/test_evals.py"]
-    done = subprocess.run(
+    done = cli.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, "-k", "gsm8k_row or real_reference"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -274,3 +275,54 @@ def test_a_clone_without_the_shared_data_says_what_its_skips_cover(tmp_path):
     assert line.startswith(f"{skipped} test(s) skipped because {tmp_path / 'absent'} is absent (")
     assert "test_evals.py, test_math_checker.py" in line and "project's shared test data" in line
     assert "not shipped with a clone" in line and "GSM8K" in line
+
+
+PROBE = """import atexit, os, sys
+atexit.register(lambda: print("atexit ran", flush=True))
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "path0", sys.path[0], "var", os.environ.get("ONLYONE_PROBE"))
+print("name", __name__, "stderr line", file=sys.stderr)
+if "raise" in sys.argv:
+    raise ValueError("probe failed")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_forked_command_gives_what_a_fresh_interpreter_gives(tmp_path):
+    """tests/cli.py's run (the suite's `python <script>.py` commands, forked from a process with torch and transformers
+    imported): the same exit code, stdout and stderr as subprocess.run for a script and for -m, an exception's
+    traceback ends the same, a timeout kills the command; commands a fork cannot stand for run as subprocesses."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "probe.py").write_text(PROBE)
+    (tmp_path / "probe.py").write_text(PROBE)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ONLYONE_PROBE": "seen", "PYTHONPATH": str(tmp_path)}
+    commands = [
+        [sys.executable, str(tmp_path / "probe.py"), "3", "a b"],
+        [sys.executable, "-m", "pkg.probe", "0"],
+        [sys.executable, str(tmp_path / "probe.py"), "0", "raise"],
+    ]
+    for cmd in commands:
+        assert cli.forkable(cmd, env)
+        forked = cli.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=60)
+        fresh = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=60)
+        assert (forked.returncode, forked.stdout) == (fresh.returncode, fresh.stdout), (forked, fresh)
+        if "raise" in cmd:
+            assert forked.returncode == 1 and "ValueError: probe failed" in forked.stderr.splitlines()[-1]
+            assert forked.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1]
+        else:
+            assert forked.stderr == fresh.stderr == "name __main__ stderr line\n"
+    assert (
+        "atexit ran" in forked.stdout
+        and f"path0 {work} var seen" in cli.run(commands[1], cwd=work, env=env, capture_output=True, text=True).stdout
+    )
+    with pytest.raises(subprocess.CalledProcessError):
+        cli.run(commands[0], cwd=work, env=env, capture_output=True, text=True, check=True)
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        cli.run([sys.executable, str(tmp_path / "sleep.py")], env=env, capture_output=True, text=True, timeout=2)
+    # A library may read these at import (the forking process imported it under its own environment): a subprocess.
+    assert not cli.forkable(commands[0], {**env, "HF_HUB_OFFLINE": "1"})
+    assert not cli.forkable([sys.executable, "-c", "pass"], env)
+    assert not cli.forkable(["python3", str(tmp_path / "probe.py")], env)

@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from common.data import load_splits
 from sft import Args, main, sft_loss
+from tests import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["red", "blue", "green", "yes", "no", "good", "bad", "hello"]
@@ -241,7 +242,7 @@ def test_cli_help_and_one_step(tiny_model_dir, memo_jsonl, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     help_out = subprocess.run([sys.executable, "sft.py", "--help"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--learning-rate" in help_out.stdout and "completion" in help_out.stdout
-    done = subprocess.run(
+    done = cli.run(
         [
             sys.executable,
             "sft.py",

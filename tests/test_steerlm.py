@@ -4,7 +4,6 @@ attributes unchanged (plugins/steerlm.py), sft.py end to end with attributes, an
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from common.data import collate_sft, load_rows, tokenize_dataset, tokenize_promp
 from common.errors import DataError
 from evals import common_eval, gsm8k
 from plugins.steerlm import attribute_label, parse_attributes, steer_prompt, steer_rows
+from tests import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER = {"role": "user", "content": "What is 2 + 3?"}
@@ -215,7 +215,7 @@ def test_sft_cli_bad_attribute_is_one_line(tiny_model_dir, tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "sft.py", "--model", tiny_model_dir, "--dataset", path, "--attributes-in", "user"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    done = cli.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert f"{path}:2: field 'attributes': missing, but {path}:1 has them" in done.stderr
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from tests import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,7 +124,7 @@ NOISE = ("Failed to load CPU gemm_4bit",)  # bitsandbytes' import note
 
 def test_eval_entry_points_give_one_line_errors_for_missing_inputs(tmp_path):
     for module, argv in EVAL_CLIS.items():
-        done = subprocess.run(
+        done = cli.run(
             [sys.executable, "-m", module, *argv],
             cwd=tmp_path,
             capture_output=True,
