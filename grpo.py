@@ -57,7 +57,7 @@ from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset
 from harness.hub import check_inputs, locate_model
-from harness.memory import Generate, Pass, plan_memory, row_tokens
+from harness.memory import Generate, Pass, plan_memory, release_heap, row_tokens
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.code import code_reward
@@ -398,6 +398,8 @@ def grouped_completion_logps(
     # The state before token t predicts it: the prompt's last one for t = 0, then the completion's own.
     first = p_out.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([first, c_out.last_hidden_state[:, :-1]], 1)  # (B*G, C, H)
+    if torch.is_grad_enabled():  # a training pass peaks in the head below: the backbone's freed blocks leave RSS
+        release_heap()
     scored = c_mask.bool()
     # chunked_logps (common.model): log_softmax((h W^T + b) / temperature) at each label, fp32, a chunk of rows at a
     # time; the sampler's temperature, so the loss scores the distribution the completions were drawn from (TRL)

@@ -38,7 +38,7 @@ ALLOCATOR = 0.10  # caching-allocator fragmentation on top of live tensors (CPU:
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: a smaller tensor keeps fp32 moments under --optim adamw_8bit
 TOKENIZED_ROWS = 1000  # real lengths: the rows longest in UTF-8 bytes are tokenized, at most this many
 DRAWN_ROWS = 20_000  # up to this many rows the plan tokenizes them all and finds the micro-batches the run draws
-MMAP_THRESHOLD = 1 << 20  # CPU runs: glibc serves blocks from this size with mmap, freed straight back (steady_heap)
+MMAP_THRESHOLD = 1 << 20  # CPU runs: glibc maps a block from this size that no free heap hole fits (steady_heap)
 # a packed CPU rollout: oneDNN and ideep cache a primitive (its JIT kernels) per Linear shape and input row count, each
 # up to this many, and this much resident per cached row count of one shape, both caches together (docs/memory.md)
 KERNEL_CACHE = 1024
@@ -538,12 +538,16 @@ def sequence_tokens(args, rows: list[dict], n: int, kind: str, sequences, **kw) 
     return min(args.max_length, row_tokens(args, rows) or args.max_length), 0
 
 
+_libc = None  # glibc, once steady_heap has set its heap up (release_heap)
+
+
 def steady_heap() -> bool:
-    """On glibc, serve every block of MMAP_THRESHOLD bytes or more with its own mmap and give it back when freed.
-    glibc's default raises that threshold to the largest block freed so far (up to 32 MiB), so a CPU run's
-    activations move into its heap, where freed blocks of one step's shapes stay resident beside the next step's:
-    the peak RSS then climbs from step to step past what the tensors need (docs/memory.md). False where this is not
-    glibc (another allocator was chosen: it is left alone)."""
+    """On glibc, serve every block of MMAP_THRESHOLD bytes or more that no free hole of the heap fits with its own
+    mmap, given back when freed (one a hole fits goes there: release_heap). glibc's default raises that threshold to
+    the largest block freed so far (up to 32 MiB), so a CPU run's activations move into its heap, where freed blocks
+    of one step's shapes stay resident beside the next step's: the peak RSS then climbs from step to step past what
+    the tensors need (docs/memory.md). False where this is not glibc (another allocator was chosen: it is left
+    alone)."""
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018  glibc alone has it
@@ -554,6 +558,21 @@ def steady_heap() -> bool:
     m_mmap_threshold = -3  # malloc.h
     if libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD) != 1:
         raise OSError(f"mallopt(M_MMAP_THRESHOLD, {MMAP_THRESHOLD}) failed")
+    global _libc
+    _libc = libc  # release_heap trims this heap from now on
+    return True
+
+
+def release_heap() -> bool:
+    """Give the pages of glibc's free heap blocks back to the system (malloc_trim), where steady_heap set this
+    process's heap up. The heap keeps the holes that freed blocks leave between live ones resident, and blocks of
+    MMAP_THRESHOLD or more are placed in those holes before any new mapping: a pass's short-lived blocks wander
+    through them, so at the pass's peak RSS holds the whole heap, free holes included (docs/memory.md, the GRPO
+    demo). A released page that a later block reuses comes back zeroed on first touch. False where steady_heap did
+    not apply (another allocator, a launcher's threshold, a GPU run): nothing is done."""
+    if _libc is None:
+        return False
+    _libc.malloc_trim(0)  # its result only says whether any page went back
     return True
 
 
