@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +21,7 @@ from common.errors import ArgsError, ModelError
 from harness import memory
 from harness.memory import CPU_RUNTIME, Pass, Trained, adamw_state_bytes, estimate, lora_params, param_counts
 from harness.memory import trained_tensors
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python_as_launched
 from tests import cli
 
 # L 2, H 8, intermediate F 16, 2 heads of 4 (Hq 8), 1 kv head (K 4), vocab 32, untied, no attention bias
@@ -745,13 +744,6 @@ def test_a_cpu_runs_plan_keeps_freed_blocks_out_of_its_resident_memory(tiny_mode
     so activations land in the heap and the blocks one step frees stay resident beside the next step's. A CPU run's
     plan sets a fixed threshold (harness.memory.steady_heap): a freed block of 1 MiB or more leaves RSS at once. In a
     fresh process, as a user launches a script (no MALLOC_* variable, no LD_PRELOAD)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
-    out = subprocess.run(
-        [sys.executable, "-c", STEADY.format(root=str(ROOT), model=str(tiny_model_dir))],
-        env=env | {"OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    released = int(re.search(r"RELEASED (-?\d+)", out.stdout + out.stderr).group(1))
-    assert released >= 90, out.stdout + out.stderr  # the 100 MiB freed left RSS
+    text = python_as_launched(STEADY.format(root=str(ROOT), model=str(tiny_model_dir)))
+    released = int(re.search(r"RELEASED (-?\d+)", text).group(1))
+    assert released >= 90, text  # the 100 MiB freed left RSS

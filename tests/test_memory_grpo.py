@@ -1,7 +1,6 @@
 """grpo.py's memory plan against what its CPU rollout leaves behind (issue 40 section 6): the packed rollout's cached
 oneDNN kernels are a lasting part of the plan, by hand and against a measured rollout of the tiny model."""
 
-import os
 import platform
 import re
 import subprocess
@@ -13,7 +12,7 @@ import torch
 import grpo
 from harness import memory
 from harness.memory import KERNEL_BYTES, Generate, Trained, estimate, rollout_kernels
-from tests.conftest import ROOT
+from tests.conftest import ROOT, python_as_launched
 
 # L 2, H 8, F 16, 2 heads of 4 (Hq 8), 1 kv head (K 4), vocab 32, no attention bias: q and o share one shape
 CFG = dict(model_type="llama", num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
@@ -135,14 +134,6 @@ def test_a_training_pass_reaches_its_head_with_the_heaps_free_holes_released(tin
     passes' blocks left and this pass's short-lived blocks wandered through. The training pass hands them back
     between the backbone and the head; a no-grad pass (rollout scoring, reference) leaves the heap alone. In a
     fresh process as a user launches a script (no MALLOC_* variable, no LD_PRELOAD)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
-    out = subprocess.run(
-        [sys.executable, "-c", HEAD.format(root=str(ROOT), model=str(tiny_model_dir))],
-        env=env | {"OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    text = out.stdout + out.stderr
+    text = python_as_launched(HEAD.format(root=str(ROOT), model=str(tiny_model_dir)))
     assert int(re.search(r"TRAINING (-?\d+)", text).group(1)) >= 40, text  # most of the 50 MiB left RSS
     assert int(re.search(r"SCORING (-?\d+)", text).group(1)) < 10, text
