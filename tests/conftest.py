@@ -25,8 +25,8 @@ def python_as_launched(code: str) -> str:
     """Run `python -c code` in a fresh process with malloc as a user's launch leaves it (no MALLOC_* variable, no
     LD_PRELOAD), one torch thread; returns its stdout and stderr together."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
-    out = subprocess.run([sys.executable, "-c", code], env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     return out.stdout + out.stderr
 
 
