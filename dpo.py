@@ -38,7 +38,15 @@ from common.data import concat_pairs, load_splits, micro_batch, setup_chat_templ
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
 from common.distributed import init_distributed, rank_micro_batches, shard_model
 from common.errors import ArgsError
-from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, completion_logps, disable_dropout
+from common.model import (
+    BUCKETS,
+    as_reference,
+    attach_lora,
+    cache_kwarg,
+    chunked_logps,
+    completion_logps,
+    disable_dropout,
+)
 from common.model import load_model, masked_mean, masked_sum, shares_prompt_pass
 from common.model import save_final, seed_everything, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
@@ -270,8 +278,8 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, logps
     ref_chosen_logps = None  # SimPO is reference-free
     ref_rejected_logps = None
     if args.loss_type != "simpo" and args.precompute_ref_log_probs:
-        ref_chosen_logps = torch.tensor([e["ref_chosen_logps"] for e in chunk], device=device)
-        ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk], device=device)
+        ref_chosen_logps = torch.tensor([e["ref_chosen_logps"] for e in chunk]).to(device, non_blocking=True)
+        ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk]).to(device, non_blocking=True)
     elif args.loss_type != "simpo":
         with as_reference(model):  # "ref" active, eval, no_grad; "default" and its grad flags restored after
             ref_chosen_logps, ref_rejected_logps = logps_of(model, batch)[0].chunk(2)
@@ -303,7 +311,8 @@ def pair_losses(model, chunk: list[dict], args: Args, pad_id: int, device, logps
         chosen_logps=chosen_logps.detach(),
         rejected_logps=rejected_logps.detach(),
     )
-    return loss, stats, int(batch["attention_mask"].sum())
+    tokens = sum(2 * len(e["prompt_ids"]) + len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in chunk)  # host's
+    return loss, stats, tokens
 
 
 def precompute_ref_logps(model, examples: list[dict], batch_size: int, pad_id: int, device, logps_of) -> None:
@@ -448,9 +457,9 @@ def main(args: Args) -> dict:
         snapshot_ref(model)  # the starting policy (the base, or --adapter), taken before any update or resume
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
-    # One prompt pass per pair pays on a CPU, where cost follows tokens; a GPU wants the one batched forward (the
-    # shared pass is not measured there). Both are tested equal (tests/test_dpo.py).
-    logps_of = pair_completion_logps if device.type == "cpu" else completion_logps
+    # One prompt pass per pair pays on a CPU, where cost follows tokens; a GPU (common.model.BUCKETS) wants the one
+    # batched forward (the shared pass is not measured there). Both are tested equal (tests/test_dpo.py).
+    logps_of = completion_logps if device.type in BUCKETS else pair_completion_logps
 
     def prepare(rs):
         return tokenize_dataset(tokenizer, rs, "preference", args.max_length, max_prompt_length=args.max_prompt_length)
@@ -500,7 +509,7 @@ def main(args: Args) -> dict:
     metrics = {}
     interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
     for step in interrupt.watch(range(start_step, total_steps)):
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=device)  # on the device: read once a step, not a micro-batch
         tokens = 0
         stats = []
         timer = PhaseTimer()
@@ -514,11 +523,11 @@ def main(args: Args) -> dict:
             # more than a pair of a full one (gradient accumulation's usual mean of micro-batch means)
             (loss / ga).backward()
             timer.mark("backward")
-            loss_sum += loss.item() / ga
+            loss_sum += loss.detach() / ga
             tokens += micro_tokens
             stats.append(micro_stats)
         average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
-        loss_sum, tokens = all_sum([loss_sum / world, tokens])  # the global step's loss and tokens
+        loss_sum, tokens = all_sum([loss_sum.item() / world, tokens])  # the global step's loss and tokens
         stats = all_gather(stats)  # every rank's per-pair values: the metrics are the global step's
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied

@@ -46,7 +46,7 @@ from common.distributed import init_distributed, rank_and_world, shard_model
 from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
 from common.model import pick_device, prompt_cache, resolve_dtype, save_final, seed_everything, sequence_logps
-from common.model import shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
+from common.model import BUCKETS, shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
 from common.rollout import check_sampling, hf_generate
@@ -57,7 +57,7 @@ from harness.checkpoints import Checkpoints, run_identity
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset
 from harness.hub import check_inputs, locate_model
-from harness.memory import Generate, Pass, plan_memory, release_heap, row_tokens
+from harness.memory import Generate, Pass, fit_knob, plan_memory, release_heap, row_tokens
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
 from plugins.code import code_reward
@@ -153,8 +153,8 @@ class Args:
     """nucleus sampling; 1.0 = off"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
-    compile: bool = False
-    """hf engine: static shapes and a torch.compile'd decode step (CUDA graphs on a GPU); off until measured"""
+    cuda_graph: bool = True
+    """hf engine on CUDA: the decode step captured as a CUDA graph once a rollout, then replayed (the same kernels)"""
     vllm_gpu_memory_utilization: float = 0.3
     """share of GPU memory vLLM may take while awake (weights + KV cache)"""
     vllm_canary_threshold: float = 0.1
@@ -164,8 +164,10 @@ class Args:
     """[optimisation] peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)"""
     optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
     """adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)"""
-    groups_per_micro_batch: int = 1
-    """groups of G per forward/backward micro-batch: memory only, the update is the same (loss normalised per step)"""
+    groups_per_micro_batch: int | None = None
+    """groups of G per forward/backward micro-batch (memory and speed only, the update is the same: the loss is
+    normalised per step). None = on a GPU every group of the step when the memory plan fits, else the most that do;
+    on a CPU 1"""
     max_steps: int | None = None
     """rollout steps. None = preset (demo: 20; gsm8k: 250)"""
     warmup_steps: int | None = None
@@ -355,10 +357,11 @@ def grouped_completion_logps(
     device = lm.device
     decoder = lm.get_decoder()
     head = lm.get_output_embeddings()
-    c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0).to(device)  # (B*G, C), the layout returned
+    c_mask = pad_batch([[1] * len(c) for c in completion_ids], 0)  # (B*G, C) on the host: the layout returned
     if not shares_prompt_pass(lm):  # score the concatenated rows instead: the same numbers, no sharing
         rows = [p for p in prompt_ids for _ in range(group_size)]
-        seqs = {k: v.to(device) for k, v in concat_prompt_completion(rows, completion_ids, pad_id).items()}
+        seqs = concat_prompt_completion(rows, completion_ids, pad_id)
+        seqs = {k: v.to(device, non_blocking=True) for k, v in seqs.items()}
         out = sequence_logps(
             model,
             seqs["input_ids"],
@@ -370,27 +373,45 @@ def grouped_completion_logps(
         )
         out = out if return_entropy else (out,)
         scored = seqs["completion_mask"].bool()
+        c_mask = c_mask.to(device, non_blocking=True)
         # Row-major, both masks list each row's completion tokens in order: move them to the (B*G, C) layout.
         picked = [torch.zeros(c_mask.shape, device=device).masked_scatter(c_mask.bool(), x[scored]) for x in out]
         return (picked[0], c_mask, picked[1]) if return_entropy else (picked[0], c_mask)
-    p_ids = pad_batch(prompt_ids, pad_id, "left").to(device)  # (B, P): every prompt ends in the last column
-    p_mask = pad_batch([[1] * len(p) for p in prompt_ids], 0, "left").to(device)
+    # On a GPU widths round up to the bucket (common.model.BUCKETS), so that a pass's shapes recur from step to step;
+    # everything the host knows (ids, masks, where the completion tokens sit) is built here and copied without a wait
+    multiple = BUCKETS.get(device.type, 1)
+    P = -(-max(map(len, prompt_ids)) // multiple) * multiple
+    C = -(-c_mask.shape[1] // multiple) * multiple
+    p_ids = torch.tensor([[pad_id] * (P - len(p)) + list(p) for p in prompt_ids])  # (B, P): left-padded
+    p_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompt_ids])
+    c_ids = torch.tensor([list(c) + [pad_id] * (C - len(c)) for c in completion_ids])  # (B*G, C): right-padded
+    c_full = F.pad(c_mask, (0, C - c_mask.shape[1]))
+    at = torch.tensor([r * C + t for r, c in enumerate(completion_ids) for t in range(len(c))], dtype=torch.long)
+    # the completion tokens' flat positions in (B*G, C), row-major
+    p_ids, p_mask, c_ids, c_full, at = (x.to(device, non_blocking=True) for x in (p_ids, p_mask, c_ids, c_full, at))
     cache = prompt_cache(lm)
     cache_kw = {cache_kwarg(decoder): cache}
+    p_attention = p_mask
+    if lm.config._attn_implementation == "sdpa":
+        # the prompts' 4D mask, which transformers takes as it is (building its own, it reads the padding's values on
+        # the host); masked keys get the dtype's minimum, not -inf, so a left pad's query, which sees no key, stays
+        # finite (its output is never read) while a real token's weights on pads are exactly 0
+        allowed = torch.ones(P, P, dtype=torch.bool, device=device).tril() & p_mask.bool()[:, None, None, :]
+        p_attention = torch.zeros(allowed.shape, dtype=lm.dtype, device=device)
+        p_attention.masked_fill_(~allowed, torch.finfo(lm.dtype).min)
     p_out = decoder(
         input_ids=p_ids,
-        attention_mask=p_mask,
+        attention_mask=p_attention,
         position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
         use_cache=True,
         **cache_kw,
     )
     cache.batch_repeat_interleave(group_size)  # (B*G, ...) views of one computation: its gradient sums the group
-    c_ids = pad_batch(completion_ids, pad_id).to(device)  # (B*G, C)
     # Completion positions continue each prompt's real length (left padding does not count), as in generation.
-    c_pos = p_mask.sum(-1).repeat_interleave(group_size)[:, None] + torch.arange(c_ids.shape[1], device=device)
+    c_pos = p_mask.sum(-1).repeat_interleave(group_size)[:, None] + torch.arange(C, device=device)
     c_out = decoder(
         input_ids=c_ids,
-        attention_mask=torch.cat([p_mask.repeat_interleave(group_size, 0), c_mask], 1),
+        attention_mask=torch.cat([p_mask.repeat_interleave(group_size, 0), c_full], 1),
         position_ids=c_pos,
         use_cache=True,
         **cache_kw,
@@ -400,16 +421,15 @@ def grouped_completion_logps(
     hidden = torch.cat([first, c_out.last_hidden_state[:, :-1]], 1)  # (B*G, C, H)
     if torch.is_grad_enabled():  # a training pass peaks in the head below: the backbone's freed blocks leave RSS
         release_heap()
-    scored = c_mask.bool()
     # chunked_logps (common.model): log_softmax((h W^T + b) / temperature) at each label, fp32, a chunk of rows at a
     # time; the sampler's temperature, so the loss scores the distribution the completions were drawn from (TRL)
-    out = chunked_logps(hidden[scored], head.weight, c_ids[scored], temperature, chunk_size, head.bias, return_entropy)
-    logps, entropy = out if return_entropy else (out, None)
-    zeros = torch.zeros(scored.shape, dtype=torch.float32, device=device)
-    logps = zeros.masked_scatter(scored, logps)
-    if return_entropy:
-        return logps, c_mask, zeros.masked_scatter(scored, entropy)
-    return logps, c_mask
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)
+    out = chunked_logps(h, head.weight, c_ids.reshape(-1)[at], temperature, chunk_size, head.bias, return_entropy)
+    out = out if return_entropy else (out,)
+    zeros = torch.zeros(c_full.numel(), dtype=torch.float32, device=device)
+    width = c_mask.shape[1]
+    picked = [zeros.index_copy(0, at, x).view(c_full.shape)[:, :width] for x in out]
+    return (picked[0], c_full[:, :width], picked[1]) if return_entropy else (picked[0], c_full[:, :width])
 
 
 def rollout_logps(model, out: dict, rows: slice, group_size, pad_id, temperature, width, return_entropy=False):
@@ -436,7 +456,8 @@ def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.T
 
 def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped) -> None:
     """Add one micro-batch's sums over completion tokens and per-completion clip ratios (TRL's low_min, high_max),
-    each ratio tagged with the micro-batch's number in the step (its update: number // micro-batches per update)."""
+    kept on the device (read_token_stats reads them once a step); the ratios are tagged with the micro-batch's number
+    in the step (its update: number // micro-batches per update)."""
     per_token = {
         "kl": torch.zeros_like(entropy) if per_token_kl is None else per_token_kl,
         "entropy": entropy,
@@ -445,13 +466,26 @@ def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is
         "tokens": torch.ones_like(entropy),
     }
     for key, value in per_token.items():
-        stats[key] = stats.get(key, 0.0) + masked_sum(value.float(), mask).item()
-    kept = mask.bool().any(-1)  # TRL's nanmin/nanmax skip a fully masked (cut-off) completion: it has no ratio
+        stats[key] = stats.get(key, 0.0) + masked_sum(value.float(), mask)
     number = stats.get("micro_batches", 0)
     stats["micro_batches"] = number + 1
-    for key, value in (("low_seq", is_low_clipped), ("high_seq", is_high_clipped)):
-        ratios = masked_mean(value[kept].float(), mask[kept], dim=-1).tolist()
-        stats.setdefault(key, []).extend((number, ratio) for ratio in ratios)
+    # TRL's nanmin/nanmax skip a fully masked (cut-off) completion: it has no ratio (kept 0)
+    ratios = [masked_mean(v.float(), mask, dim=-1, empty="zero") for v in (is_low_clipped, is_high_clipped)]
+    stats.setdefault("per_completion", []).append((number, torch.stack([mask.bool().any(-1).float(), *ratios])))
+
+
+def read_token_stats(stats: dict) -> None:
+    """The step's sums (SUMS) as floats, and low_seq / high_seq: (micro-batch number, ratio) of every completion
+    that has one, read from add_token_stats' tensors once a step."""
+    tagged = stats.pop("per_completion")
+    stats |= dict(zip(SUMS, torch.stack([stats[key] for key in SUMS]).tolist(), strict=True))
+    numbers = [number for number, t in tagged for _ in range(t.shape[1])]
+    kept, low, high = torch.cat([t for _, t in tagged], 1).tolist()
+    stats["low_seq"] = [(n, r) for n, k, r in zip(numbers, kept, low, strict=True) if k]
+    stats["high_seq"] = [(n, r) for n, k, r in zip(numbers, kept, high, strict=True) if k]
+
+
+SUMS = ("kl", "entropy", "low", "high", "tokens")  # add_token_stats' sums over completion tokens
 
 
 def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> dict:
@@ -551,8 +585,6 @@ def check_args(args: Args) -> None:
         raise ArgsError(f"--group-size {args.group_size}: must be at least 2 (advantages compare samples in a group)")
     check_sampling(args.top_p, args.top_k)
     check_model_flags(args)  # LoRA, --adapter, --no-use-lora, --optim, --report-to
-    if args.compile and args.engine == "vllm":
-        raise ArgsError("--compile compiles the hf engine's decode step; vLLM compiles its own: drop one")
     if not args.use_lora and args.engine == "vllm":  # plugins.vllm_engine syncs the "default" adapter
         raise ArgsError(
             "--engine vllm with --no-use-lora: the vLLM engine syncs a LoRA adapter, not full weights; use --engine hf"
@@ -564,16 +596,20 @@ def check_args(args: Args) -> None:
         raise ArgsError("--engine vllm under torchrun: one colocated engine per rank is not supported yet; use hf")
 
 
-def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
+def memory_plan(args: Args, rows: list[dict], quiet: bool = False) -> tuple[dict, bool]:
     """The memory plan of what a step runs (harness.memory): the rollout, the reference / old-policy no-grad pass,
     and a micro-batch's policy pass (each prompt once, its G completions attending to its cache; under gradient
-    checkpointing grouped_completion_logps scores whole rows instead). Returns (plan, gradient checkpointing)."""
+    checkpointing grouped_completion_logps scores whole rows instead). Returns (plan, gradient checkpointing); quiet:
+    (plan, whether it fits), nothing printed (harness.memory.fit_knob's question)."""
+    world = args.plan_world_size or rank_and_world()[1]  # a rank samples its share of the step's prompts
+    if args.groups_per_micro_batch is None:  # on a GPU the most groups that fit (harness.memory.fit_knob)
+        fits = functools.partial(memory_plan, rows=rows, quiet=True)
+        args = fit_knob(args, "groups_per_micro_batch", args.prompts_per_step // world, fits)
     g = args.groups_per_micro_batch
     G = args.group_size
     C = args.max_completion_length
-    P = min(args.max_prompt_length, row_tokens(args, rows) or args.max_prompt_length)
+    P = min(args.max_prompt_length, row_tokens(args, rows, quiet) or args.max_prompt_length)
     vllm_share = args.vllm_gpu_memory_utilization if args.engine == "vllm" else None
-    world = args.plan_world_size or rank_and_world()[1]  # a rank samples its share of the step's prompts
     # max_steps None: a preset not resolved yet (an Args built by hand); one rollout is the least a run samples
     rollout = [Generate(args.prompts_per_step // world, G, P, C, vllm_share, rollouts=args.max_steps or 1)]
     reference = []
@@ -597,6 +633,7 @@ def memory_plan(args: Args, rows: list[dict]) -> tuple[dict, bool]:
         extra={"reward model (frozen)": reward_model_bytes(args.rewards, args.model)},
         rows=rows,
         reference_copy=not args.use_lora and args.beta != 0.0,  # snapshot_ref: the starting weights in host RAM
+        quiet=quiet,
     )
 
 
@@ -626,7 +663,7 @@ def rollout_engine(args: Args, model, tokenizer):
         rank, world = rank_and_world()
         rows = args.prompts_per_step * args.group_size
         stream = (rank * rows // world, rows) if world > 1 else None
-        return functools.partial(hf_generate, model, tokenizer, compile=args.compile, stream=stream), None
+        return functools.partial(hf_generate, model, tokenizer, cuda_graph=args.cuda_graph, stream=stream), None
     device = next(model.parameters()).device
     engine = VLLMEngine(
         args.model,
@@ -661,7 +698,7 @@ def config_lines(args: Args, n_rows: int, n_eval: int, eval_src: str | None) -> 
 
 # Fields a resumed run may change besides the harness's own (harness.checkpoints.FREE_ON_RESUME): speed knobs with
 # the same math, the vLLM engine's settings and the circuit breakers' rules; use_lora is recorded from the model.
-FREE_ON_RESUME = ("torch_threads", "compile", "engine", "groups_per_micro_batch", "use_lora") + tuple(
+FREE_ON_RESUME = ("torch_threads", "engine", "groups_per_micro_batch", "use_lora") + tuple(
     f.name for f in dataclasses.fields(Args) if f.name.startswith(("vllm_", "breaker_"))
 )
 
@@ -686,6 +723,9 @@ def main(args: Args) -> dict:
         eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column
+    # --groups-per-micro-batch None: on a GPU as many of a rank's groups as the memory plan fits in one micro-batch
+    fits = functools.partial(memory_plan, rows=rows, quiet=True)
+    args = fit_knob(args, "groups_per_micro_batch", args.prompts_per_step // world, fits)
     print_config(
         "grpo", preset_label(args, PRESETS), args.model, config_lines(args, len(rows), len(eval_rows), eval_src)
     )
@@ -785,7 +825,7 @@ def main(args: Args) -> dict:
         completion_mask = rollout_mask(out, args.mask_truncated_completions, device)  # (n, C)
         width = completion_mask.shape[1]
         # Micro-batches hold whole groups: each prompt then goes through the backbone once for its G completions.
-        size = args.groups_per_micro_batch * G
+        size = (args.groups_per_micro_batch or 1) * G
         micro = [slice(i, i + size) for i in range(0, n, size)]
         logps_of = functools.partial(
             rollout_logps, model, out, group_size=G, pad_id=pad_id, temperature=args.temperature, width=width
@@ -811,7 +851,7 @@ def main(args: Args) -> dict:
         stats = {}
         losses = []
         for _ in range(args.num_iterations):
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), device=device)  # on the device: read once an update, not a micro-batch
             for j, rows_j in enumerate(micro):
                 per_token_logps, entropy = logps_of(rows_j, return_entropy=True)
                 per_token_loss, per_token_kl, is_low_clipped, is_high_clipped = grpo_per_token_loss(
@@ -828,9 +868,9 @@ def main(args: Args) -> dict:
                     per_token_loss, mask, args.loss_type, args.max_completion_length, num_items, num_sequences
                 )
                 (loss * world).backward()
-                loss_sum += loss.item()
+                loss_sum += loss.detach()
                 add_token_stats(stats, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped)
-            loss_sum = all_sum([loss_sum])[0]  # the global batch's loss
+            loss_sum = all_sum([loss_sum.item()])[0]  # the global batch's loss
             losses.append(loss_sum)
             average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
@@ -843,8 +883,8 @@ def main(args: Args) -> dict:
         canary = engine.sync(model) if engine else None  # vLLM serves the updated adapter from the next rollout on
         timer.mark("train")
         # (6) log, eval, save, stop: the global step's metrics (every rank's completions and token sums)
-        sums = ["kl", "entropy", "low", "high", "tokens"]
-        stats |= dict(zip(sums, all_sum([stats[key] for key in sums]), strict=True))
+        read_token_stats(stats)
+        stats |= dict(zip(SUMS, all_sum([stats[key] for key in SUMS]), strict=True))
         stats["low_seq"] = all_gather(stats["low_seq"])
         stats["high_seq"] = all_gather(stats["high_seq"])
         out = out | {key: all_gather(out[key]) for key in ("prompt_ids", "completion_ids", "truncated")}

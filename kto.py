@@ -214,7 +214,7 @@ def kto_batches(examples: list[dict], pad_id: int, max_length: int, device):
     prompts, completions = [e["prompt_ids"] for e in examples], [e["completion_ids"] for e in examples]
     mismatched = [c[: max_length - len(p)] for p, c in zip(prompts, completions[-1:] + completions[:-1], strict=True)]
     return [
-        {k: v.to(device) for k, v in concat_prompt_completion(prompts, ys, pad_id).items()}
+        {k: v.to(device, non_blocking=True) for k, v in concat_prompt_completion(prompts, ys, pad_id).items()}
         for ys in (completions, mismatched)
     ]
 
@@ -387,8 +387,7 @@ def main(args: Args) -> dict:
     interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
     for step in interrupt.watch(range(start_step, total_steps)):
         timer = PhaseTimer()
-        loss_sum = 0.0
-        z0_sum = 0.0
+        sums = torch.zeros(2, device=device)  # the loss and z0, on the device: read once a step, not a micro-batch
         tokens = 0
         labels = []
         rewards = []
@@ -401,14 +400,14 @@ def main(args: Args) -> dict:
             with torch.no_grad():  # TRL: the KL estimate takes no gradient, the policy side included
                 kl_logps = completion_logps(model, mismatched)[0]
             if args.precompute_ref_log_probs:
-                ref_logps, ref_kl_logps = (x.to(device) for x in precomputed.pop(index))
+                ref_logps, ref_kl_logps = (x.to(device, non_blocking=True) for x in precomputed.pop(index))
             else:
                 ref_logps, ref_kl_logps = reference_logps(model, matched, mismatched)
             logps = completion_logps(model, matched)[0]  # (B,) with grad
             # z0 from this micro-batch's mismatched pairs alone, as one process estimates it per micro-batch: never
             # reduced over the ranks, so N ranks train what one process with N x the accumulation does
             z0 = kto_reference_point(kl_logps, ref_kl_logps)
-            label = torch.tensor([e["label"] for e in chunk], device=device)
+            label = torch.tensor([e["label"] for e in chunk]).to(device, non_blocking=True)
             losses, reward = kto_loss(
                 logps=logps,
                 ref_logps=ref_logps,
@@ -422,14 +421,14 @@ def main(args: Args) -> dict:
             # / GA, then averaged over the ranks: the step's loss is the mean of its ga x world micro-batch losses,
             # as TRL's Trainer
             (loss / ga).backward()
-            loss_sum += loss.item() / ga
-            z0_sum += z0.item() / ga
-            tokens += int(matched["attention_mask"].sum())
+            sums += torch.stack([loss.detach(), z0]) / ga
+            tokens += sum(len(e["prompt_ids"]) + len(e["completion_ids"]) for e in chunk)  # the host's count
             labels.append(label)
             rewards.append(reward)
             logps_all.append(logps.detach())
         average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
         # the global step's loss, KL (the mean of its ga x world micro-batch z0) and tokens
+        loss_sum, z0_sum = sums.tolist()
         loss_sum, z0_sum, tokens = all_sum([loss_sum / world, z0_sum / world, tokens])
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied

@@ -314,26 +314,30 @@ def main(args: Args) -> dict:
         )
         chosen = args.beta * chosen_logps.detach()  # TRL's rewards
         rejected = args.beta * rejected_logps.detach()
-        return loss, {
-            "loss": loss.item(),
-            "nll_loss": nll_loss.item(),
+        values = {
+            "loss": loss,
+            "nll_loss": nll_loss,
             # TRL's names: log_odds_ratio is the mean log sigmoid(log odds), log_odds_chosen the mean log odds
-            "log_odds_ratio": F.logsigmoid(log_odds).mean().item(),
-            "log_odds_chosen": log_odds.mean().item(),
-            "rewards/chosen": chosen.mean().item(),
-            "rewards/rejected": rejected.mean().item(),
-            "rewards/accuracies": (chosen > rejected).float().mean().item(),
-            "rewards/margins": (chosen - rejected).mean().item(),
-            "logps/chosen": chosen_logps.mean().item(),
-            "logps/rejected": rejected_logps.mean().item(),
-            "num_tokens": int(batch["attention_mask"].sum()),
+            "log_odds_ratio": F.logsigmoid(log_odds).mean(),
+            "log_odds_chosen": log_odds.mean(),
+            "rewards/chosen": chosen.mean(),
+            "rewards/rejected": rejected.mean(),
+            "rewards/accuracies": (chosen > rejected).float().mean(),
+            "rewards/margins": (chosen - rejected).mean(),
+            "logps/chosen": chosen_logps.mean(),
+            "logps/rejected": rejected_logps.mean(),
         }
+        tokens = sum(2 * len(e["prompt_ids"]) + len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in chunk)
+        return loss, {k: v.detach() for k, v in values.items()} | {"num_tokens": tokens}  # read once a step
 
     def mean_of(stats: list[dict]) -> dict:
-        """Each metric averaged over micro-batches; token counts summed. Under torchrun the training step's stats are
-        every rank's micro-batches (all_gather), and every rank scores every eval pair (the same forwards on each, as
-        FSDP2 needs), so all ranks log the global values."""
-        return {k: sum(s[k] for s in stats) / (1 if k == "num_tokens" else len(stats)) for k in stats[0]}
+        """Each metric averaged over micro-batches (their tensors read in one go); token counts summed. Under torchrun
+        the training step's stats are every rank's micro-batches (all_gather), and every rank scores every eval pair
+        (the same forwards on each, as FSDP2 needs), so all ranks log the global values."""
+        keys = [k for k in stats[0] if k != "num_tokens"]
+        read = torch.stack([torch.stack([s[k] for k in keys]) for s in stats]).tolist()
+        means = {k: sum(values[i] for values in read) / len(stats) for i, k in enumerate(keys)}
+        return means | {"num_tokens": sum(s["num_tokens"] for s in stats)}
 
     # ---- 4 loop
     model.train()
@@ -341,7 +345,7 @@ def main(args: Args) -> dict:
     interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
     for step in interrupt.watch(range(start_step, total_steps)):
         stats = []
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=device)  # on the device: read once a step, not a micro-batch
         timer = PhaseTimer()
         for index in rank_micro_batches(step, ga):  # this rank's share of the ga x world micro-batches of the step
             loss, micro_stats = pair_losses(micro_batch(examples, index, bs, args.seed))
@@ -349,10 +353,10 @@ def main(args: Args) -> dict:
             # ranks: the mean of the step's ga x world micro-batch means
             (loss / ga).backward()
             stats.append(micro_stats)
-            loss_sum += loss.item() / ga
+            loss_sum += loss.detach() / ga
         average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
-        loss_sum = all_sum([loss_sum / world])[0]  # the global step's loss
-        stats = all_gather(stats)  # every rank's micro-batch metrics: the logged ones are the global step's
+        loss_sum = all_sum([loss_sum.item() / world])[0]  # the global step's loss
+        stats = all_gather([mean_of(stats)])  # every rank's metrics: the logged ones are the global step's
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()
@@ -360,7 +364,7 @@ def main(args: Args) -> dict:
         else:
             nonfinite += 1
         optimizer.zero_grad(set_to_none=True)
-        metrics = mean_of(stats)
+        metrics = {k: sum(s[k] for s in stats) / (1 if k == "num_tokens" else len(stats)) for k in stats[0]}
         metrics["grad_norm"] = grad_norm
         metrics["nonfinite_updates"] = nonfinite
         metrics["learning_rate"] = scheduler.get_last_lr()[0]

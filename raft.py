@@ -158,8 +158,8 @@ class Args:
     """nucleus sampling; 1.0 = off"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
-    compile: bool = False
-    """static shapes and a torch.compile'd decode step (CUDA graphs on a GPU); off until measured"""
+    cuda_graph: bool = True
+    """on CUDA: the decode step captured as a CUDA graph once a rollout and replayed (same kernels, same tokens)"""
     generation_batch_size: int = 64
     """prompts per generate() call, each with its K samples: the round is sampled in slices (bounds the KV cache)"""
     # optimisation
@@ -329,10 +329,11 @@ def sft_step(model, chunk: list[dict], pad_id: int, device):
     """SFT loss of one micro-batch of kept samples, summed: -sum_t log p(y_t | y_<t, x) over its completion tokens
     (through each end-of-turn), and their count N; run_phase divides by the whole step's N (sft.py's loss, written
     here so that editing sft.py never changes raft.py)."""
-    batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
+    host = collate_sft(chunk, pad_id)
+    batch = {k: v.to(device, non_blocking=True) for k, v in host.items()}  # built here: copied without a wait
     mask = batch["completion_mask"]
     per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], mask)  # (B, T)
-    return -per_token_logps.sum(), int(mask.sum()), {}
+    return -per_token_logps.sum(), int(host["completion_mask"].sum()), {}
 
 
 def reference_logps(model, pairs: list[dict], batch_size: int, pad_id: int, device) -> None:
@@ -356,8 +357,8 @@ def dpo_step(model, chunk: list[dict], pad_id: int, device, beta: float):
     TRL's accuracy and margin."""
     batch = concat_pairs(chunk, pad_id, device)  # [chosen; rejected] (2B, T): one forward scores both
     chosen_logps, rejected_logps = completion_logps(model, batch)[0].chunk(2)  # summed completion log-probs
-    ref_chosen_logps = torch.tensor([e["ref_chosen_logps"] for e in chunk], device=device)
-    ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk], device=device)
+    ref_chosen_logps = torch.tensor([e["ref_chosen_logps"] for e in chunk]).to(device, non_blocking=True)
+    ref_rejected_logps = torch.tensor([e["ref_rejected_logps"] for e in chunk]).to(device, non_blocking=True)
     losses, chosen, rejected = dpo_sigmoid_loss(
         chosen_logps=chosen_logps,
         rejected_logps=rejected_logps,
@@ -365,8 +366,8 @@ def dpo_step(model, chunk: list[dict], pad_id: int, device, beta: float):
         ref_rejected_logps=ref_rejected_logps,
         beta=beta,
     )
-    accuracy = (chosen > rejected).float().sum().item()
-    margin = (chosen - rejected).sum().item()
+    accuracy = (chosen > rejected).float().sum()  # on the device: run_phase reads a step's sums once
+    margin = (chosen - rejected).sum()
     # summed over the pairs, with their count: run_phase divides by the whole step's pairs (dpo.py's mean)
     return losses.sum(), len(chunk), {"rewards/accuracies": accuracy, "rewards/margins": margin}
 
@@ -393,10 +394,11 @@ def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, pre
         for index in rank_micro_batches(step, ga):  # this rank's share of the step's ga x world micro-batches
             loss, n, stats = step_loss(micro_batch(examples, index, bs, seed))
             loss.backward()  # the micro-batch's sum: the gradient is divided by the step's count below
-            loss_sum += loss.item()
+            loss_sum = loss_sum + loss.detach()  # on the device: read once a step, not a micro-batch
             count += n
-            sums = {k: sums.get(k, 0.0) + v for k, v in stats.items()}
-        loss_sum, count, *values = all_sum([loss_sum, count, *sums.values()])  # the whole step's, all ranks
+            sums = {k: sums.get(k, 0.0) + v.detach() for k, v in stats.items()}
+        loss_sum, *values = torch.stack([loss_sum, *sums.values()]).tolist()
+        loss_sum, count, *values = all_sum([loss_sum, count, *values])  # the whole step's, all ranks
         average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
         for p in params:  # the step's mean: sum over its tokens (SFT) or pairs (DPO) / their count
             if p.grad is not None:
@@ -648,7 +650,7 @@ def main(args: Args) -> dict:
             mine = ids[i + rank * share : i + (rank + 1) * share]
             stream = (rank * share * G, share * world * G)  # this rank's rows of the slice's random stream
             with gathered(model):  # FSDP2: every rank holds the full weights while it samples
-                part = hf_generate(model, tokenizer, mine, *sampling, args.compile, stream=stream)
+                part = hf_generate(model, tokenizer, mine, *sampling, cuda_graph=args.cuda_graph, stream=stream)
             outs.append({k: all_gather(part[k]) for k in keys})
         out = {k: sum((o[k] for o in outs), []) for k in keys}
         t1 = time.perf_counter()

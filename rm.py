@@ -197,17 +197,21 @@ def rm_batch(model, chunk: list[dict], args: Args, pad_id: int, device):
     """One micro-batch's loss, per-row stats and token count. bradley_terry: one forward of [chosen; rejected]."""
     head = unwrap(model).score
     if args.loss_type == "regression":
-        batch = {k: v.to(device) for k, v in collate_sft(chunk, pad_id).items()}
-        predictions = reward_logits(model, head, batch["input_ids"], batch["attention_mask"])  # (B, K)
-        targets = torch.tensor([e["target"] for e in chunk], device=device)  # (B, K)
+        host = collate_sft(chunk, pad_id)
+        batch = {k: v.to(device, non_blocking=True) for k, v in host.items()}  # built here: copied without a wait
+        predictions = reward_logits(model, head, batch["input_ids"], batch["attention_mask"], True)  # (B, K)
+        targets = torch.tensor([e["target"] for e in chunk]).to(device, non_blocking=True)  # (B, K)
         stats = {"squared_error": (predictions.detach() - targets) ** 2}
-        return regression_loss(predictions, targets), stats, int(batch["attention_mask"].sum())
+        return regression_loss(predictions, targets), stats, int(host["attention_mask"].sum())
     batch = concat_pairs(chunk, pad_id, device)
-    rewards = reward_logits(model, head, batch["input_ids"], batch["attention_mask"])[:, 0]  # (2B,)
+    rewards = reward_logits(model, head, batch["input_ids"], batch["attention_mask"], True)[:, 0]  # (2B,)
     chosen, rejected = rewards.chunk(2)
-    margin = torch.tensor([e["target"][0] for e in chunk], device=device) if chunk[0]["target"] else None
+    margin = (
+        torch.tensor([e["target"][0] for e in chunk]).to(device, non_blocking=True) if chunk[0]["target"] else None
+    )
     loss = bradley_terry_loss(chosen, rejected, margin, args.center_rewards_coefficient)
-    return loss, {"chosen": chosen.detach(), "rejected": rejected.detach()}, int(batch["attention_mask"].sum())
+    tokens = sum(2 * len(e["prompt_ids"]) + len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in chunk)  # host's
+    return loss, {"chosen": chosen.detach(), "rejected": rejected.detach()}, tokens
 
 
 def rm_metrics(stats: list[dict], attributes: list[str], prefix: str = "") -> dict:
@@ -386,7 +390,7 @@ def main(args: Args) -> dict:
     metrics = {}
     interrupt = StopOnCtrlC()  # Ctrl-C: stop after this step with a checkpoint (in the last step: finish)
     for step in interrupt.watch(range(start_step, total_steps)):
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=device)  # on the device: read once a step, not a micro-batch
         tokens = 0
         stats = []
         timer = PhaseTimer()
@@ -396,12 +400,12 @@ def main(args: Args) -> dict:
             # each micro loss is a mean over its rows; / GA, then averaged over the ranks: the mean of the step's
             # ga x world micro-batch means (the mean over all rows when every micro-batch is full)
             (loss / ga).backward()
-            loss_sum += loss.item() / ga
+            loss_sum += loss.detach() / ga
             tokens += micro_tokens
             stats.append(micro_stats)
         average_gradients(params)  # torchrun: the mean over the ranks, the head's too (FSDP2: reduced in backward)
-        loss_sum, tokens = all_sum([loss_sum / world, tokens])  # the global step's loss and tokens
-        stats = all_gather([{k: v.cpu() for k, v in s.items()} for s in stats])  # every rank's per-row values
+        loss_sum, tokens = all_sum([loss_sum.item() / world, tokens])  # the global step's loss and tokens
+        stats = all_gather([{k: torch.cat([s[k] for s in stats]).cpu() for k in stats[0]}])  # every rank's rows
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()

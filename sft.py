@@ -388,7 +388,7 @@ def main(args: Args) -> dict:
     )
 
     def forward_logps(batch):
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # no wait: the host built them
         # The completion mask marks the target tokens whose log-prob enters the loss (EOS included).
         input_ids = batch["input_ids"]
         mask = batch["completion_mask"]
@@ -408,8 +408,9 @@ def main(args: Args) -> dict:
         # TRL's num_items_in_batch: normalise by the completion tokens of the WHOLE step (all ranks), so
         # accumulation and data parallelism are exact.
         num_items = all_sum([sum(int(b["completion_mask"].sum()) for b in micro)])[0]
-        loss_sum = 0.0
-        tokens = 0
+        loss_sum = torch.zeros((), device=device)  # on the device: read once a step, not a micro-batch
+        packed = "attention_mask" not in micro[0]
+        tokens = sum(int(b["input_ids"].numel() if packed else b["attention_mask"].sum()) for b in micro)  # host's
         timer.mark("data")
         for batch in micro:
             per_token_logps, batch = forward_logps(batch)
@@ -417,11 +418,9 @@ def main(args: Args) -> dict:
             timer.mark("forward")
             loss.backward()
             timer.mark("backward")
-            loss_sum += loss.item()
-            packed = "attention_mask" not in batch
-            tokens += int(batch["input_ids"].numel() if packed else batch["attention_mask"].sum())
+            loss_sum += loss.detach()
         average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
-        loss_sum, tokens = all_sum([loss_sum / world, tokens])  # the global step's loss and tokens
+        loss_sum, tokens = all_sum([loss_sum.item() / world, tokens])  # the global step's loss and tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
         if math.isfinite(loss_sum) and math.isfinite(grad_norm):  # a NaN/Inf update is skipped, never applied
             optimizer.step()

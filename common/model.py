@@ -39,6 +39,11 @@ from common.errors import ModelError, NonFiniteWeightsError, OutputDirError, Use
 DEFAULT = "default"
 REF = "ref"
 REWARD = "reward"  # a reward model's LoRA on the policy's backbone (plugins.reward_model), never trained
+# Device type -> padded lengths round up to a multiple of this and a padded batch runs as one pass (no length
+# groups), so that a pass's shapes recur from step to step: attention plans and kernels are chosen once, the caching
+# allocator reuses its blocks, and a few big kernels replace many small ones. A CPU (absent) pays compute for every
+# padded token and plans nothing per shape: exact lengths, length groups. (Tests set "cpu" to count a GPU's shapes.)
+BUCKETS = {"cuda": 64}
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -156,6 +161,10 @@ def load_model(
     if tokenizer.pad_token is None:
         # Padding is always masked out, so any id works; EOS is the usual choice (our masks never use pad ids).
         tokenizer.pad_token = tokenizer.eos_token
+    if device.type == "cuda":
+        # cuDNN's SDPA builds an execution plan on the host for every new (shape, stride) of q/k/v/mask: tens of ms
+        # each, paid again for each length a pass or a decode step brings. Flash and memory-efficient attention don't.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if quantization is None:
         model.to(device)
     else:
@@ -620,13 +629,27 @@ def sequence_logps(
     input_ids, attention_mask, logps_mask: (B, T). Returns (B, T) fp32 (and entropy (B, T) fp32, detached, same
     layout, when return_entropy). Position 0 and the first real token after left padding have no context: always 0.
     Only the hidden states that predict a masked target go through the head (prompt tokens cost no logits at all).
-    Padded rows run in groups of similar length, each cut to the columns its tokens use (length_groups): padding
-    costs no compute or activation memory, and a group without padding, or with padding on the right only, takes
-    SDPA's causal path with no mask.
+    On a CPU padded rows run in groups of similar length, each cut to the columns its tokens use (length_groups):
+    padding costs no compute or activation memory. On a GPU (BUCKETS) the batch runs as one pass, T rounded up to the
+    bucket with columns that score nothing, and reads the host once (how many tokens are scored, whether the rows are
+    right-padded). A batch without padding, or with padding on the right only, takes SDPA's causal path, no mask.
     """
+    multiple = BUCKETS.get(input_ids.device.type, 1)
+    width = input_ids.shape[1]
+    if width % multiple:
+        extra = multiple - width % multiple
+        mask = None if attention_mask is None else F.pad(attention_mask, (0, extra))
+        positions = None
+        if position_ids is not None:  # packed rows: the added columns are one more document, which scores nothing
+            positions = torch.cat(
+                [position_ids, torch.arange(extra, device=input_ids.device).expand(len(input_ids), -1)], 1
+            )
+        padded = [F.pad(x, (0, extra)) for x in (input_ids, logps_mask)]
+        out = sequence_logps(model, padded[0], mask, padded[1], positions, temperature, chunk_size, return_entropy)
+        return tuple(x[:, :width] for x in out) if return_entropy else out[:, :width]
     groups = None
     # FSDP2: every rank must run the same number of forwards (each gathers weights with the others), so no grouping
-    if attention_mask is not None and position_ids is None and not is_sharded(model):
+    if multiple == 1 and attention_mask is not None and position_ids is None and not is_sharded(model):
         groups = length_groups(attention_mask)
     if groups and (len(groups) > 1 or groups[0][1:] != (0, input_ids.shape[1])):
         outs = []
@@ -642,46 +665,52 @@ def sequence_logps(
     lm = unwrap(model)
     if attention_mask is None and position_ids is None:
         raise ValueError("sequence_logps needs attention_mask, or position_ids for packed rows (attention_mask=None)")
-    model_mask = attention_mask
-    if position_ids is None and _right_padded(attention_mask):
-        # Right padding only: under the causal mask a real token sees real tokens alone (the pads come after it), so
-        # the model runs without the padding mask and attention takes its causal path (no (T, T) float mask, KV heads
-        # not repeated). Positions arange(T): the real tokens' own, and no restart that would read as packing.
-        model_mask = None
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    if position_ids is None:
-        # Positions count real tokens only, so a left-padded row is scored as if unpadded. HF's default arange(T)
-        # shifts each padded row by its pad count: a no-op for RoPE (relative), wrong for absolute-position models
-        # (TRL issue #6800, GPT-2). clamp: the pads before the first token.
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     # Shift: the hidden state at t-1 predicts token t, so targets are input_ids[:, 1:] under logps_mask[:, 1:]. A
     # target whose predecessor is padding has no context (the first real token of a left-padded row): 0, like t=0.
     target_mask = logps_mask[:, 1:].bool()  # (B, T-1)
     if attention_mask is not None:
         target_mask = target_mask & attention_mask[:, :-1].bool()
+    reads = [target_mask.sum()]
+    if position_ids is None:
+        reads.append(_right_padded(attention_mask))
+    scored, *right = torch.stack(reads).tolist()  # the pass's one host read
+    model_mask = attention_mask
+    if right and right[0]:
+        # Right padding only: under the causal mask a real token sees real tokens alone (the pads come after it), so
+        # the model runs without the padding mask and attention takes its causal path (no (T, T) float mask, KV heads
+        # not repeated); positions are transformers' default arange(T), the real tokens' own.
+        model_mask = None
+    elif position_ids is None:
+        # Positions count real tokens only, so a left-padded row is scored as if unpadded. HF's default arange(T)
+        # shifts each padded row by its pad count: a no-op for RoPE (relative), wrong for absolute-position models
+        # (TRL issue #6800, GPT-2). clamp: the pads before the first token.
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     # Packed rows (attention_mask None, position_ids restarting per document): transformers then builds a
     # block-diagonal causal mask from position_ids, but only without a KV cache, hence use_cache=False below.
-    targets = input_ids[:, 1:]
     inputs = dict(input_ids=input_ids, attention_mask=model_mask, position_ids=position_ids, use_cache=False)
     if head_is_plain_linear(lm):
         hidden = decoder_hidden(lm, inputs)  # (B, T, H), after the final norm
         head = lm.get_output_embeddings()
-        h = hidden[:, :-1][target_mask]  # (N, H): only the scored rows
-        labels = targets[target_mask]  # (N,)
+        # the scored (b, t) of the (B, T-1) layout in row-major order (a stable sort puts them first, no host read)
+        order = (~target_mask).reshape(-1).to(torch.uint8).argsort(stable=True)[:scored]
+        T = input_ids.shape[1]
+        at = order // (T - 1) * T + order % (T - 1)  # their flat positions in the (B, T) layout
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)  # (N, H): only the scored rows
+        labels = input_ids.reshape(-1)[at + 1]  # (N,): the next token of each
         head_out = chunked_logps(h, head.weight, labels, temperature, chunk_size, head.bias, return_entropy)
         if is_sharded(lm) and not torch.is_grad_enabled():
             # no backward will reshard the root: its gathered weights would go stale at the next update
             reshard(lm)
         logps, entropy = head_out if return_entropy else (head_out, None)
-        # Scatter the N values back into (B, T-1); unscored slots are exact zeros (no logits exist for them).
-        zeros = torch.zeros(target_mask.shape, dtype=torch.float32, device=logps.device)  # (B, T-1)
-        logps = zeros.masked_scatter(target_mask, logps)
+        # Back into (B, T-1); unscored slots are exact zeros (no logits exist for them).
+        zeros = torch.zeros(target_mask.numel(), dtype=torch.float32, device=logps.device)
+        logps = zeros.index_copy(0, order, logps).view(target_mask.shape)
         if return_entropy:
-            entropy = zeros.masked_scatter(target_mask, entropy)
+            entropy = zeros.index_copy(0, order, entropy).view(target_mask.shape)
     else:
         # Naive path: full (B, T-1, V) fp32 logits; the last position predicts nothing, so it is dropped.
         logits = lm(**inputs).logits[:, :-1].float() / temperature
-        logps = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+        logps = logits.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         logps = torch.where(target_mask, logps, 0.0)  # where, not *: unscored slots are exact zeros
         if return_entropy:
             entropy = torch.where(target_mask, entropy_from_logits(logits.detach()), 0.0)
@@ -708,10 +737,11 @@ def decoder_hidden(lm, inputs: dict):
     return caught[0]
 
 
-def _right_padded(attention_mask) -> bool:
-    """Every row's tokens start at column 0 and run unbroken (padding, if any, only on the right)."""
+def _right_padded(attention_mask) -> torch.Tensor:
+    """Every row's tokens start at column 0 and run unbroken (padding, if any, only on the right): a 0-dim long, so
+    that the caller reads it with its other values."""
     m = attention_mask.bool()
-    return bool(m[:, 0].all()) and bool((m[:, 1:] <= m[:, :-1]).all())
+    return (m[:, 0].all() & (m[:, 1:] <= m[:, :-1]).all()).long()
 
 
 def length_groups(attention_mask, slack: float = 1.125) -> list[tuple[list[int], int, int]] | None:
@@ -783,7 +813,11 @@ def masked_mean(values, mask, dim=None, empty="raise"):
     if empty not in ("raise", "zero"):
         raise ValueError(f"empty must be 'raise' or 'zero', got {empty!r}")
     count = mask.sum() if dim is None else mask.sum(dim)
-    if (dim is None or empty == "raise") and bool((count == 0).any()):
-        raise ValueError(f"masked_mean over an empty mask (dim={dim}): no element to average; check the mask")
+    if dim is None or empty == "raise":
+        message = f"masked_mean over an empty mask (dim={dim}): no element to average; check the mask"
+        if count.device.type in BUCKETS:  # a GPU's: checked on the device, the run stops at its next read
+            torch._assert_async((count > 0).all(), message)
+        elif bool((count == 0).any()):
+            raise ValueError(message)
     # clamp: only reachable for empty="zero" rows, whose masked sum is 0, so they come out as exactly 0.0
     return masked_sum(values, mask, dim) / count.clamp(min=1)

@@ -9,9 +9,11 @@ prompt-major (the G completions of prompt i are rows i*G .. i*G+G-1, so each gro
   logprobs        B*G lists of the sampled tokens' log-probs under the sampling distribution, or None
 `hf_generate` samples from the live policy (the adapter is attached: no weight sync) with its own decode loop
 (`decode`): each distinct prompt prefilled once, a KV cache preallocated at prompt + max_new_tokens and written in
-place, finished rows dropped from the batch, each one-token step of a Llama, Mistral, Qwen2 or Qwen3 model through
-`decoder_step` (that forward written out over the model's own modules); on a CPU every float32 Linear runs on a
-oneDNN-packed copy of its weight with the LoRA update merged in (`packed_linears`), for the rollout only. Sampling:
+place, each one-token step of a Llama, Mistral, Qwen2 or Qwen3 model through `decoder_step` (that forward written out
+over the model's own modules), every LoRA Linear on one weight with its update merged in for the rollout only
+(`merged_linears`; on a CPU float32 weights also packed for oneDNN). On a CPU finished rows leave the batch; on a GPU
+the shapes stay the same every step (static: no row dropped, the whole cache attended under a mask, prompts padded
+to a multiple of 64, whether all rows ended read every 8 tokens) and the step is captured as a CUDA graph. Sampling:
 temperature (0 = greedy), top_p (1 = off), top_k (0 = off, TRL's default), applied as transformers' warpers apply
 them; no repetition penalty, min_p or any other processor, whatever the model's generation_config.json says.
 logprobs are the sampled tokens' log-probs under the processed distribution (greedy: under the plain policy).
@@ -33,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from transformers import GenerationConfig
-from transformers.cache_utils import Cache, DynamicLayer, StaticCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from common.data import pad_batch
 from common.distributed import all_max
 from common.errors import ArgsError
-from common.model import cache_kwarg, prompt_cache, unwrap
+from common.model import BUCKETS, cache_kwarg, prompt_cache, unwrap
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -67,7 +69,8 @@ def check_sampling(top_p: float, top_k: int) -> None:
 
 class SlabLayer(DynamicLayer):
     """One layer's KV cache, allocated at its final length on the first write and written in place (no torch.cat per
-    token); attention reads the filled part, a view. Rows can be dropped (batch_select_indices)."""
+    token); attention reads the filled part, a view. Rows can be dropped (batch_select_indices). `write`: the static
+    shapes' update, at a column a device tensor holds (what a captured CUDA graph replays)."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -95,6 +98,13 @@ class SlabLayer(DynamicLayer):
         self.length = end
         self._slabs(self.slab_keys, self.slab_values)
         return self.keys, self.values
+
+    def write(self, key_states, value_states, column):
+        """One token per row written at slab column `column` ((1,) long, on the device); the whole slabs returned:
+        the same shapes every step, the caller's mask hiding the columns not written yet."""
+        self.slab_keys.index_copy_(2, column, key_states)
+        self.slab_values.index_copy_(2, column, value_states)
+        return self.slab_keys, self.slab_values
 
     def get_seq_length(self) -> int:
         return self.length
@@ -156,6 +166,7 @@ def _last_logits(lm, cache, input_ids, position_ids, attention_mask):
 DECODER_STEP_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 # rope types whose frequencies are fixed at init: cos/sin depend on the position alone, not on the calls before
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+SYNC_EVERY = 8  # static shapes: one-token steps between the host's reads of whether every row has ended
 
 
 def decodes_exactly(config) -> bool:
@@ -167,16 +178,24 @@ def decodes_exactly(config) -> bool:
     return all(r.get("rope_type", "default") in STATIC_ROPE for r in ropes)
 
 
-def decoder_step(lm, cache, input_ids, position_ids, attention_mask):
-    """_last_logits for one new token per row (input_ids (n, 1)) after a SlabLayer cache, for the model types in
-    DECODER_STEP_MODELS with no sliding_window (None: Mistral's forward windows every layer when it is set, whatever
-    layer_types says); any other config runs _last_logits, the model's own forward. Their forward written out,
-    calling each of their modules (embedding, rotary embedding, norms, projections, MLP, head) as their forward does,
-    without what the model's forward adds around a one-token step: the mask built per call, the attention interface's
-    keyword plumbing, output objects. The attention is the same grouped-query attention over the filled part of the
-    slab: a row's one query per head, the G query heads that share a key/value head taken together as G queries of
-    that head (transformers' repeat_kv order), the padded positions masked out."""
-    if lm.config.model_type not in DECODER_STEP_MODELS or getattr(lm.config, "sliding_window", None) is not None:
+def takes_decoder_step(config) -> bool:
+    """decoder_step's models: a type in DECODER_STEP_MODELS with no sliding_window (None: Mistral's forward windows
+    every layer when it is set, whatever layer_types says)."""
+    return config.model_type in DECODER_STEP_MODELS and getattr(config, "sliding_window", None) is None
+
+
+def decoder_step(lm, cache, input_ids, position_ids, attention_mask, column=None):
+    """_last_logits for one new token per row (input_ids (n, 1)) after a SlabLayer cache, for the configs
+    takes_decoder_step takes;
+    any other config runs _last_logits, the model's own forward. Their forward written out, calling each of their
+    modules (embedding, rotary embedding, norms, projections, MLP, head) as their forward does, without what the
+    model's forward adds around a one-token step: the mask built per call, the attention interface's keyword
+    plumbing, output objects. The attention is the same grouped-query attention over the slab: a row's one query per
+    head, the G query heads that share a key/value head taken together as G queries of that head (transformers'
+    repeat_kv order), the padded positions masked out. column ((1,) long): the static shapes, each key and value
+    written at that slab column (SlabLayer.write) and the whole slab attended under attention_mask (n, capacity);
+    None: appended, the filled part attended."""
+    if not takes_decoder_step(lm.config):
         return _last_logits(lm, cache, input_ids, position_ids, attention_mask)
     backbone = lm.get_decoder()
     n = input_ids.shape[0]
@@ -184,7 +203,8 @@ def decoder_step(lm, cache, input_ids, position_ids, attention_mask):
     cos, sin = backbone.rotary_emb(hidden, position_ids)  # (n, 1, head_dim) each
     cos = cos[:, None]  # (n, 1, 1, head_dim): broadcast over heads
     sin = sin[:, None]
-    keep = attention_mask.bool()[:, None, None, :]  # (n, 1, 1, L): True where a row attends
+    # (n, 1, 1, L): 0 where a row attends, -inf elsewhere, built once a step (a bool mask is converted in every layer)
+    keep = hidden.new_zeros(attention_mask.shape).masked_fill_(attention_mask == 0, float("-inf"))[:, None, None]
     for layer, slab in zip(backbone.layers, cache.layers, strict=True):
         attention = layer.self_attn
         x = layer.input_layernorm(hidden)
@@ -198,7 +218,10 @@ def decoder_step(lm, cache, input_ids, position_ids, attention_mask):
         key = key.transpose(1, 2)
         query = query * cos + rotate_half(query) * sin
         key = key * cos + rotate_half(key) * sin
-        keys, values = slab.update(key, value.transpose(1, 2))  # (n, kv_heads, L, head_dim) each
+        if column is None:
+            keys, values = slab.update(key, value.transpose(1, 2))  # (n, kv_heads, L, head_dim) each
+        else:
+            keys, values = slab.write(key, value.transpose(1, 2), column)
         grouped = query.reshape(n, keys.shape[1], -1, attention.head_dim)  # (n, kv_heads, G, head_dim)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=keep, scale=attention.scaling)
         hidden = hidden + attention.o_proj(out.reshape(n, 1, -1))
@@ -218,40 +241,58 @@ def _packed_forward(weight, bias, x):
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _merged_forward(weight, bias, x):
+    """A Linear's forward on its merged weight (only x, as _packed_forward)."""
+    return F.linear(x, weight, bias)
+
+
 def _packable(linear) -> bool:
-    if type(linear) is not torch.nn.Linear:
-        return False
-    return linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
+    """A float32 nn.Linear on a CPU: what oneDNN's packed matmul takes."""
+    return _plain(linear) and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
+
+
+def _plain(linear) -> bool:
+    return type(linear) is torch.nn.Linear and linear.weight.is_floating_point()
 
 
 def _mergeable(lora) -> bool:
-    """A PEFT LoRA Linear whose active adapters are plain W + s B A on a float32 nn.Linear: no DoRA or other
-    variant, no LoRA bias, not merged already, not disabled, not transposed (GPT-2's Conv1D)."""
+    """A PEFT LoRA Linear whose active adapters are plain W + s B A on a floating-point nn.Linear (not quantized): no
+    DoRA or other variant, no LoRA bias, not merged already, not disabled, not transposed (GPT-2's Conv1D)."""
     adapters = [a for a in lora.active_adapters if a in lora.lora_A]
     plain = all(a not in lora.lora_variant and lora.lora_B[a].bias is None for a in adapters)
-    return plain and not (lora.disable_adapters or lora.merged or lora.fan_in_fan_out) and _packable(lora.base_layer)
+    return plain and not (lora.disable_adapters or lora.merged or lora.fan_in_fan_out) and _plain(lora.base_layer)
 
 
 @contextlib.contextmanager
-def packed_linears(model, rows: int):
-    """On an x86-64 CPU with oneDNN: for the rollout, every float32 nn.Linear of the policy runs on a copy of its
-    weight reordered for oneDNN (freed on exit), a LoRA Linear's active adapters merged into that copy (W + s B A, what
-    PEFT's get_delta_weight adds). The decode step's small-batch matmuls are then oneDNN's rather than MKL's and the
-    adapters' A/B products leave the step. Equal in exact arithmetic to PEFT's unmerged forward; the sums run in
-    another order, so logits differ at float32 rounding. A LoRA layer that cannot be merged (_mergeable) keeps its
-    forward around a packed base; anything else (quantized or non-float32 weights, a GPU, an ARM CPU) is left as it
-    is. rows: the batch size oneDNN lays the weights out for."""
+def merged_linears(model, rows: int, spare: int = 0):
+    """For the rollout, every LoRA Linear of the policy runs on one weight with its active adapters merged in
+    (W + s B A, what PEFT's get_delta_weight adds), a copy freed on exit: the adapters' A/B products leave the decode
+    step (half its kernels). Equal in exact arithmetic to PEFT's unmerged forward: a float32 weight's sums run in
+    another order (logits differ at float32 rounding); a bf16 / fp16 one is summed in float32 and rounded once to its
+    dtype, where PEFT adds the rounded base output to the adapters' (docs/results.md: the measured gap). On an x86-64
+    CPU with oneDNN every float32 Linear, merged or not, also runs on a copy of its weight reordered for oneDNN (rows:
+    the batch it lays the weights out for): the decode step's small-batch matmuls are then oneDNN's rather than
+    MKL's. A LoRA layer that cannot be merged (_mergeable) keeps its forward (around a packed base where it can);
+    quantized weights are left as they are. On CUDA a layer is merged only while the card keeps `spare` bytes free
+    besides (what the rollout allocates after: its KV cache, logits): a card without room for every copy merges what
+    fits and runs the other layers as PEFT does."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")  # where it was measured; ARM's oneDNN differs
-    if not (x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        yield
-        return
+    pack = x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     swapped = []
     done = set()
-    merged = None  # one buffer every merge is written into: the reorder copies it out (fresh buffers cost page faults)
+    buffer = None  # packing: one buffer every merge is written into (the reorder copies it out; fresh ones fault)
+    room = None  # CUDA: bytes the merged copies may still take
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's spare
+        room = torch.cuda.mem_get_info(device)[0] + unused - spare
 
     def swap(module, weight, bias):
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        module.forward = functools.partial(_packed_forward, packed, bias)
+        if pack and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+            module.forward = functools.partial(_packed_forward, packed, bias)
+        else:
+            module.forward = functools.partial(_merged_forward, weight, bias)
         swapped.append(module)
 
     try:
@@ -262,20 +303,24 @@ def packed_linears(model, rows: int):
                 if isinstance(module, LoraLinear):
                     done.update(id(m) for m in module.modules())  # its base and A/B: handled here or left alone
                     base = module.base_layer
-                    if _mergeable(module):
-                        weight = base.weight
-                        if merged is None or merged.numel() < weight.numel():
-                            merged = weight.new_empty(weight.numel())
-                        out = merged[: weight.numel()].view_as(weight)
+                    size = base.weight.numel() * base.weight.element_size()
+                    if _mergeable(module) and (room is None or size <= room):
+                        room = None if room is None else room - size
+                        weight = base.weight.float()  # float32 sums, a bf16 weight rounded once below
+                        out = None
+                        if pack and _packable(base):
+                            if buffer is None or buffer.numel() < weight.numel():
+                                buffer = weight.new_empty(weight.numel())
+                            out = buffer[: weight.numel()].view_as(weight)
                         for a in module.active_adapters:
                             if a in module.lora_A:
-                                lora_B = module.lora_B[a].weight.to(weight.dtype)
-                                lora_A = module.lora_A[a].weight.to(weight.dtype)
+                                lora_B = module.lora_B[a].weight.float()
+                                lora_A = module.lora_A[a].weight.float()
                                 weight = torch.addmm(weight, lora_B, lora_A, alpha=module.scaling[a], out=out)
-                        swap(module, weight, base.bias)
-                    elif _packable(base):
+                        swap(module, weight.to(base.weight.dtype), base.bias)
+                    elif pack and _packable(base):
                         swap(base, base.weight, base.bias)
-                elif _packable(module):
+                elif pack and _packable(module):
                     swap(module, module.weight, module.bias)
         yield
     finally:
@@ -283,15 +328,20 @@ def packed_linears(model, rows: int):
             del module.forward  # the class's forward again
 
 
-_COMPILED = {}  # one compiled decode step per process: compiling per rollout would cost seconds each time
-
-
-def compiled_step():
-    """_last_logits under torch.compile(mode="reduce-overhead"): on CUDA a static-shape step is captured once as a
-    CUDA graph and replayed, instead of launching every layer's kernels from Python."""
-    if "step" not in _COMPILED:
-        _COMPILED["step"] = torch.compile(_last_logits, mode="reduce-overhead", dynamic=False)
-    return _COMPILED["step"]
+def graphed(step, *args):
+    """step(*args) captured as a CUDA graph, after one warm-up call on a side stream (torch.cuda.graphs' recipe: lazy
+    initialisations happen outside the capture); the warm-up computes what the first replay computes and writes it
+    where the replay writes it. Returns (replay, out): replay() runs the captured kernels on what the tensors in args
+    hold at that moment, into out."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(*args)
+    return graph.replay, out
 
 
 @torch.no_grad()
@@ -307,40 +357,38 @@ def decode(
     static=False,
     step=None,
     stream=None,
+    cuda_graph=False,
 ):
     """(tokens, logprobs), both (n, max_new_tokens), sampled for left-padded rows (n, P) whose groups of group_size
     are contiguous repeats of a prompt (anything after a row's first EOS is meaningless); None when lm's cache holds
     more than full-attention keys and values or not decodes_exactly(lm.config). sampling: temperature, top_p, top_k.
 
-    Default: each distinct prompt but its last token goes through the backbone once (no logits) into a SlabLayer
-    cache of P + max_new_tokens positions, repeated group_size times (when group_size > 1 and every prompt has more
-    than one token); each step feeds one token per row at position prompt length + k; a row that sampled an EOS
-    leaves the batch. static=True (what a CUDA graph captures): transformers' StaticCache, every row prefilled and
-    run every step with the same shapes, the mask (n, P + max_new_tokens) hiding what is not written. step: the
-    forward of every one-token step (compiled_step(), _last_logits); by default decoder_step (not static), else
-    _last_logits. A whole prompt goes through _last_logits. stream (first, total): these rows are rows first ..
-    first + n - 1 of a global batch of `total` (a rank's share under torchrun): each step draws the whole batch's
-    uniforms and these rows take theirs, so they sample what one process would."""
+    Each distinct prompt but its last token goes through the backbone once (no logits) into a SlabLayer cache of
+    P + max_new_tokens positions, repeated group_size times (when group_size > 1 and every prompt has more than one
+    token; else the first step runs whole prompts through _last_logits); each step feeds one token per row at
+    position prompt length + k. step: the one-token steps' forward, decoder_step by default (_last_logits: the
+    model's). Default (a CPU's): a row that sampled an EOS leaves the batch, attention reads the slab's filled part.
+    static=True (a GPU's; decoder_step on takes_decoder_step's configs, else ignored): the same shapes every step, so
+    that attention plans and kernels recur and the step can be captured (cuda_graph: once a rollout, then replayed):
+    every row runs every step, each key and value is written at a slab column held on the device and the whole slab
+    attended under the mask, and whether every row has ended is read every SYNC_EVERY tokens, so up to
+    SYNC_EVERY - 1 steps run past the longest row (hf_generate takes their uniforms back). stream (first, total):
+    these rows are rows first .. first + n - 1 of a global batch of `total` (a rank's share under torchrun): each
+    step draws the whole batch's uniforms and these rows take theirs, so they sample what one process would."""
     device = input_ids.device
     n, width = input_ids.shape
     plain = prompt_cache(lm)
     refused = plain is None or not plain.layers or any(type(layer) is not DynamicLayer for layer in plain.layers)
     if refused or not decodes_exactly(lm.config):
         return None
-    capacity = width + max_new_tokens
-    if static:
-        cache = StaticCache(config=lm.config, max_cache_len=capacity)
-    else:
-        cache = Cache(layers=[SlabLayer(capacity) for _ in plain.layers])
-    if step is None:
-        step = _last_logits if static else decoder_step
-    mask = attention_mask.new_zeros(n, capacity)  # one more column set per step, in place
+    static = static and step is None and takes_decoder_step(lm.config)
+    step = step or decoder_step
+    cache = Cache(layers=[SlabLayer(width + max_new_tokens) for _ in plain.layers])
+    mask = attention_mask.new_zeros(n, width + max_new_tokens)  # one more column set per step, in place
     mask[:, :width] = attention_mask
     next_position = attention_mask.sum(dim=-1, keepdim=True)  # (n, 1): where each row's first new token sits
-    feed = input_ids
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    prefilled = False
-    if not static and group_size > 1 and int(next_position.min()) > 1:
+    prefilled = group_size > 1 and int(next_position.min()) > 1
+    if prefilled:
         prefix_mask = attention_mask[::group_size, :-1]
         lm.get_decoder()(
             input_ids=input_ids[::group_size, :-1],
@@ -349,13 +397,16 @@ def decode(
             **{cache_kwarg(lm): cache},
         )
         cache.batch_repeat_interleave(group_size)
-        feed = input_ids[:, -1:]
-        positions = next_position - 1
-        prefilled = True
+    # the one-token steps' input, position and (static) slab column, advanced in place
+    feed = input_ids[:, -1:].clone()
+    positions = next_position - 1
+    column = torch.full((1,), width - 1, dtype=torch.long, device=device)
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(n, max_new_tokens, device=device)
-    rows = torch.arange(n, device=device)  # the rows still sampling
+    rows = torch.arange(n, device=device)  # the rows still sampling (static: every row)
+    live = torch.ones(n, dtype=torch.bool, device=device)  # static: no EOS sampled yet
     stops = torch.tensor(eos, device=device)
+    replay = None
     for k in range(max_new_tokens):
         # the whole batch's uniforms every sampled step, ended rows too: the stream a rollout consumes does not
         # depend on which rows ended when; greedy draws none
@@ -364,23 +415,42 @@ def decode(
             uniforms = torch.rand(n, dtype=torch.float64, device=device)
         elif sampling["temperature"] > 0:
             uniforms = torch.rand(stream[1], dtype=torch.float64, device=device)[stream[0] : stream[0] + n]
-        forward = step if prefilled or k > 0 else _last_logits  # a whole prompt: the model's forward
-        logits = forward(lm, cache, feed, positions, mask if static else mask[:, : width + k])
+        if k == 0 and not prefilled:  # whole prompts: the model's forward
+            logits = _last_logits(lm, cache, input_ids, (attention_mask.cumsum(-1) - 1).clamp(min=0), attention_mask)
+        elif not static:
+            logits = step(lm, cache, feed, positions, mask[:, : width + k])
+        elif cuda_graph:
+            if replay is None:
+                replay, captured = graphed(decoder_step, lm, cache, feed, positions, mask, column)
+            replay()
+            logits = captured
+        else:
+            logits = decoder_step(lm, cache, feed, positions, mask, column)
         chosen, chosen_logps = sample_tokens(logits, None if uniforms is None else uniforms[rows], **sampling)
         tokens[rows, k] = chosen
         logprobs[rows, k] = chosen_logps
-        ended = torch.isin(tokens[:, : k + 1], stops).any(-1)[rows]  # (live rows,)
-        if k + 1 == max_new_tokens or bool(ended.all()):
+        ended = torch.isin(chosen, stops)  # (live rows,); static: (n,), rows that ended before included
+        if k + 1 == max_new_tokens:
             break
-        if not static and bool(ended.any()):
-            keep = (~ended).nonzero()[:, 0]
-            cache.batch_select_indices(keep)
-            rows = rows[keep]
-            mask = mask[keep]
-            next_position = next_position[keep]
-            chosen = chosen[keep]
-        feed = chosen[:, None]
-        positions = next_position + k
+        if static:
+            live &= ~ended
+            if (k + 1) % SYNC_EVERY == 0 and not bool(live.any()):
+                break
+            feed.copy_(chosen[:, None])
+            positions += 1
+            column += 1
+        else:
+            if bool(ended.all()):
+                break
+            if bool(ended.any()):
+                keep = (~ended).nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                rows = rows[keep]
+                mask = mask[keep]
+                next_position = next_position[keep]
+                chosen = chosen[keep]
+            feed = chosen[:, None]
+            positions = next_position + k
         mask[:, width + k] = 1
     return tokens, logprobs
 
@@ -407,44 +477,65 @@ def hf_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     max_new_tokens: int = 256,
-    compile: bool = False,
-    pack: bool = True,
+    static: bool | None = None,
+    cuda_graph: bool = True,
+    merge: bool = True,
     own_step: bool = True,
     stream: tuple[int, int] | None = None,
 ) -> dict:
     """Sample group_size completions per prompt with `decode` (left padding, eval, no_grad), or with model.generate
-    for a model decode refuses (a cache holding more than keys and values, not decodes_exactly). compile: static
-    shapes and a CUDA-graph-captured decode step (compiled_step), prompts left-padded to a multiple of 64 so that
-    rollouts share one compiled shape. pack: on a CPU, decode on packed_linears (False: each layer's own forward,
-    to compare). own_step: decoder_step, on the configs it takes (False: the model's forward every step).
-    stream (first, total) under torchrun: these prompts' rows are rows first ... of the global batch's `total`; each
-    step draws the whole batch's uniforms (decode), and after the rollout a rank whose rows ended early draws what
-    the longest row of any rank drew, so every rank's random stream stays one process's. model.generate's fallback
-    (models decode refuses) samples from each rank's own stream instead."""
+    for a model decode refuses (a cache holding more than keys and values, not decodes_exactly). static: decode's
+    static shapes (None: on a GPU, BUCKETS' devices), prompts then left-padded to a multiple of the bucket so that
+    rollouts share shapes.
+    cuda_graph: on CUDA with static shapes, the one-token step captured as a CUDA graph once a rollout and replayed
+    (False: the same kernels launched from Python every step). merge: the rollout on merged_linears (False: each LoRA
+    layer's own forward, to compare). own_step: decoder_step, on the configs it takes (False: the model's forward
+    every step). stream (first, total) under torchrun: these prompts' rows are rows first ... of the global batch's
+    `total`, and each step draws the whole batch's uniforms (decode). After the rollout the device's generator is
+    put back where it was and advanced by one draw a step of the longest row (under torchrun: of any rank's): the
+    draws static shapes made past it are taken back, and a rank whose rows ended early draws what the others drew,
+    so every rank's stream stays one process's. model.generate's fallback (models decode refuses) samples from each
+    rank's own stream instead."""
     check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
     rows = [p for p in prompts for _ in range(group_size)]  # repeat, not num_return_sequences: greedy allows it too
     device = next(model.parameters()).device
+    static = device.type in BUCKETS if static is None else static  # a GPU's (common.model.BUCKETS)
     # Left padding: every row's last prompt token sits in the last column, so new tokens are appended in lockstep;
     # positions come from the attention mask, so padded rows see the positions of unpadded ones.
     width = max(map(len, rows))
-    if compile:
-        width = -(-width // 64) * 64  # more left padding: masked, so the completions are the same
+    if static:  # more left padding, to a width that recurs: masked, so the completions are the same
+        multiple = BUCKETS.get(device.type, BUCKETS["cuda"])
+        width = -(-width // multiple) * multiple
     pad = tokenizer.pad_token_id
-    input_ids = pad_batch([[pad] * (width - len(r)) + r for r in rows], pad).to(device)
-    attention_mask = pad_batch([[0] * (width - len(r)) + [1] * len(r) for r in rows], 0).to(device)
+    input_ids = pad_batch([[pad] * (width - len(r)) + r for r in rows], pad).to(device, non_blocking=True)
+    attention_mask = pad_batch([[0] * (width - len(r)) + [1] * len(r) for r in rows], 0).to(device, non_blocking=True)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    text = lm.config.get_text_config()  # what decode allocates after the merge: its KV cache and a step's logits
+    kv = text.num_key_value_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    cache = len(rows) * (width + max_new_tokens) * text.num_hidden_layers * 2 * kv * lm.dtype.itemsize
+    spare = cache + 4 * len(rows) * text.vocab_size * 8 + 2**30  # + fp32 logits, scores, float64 cdf; + 1 GiB
     was_training = model.training
     try:
         model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
         step = None if own_step else _last_logits  # None: decode's default, decoder_step
-        if compile:
-            step = compiled_step()
-        packing = packed_linears(model, len(rows)) if pack and not compile else contextlib.nullcontext()
-        with packing:
+        with merged_linears(model, len(rows), spare) if merge else contextlib.nullcontext():
             decoded = decode(
-                lm, input_ids, attention_mask, group_size, eos, pad, max_new_tokens, sampling, compile, step, stream
+                lm,
+                input_ids,
+                attention_mask,
+                group_size,
+                eos,
+                pad,
+                max_new_tokens,
+                sampling,
+                static,
+                step,
+                stream,
+                cuda_graph=cuda_graph and cuda,
             )
         if decoded is None:
             new = _model_generate(
@@ -454,10 +545,12 @@ def hf_generate(
     finally:
         model.train(was_training)
     result = _result(rows, decoded[0].tolist(), eos, tokenizer, decoded[1].tolist())
-    if stream is not None and temperature > 0:  # decode drew one batch of uniforms per step of its longest row
+    if temperature > 0:  # one draw per step of the longest row, as if decode had stopped there (on every rank)
         drawn = max(map(len, result["completion_ids"]))
-        for _ in range(all_max(drawn) - drawn):
-            torch.rand(stream[1], dtype=torch.float64, device=device)
+        drawn = all_max(drawn) if stream is not None else drawn
+        torch.cuda.set_rng_state(state, device) if cuda else torch.set_rng_state(state)
+        for _ in range(drawn):
+            torch.rand(len(rows) if stream is None else stream[1], dtype=torch.float64, device=device)
     return result
 
 

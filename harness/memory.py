@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from common.data import TOKENIZE, Ids, looks_local, micro_batch, setup_chat_template, tokenize_dataset, training_steps
 from common.distributed import rank_and_world
 from common.errors import ArgsError, ModelError
-from common.model import length_groups, pick_device, resolve_dtype
+from common.model import BUCKETS, length_groups, pick_device, resolve_dtype
 from harness.cli import flag_name
 from harness.hub import check_hub, hub_unreachable
 from plugins.embedded import ALIAS_CONFIGS, MARKER, SHIPPED, cache_dir
@@ -238,18 +238,18 @@ def _pass_bytes(c: dict, b: int, p: Pass, t: Trained, checkpointing: bool) -> tu
     return kept, work, head, grad_rows
 
 
-def _generate_bytes(
-    c: dict, b: int, g: Generate, device_bytes: int, device: str, quantization: str | None
-) -> tuple[str, int]:
-    """The rollout's memory; on a CPU in fp32 also common.rollout.packed_linears' copy of every float32 Linear
-    weight (the LoRA merged in): all of them, or the head alone when the decoder's linears are quantized. Counted on
-    any CPU, although the copy is made on x86-64 only: on an ARM CPU the plan is that much too high."""
+def _generate_bytes(c: dict, b: int, g: Generate, device_bytes: int, device: str, t: Trained) -> tuple[str, int]:
+    """The rollout's memory: the KV cache, the prompts' prefill, the last position's logits and scores; on a CPU in
+    fp32 also common.rollout.merged_linears' packed copy of every float32 Linear weight (merged where LoRA): all of
+    them, or the head alone when the decoder's linears are quantized (counted on any CPU, although the copy is made
+    on x86-64 only: on an ARM CPU the plan is that much too high). A GPU's merged copies: estimate."""
     if g.vllm_share is not None:
         return "vLLM reservation", int(g.vllm_share * device_bytes)
     L, H, F, Hq, K = _shape(c)
     n, G, P, C = g.prompts, g.group_size, g.prompt_tokens, g.new_tokens
     kv = L * n * G * (P + C) * 2 * K * b + n * P * (2 * H + 3 * F) * b
     kv += n * G * c["vocab_size"] * 4 * 2
+    quantization = t.quantization
     if device != "cpu" or b != 4:
         return "KV cache", kv
     head = c["vocab_size"] * H * 4
@@ -258,7 +258,7 @@ def _generate_bytes(
 
 
 def rollout_kernels(c: dict, g: Generate, quantization: str | None) -> int:
-    """What a CPU float32 rollout on common.rollout.packed_linears leaves cached for the rest of the run: oneDNN's
+    """What a CPU float32 rollout on common.rollout.merged_linears leaves cached for the rest of the run: oneDNN's
     and ideep's primitives, one per packed Linear shape (q, k/v, o, gate/up, down, the head; a quantized decoder
     packs the head alone) and input row count, each cache up to KERNEL_CACHE of them. Row counts: the decode's live
     rows (1 .. prompts x group_size, as rows that sampled an EOS leave) and one prefill per rollout."""
@@ -269,6 +269,14 @@ def rollout_kernels(c: dict, g: Generate, quantization: str | None) -> int:
         shapes |= {(H, Hq, bias), (H, K, bias), (Hq, H, False), (H, F, False), (F, H, False)}
     row_counts = g.prompts * g.group_size + g.rollouts
     return min(KERNEL_CACHE, len(shapes) * row_counts) * KERNEL_BYTES
+
+
+def _bucketed(p):
+    """A GPU's Pass or Generate: lengths rounded up to common.model.BUCKETS["cuda"], a Pass run as one group."""
+    up = lambda n: -(-n // BUCKETS["cuda"]) * BUCKETS["cuda"]  # noqa: E731
+    if isinstance(p, Generate):
+        return dataclasses.replace(p, prompt_tokens=up(p.prompt_tokens))
+    return dataclasses.replace(p, tokens=up(p.tokens), context=up(p.context), group=0)
 
 
 def estimate(
@@ -301,6 +309,8 @@ def estimate(
     gathered = (other * b + 2 * linear * b // L) if n > 1 else 0
     parts |= {k: v for k, v in (extra or {}).items() if v}
     parts["allowance (runtime)"] = CUDA_CONTEXT if device == "cuda" else CPU_RUNTIME
+    if device == "cuda":  # a GPU's passes: lengths rounded up to the bucket, one pass a micro-batch (no groups)
+        phases = {phase: [_bucketed(p) for p in passes] for phase, passes in phases.items()}
     peaks = []
     for phase, passes in phases.items():
         held = 0
@@ -308,7 +318,16 @@ def estimate(
         last = None
         for p in passes:
             if isinstance(p, Generate):
-                name, size = _generate_bytes(c, b, p, device_bytes, device, trained.quantization)
+                name, size = _generate_bytes(c, b, p, device_bytes, device, trained)
+                merged = 0
+                if device == "cuda" and trained.lora_r is not None and not trained.quantization and device_bytes:
+                    # merged_linears' copies of the decoder linears, as many as the card has room for beside the rest
+                    # (the runtime merges layer by layer while it has room): the total with the 10 % allocator share
+                    lasting = sum(v for k, v in parts.items() if ":" not in k)
+                    room = (device_bytes + ALLOCATOR * parts["allowance (runtime)"]) / (1 + ALLOCATOR) - lasting
+                    merged = int(max(0, min(param_counts(c)[0] * b, room - held - size)))
+                    parts[f"{phase}: merged LoRA weights (what fits)"] = merged
+                size += merged
                 parts[f"{phase}: {name}"] = size
                 if name.endswith("packed weights"):  # cached after the first rollout: beside every later phase
                     parts["rollout kernels (oneDNN, cached)"] = rollout_kernels(c, p, trained.quantization)
@@ -454,17 +473,20 @@ def _tokens(tokenizer, row: dict) -> int:
     return len(TOKENIZE["prompt"](tokenizer, row, None)["prompt_ids"])
 
 
-def row_tokens(args, rows: list[dict]) -> int:
+def row_tokens(args, rows: list[dict], quiet: bool = False) -> int:
     """Tokens in the longest of `rows` (what a script plans its sequences at, capped by its length limits), printed
-    with how it was found. With --model's tokenizer on this machine (local_tokenizer, --template applied): the rows
-    tokenized as the run tokenizes them, the TOKENIZED_ROWS longest in UTF-8 bytes; without it the UTF-8 byte bound
-    (longest_row), which on English text is several times the real length. 0 without rows (no bound)."""
+    (unless quiet) with how it was found. With --model's tokenizer on this machine (local_tokenizer, --template
+    applied): the rows tokenized as the run tokenizes them, the TOKENIZED_ROWS longest in UTF-8 bytes; without it the
+    UTF-8 byte bound (longest_row), which on English text is several times the real length. 0 without rows (no
+    bound)."""
     if not rows:
         return 0
     tokenizer = local_tokenizer(args.model, args.trust_remote_code)
     if tokenizer is None:
         bound = longest_row(rows)
-        print(f"row lengths: at most {bound} tokens, a bound from UTF-8 bytes (the tokenizer is not on this machine)")
+        if not quiet:
+            why = "a bound from UTF-8 bytes (the tokenizer is not on this machine)"
+            print(f"row lengths: at most {bound} tokens, {why}")
         return bound
     setup_chat_template(tokenizer, args.template)
     picked = sorted(rows, key=lambda r: longest_row([r]), reverse=True)[:TOKENIZED_ROWS]
@@ -472,7 +494,10 @@ def row_tokens(args, rows: list[dict]) -> int:
     which = (
         f"all {len(rows)} rows" if len(picked) == len(rows) else f"the {len(picked)} longest in bytes of {len(rows)}"
     )
-    print(f"row lengths: the longest is {longest} tokens ({which} tokenized with the model's tokenizer)", flush=True)
+    if not quiet:
+        print(
+            f"row lengths: the longest is {longest} tokens ({which} tokenized with the model's tokenizer)", flush=True
+        )
     return longest
 
 
@@ -576,6 +601,21 @@ def release_heap() -> bool:
     return True
 
 
+def fit_knob(args, name: str, most: int, plan):
+    """args with the micro-batch knob `name` set where it is None: on a GPU (or a plan for a card, --gpu-memory) the
+    largest of most, most // 2, ... 1 whose plan(args) fits the card (plan: the script's memory_plan with quiet=True;
+    one forward and backward for all of a step's rows when they fit, few large kernels rather than many small ones);
+    1 on a CPU, where smaller passes peak lower and run as fast."""
+    if getattr(args, name) is not None:
+        return args
+    value = 1
+    if args.gpu_memory is not None or torch.cuda.is_available():
+        value = max(most, 1)
+        while value > 1 and not plan(dataclasses.replace(args, **{name: value}))[1]:
+            value //= 2
+    return dataclasses.replace(args, **{name: value})
+
+
 def suggestion(knobs: list[tuple[str, object, object]], checkpointing: bool) -> str:
     """What to try, in the order the script lists its knobs (name, value, least): an int above `least` is halved;
     a knob left unset (None) whose `least` is a value suggests that value (e.g. quantization 4bit)."""
@@ -627,6 +667,7 @@ def plan_memory(
     extra: dict[str, int] | None = None,
     rows: list[dict] | None = None,
     reference_copy: bool = False,
+    quiet: bool = False,
 ) -> tuple[dict, bool]:
     """Print the plan of what the script declared (`phases`, its training state: LoRA or every weight, dropout off,
     `frozen_copies` of the LoRA such as a "ref" slot, `extra` lasting parts) with the model flags every script has
@@ -639,7 +680,8 @@ def plan_memory(
     `rows`, their tokenized examples (examples_bytes) and a `reference_copy` (a full fine-tune's starting weights kept
     in host memory, common.model.snapshot_ref) are lasting parts on a CPU run (the same RAM); on a GPU they are
     printed as host memory. --gpu-memory N: the plan for a CUDA card of N GiB, on any machine (bf16 under --dtype
-    auto, sdpa attention)."""
+    auto, sdpa attention). quiet: nothing printed or refused, checkpointing left as
+    given; returns (parts, whether the total fits the device) (fit_knob's question)"""
     card = args.gpu_memory
     if card is not None and not 0 < card <= 2**20:  # 1 PiB: past it int(card * GiB) overflows into Inf
         raise ArgsError(f"--gpu-memory {card}: must be a card's memory in GiB, > 0 and <= {2**20}")
@@ -653,7 +695,7 @@ def plan_memory(
         setup_chat_template(tokenizer, args.template)
     tokens = examples_bytes(rows or [], tokenizer)
     config = model_config(args.model, args.trust_remote_code)
-    if shipped_only(args.model):
+    if shipped_only(args.model) and not quiet:
         print(f"config: {args.model}'s config.json is not here, the hub is out of reach: its shipped architecture")
     on_card = card is not None and not torch.cuda.is_available()  # planned for a card this machine lacks
     dtype = "bf16" if on_card and args.dtype == "auto" else args.dtype
@@ -663,7 +705,7 @@ def plan_memory(
     copy //= world if args.fsdp else 1  # FSDP2: each rank keeps its shards of the reference
     if device == "cpu":
         extra = (extra or {}) | {"dataset rows": data, "dataset tokens": tokens, "reference weights (CPU copy)": copy}
-    if device == "cpu" and not args.plan and card is None:
+    if device == "cpu" and not args.plan and card is None and not quiet:
         steady_heap()  # the plan counts live tensors: RSS follows them only when freed blocks leave it
     lora_r = args.lora_r
     rate = args.lora_dropout
@@ -687,6 +729,8 @@ def plan_memory(
     ignore = args.ignore_memory_plan
     declared = phases_checkpointed if checkpointing and phases_checkpointed else phases
     parts = estimate(config, trained, declared, checkpointing, device, budget, extra)
+    if quiet:
+        return parts, parts["total"] <= budget
     if parts["total"] > budget and not checkpointing and not ignore:
         on = phases_checkpointed or phases
         fits = estimate(config, trained, on, True, device, budget, extra)

@@ -144,19 +144,37 @@ def peak_memory_gb() -> float:
 
 
 class PhaseTimer:
-    """Wall seconds per named phase of one step; a phase marked twice adds up."""
+    """Wall seconds per named phase of one step; a phase marked twice adds up. On a GPU the marks are CUDA events in
+    the device's queue, read once, in metrics(): a phase is charged the device's time from the previous mark to its
+    own, so work a phase launches and the device runs later is not charged to the next phase (where the host would
+    first wait for it), and a mark makes the host wait for nothing."""
 
     def __init__(self):
         self.start = self.last = time.perf_counter()
         self.seconds = {}
+        self.events = [(None, self._event())] if torch.cuda.is_initialized() else None
+
+    @staticmethod
+    def _event():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def mark(self, phase: str) -> None:
+        if self.events is not None:
+            self.events.append((phase, self._event()))
+            return
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now
 
     def metrics(self, tokens: int) -> dict:
         """A step's cost: peak memory so far, tokens per second since the timer started, seconds per phase."""
+        if self.events is not None:  # the step's one wait for the device, then the phases from its clock
+            self.events[-1][1].synchronize()
+            for (_, before), (phase, event) in zip(self.events, self.events[1:]):
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + before.elapsed_time(event) / 1000
+            self.events = [(None, self._event())]
         return {
             "memory/peak_gb": peak_memory_gb(),
             "perf/tokens_per_s": tokens / (time.perf_counter() - self.start),

@@ -40,12 +40,14 @@ HEAD_FILE = "reward_head.safetensors"
 CONFIG_FILE = "reward_config.json"
 
 
-def reward_logits(model, head, input_ids, attention_mask):
+def reward_logits(model, head, input_ids, attention_mask, right_padded: bool = False):
     """(B, K) = head(h), h = the backbone's final hidden state at each row's last real token: the mask's last 1, so
     right or left padding (not from pad ids: transformers' *ForSequenceClassification looks for the last token !=
-    pad_token_id, which is wrong when pad == eos). The LM head (B x T x vocab) is never computed."""
+    pad_token_id, which is wrong when pad == eos). The LM head (B x T x vocab) is never computed. right_padded (the
+    caller's rows, collate_sft's and concat_pairs'): under the causal mask a last real token sees no pad, so the
+    backbone runs without the padding mask (SDPA's causal path; transformers reads no mask values on the host)."""
     lm = unwrap(model)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    inputs = dict(input_ids=input_ids, attention_mask=None if right_padded else attention_mask, use_cache=False)
     if isinstance(lm, FSDPModule):  # sharded by FSDP2: the root's own forward gathers its weights (the head's too)
         hidden = decoder_hidden(lm, inputs)
     else:
@@ -217,8 +219,9 @@ def score_rows(scorer: RewardModel, rows: list[dict], batch_size: int = 16) -> t
         for i in range(0, len(ids), batch_size):
             chunk = [{"input_ids": x, "completion_mask": [1] * len(x)} for x in ids[i : i + batch_size]]
             batch = collate_sft(chunk, scorer.tokenizer.pad_token_id)
-            mask = batch["attention_mask"].to(device)
-            out.append(reward_logits(scorer.model, scorer.head, batch["input_ids"].to(device), mask).float().cpu())
+            mask = batch["attention_mask"].to(device, non_blocking=True)
+            ids = batch["input_ids"].to(device, non_blocking=True)
+            out.append(reward_logits(scorer.model, scorer.head, ids, mask, right_padded=True).float().cpu())
     return torch.cat(out)
 
 

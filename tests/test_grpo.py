@@ -139,6 +139,7 @@ def test_clip_ratio_min_max_skip_fully_masked_completions_as_trl():
     high = torch.zeros_like(low)
     stats = {}
     grpo.add_token_stats(stats, mask, None, torch.rand(3, 3), low, high)
+    grpo.read_token_stats(stats)
     metrics = grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)
     per_seq = lambda x: (x.float() * mask).sum(-1) / mask.sum(-1)  # noqa: E731  TRL's masked_seq_mean
     assert metrics["clip_ratio/low_min"] == nanmin(per_seq(low)).item() == pytest.approx(1 / 3)
@@ -146,6 +147,7 @@ def test_clip_ratio_min_max_skip_fully_masked_completions_as_trl():
     assert metrics["clip_ratio/low_mean"] == metrics["clip_ratio/region_mean"] == 3 / 5
     stats = {}
     grpo.add_token_stats(stats, torch.zeros(2, 2), None, torch.rand(2, 2), low[:2, :2], high[:2, :2])
+    grpo.read_token_stats(stats)
     assert math.isnan(grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)["clip_ratio/low_min"])  # TRL: NaN too
 
 
@@ -159,6 +161,7 @@ def test_clip_ratio_min_max_are_per_update_then_averaged_as_trl():
     stats = {}
     for low, high in ((half, half), (none, none), (none, none), (full, none)):  # update 1: mb 1, 2; update 2: 3, 4
         grpo.add_token_stats(stats, mask, None, torch.rand(2, 2), low, high)
+    grpo.read_token_stats(stats)
     metrics = grpo.update_metrics(stats, 0.0, [0.0, 0.0], 1.0, 1e-3)
     assert metrics["clip_ratio/high_max"] == (1.0 + 0.0) / 2  # update 1's max 1.0, update 2's 0.0
     assert metrics["clip_ratio/low_min"] == (0.0 + 0.0) / 2
@@ -166,6 +169,7 @@ def test_clip_ratio_min_max_are_per_update_then_averaged_as_trl():
     stats = {}
     for low, high in ((full, full), (half, none)):  # one micro-batch per update
         grpo.add_token_stats(stats, mask, None, torch.rand(2, 2), low, high)
+    grpo.read_token_stats(stats)
     metrics = grpo.update_metrics(stats, 0.0, [0.0, 0.0], 1.0, 1e-3)
     assert metrics["clip_ratio/low_min"] == (1.0 + 0.0) / 2 and metrics["clip_ratio/high_max"] == (1.0 + 0.0) / 2
 

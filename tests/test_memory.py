@@ -226,7 +226,7 @@ def test_dpo_reference_and_grpo_rollout_parts(monkeypatch, on_cpu):
     assert p["step: activations"] == estimate(CFG, Trained("fp32", None, 2), RIGHT, device="cpu")["step: activations"]
     g = plan_of(grpo, monkeypatch, **GRPO)
     # 6 rows x 11 positions x 2 layers x k, v of 4 x 4 bytes + prefill 3 x 5 x (16 + 48) x 4 + 6 x 32 x 4 x 2 logits;
-    # on a CPU in fp32 also the rollout's packed copy of every Linear weight (common.rollout.packed_linears): the
+    # on a CPU in fp32 also the rollout's packed copy of every Linear weight (common.rollout.merged_linears): the
     # decoder's linears (2 x 576) and the head (vocab 32 x H 8), 4 bytes each
     packed = (2 * 576 + 32 * 8) * 4
     assert g["rollout: KV cache + packed weights"] == 4224 + 3840 + 1536 + packed

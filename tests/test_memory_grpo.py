@@ -76,7 +76,7 @@ print("PLANNED", rollout_kernels(model_config({model!r}), Generate(8, 4, 32, 256
 
 @pytest.mark.skipif(
     platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available(),
-    reason="common.rollout.packed_linears packs on x86-64 with oneDNN only",
+    reason="common.rollout.merged_linears packs on x86-64 with oneDNN only",
 )
 def test_what_two_packed_rollouts_leave_resident_is_within_the_planned_part(tiny_model_dir):
     """The GRPO bench cases on the tiny model measured above their plan: after the first rollout the
