@@ -1,9 +1,11 @@
-"""Generation against its floor: one GRPO rollout's shapes through the HF engine's decode loop (common.rollout.decode),
-the same loop with --compile (static shapes, torch.compile mode="reduce-overhead": CUDA graphs on a GPU),
-transformers' model.generate (the engine before issue #30), the loop on the model's own forward every step instead of
-decoder_step (for the model types that have it), on a CPU the loop without its packed weights (each layer's own
-forward: MKL's matmuls, PEFT's unmerged LoRA) and, where vllm is installed, the vLLM engine; and that rollout's floor
-on the machine it runs on.
+"""Generation against its floor: one GRPO rollout's shapes through the HF engine's decode loop (common.rollout.decode:
+on a GPU static shapes and the step captured as a CUDA graph, on a CPU rows dropped as they end), transformers'
+model.generate (the engine before issue #30), the loop on the model's own forward every step instead of decoder_step
+(for the model types that have it), the loop without its merged weights (PEFT's unmerged LoRA; on a CPU each layer's
+own forward: MKL's matmuls), on a GPU the loop without the CUDA graph (the same kernels launched from Python) and
+with a CPU's shapes, and, where vllm is installed, the vLLM engine; and that rollout's floor on the machine it runs
+on. Each row also gives the milliseconds a decode step (the rollout over its longest completion) and, on a GPU, the
+host syncs of a rollout (torch.cuda.set_sync_debug_mode).
 
 Floor: each decode step must read every weight it uses once (the parameters' bytes; a tied head counted once) and
 the live rows' KV cache, and do 2 FLOPs per weight per live row plus attention's 4 x layers x heads x head_dim x
@@ -12,10 +14,10 @@ context; its floor is max(bytes / read bandwidth, FLOPs / matmul throughput), bo
 each step's live rows taken from our loop's own completion lengths, plus the prefill (each distinct prompt once:
 FLOPs, or one read of the weights, whichever is longer). Times: on a CPU the process's CPU seconds
 (time.process_time, steadier than wall time on a shared machine), on CUDA synchronised wall seconds; best of
---repeats for each engine, run alternately. compile's first call (compilation and capture) is reported on its own.
+--repeats for each engine, run alternately; the first rollout of each (capture, kernel selection) is not counted.
 
     OMP_NUM_THREADS=1 python bench/generation.py     # SmolLM2-135M + LoRA r16, 4 builtin math prompts x G 4, 64 tokens
-    python bench/generation.py --qwen-shapes --dtype bf16 --prompts 8 --group-size 4 --tokens 512 --compile
+    python bench/generation.py --qwen-shapes --dtype bf16 --prompts 8 --group-size 4 --tokens 512
 """
 
 import argparse
@@ -41,6 +43,24 @@ def clock(device):
         torch.cuda.synchronize()
         return time.perf_counter()
     return time.process_time()
+
+
+def host_syncs(fn):
+    """How many times fn() makes the host wait for the GPU (torch.cuda.set_sync_debug_mode); "n/a" on a CPU."""
+    import warnings
+
+    if not torch.cuda.is_available():
+        return "n/a"
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            torch.manual_seed(0)
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def best_of(fn, device, n=5) -> float:
@@ -122,8 +142,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--compile", action="store_true", help="also time the compiled loop (slow to compile on CPU)")
+    parser.add_argument("--only", nargs="*", default=None, help="these engines (names as in the table) only")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--md", default=None, help="also write the table to this Markdown file")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -141,37 +162,28 @@ def main():
         with torch.no_grad():
             return _model_generate(model, tokenizer, input_ids, attention_mask, G, eos, args.tokens, sampling)
 
-    def ours(compile=False, pack=True, own_step=True):
-        return hf_generate(
-            model,
-            tokenizer,
-            prompts,
-            G,
-            **sampling,
-            max_new_tokens=args.tokens,
-            compile=compile,
-            pack=pack,
-            own_step=own_step,
-        )
-
-    def compiled():
-        return ours(compile=True)
+    def ours(**kw):
+        return hf_generate(model, tokenizer, prompts, G, **sampling, max_new_tokens=args.tokens, **kw)
 
     engines = {"model.generate": generate, "decode": ours}
+    if device.type == "cuda":  # the same loop's kernels launched from Python every step; a CPU's shapes
+        engines["decode, no CUDA graph"] = lambda: ours(cuda_graph=False)
+        engines["decode, a CPU's shapes"] = lambda: ours(static=False)
     if unwrap(model).config.model_type in DECODER_STEP_MODELS:  # the same loop on the model's forward every step
         engines["decode, model forward"] = lambda: ours(own_step=False)
-    if device.type == "cpu":  # the same loop on each layer's own forward (MKL's matmuls, PEFT's unmerged LoRA)
-        engines["decode, unpacked"] = lambda: ours(pack=False)
+    engines["decode, unmerged"] = lambda: ours(merge=False)  # PEFT's LoRA forward (a CPU: MKL's matmuls too)
+    if args.only:
+        engines = {n: fn for n, fn in engines.items() if n in args.only or n in ("decode", "model.generate")}
     results = {}
-    if args.compile:
-        # a compiler failure on a new machine is a finding, not the end of the bench: the row says what failed
+    failed = {}
+    for name, fn in list(engines.items()):  # warm-up (capture, kernel selection), and a failure is a finding
         try:
-            start = clock(device)
-            compiled()
-            results["decode --compile, first call"] = clock(device) - start
-            engines["decode --compile"] = compiled
+            torch.manual_seed(0)
+            fn()
         except Exception as e:
-            results["decode --compile"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            failed[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            del engines[name]
+    results |= failed
     if importlib.util.find_spec("vllm") is None:
         results["vllm"] = "not installed"
     else:
@@ -184,7 +196,8 @@ def main():
             engine = VLLMEngine(path, model, tokenizer, 0.3, 512 + args.tokens, dtype, None, 0, 0.1)
             engines["vllm"] = lambda: engine.generate(prompts, G, max_new_tokens=args.tokens, **sampling)
     torch.manual_seed(0)
-    lengths = [len(c) for c in engines["decode"]()["completion_ids"]]  # warm-up, and the live rows per step
+    lengths = [len(c) for c in engines["decode"]()["completion_ids"]]  # the live rows per step
+    syncs = {name: host_syncs(fn) for name, fn in engines.items()}
     times = {name: [] for name in engines}
     for _ in range(args.repeats):
         for name, fn in engines.items():
@@ -203,16 +216,23 @@ def main():
         f"{sum(lengths) / len(lengths):.1f}; bandwidth {speed['bandwidth_gb_s']:.1f} GB/s, matmul "
         f"{speed['matmul_gflop_s']:.0f} GFLOP/s; floor {floor:.2f} {unit}",
         "",
-        f"| engine | {unit} per rollout (best of {args.repeats}) | / floor | / model.generate |",
-        "|---|---:|---:|---:|",
+        f"| engine | {unit} per rollout (best of {args.repeats}) | ms a decode step | / floor | / model.generate | "
+        "host syncs a rollout |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     base = min(times["model.generate"])
     for name, t in times.items():
-        lines.append(f"| {name} | {min(t):.2f} | {min(t) / floor:.1f} | {min(t) / base:.2f} |")
+        ms = 1000 * min(t) / max(lengths)
+        lines.append(
+            f"| {name} | {min(t):.2f} | {ms:.1f} | {min(t) / floor:.1f} | {min(t) / base:.2f} | {syncs[name]} |"
+        )
     for name, value in results.items():
         shown = f"{value:.1f} {unit}" if isinstance(value, float) else value
         lines.append(f"| {name} | {shown} | | |")
     print("\n".join(lines))
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write("\n".join(lines) + "\n")
     if args.json:
         record = {"args": vars(args), "machine": speed, "floor": floor, "lengths": lengths, "times": times}
         with open(args.json, "w") as f:

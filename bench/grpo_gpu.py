@@ -271,6 +271,7 @@ def main():
     parser.add_argument("--completion-len", type=int, default=1024)
     parser.add_argument("--dry-run", action="store_true", help="tiny model, 16+16 tokens: exercises the code on CPU")
     parser.add_argument("--out", default="outputs/bench_grpo_gpu")
+    parser.add_argument("--md", default=None, help="also write the table to this Markdown file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.dry_run:
@@ -308,16 +309,21 @@ def main():
             env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"},
         )
         if proc.returncode != 0:
-            sys.exit(f"{side} failed:\n{proc.stderr[-4000:]}")
+            print(f"{side} failed:\n{proc.stderr[-4000:]}", flush=True)
+            continue  # the other side's figures still come back
         results[side] = summary(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(f"{side}: {results[side]} ({time.perf_counter() - t0:.0f} s with start-up)", flush=True)
     md = markdown(results, args)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results_gpu.md"), "w") as f:
-        f.write(md)
+    for path in (os.path.join(args.out, "results_gpu.md"), args.md):
+        if path:
+            with open(path, "w") as f:
+                f.write(md)
     with open(os.path.join(args.out, "results_gpu.json"), "w") as f:  # for bench/gpu_check.sh's table
         json.dump(results, f, indent=1)
     print(md)
+    if len(results) < (2 if args.side == "both" else 1):
+        sys.exit(1)
 
 
 def markdown(results: dict, args) -> str:

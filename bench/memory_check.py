@@ -299,6 +299,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="case names to run (e.g. dpo-smollm2-2)")
     ap.add_argument("--gpu", action="store_true", help="random Qwen2.5-1.5B in bf16 on CUDA (see above)")
     ap.add_argument("--tiny", action="store_true", help="with --gpu: cut-down shapes on a CPU (dry run)")
+    ap.add_argument("--qwen-dir", help="with --gpu: the random model bench/qwen_shapes.py wrote there (else written)")
     ap.add_argument("--checkpointing", action="store_true", help="every case with --gradient-checkpointing")
     ap.add_argument("--full", action="store_true", help="sft and dpo cases with --no-use-lora (grpo's are skipped)")
     ap.add_argument("--md", help="also write the table to this file")
@@ -320,7 +321,8 @@ def main() -> None:
         from bench.qwen_shapes import QWEN25_15B, TINY, write_random_qwen
 
         name = "qwen-tiny-shapes" if cli.tiny else "qwen2.5-1.5b-random"
-        paths = {name: write_random_qwen(os.path.join(tmp, name), TINY if cli.tiny else QWEN25_15B)}
+        shapes = TINY if cli.tiny else QWEN25_15B
+        paths = {name: cli.qwen_dir or write_random_qwen(os.path.join(tmp, name), shapes)}
         cases = {(s, name): ((b,), n) for s, (b, n) in (GPU_TINY if cli.tiny else GPU_CASES).items()}
     else:
         paths = {"tiny": write_tiny(os.path.join(tmp, "tiny")), "smollm2": "smollm2-135m"}

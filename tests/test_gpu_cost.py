@@ -300,3 +300,23 @@ def test_a_micro_batch_reads_the_host_once_a_pass(script, tiny_model_dir, tmp_pa
         reads[ga] = counts.syncs
     print(f"{script}: host reads in 2 steps, 1 micro-batch a step {reads[1]}, 2 a step {reads[2]}")
     assert reads[2] - reads[1] <= 2 * PASSES[script]
+
+
+def test_the_gpu_check_dry_run_returns_every_stages_table(tmp_path):
+    """bench/gpu_check.sh --dry-run: every stage of the device check (setup, quick, headline, ours against TRL,
+    generation, memory) runs cut down on this CPU and appends its table to gpu_check.md, in at most 8 files (what the
+    device tool returns)."""
+    import os
+    import subprocess
+
+    out = tmp_path / "gpu_check"
+    env = dict(os.environ, OUT=str(out), OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], capture_output=True, text=True, env=env,
+                          timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = (out / "gpu_check.md").read_text()
+    for stage in ("quick", "headline", "trl", "generation", "memory"):
+        assert f"## {stage}: exit 0" in summary, summary
+    assert "| tiny, 2 x 2 x 32 tokens, 2 steps |" in summary and "| ours / TRL |" in summary
+    assert "| decode |" in summary and "| grpo | qwen-tiny-shapes |" in summary
+    assert len(os.listdir(out)) <= 8, os.listdir(out)

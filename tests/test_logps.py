@@ -677,3 +677,58 @@ def test_aggregate_loss_micro_batches_equal_one_batch(loss_type):
         trl = trl_compute_loss(per_token_loss(r), mask[r], loss_type, 6, 2, mask.sum().float())
         ours = dict(step, num_items=mask[r].sum() * 2) if loss_type == "bnpo" else step
         torch.testing.assert_close(aggregate_loss(per_token_loss(r), mask[r], loss_type, **ours), trl)
+
+
+# ------------------------------------------------------------------------------------ a GPU's shapes (BUCKETS)
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_a_gpus_one_bucketed_pass_scores_what_length_groups_score(padding_side, monkeypatch):
+    """On a GPU (common.model.BUCKETS) a padded batch runs as one pass, its width rounded up to the bucket with
+    columns that score nothing: the same log-probs, entropies and LoRA gradients as the CPU's length groups."""
+    model = lora_model()
+    input_ids, attention_mask, logps_mask, _ = batch([30, 4, 29, 5], padding_side)
+    out = {}
+    for bucket in (1, 16):
+        monkeypatch.setitem(common.model.BUCKETS, "cpu", bucket)
+        seen = []
+        embeddings = model.get_input_embeddings()
+        hook = embeddings.register_forward_hook(lambda m, args, o: seen.append(tuple(args[0].shape)))
+        logps, entropy = sequence_logps(model, input_ids, attention_mask, logps_mask, return_entropy=True)
+        hook.remove()
+        lora = [p for p in model.parameters() if p.requires_grad]
+        out[bucket] = (seen, logps, entropy, torch.autograd.grad(logps.sum(), lora))
+    assert sorted(out[1][0]) == [(2, 5), (2, 30)] and out[16][0] == [(4, 32)]
+    assert out[16][1].shape == input_ids.shape
+    for cpu, gpu in zip(out[1][1:3] + out[1][3], out[16][1:3] + out[16][3], strict=True):
+        torch.testing.assert_close(gpu, cpu, atol=1e-5, rtol=1e-4)
+
+
+def test_a_gpus_bucketed_packed_rows_score_what_the_unbucketed_ones_score(monkeypatch):
+    """Packed rows (position_ids restarting per document, no attention mask) on a GPU: the added columns are one
+    more document that scores nothing."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, VOCAB, (2, 13), generator=g)
+    position_ids = torch.tensor([list(range(5)) + list(range(8)), list(range(13))])
+    logps_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        plain = sequence_logps(model, input_ids, None, logps_mask, position_ids)
+        monkeypatch.setitem(common.model.BUCKETS, "cpu", 16)
+        bucketed = sequence_logps(model, input_ids, None, logps_mask, position_ids)
+    torch.testing.assert_close(bucketed, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_a_gpus_bucketed_grouped_pass_scores_what_the_unshared_rows_score(monkeypatch):
+    """grpo's grouped pass on a GPU: prompts left-padded and completions right-padded to the bucket, the prompts'
+    4D mask, the completion tokens picked by positions the host computed: the unshared rows' numbers, gradients
+    included."""
+    monkeypatch.setitem(common.model.BUCKETS, "cpu", 8)
+    model, G = lora_model("qwen2"), 3
+    prompts, completions = grouped_case(G, seed=1)
+    logps, mask, entropy = grouped_completion_logps(model, prompts, completions, G, 0, 0.8, return_entropy=True)
+    ref, ref_entropy = unshared_logps(model, prompts, completions, G, 0.8, entropy=True)
+    assert mask.tolist() == [[1] * len(c) + [0] * (logps.shape[1] - len(c)) for c in completions]
+    torch.testing.assert_close(logps, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    for a, r in zip(torch.autograd.grad(logps.sum(), lora), torch.autograd.grad(ref.sum(), lora), strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
