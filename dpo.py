@@ -34,19 +34,14 @@ import torch.nn.functional as F
 import tyro
 from transformers import DynamicCache, get_scheduler
 
-from common.data import concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset, training_steps
+from common.data import micro_batch, setup_chat_template
+from common.completions import concat_pairs, load_splits, tokenize_dataset, training_steps
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
-from common.distributed import init_distributed, rank_micro_batches, shard_model
+from common.distributed import init_distributed, shard_model
+from common.completions import rank_micro_batches
 from common.errors import ArgsError
-from common.model import (
-    BUCKETS,
-    as_reference,
-    attach_lora,
-    cache_kwarg,
-    chunked_logps,
-    completion_logps,
-    disable_dropout,
-)
+from common.model import BUCKETS, as_reference, attach_lora, cache_kwarg, chunked_logps
+from common.completions import completion_logps, disable_dropout
 from common.model import load_model, masked_mean, masked_sum, shares_prompt_pass
 from common.model import save_final, seed_everything, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit

@@ -40,12 +40,15 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_prompt_completion, load_rows, micro_batch, setup_chat_template, tokenize_dataset
-from common.data import training_steps, validate_rows
+from common.data import concat_prompt_completion, load_rows, micro_batch, setup_chat_template
+from common.completions import tokenize_dataset
+from common.completions import training_steps, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
-from common.distributed import init_distributed, rank_micro_batches, shard_model
+from common.distributed import init_distributed, shard_model
+from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
-from common.model import as_reference, attach_lora, completion_logps, disable_dropout, load_model, save_final
+from common.model import as_reference, attach_lora, load_model, save_final
+from common.completions import completion_logps, disable_dropout
 from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
 

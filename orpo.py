@@ -29,11 +29,14 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler
 
-from common.data import concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset, training_steps
+from common.data import micro_batch, setup_chat_template
+from common.completions import concat_pairs, load_splits, tokenize_dataset, training_steps
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
-from common.distributed import init_distributed, rank_micro_batches, shard_model
+from common.distributed import init_distributed, shard_model
+from common.completions import rank_micro_batches
 from common.errors import ArgsError
-from common.model import attach_lora, disable_dropout, load_model, masked_mean, save_final, seed_everything
+from common.model import attach_lora, load_model, masked_mean, save_final, seed_everything
+from common.completions import disable_dropout
 from common.model import sequence_logps, trainable_parameters
 from common.model import adamw_8bit
 

@@ -41,13 +41,16 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-from common.data import collate_sft, concat_pairs, dataset_label, load_rows, micro_batch, setup_chat_template
-from common.data import tokenize_dataset, training_steps, validate_rows
+from common.data import dataset_label, load_rows, micro_batch, setup_chat_template
+from common.completions import collate_sft, concat_pairs
+from common.completions import tokenize_dataset, training_steps, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, broadcast, close_distributed
 from common.distributed import gathered, gathered_state, init_distributed, is_sharded, rank_and_world
-from common.distributed import rank_micro_batches, shard_model
+from common.distributed import shard_model
+from common.completions import rank_micro_batches
 from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
-from common.model import adamw_8bit, attach_lora, check_finite, completion_logps, disable_dropout, load_model
+from common.model import adamw_8bit, attach_lora, check_finite, load_model
+from common.completions import completion_logps, disable_dropout
 from common.model import save_final, save_weights, seed_everything, sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate

@@ -33,12 +33,15 @@ import tyro
 from torch.distributed.tensor import DTensor
 from transformers import get_scheduler
 
-from common.data import collate_sft, concat_pairs, load_splits, micro_batch, setup_chat_template, tokenize_dataset
-from common.data import training_steps
+from common.data import micro_batch, setup_chat_template
+from common.completions import collate_sft, concat_pairs, load_splits, tokenize_dataset
+from common.completions import training_steps
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
-from common.distributed import init_distributed, rank_micro_batches, shard_model
+from common.distributed import init_distributed, shard_model
+from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
-from common.model import attach_lora, disable_dropout, load_model, save_final, seed_everything, trainable_parameters
+from common.model import attach_lora, load_model, save_final, seed_everything, trainable_parameters
+from common.completions import disable_dropout
 from common.model import unwrap
 from common.model import adamw_8bit
 

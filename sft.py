@@ -29,10 +29,13 @@ import torch
 import tyro
 from transformers import get_scheduler
 
-from common.data import bad_field, collate_sft, load_splits, micro_batch, need, pad_batch, setup_chat_template
-from common.data import sharegpt_row, tokenize_dataset, training_steps, without
+from common.data import bad_field, micro_batch, need, pad_batch, setup_chat_template
+from common.completions import collate_sft, load_splits
+from common.data import without
+from common.completions import sharegpt_row, tokenize_dataset, training_steps
 from common.distributed import all_sum, any_rank, average_gradients, close_distributed, init_distributed
-from common.distributed import rank_micro_batches, shard_model
+from common.distributed import shard_model
+from common.completions import rank_micro_batches
 from common.errors import ArgsError
 from common.model import attach_lora, load_model, save_final, seed_everything, sequence_logps, trainable_parameters
 from common.model import adamw_8bit

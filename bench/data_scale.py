@@ -18,7 +18,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from common.data import load_rows, setup_chat_template, tokenize_dataset, validate_rows
+from common.data import load_rows, setup_chat_template
+from common.completions import tokenize_dataset, validate_rows
 from harness.memory import examples_bytes, local_tokenizer, rows_bytes
 from sft import alpaca_row
 

@@ -31,7 +31,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.data import load_rows, pad_batch, setup_chat_template, tokenize_dataset
+from common.data import load_rows, pad_batch, setup_chat_template
+from common.completions import tokenize_dataset
 from common.model import attach_lora, load_model, unwrap
 from common.rollout import DECODER_STEP_MODELS, _model_generate, eos_ids, hf_generate
 from plugins.builtin_math import builtin_rows

@@ -15,7 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for common/
 
-from common.data import load_rows, validate_rows
+from common.data import load_rows
+from common.completions import validate_rows
 from common.rewards import check_reward_fields, load_reward_funcs, math_reward
 from plugins.builtin_math import builtin_rows
 from tests.math_cases import CASES

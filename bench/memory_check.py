@@ -200,7 +200,8 @@ def near_full_rows(args, script: str, folder: str) -> str:
     and all-head k, v) and ~max_length long; rows far shorter would run as a group of their own and take less."""
     from transformers import AutoTokenizer
 
-    from common.data import setup_chat_template, tokenize_dataset, validate_rows
+    from common.data import setup_chat_template
+    from common.completions import tokenize_dataset, validate_rows
     from harness.hub import locate_model
 
     tokenizer = AutoTokenizer.from_pretrained(locate_model(args.model))
@@ -246,7 +247,8 @@ def child(spec: dict) -> None:
     import torch.utils.tensorboard
     import transformers  # noqa: F401
 
-    from common.data import load_rows, setup_chat_template, tokenize_dataset, validate_rows
+    from common.data import load_rows, setup_chat_template
+    from common.completions import tokenize_dataset, validate_rows
     from harness import memory
     from harness.cli import resolve_preset
     from harness.hub import locate_model

@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for common/
 
 import grpo
-from common.data import load_rows, setup_chat_template, validate_rows
+from common.data import load_rows, setup_chat_template
+from common.completions import validate_rows
 from common.model import attach_lora, load_model
 from harness.hub import locate_model
 from plugins.builtin_math import builtin_rows

@@ -21,7 +21,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.data import concat_prompt_completion, load_rows, setup_chat_template, tokenize_dataset
+from common.data import concat_prompt_completion, load_rows, setup_chat_template
+from common.completions import tokenize_dataset
 from common.model import attach_lora, load_model, sequence_logps
 from harness.hub import locate_model
 from plugins.builtin_math import builtin_rows

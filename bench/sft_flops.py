@@ -31,7 +31,8 @@ def main():
     from transformers import AutoTokenizer
 
     from bench.vs_trl import PRESETS, preset_rows
-    from common.data import micro_batch, setup_chat_template, tokenize_dataset
+    from common.data import micro_batch, setup_chat_template
+    from common.completions import tokenize_dataset
     from common.model import length_groups
     from harness.hub import locate_model
     from harness.memory import model_config, param_counts

@@ -1,20 +1,10 @@
-"""Data for every script: load rows, convert common layouts, validate before any model loads, render chat
-templates, tokenize with loss masks, pad and pack. Row formats are TRL's, "standard" (strings) or "conversational"
-(lists of {role, content}):
-  supervised {prompt, completion} | {messages} | {text};  prompt {prompt, ...extra fields such as answer}
-  prompt rows may also be {question, answer} (GSM8K's layout, hub openai/gsm8k:main or its JSONL files alike):
-    validate_rows turns them into {prompt, answer: the number after '####', solution} (question_row)
-  preference {prompt, chosen, rejected}; with no prompt, chosen and rejected's shared start becomes it (as TRL)
-  supervised and preference rows in ShareGPT's layout ({conversations: [{from, value}]}) go through sharegpt_row
-  binary {prompt, completion, label: bool}; validate_rows also splits {messages, label} (LLaMA-Factory's and many
-    hub KTO sets' layout): the last, assistant, message becomes the completion
-Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages.
-Truncation: supervised rows keep the start (TRL's "keep_start"). preference/binary keep the END of the prompt
-(max_prompt_length, TRL's former "keep_end"), then cut completions from the right to fit max_length
-(max_prompt_length=None: TRL's default). A row whose completion would be cut away is dropped, never trained as a
-silent zero loss. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated: that would cut the question
-and the chat header, and rewards would score answers to a question the model never saw (TRL's GRPO does not
-truncate prompts). Drops get one warning: count + first locations.
+"""Data for every script: load rows, validate them before any model loads, render chat templates, tokenize prompts,
+pad and batch. Row formats are TRL's, "standard" (strings) or "conversational" (lists of {role, content}); prompt
+rows are {prompt, ...extra fields such as answer}, or {question, answer} (GSM8K's layout), which validate_rows turns
+into {prompt, answer: the number after '####', solution} (question_row). Rows with a completion (supervised,
+preference, binary) are common.completions'. Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" /
+"org/set:[3]" = index) for error messages. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated
+(TRL's GRPO does not truncate prompts), with one warning: count + first locations.
 Chat templates: `setup_chat_template` keeps a tokenizer's own template or installs a built-in one (ChatML, Qwen,
 Llama 3), and makes the template's end-of-turn token the tokenizer's eos (as TRL's clone_chat_template does), so one
 id means "stop" for generation, closes standard completions, and is in every completion's loss mask.
@@ -32,7 +22,7 @@ import warnings
 import jinja2
 import torch
 
-from common.errors import ArgsError, DataError
+from common.errors import DataError
 
 MAX_SHOWN = 5  # bad rows listed in one error, and locations listed in one warning
 
@@ -178,36 +168,6 @@ def load_rows(spec: str, split: str = "train", convert=None, builtin=None) -> li
     return rows
 
 
-def load_splits(
-    dataset: str,
-    dataset_split: str,
-    eval_split: str | None,
-    kind: str,
-    eval_steps: int = 0,
-    convert=None,
-    builtin=None,
-    convert_flag: str | None = None,
-) -> tuple[list[dict], list[dict]]:
-    """(dataset_split rows, eval_split rows or []) of `dataset`, validated as `kind`. A local file or a saved
-    Dataset has no splits (load_rows reads all of it whatever the split): its eval_split may only be dataset_split.
-    eval_steps > 0 needs an eval_split (TRL refuses eval_strategy="steps" without an eval_dataset).
-    `convert_flag`: the caller's option that converts a known layout on load (validate_rows names it)."""
-    if eval_steps and eval_split is None:
-        raise ArgsError(f"--eval-steps {eval_steps}: there is nothing to evaluate without --eval-split")
-    path = pathlib.Path(dataset)
-    one = "one file" if path.is_file() else "a saved Dataset" if path.is_dir() else None
-    has_splits = (path / "dataset_dict.json").is_file()
-    if eval_split not in (None, dataset_split) and one and not has_splits:
-        raise ArgsError(
-            f"--eval-split {eval_split}: {dataset} is {one} with no splits (all of it is the training "
-            f"data); leave --eval-split unset, or pass {dataset_split} to evaluate on the training rows"
-        )
-    rows = validate_rows(load_rows(dataset, dataset_split, convert=convert, builtin=builtin), kind, convert_flag)
-    if eval_split is None:
-        return rows, []
-    return rows, validate_rows(load_rows(dataset, eval_split, convert=convert, builtin=builtin), kind, convert_flag)
-
-
 # -------------------------------------------------------------------------------------------------- converters
 def need(row: dict, field: str, kind: type) -> object:
     if not isinstance(row.get(field), kind):
@@ -223,26 +183,6 @@ def need(row: dict, field: str, kind: type) -> object:
 
 def without(row: dict, *drop: str) -> dict:
     return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
-
-
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-
-
-def _sharegpt_message(row: dict, field: str, turn: object) -> dict:
-    if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
-        bad_field(row, field, f"expected {{from: one of {sorted(SHAREGPT_ROLES)}, value: str}}, got {str(turn)[:80]}")
-    return {"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]}
-
-
-def sharegpt_row(row: dict) -> dict:
-    """{conversations: [{from, value}]} -> {messages}; with chosen/rejected {from, value} turns it is a preference row
-    whose prompt is the conversation. A `system` column becomes a leading system message (LLaMA-Factory's layout)."""
-    messages = [_sharegpt_message(row, "conversations", t) for t in need(row, "conversations", list)]
-    messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + messages
-    if "chosen" not in row and "rejected" not in row:
-        return without(row, "conversations", "system") | {"messages": messages}
-    pair = {k: [_sharegpt_message(row, k, row.get(k))] for k in ("chosen", "rejected")}
-    return without(row, "conversations", "system") | {"prompt": messages} | pair
 
 
 # ----------------------------------------------------------------------------------------------- GSM8K layout
@@ -280,90 +220,14 @@ def _text_problem(value: object, may_be_empty: bool) -> str | None:
     return None if may_be_empty or text.strip() else "is empty"
 
 
-def _extract_prompt(chosen, rejected):
-    """TRL's implicit prompt: the longest shared start (messages, or characters) of chosen and rejected."""
-    n = _common_prefix(chosen, rejected)
-    if isinstance(chosen, str) and n > 0 and chosen[n - 1] == " ":
-        n -= 1  # as TRL: the space before the answers stays with the answers
-    return chosen[:n], chosen[n:], rejected[n:]
-
-
-def _check_row(row: dict, kind: str) -> dict:
-    # Normalise first: ShareGPT rows (LLaMA-Factory's layout, read without any --convert), implicit-prompt
-    # preference rows and {messages, label} binary rows into TRL's form.
-    if (
-        kind in ("supervised", "preference")
-        and "conversations" in row
-        and not {"prompt", "messages", "text"} & row.keys()
-    ):
-        row = sharegpt_row(row)
-    if (
-        kind == "preference"
-        and "prompt" not in row
-        and isinstance(row.get("chosen"), (str, list))
-        and type(row.get("rejected")) is type(row["chosen"])
-    ):
-        row = row | dict(zip(("prompt", "chosen", "rejected"), _extract_prompt(row["chosen"], row["rejected"])))
-        if not (row["chosen"] and row["rejected"]):  # one answer is the other's start: all of it went to the prompt
-            side, other = ("chosen", "rejected") if not row["chosen"] else ("rejected", "chosen")
-            how = f"equals '{other}'" if row[side] == row[other] else f"is the start of '{other}'"
-            why = "so no prompt can be split off their shared start: add a 'prompt' field"
-            bad_field(row, side, f"{how} and the row has no 'prompt', {why}")
-    if kind == "binary" and "messages" in row and "prompt" not in row and "completion" not in row:
-        msgs = row["messages"]
-        if not (
-            isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant"
-        ):
-            bad_field(row, "messages", "the last message must be an assistant turn (it becomes the completion)")
-        row = without(row, "messages") | {"prompt": msgs[:-1], "completion": msgs[-1:]}
-    if kind == "prompt" and "prompt" not in row and "question" in row:
+def _check_prompt_row(row: dict) -> dict:
+    if "prompt" not in row and "question" in row:
         row = question_row(row)
-    # (field, may be empty); an SFT row uses whichever of its three layouts it has
-    fields = {
-        "preference": [("prompt", True), ("chosen", False), ("rejected", False)],
-        "binary": [("prompt", True), ("completion", False)],
-        "prompt": [("prompt", False)],
-        "supervised": [("messages", False)]
-        if "messages" in row
-        else [("text", False)]
-        if "text" in row
-        else [("prompt", True), ("completion", False)],
-    }[kind]
-    for field, may_be_empty in fields:
-        if field not in row:
-            hint = "; supervised rows need {prompt, completion}, {messages} or {text}" if kind == "supervised" else ""
-            bad_field(row, field, f"missing{hint} (row has: {_columns(row)})")
-        # {messages} is a chat, {text} plain text (TRL's language modelling rows): only prompt/completion may be either
-        only = {"messages": list, "text": str}.get(field)
-        if only and not isinstance(row[field], only):
-            what = "a list of {role, content} messages" if only is list else "a string"
-            bad_field(row, field, f"must be {what}, got {type(row[field]).__name__}")
-        problem = _text_problem(row[field], may_be_empty)
-        if problem:
-            bad_field(row, field, problem)
-        first = row[fields[0][0]]
-        if isinstance(row[field], list) != isinstance(first, list):  # apply_chat_template or plain text, not both
-            bad_field(
-                row,
-                field,
-                f"is a {type(row[field]).__name__} but '{fields[0][0]}' is a {type(first).__name__}: "
-                "use strings for all fields or message lists for all",
-            )
-    if fields[0][0] == "messages":
-        if not any(m["role"] == "assistant" and m["content"].strip() for m in row["messages"]):
-            bad_field(row, "messages", "has no assistant turn with content, so there is nothing to learn")
-        if row["messages"][0]["role"] == "assistant":
-            bad_field(
-                row, "messages", "starts with an assistant turn, which answers nothing (add the user turn before it)"
-            )
-    if kind == "binary" and type(row.get("label")) is not bool:  # 1, "true", None are not labels: say so, no guessing
-        bad_field(
-            row,
-            "label",
-            f"must be a JSON boolean (true/false), got {type(row['label']).__name__} {row['label']!r}"
-            if "label" in row
-            else "missing",
-        )
+    if "prompt" not in row:
+        bad_field(row, "prompt", f"missing (row has: {_columns(row)})")
+    problem = _text_problem(row["prompt"], False)
+    if problem:
+        bad_field(row, "prompt", problem)
     return row
 
 
@@ -374,17 +238,14 @@ KNOWN_LAYOUTS = {
 }
 
 
-def validate_rows(rows: list[dict], kind: str, convert_flag: str | None = None) -> list[dict]:
-    """Check rows of kind "supervised" | "preference" | "binary" | "prompt" before any model loads; returns them
-    normalised (implicit prompts extracted, {messages, label} split, {question, answer} rows through question_row).
-    Raises one DataError listing the first bad rows, and when the rows are in a known other layout how to convert
-    them: with the caller's `convert_flag` ("--convert": the option's name) and the layout's name, or in the file."""
-    if kind not in ("supervised", "preference", "binary", "prompt"):
-        raise ValueError(f"unknown data kind {kind!r}")
+def validate_rows(rows: list[dict], kind: str = "prompt", convert_flag: str | None = None, check=_check_prompt_row):
+    """Check rows of `kind` with `check` (a row -> the row normalised, or DataError) before any model loads. Raises
+    one DataError listing the first bad rows, and when the rows are in a known other layout how to convert them: with
+    the caller's `convert_flag` ("--convert": the option's name) and the layout's name, or in the file."""
     if not rows:
         raise DataError(f"no rows to validate for {kind} data")
     try:
-        rows = map_rows(rows, lambda row: _check_row(row, kind), f"{kind} data")
+        return map_rows(rows, check, f"{kind} data")
     except DataError as e:
         columns = rows[0].keys() - {"_loc"}
         layout = next((k for k, (need, may) in KNOWN_LAYOUTS.items() if need <= columns <= need | may), None)
@@ -394,22 +255,6 @@ def validate_rows(rows: list[dict], kind: str, convert_flag: str | None = None) 
         raise DataError(
             f"{e}\n  the rows are in {layout}'s layout ({', '.join(sorted(columns))}), not TRL's: {how}"
         ) from None
-    same = [r.get("_loc") for r in rows if kind == "preference" and r["chosen"] == r["rejected"]]
-    if same:
-        warnings.warn(
-            f"{len(same)} of {len(rows)} preference rows have chosen == rejected ({_first(same)}). They are "
-            "kept, but their pairwise loss term is constant (ln 2 for sigmoid DPO) with zero gradient, so "
-            "they only dilute each batch: remove them unless that is intended."
-        )
-    labels = {r["label"] for r in rows} if kind == "binary" else set()
-    if len(labels) == 1:
-        label = labels.pop()
-        side = "desirable" if label else "undesirable"
-        warnings.warn(
-            f"all {len(rows)} binary rows are labelled {label}: KTO needs desirable (true) and undesirable "
-            f"(false) examples. Training still runs, but only the {side} half of the loss has signal."
-        )
-    return rows
 
 
 # ------------------------------------------------------------------------------------------------- templates
@@ -559,178 +404,35 @@ def _encode_texts(tokenizer, texts: list[tuple[str, bool]]) -> list[list[int]]:
     return [ids[key] for key in texts]
 
 
-def _common_prefix(a: list | str, b: list | str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def _through_last(ids: list[int], token_id: int) -> list[int]:
-    # Up to and including the last end-of-turn token: what a template writes after it (ChatML's "\n") is dropped, as
-    # generation stops at the end-of-turn, so trained completions end there too.
-    return ids[: max((i + 1 for i, t in enumerate(ids) if t == token_id), default=len(ids))]
-
-
-def _check_prefix(prefix: str, text: str, loc: str):
-    if not text.startswith(prefix):
-        raise DataError(
-            f"{loc}: the chat template renders this chat's start differently when more turns follow (no "
-            "prefix property, e.g. it rewrites earlier turns), so the assistant tokens can't be found. Use "
-            "a built-in template (--template chatml) or one that renders each turn the same way."
-        )
-
-
-def _pair_texts(tokenizer, prompt, completion, loc: str) -> list[tuple[str, bool]]:
-    """The prompt's text and prompt + completion's, as _split reads their ids."""
-    if isinstance(prompt, list):
-        prompt_text, text = _chat(tokenizer, prompt, True), _chat(tokenizer, prompt + completion)
-        _check_prefix(prompt_text, text, loc)
-        return [(prompt_text, False), (text, False)]
-    return [(prompt, True), (prompt + completion, True)]
-
-
-def _split(tokenizer, prompt_ids: list[int], full: list[int], standard: bool) -> tuple[list[int], list[int]]:
-    """(prompt ids, completion ids) from the ids of _pair_texts; the completion ends with its end-of-turn
-    (conversational) or EOS (standard)."""
-    eos = tokenizer.eos_token_id
-    # TRL appends the eos string to standard completions; we append its id (one token even if eos isn't special).
-    if standard:
-        full = full if full[-1:] == [eos] else full + [eos]
-    # As TRL: the completion starts where the prompt's tokens and prompt+completion's first differ; that is right
-    # after the prompt unless BPE merged tokens across the boundary (standard rows, e.g. "The sky is" + " blue").
-    n = _common_prefix(prompt_ids, full)
-    return prompt_ids[:n], _through_last(full[n:], eos)
-
-
-def _messages_texts(tokenizer, messages: list[dict], loc: str) -> list[tuple[str, bool]]:
-    """The whole chat, then for each assistant turn the chat before it (with the generation prompt) and through it;
-    both must be prefixes of the whole render."""
-    text = _chat(tokenizer, messages)
-    texts = [(text, False)]
-    for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
-        before, through = _chat(tokenizer, messages[:i], True), _chat(tokenizer, messages[: i + 1])
-        _check_prefix(before, text, loc)
-        _check_prefix(through, text, loc)
-        texts += [(before, False), (through, False)]
-    return texts
-
-
-def _messages_mask(tokenizer, ids: list[list[int]]) -> list[int]:
-    """A mask on each assistant turn's content + end-of-turn token, from the ids of _messages_texts: token positions
-    via common prefixes, which stay right if BPE merges across a turn boundary."""
-    full = ids[0]
-    mask = [0] * len(full)
-    for before, through in zip(ids[1::2], ids[2::2], strict=True):
-        start = _common_prefix(before, full)
-        turn = _through_last(full[start : _common_prefix(through, full)], tokenizer.eos_token_id)
-        mask[start : start + len(turn)] = [1] * len(turn)
-    return mask
-
-
-def _texts(tokenizer, row: dict, kind: str) -> list[tuple[str, bool]]:
-    """Every (text, add special tokens) that tokenizing a validated row of `kind` encodes, chat templates rendered
-    (and their prefix property checked, naming the row): what TOKENIZE[kind] reads back as `ids`."""
-    loc = row.get("_loc", "<row>")
-    prompt = row.get("prompt")
-    if kind == "prompt":
-        return [(_chat(tokenizer, prompt, True), False) if isinstance(prompt, list) else (prompt, True)]
-    if kind == "preference":
-        chosen = _pair_texts(tokenizer, prompt, row["chosen"], loc)
-        return chosen + _pair_texts(tokenizer, prompt, row["rejected"], loc)
-    if kind == "supervised" and "messages" in row:
-        return _messages_texts(tokenizer, row["messages"], loc)
-    if kind == "supervised" and "text" in row:
-        return [(row["text"], True)]
-    return _pair_texts(tokenizer, prompt, row["completion"], loc)
-
-
-def _fit(prompt_ids: list[int], completions: list[list[int]], max_length: int | None, max_prompt_length: int | None):
-    """Keep the prompt's end (max_prompt_length), then cut completions from the right so each pair fits max_length;
-    None when a completion would be left empty."""
-    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
-        prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :]
-    if max_length is not None:
-        completions = [c[: max(max_length - len(prompt_ids), 0)] for c in completions]
-    return (prompt_ids, completions) if all(completions) else None
-
-
-def tokenize_sft(
-    tokenizer, row: dict, max_length: int | None, completion_only_loss: bool = True, ids: list | None = None
-) -> dict | None:
-    """{input_ids, completion_mask}: the mask is on the completion (prompt/completion rows) or on every assistant turn
-    (messages rows), end-of-turn/EOS token included; all ones for {text} rows or completion_only_loss=False; never
-    on token 0, which no token predicts.
-    Right-truncated to max_length; None when no completion token survives (the caller drops the row).
-    `ids`: the encodings of _texts(tokenizer, row, "supervised") when the caller encoded them (tokenize_dataset)."""
-    eos = tokenizer.eos_token_id
-    ids = _encode_texts(tokenizer, _texts(tokenizer, row, "supervised")) if ids is None else ids
-    if "messages" in row:
-        input_ids, mask = ids[0], _messages_mask(tokenizer, ids)
-    elif "text" in row:  # plain language modelling: every token, closed by EOS as TRL does
-        input_ids = ids[0] if ids[0][-1:] == [eos] else ids[0] + [eos]
-        mask = [1] * len(input_ids)
-    else:
-        prompt_ids, completion_ids = _split(tokenizer, ids[0], ids[1], not isinstance(row["prompt"], list))
-        input_ids, mask = prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
-    input_ids, mask = input_ids[:max_length], mask[:max_length]  # [:None] keeps everything
-    if not any(mask[1:]):
-        return None  # the completion was cut away: this row would add a silent zero to the loss
-    # Token 0 has no context, so it is never a target (the shift drops it): out of the mask, or the step's token count
-    # (the loss's denominator) would count it, once per row padded but not packed (transformers counts labels[1:]).
-    mask = mask if completion_only_loss else [1] * len(input_ids)
-    return {"input_ids": Ids("i", input_ids), "completion_mask": Ids("b", [0] + mask[1:])}
-
-
-def tokenize_preference(
-    tokenizer, row: dict, max_length: int | None, max_prompt_length: int | None = None, ids: list | None = None
-) -> dict | None:
-    """{prompt_ids, chosen_ids, rejected_ids}; completions end with the end-of-turn/EOS token. Truncation: _fit.
-    `ids`: as tokenize_sft's."""
-    ids = _encode_texts(tokenizer, _texts(tokenizer, row, "preference")) if ids is None else ids
-    standard = not isinstance(row["prompt"], list)
-    prompt_ids, chosen = _split(tokenizer, ids[0], ids[1], standard)
-    other_ids, rejected = _split(tokenizer, ids[2], ids[3], standard)
-    # The two prompts differ only if BPE merged differently into each answer: share the common part, as TRL does.
-    n = _common_prefix(prompt_ids, other_ids)
-    fitted = _fit(prompt_ids[:n], [prompt_ids[n:] + chosen, other_ids[n:] + rejected], max_length, max_prompt_length)
-    return fitted and {
-        "prompt_ids": Ids("i", fitted[0]),
-        "chosen_ids": Ids("i", fitted[1][0]),
-        "rejected_ids": Ids("i", fitted[1][1]),
-    }
-
-
-def tokenize_binary(
-    tokenizer, row: dict, max_length: int | None, max_prompt_length: int | None = None, ids: list | None = None
-) -> dict | None:
-    """{prompt_ids, completion_ids, label}; truncated like tokenize_preference. `ids`: as tokenize_sft's."""
-    ids = _encode_texts(tokenizer, _texts(tokenizer, row, "binary")) if ids is None else ids
-    prompt_ids, completion_ids = _split(tokenizer, ids[0], ids[1], not isinstance(row["prompt"], list))
-    fitted = _fit(prompt_ids, [completion_ids], max_length, max_prompt_length)
-    return fitted and {
-        "prompt_ids": Ids("i", fitted[0]),
-        "completion_ids": Ids("i", fitted[1][0]),
-        "label": row["label"],
-    }
+def prompt_texts(tokenizer, row: dict) -> list[tuple[str, bool]]:
+    """The prompt's (text, add special tokens): a conversation rendered with the generation prompt."""
+    prompt = row["prompt"]
+    return [(_chat(tokenizer, prompt, True), False) if isinstance(prompt, list) else (prompt, True)]
 
 
 def tokenize_prompt(tokenizer, row: dict, max_prompt_length: int | None, ids: list | None = None) -> dict | None:
-    """{prompt_ids}, conversational prompts rendered with the generation prompt; None (drop) when too long.
-    `ids`: as tokenize_sft's."""
-    ids = _encode_texts(tokenizer, _texts(tokenizer, row, "prompt")) if ids is None else ids
+    """{prompt_ids}; None (drop) when too long. `ids`: the encodings of prompt_texts when the caller has them."""
+    ids = _encode_texts(tokenizer, prompt_texts(tokenizer, row)) if ids is None else ids
     too_long = max_prompt_length is not None and len(ids[0]) > max_prompt_length
     return None if too_long else {"prompt_ids": Ids("i", ids[0])}
 
 
-TOKENIZE = dict(
-    supervised=tokenize_sft, preference=tokenize_preference, binary=tokenize_binary, prompt=tokenize_prompt
-)
 TOKENIZE_BATCH = 1000  # rows whose texts go to the tokenizer in one call
 PROGRESS_EVERY = 10.0  # seconds between progress lines; a set tokenized faster than this prints none
 
 
-def tokenize_dataset(tokenizer, rows: list[dict], kind: str, max_length: int | None, **kw) -> list[dict]:
-    """Tokenize validated rows with TOKENIZE[kind] (for "prompt", max_length is the prompt limit), dropping those that
-    do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs).
-    The texts of TOKENIZE_BATCH rows at a time are encoded in one call (_encode_texts), with a progress line on stderr
+def tokenize_dataset(
+    tokenizer,
+    rows: list[dict],
+    kind: str,
+    max_length: int | None,
+    texts_of=prompt_texts,
+    tokenize=tokenize_prompt,
+    **kw,
+) -> list[dict]:
+    """Tokenize validated rows of `kind` with `tokenize` (for "prompt", max_length is the prompt limit), dropping those
+    that do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs). The
+    texts of TOKENIZE_BATCH rows at a time are encoded in one call (_encode_texts), with a progress line on stderr
     every PROGRESS_EVERY seconds."""
     examples = []
     dropped = []
@@ -738,11 +440,11 @@ def tokenize_dataset(tokenizer, rows: list[dict], kind: str, max_length: int | N
     shown = start
     for first in range(0, len(rows), TOKENIZE_BATCH):
         batch = rows[first : first + TOKENIZE_BATCH]
-        texts = [_texts(tokenizer, row, kind) for row in batch]
+        texts = [texts_of(tokenizer, row) for row in batch]
         encoded = iter(_encode_texts(tokenizer, [t for row_texts in texts for t in row_texts]))
         for row, row_texts in zip(batch, texts, strict=True):
             ids = [next(encoded) for _ in row_texts]
-            example = TOKENIZE[kind](tokenizer, row, max_length, ids=ids, **kw)
+            example = tokenize(tokenizer, row, max_length, ids=ids, **kw)
             if example is None:
                 dropped.append(row.get("_loc"))
             else:
@@ -783,17 +485,6 @@ def pad_batch(seqs: list[list[int]], pad_value: int, side: str = "right") -> tor
     return out
 
 
-def collate_sft(examples: list[dict], pad_id: int) -> dict:
-    """Right-padded input_ids, attention_mask, completion_mask (B, T); masks come from lengths, never from pad ids
-    (with pad == eos, a pad-derived mask would drop the EOS the model must learn to emit)."""
-    ids = [e["input_ids"] for e in examples]
-    return {
-        "input_ids": pad_batch(ids, pad_id),
-        "attention_mask": pad_batch([[1] * len(x) for x in ids], 0),
-        "completion_mask": pad_batch([e["completion_mask"] for e in examples], 0),
-    }
-
-
 def concat_prompt_completion(
     prompt_ids_list: list[list[int]], completion_ids_list: list[list[int]], pad_id: int, side: str = "right"
 ) -> dict:
@@ -805,15 +496,6 @@ def concat_prompt_completion(
         "attention_mask": pad_batch([[1] * len(s) for s in seqs], 0, side),
         "completion_mask": pad_batch([[0] * len(p) + [1] * len(c) for p, c in pairs], 0, side),
     }
-
-
-def concat_pairs(examples: list[dict], pad_id: int, device) -> dict:
-    """[chosen rows; rejected rows] (2B, T), right-padded: one forward scores both halves (TRL's concatenated
-    batch)."""
-    prompts = [e["prompt_ids"] for e in examples]
-    completions = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
-    batch = concat_prompt_completion(prompts + prompts, completions, pad_id)
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # built here: copied without a wait
 
 
 def dataset_label(spec: str) -> str:
@@ -840,14 +522,3 @@ def micro_batch(
         return [examples[order[(pos * batch_size + i) % len(examples)]] for i in range(batch_size)]
     rows = order[pos * batch_size : (pos + 1) * batch_size]
     return [examples[i] for i in rows + order[: max(min_rows - len(rows), 0)]]
-
-
-def training_steps(
-    n_examples: int, batch_size: int, gradient_accumulation_steps: int, max_steps: int, num_train_epochs: float
-) -> tuple[int, int]:
-    """(total optimizer steps, micro-batches per epoch): max_steps if >= 0, else num_train_epochs over the data with
-    batch_size x gradient_accumulation_steps rows per step (an epoch's last batch may be short)."""
-    per_epoch = math.ceil(n_examples / batch_size)
-    if max_steps >= 0:
-        return max_steps, per_epoch
-    return math.ceil(per_epoch * num_train_epochs / gradient_accumulation_steps), per_epoch

@@ -57,14 +57,6 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def rank_micro_batches(step: int, gradient_accumulation_steps: int) -> list[int]:
-    """The global micro-batch indices this rank computes at `step`: one process with accumulation ga x N would
-    take step * ga * N ... (step + 1) * ga * N - 1; rank r takes every N-th of them, starting at r."""
-    rank, world = rank_and_world()
-    first = step * gradient_accumulation_steps * world
-    return [first + i * world + rank for i in range(gradient_accumulation_steps)]
-
-
 def all_sum(values: list[float]) -> list[float]:
     """Each value summed over the ranks (float64, so token counts and sums of losses add exactly)."""
     if rank_and_world()[1] == 1:

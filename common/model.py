@@ -349,18 +349,6 @@ def as_reference(model, slot: str = REF):
         model.train(was_training)
 
 
-def disable_dropout(model) -> None:
-    """p = 0 on every nn.Dropout, a loaded adapter's LoRA dropout included (TRL's disable_dropout=True), and on the
-    float rates modules pass to functional dropout (Llama/Qwen2's attention_dropout from config.json, which no
-    nn.Dropout holds): otherwise the policy (train mode) and the reference (eval mode) differ at step 0."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):  # e.g. attention_dropout, dropout, dropout_p, attn_drop
-            if isinstance(value, float) and ("dropout" in name or name.endswith("_drop")):
-                setattr(module, name, 0.0)
-
-
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """What the optimizer holds: never a "ref" / "reward" tensor (checked: PEFT's adapter switching flips flags)."""
     if getattr(model, "is_quantized", False) and not is_peft(model):
@@ -781,13 +769,6 @@ def shares_prompt_pass(lm) -> bool:
     if isinstance(lm, FSDPModule):  # the decoder's own calls would skip FSDP's gathering of the root's weights
         return False
     return head_is_plain_linear(lm) and prompt_cache(lm) is not None and not (lm.training and is_checkpointing(lm))
-
-
-def completion_logps(model, batch: dict):
-    """Summed completion log-probs per row (B,) and the per-token ones (B, T), 0 off the completion: the sequence
-    score of the preference losses (TRL's concatenated_forward) from a concat_prompt_completion batch."""
-    per_token_logps = sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
-    return masked_sum(per_token_logps, batch["completion_mask"], dim=1), per_token_logps
 
 
 def entropy_from_logits(logits):

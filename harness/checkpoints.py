@@ -63,7 +63,7 @@ FREE_ON_RESUME = {
     "ddp_timeout",  # how long a rank waits for the others
     "plan_world_size",
     "torch_threads",  # every script's CPU thread count: the same math, other rounding at most
-    "cuda_graph",  # grpo's and raft's decode step captured or launched: the same kernels
+    "cuda_graph",  # a decode step captured as a CUDA graph or launched from Python: the same kernels
 }
 
 

@@ -20,7 +20,8 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 from transformers import AutoConfig, AutoTokenizer
 
-from common.data import TOKENIZE, Ids, looks_local, micro_batch, setup_chat_template, tokenize_dataset, training_steps
+from common.data import Ids, looks_local, micro_batch, setup_chat_template
+from common.completions import TOKENIZE, tokenize_dataset, training_steps
 from common.distributed import rank_and_world
 from common.errors import ArgsError, ModelError
 from common.model import BUCKETS, length_groups, pick_device, resolve_dtype

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoTokenizer
 
-from common.data import collate_sft, tokenize_sft
+from common.completions import collate_sft, tokenize_sft
 from common.errors import ArgsError, DataError, ModelError
 from common.distributed import reshard
 from common.model import REWARD, as_reference, decoder_hidden, is_peft, load_model, pick_device, resolve_dtype
@@ -220,8 +220,8 @@ def score_rows(scorer: RewardModel, rows: list[dict], batch_size: int = 16) -> t
             chunk = [{"input_ids": x, "completion_mask": [1] * len(x)} for x in ids[i : i + batch_size]]
             batch = collate_sft(chunk, scorer.tokenizer.pad_token_id)
             mask = batch["attention_mask"].to(device, non_blocking=True)
-            ids = batch["input_ids"].to(device, non_blocking=True)
-            out.append(reward_logits(scorer.model, scorer.head, ids, mask, right_padded=True).float().cpu())
+            input_ids = batch["input_ids"].to(device, non_blocking=True)
+            out.append(reward_logits(scorer.model, scorer.head, input_ids, mask, True).float().cpu())  # right-padded
     return torch.cat(out)
 
 

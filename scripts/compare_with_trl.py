@@ -73,7 +73,8 @@ sys.path.insert(0, ROOT)  # the scripts (sft.py, dpo.py, ...) and common/ import
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # ORPO and CPO live in trl.experimental in 1.16
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common.data import concat_prompt_completion, micro_batch, pad_batch, tokenize_dataset
+from common.data import concat_prompt_completion, micro_batch, pad_batch
+from common.completions import tokenize_dataset
 from plugins.builtin_math import builtin_rows
 from plugins.embedded import resolve_model
 

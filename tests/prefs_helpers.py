@@ -145,7 +145,8 @@ def hf_chosen_nll(model_dir, data, batch_size, seed, concat_pairs, micro_batch, 
     LoRA is the base model): labels on the response, or on every real token with completion_only=False."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.data import load_rows, setup_chat_template, tokenize_dataset, validate_rows
+    from common.data import load_rows, setup_chat_template
+    from common.completions import tokenize_dataset, validate_rows
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     setup_chat_template(tokenizer, "auto")  # as the scripts do

@@ -14,23 +14,25 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import sft
-from common import data
+from common import completions, data
 from common.data import (
-    TOKENIZE,
     Ids,
-    concat_pairs,
-    sharegpt_row,
-    collate_sft,
     concat_prompt_completion,
     end_of_turn_token,
     load_rows,
-    load_splits,
     pad_batch,
     setup_chat_template,
+    tokenize_prompt,
+)
+from common.completions import (
+    TOKENIZE,
+    concat_pairs,
+    sharegpt_row,
+    collate_sft,
+    load_splits,
     tokenize_binary,
     tokenize_dataset,
     tokenize_preference,
-    tokenize_prompt,
     tokenize_sft,
     validate_rows,
 )
@@ -603,7 +605,7 @@ def per_row(tokenizer, rows, kind, max_length, **kw) -> list[dict]:
     """The per-row path, one tokenizer call per text (as before batching)."""
     out = []
     for row in rows:
-        ids = [tokenizer(t, add_special_tokens=s)["input_ids"] for t, s in data._texts(tokenizer, row, kind)]
+        ids = [tokenizer(t, add_special_tokens=s)["input_ids"] for t, s in completions._texts(tokenizer, row, kind)]
         example = TOKENIZE[kind](tokenizer, row, max_length, ids=ids, **kw)
         if example is not None:
             out.append((row if kind == "prompt" else {"_loc": row["_loc"]}) | example)

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import dpo
-from common.data import concat_pairs, load_rows, micro_batch, setup_chat_template, tokenize_dataset, validate_rows
+from common.data import load_rows, micro_batch, setup_chat_template
+from common.completions import concat_pairs, tokenize_dataset, validate_rows
 from common.errors import ArgsError, DataError
-from common.model import attach_lora, completion_logps, disable_dropout, load_model, snapshot_ref
+from common.model import attach_lora, load_model, snapshot_ref
+from common.completions import completion_logps, disable_dropout
 from dpo import Args, dpo_loss, evaluate, main, pair_completion_logps, pair_losses, precompute_ref_logps
 from tests.prefs_helpers import (
     FakeLM,

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 import dpo
 import kto
 import rm
-from common.data import concat_pairs, tokenize_dataset
+from common.completions import concat_pairs, tokenize_dataset
 from common.errors import ArgsError, ModelError
 from common.model import as_reference, load_model, unwrap
 from harness.memory import model_config, weight_bytes

@@ -11,10 +11,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 import common.model
 import dpo
 import grpo
-from common.data import concat_pairs
+from common.completions import concat_pairs
 from common.model import (
     chunked_logps,
-    completion_logps,
     entropy_from_logits,
     head_is_plain_linear,
     length_groups,
@@ -22,6 +21,7 @@ from common.model import (
     masked_sum,
     sequence_logps,
 )
+from common.completions import completion_logps
 from dpo import pair_completion_logps
 from grpo import aggregate_loss, group_advantages, grouped_completion_logps, kl_k3
 
@@ -691,7 +691,7 @@ def test_a_gpus_one_bucketed_pass_scores_what_length_groups_score(padding_side, 
         monkeypatch.setitem(common.model.BUCKETS, "cpu", bucket)
         seen = []
         embeddings = model.get_input_embeddings()
-        hook = embeddings.register_forward_hook(lambda m, args, o: seen.append(tuple(args[0].shape)))
+        hook = embeddings.register_forward_hook(lambda m, args, o, seen=seen: seen.append(tuple(args[0].shape)))
         logps, entropy = sequence_logps(model, input_ids, attention_mask, logps_mask, return_entropy=True)
         hook.remove()
         lora = [p for p in model.parameters() if p.requires_grad]

@@ -12,7 +12,8 @@ from fractions import Fraction
 import pytest
 
 import grpo
-from common.data import load_rows, validate_rows
+from common.data import load_rows
+from common.completions import validate_rows
 from common.errors import DataError
 from common.rewards import check_reward_fields, exact_number, load_reward_funcs, math_reward, reference_number
 from tests.math_cases import CASES

@@ -589,7 +589,8 @@ def test_plan_reads_the_rows_real_token_lengths_with_a_local_tokenizer(tiny_mode
     included); without it the plan falls back to the UTF-8 byte bound, several times longer on English text."""
     from transformers import AutoTokenizer
 
-    from common.data import setup_chat_template, tokenize_dataset, validate_rows
+    from common.data import setup_chat_template
+    from common.completions import tokenize_dataset, validate_rows
 
     text = "The quick brown fox jumps over the lazy dog. " * 6
     chat = {"prompt": [{"role": "user", "content": text}], "completion": [{"role": "assistant", "content": text[:90]}]}
@@ -685,7 +686,8 @@ def test_the_plan_takes_the_micro_batches_the_run_draws_not_every_row_at_the_lon
     """Issue 40 section 6: sft.py planned every row of a micro-batch at the longest row's length (alpaca_en_demo:
     8 x 750 tokens, 2.9 x the measured peak). The plan now tokenizes the rows as the run does, draws the run's own
     micro-batches and plans the largest at its tokens, padded as length groups pad it."""
-    from common.data import micro_batch, tokenize_dataset, validate_rows
+    from common.data import micro_batch
+    from common.completions import tokenize_dataset, validate_rows
 
     long_text = "The quick brown fox jumps over the lazy dog. " * 20
     rows = [{"prompt": "Say it.", "completion": long_text}] + [{"prompt": "Say it.", "completion": "ok"}] * 15

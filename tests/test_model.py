@@ -14,7 +14,6 @@ from common.model import (
     as_reference,
     attach_lora,
     cache_kwarg,
-    disable_dropout,
     is_checkpointing,
     load_model,
     require,
@@ -23,6 +22,7 @@ from common.model import (
     trainable_parameters,
     unwrap,
 )
+from common.completions import disable_dropout
 from harness.checkpoints import (
     Checkpoints,
     adapter_hash,

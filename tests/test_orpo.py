@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 import torch.nn.functional as F
 
-from common.data import concat_pairs, micro_batch
+from common.data import micro_batch
+from common.completions import concat_pairs
 from common.errors import DataError
 from orpo import Args, log1mexp, main, orpo_log_odds, orpo_loss
 from tests.prefs_helpers import (

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import raft
-from common.data import load_rows, validate_rows
+from common.data import load_rows
+from common.completions import validate_rows
 from common.errors import CorruptCheckpointError, RunStopped
 from harness.checkpoints import write_marker
 from safetensors.torch import load_file, save_file
@@ -283,7 +284,8 @@ def test_full_fine_tuning_scores_each_rounds_pairs_with_the_round_start_policy(p
     policy it started from (round 1: the starting weights; round 2: the weights round 1 wrote), scored before any
     update of the round (raft's SFT phase included) and bit for bit what that policy gives; round-N/adapter/ holds the
     full model; final/ is a plain transformers model that stops at the trained end of turn."""
-    from common.model import disable_dropout, load_model
+    from common.model import load_model
+    from common.completions import disable_dropout
     from tests.test_grpo import base_stopping_at_endoftext, check_full_final
 
     base, stops = base_stopping_at_endoftext(tmp_path)

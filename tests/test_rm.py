@@ -135,7 +135,7 @@ def test_slot_scores_equal_rm_pys_own_after_training(tiny_model_dir_pad_eos, tmp
     stays in train mode (PEFT's load_adapter puts the whole model in eval mode)."""
     from transformers import AutoTokenizer
 
-    from common.data import concat_pairs, tokenize_dataset
+    from common.completions import concat_pairs, tokenize_dataset
 
     rows = preference_rows(8)
     rows[0]["chosen"] = [{"role": "assistant", "content": "yes it is good " * 30}]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from common.data import load_splits
+from common.completions import load_splits
 from sft import Args, main, sft_loss
 from tests import cli
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from common.data import collate_sft, load_rows, tokenize_dataset, tokenize_prompt, validate_rows
+from common.data import load_rows, tokenize_prompt
+from common.completions import collate_sft, tokenize_dataset, validate_rows
 from common.errors import DataError
 from evals import common_eval, gsm8k
 from plugins.steerlm import attribute_label, parse_attributes, steer_prompt, steer_rows
