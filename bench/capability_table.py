@@ -76,9 +76,15 @@ def capability_table(gpu_gib: list[float]) -> str:
                     continue
                 args = module.Args(model=f"Qwen/Qwen2.5-{size}", **COMMON, **PER_SCRIPT[script], **variant)
                 args = resolve_preset(args, module.PRESETS)  # the real-model preset fills what is left unset
-                gib = plan_on_card(module, args, size, max(gpu_gib))[0]["total"] / memory.GiB
-                fits = [g for g in gpu_gib if gib <= g]
-                cells.append(f"{gib:.1f} ({min(fits):g})" if fits else f"{gib:.1f} (no)")
+                # each card planned in turn, smallest first: a GPU rollout merges as many LoRA layers as the card
+                # has room for, so a plan's total depends on the card (harness.memory.estimate)
+                for card in sorted(gpu_gib):
+                    gib = plan_on_card(module, args, size, card)[0]["total"] / memory.GiB
+                    if gib <= card:
+                        cells.append(f"{gib:.1f} ({card:g})")
+                        break
+                else:
+                    cells.append(f"{gib:.1f} (no)")
             lines.append(f"| Qwen2.5-{size} | {name} | " + " | ".join(cells) + " |")
     sizes = ", ".join(map("{:g}".format, gpu_gib))
     return "\n".join(lines) + f"\n\nGiB planned; (N) = the smallest of {sizes} GiB" + NOTE

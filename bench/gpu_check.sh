@@ -17,8 +17,10 @@
 #      graph), the loop without the graph, and model.generate, against the card's floor (bench/generation.py)
 #   5. memory: each script's memory plan against torch.cuda.max_memory_allocated for sft, dpo and grpo
 #      (bench/memory_check.py --gpu)
+#   6. reference: a full fine-tune's reference pass with the starting weights swapped in from pinned host memory
+#      against a resident second copy on the card (bench/reference_swap.py --gpu: seconds a pass, peak memory)
 # Files under $OUT (the device tool returns 8): gpu_check.md, setup.log, quick.log, headline.log, trl.log,
-# generation.log, memory.log.
+# generation.log, memory.log, reference.log.
 #
 # Here, with PyPI (fills bench/wheels/, ~55 MiB):   bash bench/gpu_check.sh --download
 # On the GPU machine:                               OUT=/some/dir bash bench/gpu_check.sh
@@ -61,14 +63,16 @@ if [ "$MODE" = "--dry-run" ]; then
     VS_TRL=(--dry-run --steps 2 --prompts-per-step 2 --group-size 2)
     GENERATION=(--tiny --tokens 16 --prompts 2 --group-size 2 --repeats 1)
     MEMORY=(--gpu --tiny)
-    LIMITS=(quick=300 headline=300 trl=400 generation=300 memory=400)
+    REFERENCE=(--gpu --tiny --runs 1 --reps 1 --passes 1 --rows 2 --tokens 32)
+    LIMITS=(quick=300 headline=300 trl=400 generation=300 memory=400 reference=300)
 else
     QUICK=(--quick --steps 2 --prompts-per-step 8 --group-size 4 --max-completion-length 64)
     HEADLINE=(--steps 3 --prompts-per-step 8 --group-size 4 --max-completion-length 512)
     VS_TRL=(--steps 3 --prompts-per-step 8 --group-size 4 --prompt-len 160 --completion-len 512)
     GENERATION=(--dtype bf16 --tokens 512 --prompts 8 --group-size 4 --repeats 1 --only "decode, no CUDA graph")
     MEMORY=(--gpu)
-    LIMITS=(quick=75 headline=100 trl=150 generation=80 memory=90)
+    REFERENCE=(--gpu --runs 1 --reps 2 --passes 2)
+    LIMITS=(quick=75 headline=100 trl=150 generation=80 memory=90 reference=60)
 fi
 limit_of() { for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 SUMMARY="$OUT/gpu_check.md"
@@ -122,5 +126,6 @@ stage headline python bench/headline_cpu.py "${HEADLINE[@]}" --model-dir "$MODEL
 stage trl python bench/grpo_gpu.py "${VS_TRL[@]}" --out /tmp/gpu_check/trl --md "$OUT/trl.md"
 stage generation python bench/generation.py --qwen-shapes "${GENERATION[@]}" --md "$OUT/generation.md"
 stage memory python bench/memory_check.py "${MEMORY[@]}" --qwen-dir "$MODEL" --md "$OUT/memory.md"
+stage reference python bench/reference_swap.py "${REFERENCE[@]}" --md "$OUT/reference.md"
 echo "total: $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"
 cat "$SUMMARY"

@@ -133,6 +133,7 @@ def main():
     parser.add_argument("--runs", type=int, default=2, help="processes per cell")
     parser.add_argument("--reps", type=int, default=1, help="repetitions within a process")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--md", default=None, help="also write the table to this Markdown file")
     parser.add_argument("--child", choices=MODES, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.rows = args.rows or (8 if args.gpu else 4)
@@ -180,6 +181,9 @@ def report(args, out: dict) -> str:
                 f"{r['host_peak_rss_gb']:.2f} |"
             )
     table = "\n".join(lines) + "\n"
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": vars(args), "results": out, "table": table}, f, indent=1)

@@ -30,6 +30,7 @@ than keys and values, a rotary embedding not in STATIC_ROPE) are sampled by `mod
 import contextlib
 import functools
 import platform
+import time
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ from transformers import GenerationConfig
 from transformers.cache_utils import Cache, DynamicLayer
 
 from common.data import pad_batch
-from common.distributed import all_max
+from common.distributed import all_max, rank_and_world
 from common.errors import ArgsError
 from common.model import BUCKETS, cache_kwarg, prompt_cache, unwrap
 
@@ -167,6 +168,7 @@ DECODER_STEP_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 # rope types whose frequencies are fixed at init: cos/sin depend on the position alone, not on the calls before
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 SYNC_EVERY = 8  # static shapes: one-token steps between the host's reads of whether every row has ended
+CAPTURED = []  # the seconds of this process's first CUDA graph capture, once said (a rollout's time counts each)
 
 
 def decodes_exactly(config) -> bool:
@@ -420,8 +422,12 @@ def decode(
         elif not static:
             logits = step(lm, cache, feed, positions, mask[:, : width + k])
         elif cuda_graph:
-            if replay is None:
+            if replay is None:  # once a rollout: one warm-up step and the capture, said the first time
+                start = time.perf_counter()
                 replay, captured = graphed(decoder_step, lm, cache, feed, positions, mask, column)
+                if not CAPTURED and rank_and_world()[0] == 0:
+                    CAPTURED.append(time.perf_counter() - start)
+                    print(f"decode: the step captured as a CUDA graph in {CAPTURED[0]:.2f} s, once a rollout")
             replay()
             logits = captured
         else:

@@ -320,6 +320,7 @@ def estimate(
         for p in passes:
             if isinstance(p, Generate):
                 name, size = _generate_bytes(c, b, p, device_bytes, device, trained)
+                parts[f"{phase}: {name}"] = size
                 merged = 0
                 if device == "cuda" and trained.lora_r is not None and not trained.quantization and device_bytes:
                     # merged_linears' copies of the decoder linears, as many as the card has room for beside the rest
@@ -329,7 +330,6 @@ def estimate(
                     merged = int(max(0, min(param_counts(c)[0] * b, room - held - size)))
                     parts[f"{phase}: merged LoRA weights (what fits)"] = merged
                 size += merged
-                parts[f"{phase}: {name}"] = size
                 if name.endswith("packed weights"):  # cached after the first rollout: beside every later phase
                     parts["rollout kernels (oneDNN, cached)"] = rollout_kernels(c, p, trained.quantization)
                 if n > 1:
@@ -605,15 +605,20 @@ def release_heap() -> bool:
 def fit_knob(args, name: str, most: int, plan):
     """args with the micro-batch knob `name` set where it is None: on a GPU (or a plan for a card, --gpu-memory) the
     largest of most, most // 2, ... 1 whose plan(args) fits the card (plan: the script's memory_plan with quiet=True;
-    one forward and backward for all of a step's rows when they fit, few large kernels rather than many small ones);
-    1 on a CPU, where smaller passes peak lower and run as fast."""
+    one forward and backward for all of a step's rows when they fit, few large kernels rather than many small ones),
+    without gradient checkpointing, or with it where not even 1 fits without (plan_memory then turns it on); 1 on a
+    CPU, where smaller passes peak lower and run as fast."""
     if getattr(args, name) is not None:
         return args
     value = 1
     if args.gpu_memory is not None or torch.cuda.is_available():
-        value = max(most, 1)
-        while value > 1 and not plan(dataclasses.replace(args, **{name: value}))[1]:
-            value //= 2
+        for checkpointing in dict.fromkeys([args.gradient_checkpointing, True]):
+            trial = dataclasses.replace(args, gradient_checkpointing=checkpointing)
+            value = max(most, 1)
+            while value > 1 and not plan(dataclasses.replace(trial, **{name: value}))[1]:
+                value //= 2
+            if plan(dataclasses.replace(trial, **{name: value}))[1]:
+                break
     return dataclasses.replace(args, **{name: value})
 
 

@@ -304,8 +304,8 @@ def test_a_micro_batch_reads_the_host_once_a_pass(script, tiny_model_dir, tmp_pa
 
 def test_the_gpu_check_dry_run_returns_every_stages_table(tmp_path):
     """bench/gpu_check.sh --dry-run: every stage of the device check (setup, quick, headline, ours against TRL,
-    generation, memory) runs cut down on this CPU and appends its table to gpu_check.md, in at most 8 files (what the
-    device tool returns)."""
+    generation, memory, the reference swap) runs cut down on this CPU and appends its table to gpu_check.md, in at
+    most 8 files (what the device tool returns)."""
     import os
     import subprocess
 
@@ -315,7 +315,7 @@ def test_the_gpu_check_dry_run_returns_every_stages_table(tmp_path):
                           timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = (out / "gpu_check.md").read_text()
-    for stage in ("quick", "headline", "trl", "generation", "memory"):
+    for stage in ("quick", "headline", "trl", "generation", "memory", "reference"):
         assert f"## {stage}: exit 0" in summary, summary
     assert "| tiny, 2 x 2 x 32 tokens, 2 steps |" in summary and "| ours / TRL |" in summary
     assert "| decode |" in summary and "| grpo | qwen-tiny-shapes |" in summary

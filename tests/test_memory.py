@@ -660,7 +660,7 @@ def test_capability_tables_grpo_cell_stands_beside_the_presets_own_plan():
 
     text = (ROOT / "docs" / "memory.md").read_text()
     preset = grpo.resolve_preset(grpo.Args(model="Qwen/Qwen2.5-1.5B", group_size=4), grpo.PRESETS)
-    table = dataclasses.replace(preset, max_prompt_length=256, gradient_checkpointing=True)
+    table = dataclasses.replace(preset, max_prompt_length=256, gradient_checkpointing=True, groups_per_micro_batch=1)
     assert preset.prompts_per_step == 8 and preset.max_completion_length == 512 and preset.max_prompt_length == 512
     rows = {
         "the table's row | 256 | 512 | on": table,
