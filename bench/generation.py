@@ -31,6 +31,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.headline_cpu import host_syncs
 from common.data import load_rows, pad_batch, setup_chat_template
 from common.completions import tokenize_dataset
 from common.model import attach_lora, load_model, unwrap
@@ -44,24 +45,6 @@ def clock(device):
         torch.cuda.synchronize()
         return time.perf_counter()
     return time.process_time()
-
-
-def host_syncs(fn):
-    """How many times fn() makes the host wait for the GPU (torch.cuda.set_sync_debug_mode); "n/a" on a CPU."""
-    import warnings
-
-    if not torch.cuda.is_available():
-        return "n/a"
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            torch.manual_seed(0)
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def best_of(fn, device, n=5) -> float:
@@ -198,7 +181,7 @@ def main():
             engines["vllm"] = lambda: engine.generate(prompts, G, max_new_tokens=args.tokens, **sampling)
     torch.manual_seed(0)
     lengths = [len(c) for c in engines["decode"]()["completion_ids"]]  # the live rows per step
-    syncs = {name: host_syncs(fn) for name, fn in engines.items()}
+    syncs = {name: host_syncs(fn) for name, fn in engines.items()}  # the same seed's rollout: lengths as timed
     times = {name: [] for name in engines}
     for _ in range(args.repeats):
         for name, fn in engines.items():

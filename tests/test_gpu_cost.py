@@ -16,6 +16,7 @@ import harness.run
 from common.model import attach_lora, load_model
 from common.rollout import hf_generate
 from tests.gpu_cost import counting
+from tests.test_grpo import run as run_grpo
 from tests.tiny import write_tiny
 
 SHORT, LONG = 16, 32  # rollout lengths: a per-token figure is the difference of the two over LONG - SHORT
@@ -150,23 +151,9 @@ def phase_counts(tiny_model_dir, dataset, tmp_path, monkeypatch, **kw) -> list[d
         return mark(timer, phase)
 
     monkeypatch.setattr(harness.run.PhaseTimer, "mark", counted_mark)
-    args = dict(
-        preset="demo",
-        model=tiny_model_dir,
-        dataset=dataset,
-        output_dir=str(tmp_path / "runs"),
-        rewards=["length"],
-        group_size=4,
-        prompts_per_step=2,
-        max_completion_length=24,
-        temperature=1.0,
-        max_steps=3,
-        save_steps=0,
-        seed=1,
-        breaker_action="warn",
-    )
+    settings = dict(rewards=["length"], group_size=4, max_completion_length=24, temperature=1.0, max_steps=3)
     with counting() as counts:
-        grpo.main(grpo.Args(**{**args, **kw}))
+        run_grpo(tiny_model_dir, dataset, tmp_path, save_steps=0, **settings | kw)
     return steps
 
 
