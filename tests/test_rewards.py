@@ -195,7 +195,16 @@ def _made_elsewhere(name: str) -> bool:
     creator = name.split("_")[1]
     if not creator.isdigit() or int(creator) == os.getpid():
         return False
-    return os.path.realpath(f"/proc/{creator}/exe") == os.path.realpath(sys.executable)
+    return _this_interpreter(int(creator))
+
+
+def _this_interpreter(pid: int) -> bool:
+    """Whether pid runs this Python. False once it is gone, also in the instant it is a zombie, whose exe link is
+    there but cannot be read (realpath then raised FileNotFoundError in a teardown: issue #52)."""
+    try:
+        return os.path.realpath(f"/proc/{pid}/exe", strict=True) == os.path.realpath(sys.executable)
+    except OSError:
+        return False
 
 
 def _sandbox_processes() -> list[tuple[int, bytes]]:
@@ -244,7 +253,7 @@ def _in_flight_elsewhere(pid: int) -> bool:
             break
     if owner <= 1 or owner == os.getpid():
         return False
-    return os.path.realpath(f"/proc/{owner}/exe") == os.path.realpath(sys.executable)  # (unresolved once it is gone)
+    return _this_interpreter(owner)
 
 
 @pytest.fixture(params=["bwrap", "fallback"])
@@ -900,3 +909,20 @@ def test_split_weight_takes_only_a_numeric_last_part():
     assert split_weight("pkg.mod:fn") == ("pkg.mod:fn", 1.0)
     assert split_weight("pkg.mod:fn:-0.5") == ("pkg.mod:fn", -0.5)
     assert split_weight("runs/rm/final@tone:0.5") == ("runs/rm/final@tone", 0.5)
+
+
+def test_a_process_exiting_under_the_leftover_check_is_not_an_error(monkeypatch):
+    """The leftover check reads /proc/<pid>/exe of the processes it finds; one that exits in between (a zombie: its exe
+    link is there but cannot be read) made realpath raise FileNotFoundError in a test's teardown (issue #52). It is
+    not this interpreter's any more: False, no error."""
+    other = os.getppid()
+    readlink = os.readlink
+
+    def gone(path, *args, **kwargs):
+        if str(path).startswith(f"/proc/{other}/"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return readlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "readlink", gone)
+    assert _made_elsewhere(f"onlyone_{other}_ab12") is False
+    assert _in_flight_elsewhere(other) is False
