@@ -43,12 +43,12 @@ from common.errors import ArgsError
 from common.model import BUCKETS, as_reference, attach_lora, cache_kwarg, chunked_logps
 from common.completions import completion_logps, disable_dropout
 from common.model import load_model, masked_mean, masked_sum, shares_prompt_pass
-from common.model import save_final, seed_everything, snapshot_ref, trainable_parameters, unwrap
+from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import Checkpoints, run_identity
+from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.flags import OptionalBool

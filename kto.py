@@ -47,14 +47,14 @@ from common.distributed import all_gather, all_sum, any_rank, average_gradients,
 from common.distributed import init_distributed, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
-from common.model import as_reference, attach_lora, load_model, save_final
+from common.model import as_reference, attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
 from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import Checkpoints, run_identity
+from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.flags import OptionalBool

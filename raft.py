@@ -49,9 +49,9 @@ from common.distributed import gathered, gathered_state, init_distributed, is_sh
 from common.distributed import shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
-from common.model import adamw_8bit, attach_lora, check_finite, load_model
+from common.model import adamw_8bit, attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
-from common.model import save_final, save_weights, seed_everything, sequence_logps, trainable_parameters
+from common.model import seed_everything, sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 from evals.common_eval import evaluate_gsm8k, gsm8k_rows
@@ -59,7 +59,7 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import check_finite_files, check_run_dir_identity, load_weights, read_marker, run_identity
-from harness.checkpoints import write_marker, writing
+from harness.checkpoints import check_finite, save_final, save_weights, write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset
 from harness.hub import check_inputs, locate_model

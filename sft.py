@@ -37,12 +37,12 @@ from common.distributed import all_sum, any_rank, average_gradients, close_distr
 from common.distributed import shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError
-from common.model import attach_lora, load_model, save_final, seed_everything, sequence_logps, trainable_parameters
+from common.model import attach_lora, load_model, seed_everything, sequence_logps, trainable_parameters
 from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import Checkpoints, run_identity
+from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.hub import check_inputs, locate_model

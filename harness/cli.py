@@ -22,7 +22,8 @@ from transformers.utils import logging as hf_logging
 
 from common.distributed import any_rank, rank_and_world
 from common.errors import USER_ERRORS, ArgsError, ModelError, RunStopped
-from common.model import all_finite, pick_device, require, resolve_dtype
+from common.model import pick_device, require, resolve_dtype
+from harness.checkpoints import all_finite
 from plugins.embedded import MODEL_ALIASES
 
 _DEFERRED_CTRL_C = False  # a Ctrl-C a run answered by finishing its final/ (StopOnCtrlC.finishing): exit 130
