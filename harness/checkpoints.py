@@ -30,14 +30,14 @@ import warnings
 
 import torch
 from peft import set_peft_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from common.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
 from common.errors import UserError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from common.distributed import all_gather, broadcast, gathered_state, is_sharded, load_gathered_state, local_tensor
-from common.distributed import rank_and_world
+from common.distributed import all_gather, broadcast, gathered_state, is_sharded, local_tensor, rank_and_world
 from common.model import DEFAULT, REF, is_peft, pick_device, resolve_dtype, slot_params, snapshot_ref, unwrap
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
@@ -191,6 +191,16 @@ def adapter_hash(model, slot: str = REF) -> str:
         h.update(key.encode())
         h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def load_gathered_state(model, weights: dict, optimizer=None, optim: dict | None = None) -> list[str]:
+    """The inverse of gathered_state on every rank (each passes the full dicts it read): each rank keeps its shards.
+    Returns the model keys the dict lacked (a tied head the saved file left out is filled from its embedding)."""
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    result = set_model_state_dict(model, weights, options=options)
+    if optimizer is not None and optim is not None:
+        set_optimizer_state_dict(model, optimizer, optim, options=options)
+    return list(result.missing_keys) + list(result.unexpected_keys)
 
 
 def load_weights(model, src_dir: str) -> None:
