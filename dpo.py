@@ -32,7 +32,7 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 import torch
 import torch.nn.functional as F
 import tyro
-from transformers import DynamicCache, get_scheduler
+from transformers import DynamicCache, get_scheduler, set_seed
 
 from common.data import micro_batch, setup_chat_template
 from common.completions import concat_pairs, load_splits, tokenize_dataset, training_steps
@@ -43,7 +43,7 @@ from common.errors import ArgsError
 from common.model import BUCKETS, as_reference, attach_lora, cache_kwarg, chunked_logps
 from common.completions import completion_logps, disable_dropout
 from common.model import load_model, masked_mean, masked_sum, shares_prompt_pass
-from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
+from common.model import snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
@@ -411,7 +411,7 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_reference(resolve_preset(args, PRESETS))
-    seed_everything(args.seed)
+    set_seed(args.seed)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     use_ref = args.loss_type != "simpo"  # SimPO is reference-free: no "ref" slot, no reference forward

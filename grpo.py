@@ -37,7 +37,7 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 import torch
 import torch.nn.functional as F
 import tyro
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 
 from common.data import concat_prompt_completion, dataset_label, load_rows, micro_batch, pad_batch
 from common.data import setup_chat_template, tokenize_dataset, validate_rows
@@ -45,7 +45,7 @@ from common.distributed import all_gather, all_sum, any_rank, average_gradients,
 from common.distributed import init_distributed, rank_and_world, shard_model
 from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
-from common.model import pick_device, prompt_cache, resolve_dtype, seed_everything, sequence_logps
+from common.model import pick_device, prompt_cache, resolve_dtype, sequence_logps
 from common.model import BUCKETS, shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
@@ -709,7 +709,7 @@ def main(args: Args) -> dict:
     args = resolve_preset(args, PRESETS)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
-    seed_everything(args.seed)
+    set_seed(args.seed)
 
     # ---- 2 data and rewards, checked before any weights load (a bad row fails in seconds, naming its line)
     eval_src = eval_source(args.dataset, args.eval_dataset) if args.eval_steps else None

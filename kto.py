@@ -38,7 +38,7 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 
 import torch
 import tyro
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 
 from common.data import concat_prompt_completion, load_rows, micro_batch, setup_chat_template
 from common.completions import tokenize_dataset
@@ -49,7 +49,7 @@ from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
 from common.model import as_reference, attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
-from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
+from common.model import snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
@@ -287,7 +287,7 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_reference(resolve_preset(args, PRESETS))
-    seed_everything(args.seed)
+    set_seed(args.seed)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
 

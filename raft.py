@@ -40,6 +40,7 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 import torch
 import torch.nn.functional as F
 import tyro
+from transformers import set_seed
 
 from common.data import dataset_label, load_rows, micro_batch, setup_chat_template
 from common.completions import collate_sft, concat_pairs
@@ -51,7 +52,7 @@ from common.completions import rank_micro_batches
 from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
 from common.model import adamw_8bit, attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
-from common.model import seed_everything, sequence_logps, trainable_parameters
+from common.model import sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 from evals.common_eval import evaluate_gsm8k, gsm8k_rows
@@ -561,7 +562,7 @@ def main(args: Args) -> dict:
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     spin = args.mode == "spin"
-    seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
+    set_seed(args.seed)  # the LoRA init; each round reseeds with seed + round
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     G = 1 if spin else args.group_size
@@ -639,7 +640,7 @@ def main(args: Args) -> dict:
     interrupt = StopOnCtrlC()  # Ctrl-C: stop after the round being written
     for rnd in interrupt.watch(range(max(done, 0) + 1, args.num_rounds + 1)):
         t0 = time.perf_counter()
-        seed_everything(args.seed + rnd)  # a round depends only on (seed, round, the policy it starts from)
+        set_seed(args.seed + rnd)  # a round depends only on (seed, round, the policy it starts from)
         batch = micro_batch(examples, rnd - 1, args.prompts_per_round, args.seed)  # epoch-wise shuffled prompts
         # (1) rollout: K samples per prompt from the live policy (eval mode, no grad inside), in slices of
         # --generation-batch-size prompts joined in order, so each prompt's K samples stay contiguous

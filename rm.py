@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from torch.distributed.tensor import DTensor
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 
 from common.data import micro_batch, setup_chat_template
 from common.completions import collate_sft, concat_pairs, load_splits, tokenize_dataset
@@ -40,7 +40,7 @@ from common.distributed import all_gather, all_sum, any_rank, average_gradients,
 from common.distributed import init_distributed, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
-from common.model import attach_lora, load_model, seed_everything, trainable_parameters
+from common.model import attach_lora, load_model, trainable_parameters
 from common.completions import disable_dropout
 from common.model import unwrap
 from common.model import adamw_8bit
@@ -302,7 +302,7 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
-    seed_everything(args.seed)
+    set_seed(args.seed)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
 

@@ -27,7 +27,7 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 
 import torch
 import tyro
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 
 from common.data import bad_field, micro_batch, need, pad_batch, setup_chat_template
 from common.completions import collate_sft, load_splits
@@ -37,7 +37,7 @@ from common.distributed import all_sum, any_rank, average_gradients, close_distr
 from common.distributed import shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError
-from common.model import attach_lora, load_model, seed_everything, sequence_logps, trainable_parameters
+from common.model import attach_lora, load_model, sequence_logps, trainable_parameters
 from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
@@ -298,7 +298,7 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
-    seed_everything(args.seed)
+    set_seed(args.seed)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
 

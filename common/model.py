@@ -18,7 +18,6 @@ import importlib.util
 import inspect
 import json
 import os
-import random
 import warnings
 
 import torch
@@ -43,16 +42,6 @@ BUCKETS = {"cuda": 64}
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def seed_everything(seed: int) -> None:
-    """Python's and torch's (every device's) random streams, and numpy's when it is installed."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if importlib.util.find_spec("numpy") is not None:
-        import numpy as np
-
-        np.random.seed(seed)
-
-
 def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
