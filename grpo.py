@@ -48,14 +48,14 @@ from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, 
 from common.model import pick_device, prompt_cache, resolve_dtype, sequence_logps
 from common.model import BUCKETS, shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
 from common.model import adamw_8bit
-from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
+from common.rewards import REWARD_FUNCS, load_reward_funcs, math_reward, score_rollout
 from common.rollout import check_sampling, hf_generate
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, breakers, logging) and plug-ins; a copy of this
 # script that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import preset_label, resolve_preset
+from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.hub import check_inputs, locate_model
 from harness.memory import Generate, Pass, fit_knob, plan_memory, release_heap, row_tokens
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir

@@ -53,7 +53,7 @@ from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeEr
 from common.model import adamw_8bit, attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
 from common.model import sequence_logps, trainable_parameters
-from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
+from common.rewards import REWARD_FUNCS, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 
@@ -62,7 +62,7 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 from harness.checkpoints import check_finite_files, check_run_dir_identity, load_weights, read_marker, run_identity
 from harness.checkpoints import check_finite, save_final, save_weights, write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import preset_label, resolve_preset
+from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.hub import check_inputs, locate_model
 from harness.memory import Generate, Pass, plan_memory, row_tokens
 from harness.run import Logger, claim_run_dir, make_run_dir, peak_memory_gb

@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from common.data import load_rows
 from common.completions import validate_rows
-from common.rewards import check_reward_fields, load_reward_funcs, math_reward
+from common.rewards import load_reward_funcs, math_reward
+from harness.cli import check_reward_fields
 from plugins.builtin_math import builtin_rows
 from tests.math_cases import CASES
 

@@ -15,7 +15,8 @@ import sft
 from common.data import load_rows, looks_local
 from common.errors import DataError, ModelError, OutputDirError
 from common.model import attach_lora, load_model
-from common.rewards import check_reward_fields, load_reward_funcs
+from common.rewards import load_reward_funcs
+from harness.cli import check_reward_fields
 from harness.run import make_run_dir
 from tests.prefs_helpers import write_jsonl
 
