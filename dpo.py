@@ -52,7 +52,7 @@ from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.flags import OptionalBool
-from harness.hub import check_inputs, locate_model
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
@@ -421,7 +421,13 @@ def main(args: Args) -> dict:
     if not check_inputs(args.model, {"--dataset": args.dataset}, args.plan):
         return {"memory_plan": memory_plan(args, [])[0]}
     rows, eval_rows = load_splits(
-        args.dataset, args.dataset_split, args.eval_split, "preference", args.eval_steps, builtin=builtin_rows
+        args.dataset,
+        args.dataset_split,
+        args.eval_split,
+        "preference",
+        args.eval_steps,
+        builtin=builtin_rows,
+        hub=hub_rows,
     )  # eval_rows [] without --eval-split
     print_config("dpo", preset_label(args, PRESETS), args.model, training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit

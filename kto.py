@@ -58,7 +58,7 @@ from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.flags import OptionalBool
-from harness.hub import check_inputs, locate_model
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
@@ -295,7 +295,7 @@ def main(args: Args) -> dict:
     # every missing input named at once; --plan without the data plans at the length limits
     if not check_inputs(args.model, {"--dataset": args.dataset}, args.plan):
         return {"memory_plan": memory_plan(args, [])[0]}
-    rows = load_rows(args.dataset, args.dataset_split, builtin=builtin_rows)
+    rows = load_rows(args.dataset, args.dataset_split, builtin=builtin_rows, hub=hub_rows)
     if rows and "chosen" in rows[0] and "rejected" in rows[0]:
         rows = unpair(validate_rows(rows, "preference"))
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns

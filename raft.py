@@ -63,7 +63,7 @@ from harness.checkpoints import check_finite_files, check_run_dir_identity, load
 from harness.checkpoints import check_finite, save_final, save_weights, write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import check_reward_fields, preset_label, resolve_preset
-from harness.hub import check_inputs, locate_model
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, plan_memory, row_tokens
 from harness.run import Logger, claim_run_dir, make_run_dir, peak_memory_gb
 from plugins.builtin_math import builtin_rows
@@ -573,7 +573,8 @@ def main(args: Args) -> dict:
     if not check_inputs(args.model, data, args.plan):  # every missing input at once; --plan: plans without the data
         return {"memory_plan": memory_plan(args, [])[0]}
     rows = validate_rows(
-        load_rows(args.dataset, args.dataset_split, builtin=builtin_rows), "supervised" if spin else "prompt"
+        load_rows(args.dataset, args.dataset_split, builtin=builtin_rows, hub=hub_rows),
+        "supervised" if spin else "prompt",
     )
     bad = [r["_loc"] for r in rows if spin and not {"prompt", "completion"} <= r.keys()]
     if bad:

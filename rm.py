@@ -50,7 +50,7 @@ from common.model import adamw_8bit
 from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
-from harness.hub import check_inputs, locate_model
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
@@ -312,7 +312,7 @@ def main(args: Args) -> dict:
     if not check_inputs(args.model, {"--dataset": args.dataset}, args.plan):
         return {"memory_plan": memory_plan(args, [])[0]}
     rows, eval_rows = load_splits(
-        args.dataset, args.dataset_split, args.eval_split, kind, args.eval_steps, builtin=builtin_rows
+        args.dataset, args.dataset_split, args.eval_split, kind, args.eval_steps, builtin=builtin_rows, hub=hub_rows
     )  # eval_rows [] without --eval-split
     attributes, targets = row_targets(rows, args)
     eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}

@@ -45,7 +45,7 @@ from common.model import adamw_8bit
 from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
-from harness.hub import check_inputs, locate_model
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
@@ -315,6 +315,7 @@ def main(args: Args) -> dict:
         CONVERTERS.get(args.convert),
         builtin_rows,
         convert_flag="--convert",  # rows in Alpaca's or ShareGPT's layout: the error names this flag
+        hub=hub_rows,
     )  # eval_rows [] without --eval-split
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
     rows = steer_rows(rows, args.attributes_in)  # SteerLM: rows' attributes written into their prompts

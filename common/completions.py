@@ -32,6 +32,7 @@ def load_splits(
     convert=None,
     builtin=None,
     convert_flag: str | None = None,
+    hub=None,
 ) -> tuple[list[dict], list[dict]]:
     """(dataset_split rows, eval_split rows or []) of `dataset`, validated as `kind`. A local file or a saved
     Dataset has no splits (load_rows reads all of it whatever the split): its eval_split may only be dataset_split.
@@ -47,10 +48,10 @@ def load_splits(
             f"--eval-split {eval_split}: {dataset} is {one} with no splits (all of it is the training "
             f"data); leave --eval-split unset, or pass {dataset_split} to evaluate on the training rows"
         )
-    rows = validate_rows(load_rows(dataset, dataset_split, convert=convert, builtin=builtin), kind, convert_flag)
+    rows = validate_rows(load_rows(dataset, dataset_split, convert, builtin, hub), kind, convert_flag)
     if eval_split is None:
         return rows, []
-    return rows, validate_rows(load_rows(dataset, eval_split, convert=convert, builtin=builtin), kind, convert_flag)
+    return rows, validate_rows(load_rows(dataset, eval_split, convert, builtin, hub), kind, convert_flag)
 
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

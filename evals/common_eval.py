@@ -25,7 +25,7 @@ from common.model import attach_lora, load_model
 from common.rewards import extract_answer, math_reward
 from common.rollout import hf_generate
 from harness.checkpoints import load_weights, resolve_checkpoint
-from harness.hub import check_dataset, locate_model
+from harness.hub import check_dataset, hub_rows, locate_model
 from plugins.builtin_math import builtin_rows
 from plugins.steerlm import parse_attributes, steer_prompt
 
@@ -213,7 +213,7 @@ def gsm8k_rows(
     check_dataset(dataset)
     rows = [
         question_row(r, instruction) if "question" in r and "prompt" not in r else r
-        for r in load_rows(dataset, split, builtin=builtin_rows)[:limit]
+        for r in load_rows(dataset, split, builtin=builtin_rows, hub=hub_rows)[:limit]
     ]  # [:None] keeps all
     missing = [r.get("_loc", "<row>") for r in rows if r.get("answer") is None]
     if missing:

@@ -38,6 +38,7 @@ from common.completions import (
 )
 from common.errors import DataError
 from harness import memory
+from harness.hub import hub_rows
 from plugins.embedded import resolve_model
 from sft import alpaca_row, collate_packed, pack_examples
 from tests.tiny import CORPUS
@@ -393,8 +394,10 @@ def test_builtin_and_hub_branches(monkeypatch):
         return datasets.Dataset.from_list([{"question": "q", "answer": "a"}])
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    rows = load_rows("openai/gsm8k:main", "test")
+    rows = load_rows("openai/gsm8k:main", "test", hub=hub_rows)
     assert calls == [("openai/gsm8k", "main", "test")] and rows[0]["_loc"] == "openai/gsm8k:main:[0]"
+    with pytest.raises(DataError, match="openai/gsm8k:main: no hub or saved datasets here"):
+        load_rows("openai/gsm8k:main", "test")  # the caller names the source (harness.hub.hub_rows)
 
 
 def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
@@ -418,7 +421,7 @@ def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
     # The hub branch (datasets.load_dataset faked with the file's first rows) gives the same rows.
     raw = [{"question": r["question"], "answer": r["solution"]} for r in rows[:3]]
     monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: datasets.Dataset.from_list(raw))
-    hub = validate_rows(load_rows("openai/gsm8k:main", "test"), "prompt")
+    hub = validate_rows(load_rows("openai/gsm8k:main", "test", hub=hub_rows), "prompt")
     assert [{k: v for k, v in r.items() if k != "_loc"} for r in hub] == [
         {k: v for k, v in r.items() if k != "_loc"} for r in rows[:3]
     ]
