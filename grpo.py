@@ -59,7 +59,7 @@ from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, fit_knob, plan_memory, release_heap, row_tokens
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
-from plugins.builtin_math import builtin_rows
+from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
 from plugins.judge import api_reward
 from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
@@ -716,10 +716,12 @@ def main(args: Args) -> dict:
     data = {"--dataset": args.dataset, "--eval-dataset": eval_src}
     if not check_inputs(args.model, data, args.plan):  # every missing input at once; --plan: plans without the data
         return {"memory_plan": memory_plan(args, [])[0]}
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split, builtin=builtin_rows, hub=hub_rows), "prompt")
+    # besides files: builtin:<name>, hub ids and saved datasets; GSM8K's {question, answer} rows read as prompt rows
+    sources = dict(convert=question_row, builtin=builtin_rows, hub=hub_rows)
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split, **sources), "prompt")
     eval_rows = []
     if eval_src:
-        eval_rows = load_rows(eval_src, args.eval_split, builtin=builtin_rows, hub=hub_rows)[: args.eval_limit]
+        eval_rows = load_rows(eval_src, args.eval_split, **sources)[: args.eval_limit]
         eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column

@@ -66,7 +66,7 @@ from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, plan_memory, row_tokens
 from harness.run import Logger, claim_run_dir, make_run_dir, peak_memory_gb
-from plugins.builtin_math import builtin_rows
+from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
 from plugins.judge import api_reward
 from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
@@ -572,10 +572,9 @@ def main(args: Args) -> dict:
     data = {"--dataset": args.dataset, "--eval-dataset": args.eval_dataset if args.eval_limit else None}
     if not check_inputs(args.model, data, args.plan):  # every missing input at once; --plan: plans without the data
         return {"memory_plan": memory_plan(args, [])[0]}
-    rows = validate_rows(
-        load_rows(args.dataset, args.dataset_split, builtin=builtin_rows, hub=hub_rows),
-        "supervised" if spin else "prompt",
-    )
+    convert = None if spin else question_row  # GSM8K's {question, answer} rows read as prompt rows
+    rows = load_rows(args.dataset, args.dataset_split, convert, builtin=builtin_rows, hub=hub_rows)
+    rows = validate_rows(rows, "supervised" if spin else "prompt")
     bad = [r["_loc"] for r in rows if spin and not {"prompt", "completion"} <= r.keys()]
     if bad:
         raise DataError(f"--mode spin needs {{prompt, completion}} rows (e.g. builtin:math_sft); {bad[0]} is not one")

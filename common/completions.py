@@ -17,7 +17,7 @@ import torch
 
 from common import data
 from common.data import Ids, _chat, _columns, _encode_texts, _first, _text_problem, bad_field, load_rows, need
-from common.data import concat_prompt_completion, pad_batch, question_row, without
+from common.data import concat_prompt_completion, pad_batch, without
 from common.distributed import rank_and_world
 from common.errors import ArgsError, DataError
 from common.model import masked_sum, sequence_logps
@@ -110,8 +110,6 @@ def _check_row(row: dict, kind: str) -> dict:
         ):
             bad_field(row, "messages", "the last message must be an assistant turn (it becomes the completion)")
         row = without(row, "messages") | {"prompt": msgs[:-1], "completion": msgs[-1:]}
-    if kind == "prompt" and "prompt" not in row and "question" in row:
-        row = question_row(row)
     # (field, may be empty); an SFT row uses whichever of its three layouts it has
     fields = {
         "preference": [("prompt", True), ("chosen", False), ("rejected", False)],

@@ -1,7 +1,7 @@
 """Data for every script: load rows, validate them before any model loads, render chat templates, tokenize prompts,
 pad and batch. Row formats are TRL's, "standard" (strings) or "conversational" (lists of {role, content}); prompt
-rows are {prompt, ...extra fields such as answer}, or {question, answer} (GSM8K's layout), which validate_rows turns
-into {prompt, answer: the number after '####', solution} (question_row). Rows with a completion (supervised,
+rows are {prompt, ...extra fields such as answer} (GSM8K's {question, answer} rows become such rows through a
+converter load_rows is given, plugins.builtin_math.question_row). Rows with a completion (supervised,
 preference, binary) are common.completions'. Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" /
 "org/set:[3]" = index) for error messages. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated
 (TRL's GRPO does not truncate prompts), with one warning: count + first locations.
@@ -164,27 +164,6 @@ def without(row: dict, *drop: str) -> dict:
     return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
 
 
-# ----------------------------------------------------------------------------------------------- GSM8K layout
-# Chosen by measurement: the instruction the embedded model most often follows with "#### N" (docs/results.md).
-MATH_INSTRUCTION = "Solve it step by step. On the last line, write the final answer as #### followed by the number."
-
-
-def question_row(row: dict, instruction: str = MATH_INSTRUCTION) -> dict:
-    """A {question, answer} math row (GSM8K: hub openai/gsm8k:main and its JSONL files alike) as a prompt-only row:
-    prompt = one user turn, the question then `instruction` ('' for the bare question) on a new line; answer = the
-    number after the last '####' with thousands commas dropped ('#### 1,080' -> '1080'), the whole worked solution
-    kept as `solution`. An answer without '####' (a bare number) stays as given; `question` stays too."""
-    question = need(row, "question", str)
-    content = f"{question}\n{instruction}" if instruction else question
-    out = without(row, "answer") | {"prompt": [{"role": "user", "content": content}]}
-    answer = row.get("answer")
-    if isinstance(answer, str) and "####" in answer:
-        return out | {"answer": answer.rsplit("####", 1)[1].strip().replace(",", ""), "solution": answer}
-    if answer is None:
-        return out
-    return out | {"answer": str(answer)}
-
-
 # -------------------------------------------------------------------------------------------------- validation
 def _text_problem(value: object, may_be_empty: bool) -> str | None:
     """What is wrong with a string-or-messages field, or None."""
@@ -200,8 +179,6 @@ def _text_problem(value: object, may_be_empty: bool) -> str | None:
 
 
 def _check_prompt_row(row: dict) -> dict:
-    if "prompt" not in row and "question" in row:
-        row = question_row(row)
     if "prompt" not in row:
         bad_field(row, "prompt", f"missing (row has: {_columns(row)})")
     problem = _text_problem(row["prompt"], False)
