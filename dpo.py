@@ -44,7 +44,6 @@ from common.model import BUCKETS, as_reference, attach_lora, cache_kwarg, chunke
 from common.completions import completion_logps, disable_dropout
 from common.model import load_model, masked_mean, masked_sum, shares_prompt_pass
 from common.model import snapshot_ref, trainable_parameters, unwrap
-from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
@@ -56,6 +55,7 @@ from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
+from plugins.optim import adamw_8bit
 
 
 @dataclass

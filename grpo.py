@@ -47,7 +47,6 @@ from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
 from common.model import pick_device, prompt_cache, resolve_dtype, sequence_logps
 from common.model import BUCKETS, shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
-from common.model import adamw_8bit
 from common.rewards import REWARD_FUNCS, load_reward_funcs, math_reward, score_rollout
 from common.rollout import check_sampling, hf_generate
 
@@ -62,6 +61,7 @@ from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
 from plugins.judge import api_reward
+from plugins.optim import adamw_8bit
 from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
 from plugins.vllm_engine import VLLMEngine
 

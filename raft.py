@@ -50,7 +50,7 @@ from common.distributed import gathered, gathered_state, init_distributed, is_sh
 from common.distributed import shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
-from common.model import adamw_8bit, attach_lora, load_model
+from common.model import attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
 from common.model import sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, load_reward_funcs, score_rollout
@@ -69,6 +69,7 @@ from harness.run import Logger, claim_run_dir, make_run_dir, peak_memory_gb
 from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
 from plugins.judge import api_reward
+from plugins.optim import adamw_8bit
 from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
 
 

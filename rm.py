@@ -43,7 +43,6 @@ from common.errors import ArgsError, DataError
 from common.model import attach_lora, load_model, trainable_parameters
 from common.completions import disable_dropout
 from common.model import unwrap
-from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
@@ -54,6 +53,7 @@ from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
+from plugins.optim import adamw_8bit
 from plugins.reward_model import reward_logits, save_reward
 
 

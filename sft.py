@@ -38,7 +38,6 @@ from common.distributed import shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError
 from common.model import attach_lora, load_model, sequence_logps, trainable_parameters
-from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
@@ -49,6 +48,7 @@ from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
+from plugins.optim import adamw_8bit
 from plugins.reward_model import label_rows
 from plugins.steerlm import steer_rows
 
