@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import tyro
 from transformers import get_scheduler, set_seed
 
-from common.data import concat_prompt_completion, dataset_label, load_rows, micro_batch, pad_batch
+from common.data import concat_prompt_completion, load_rows, micro_batch, pad_batch
 from common.data import setup_chat_template, tokenize_dataset, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed, gathered
 from common.distributed import init_distributed, rank_and_world, shard_model
@@ -47,7 +47,7 @@ from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
 from common.model import pick_device, prompt_cache, resolve_dtype, sequence_logps
 from common.model import BUCKETS, shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
-from common.rewards import REWARD_FUNCS, load_reward_funcs, math_reward, score_rollout
+from common.rewards import REWARD_FUNCS, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, breakers, logging) and plug-ins; a copy of this
@@ -57,7 +57,7 @@ from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_error
 from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, fit_knob, plan_memory, release_heap, row_tokens
-from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
+from harness.run import Breakers, Logger, PhaseTimer, eval_source, make_run_dir, reward_eval
 from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
 from plugins.judge import api_reward
@@ -539,38 +539,6 @@ def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: flo
         "clip_ratio/region_mean": (stats["low"] + stats["high"]) / tokens,  # disjoint: low needs A < 0, high A > 0
     }
     return metrics
-
-
-@torch.no_grad()
-def reward_eval(generate, examples: list[dict], reward_funcs, max_new_tokens: int, source: str) -> dict:
-    """The held-out eval through the run's own rollout engine (`generate`, HF or vLLM): one greedy completion per
-    prompt, its mean reward (the run's reward functions) and length and, for rows with an answer, the share whose
-    final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k). A row whose answer has
-    no number ("p - q") cannot be judged by math_reward (None): it is left out of the accuracy and counted in
-    eval/<dataset>/unscored (as evals.gsm8k does). Under torchrun every rank scores every prompt (greedy: the same
-    completions on each)."""
-    out = generate([e["prompt_ids"] for e in examples], 1, temperature=0.0, max_new_tokens=max_new_tokens)
-    rewards, _ = score_rollout(examples, out, reward_funcs, max_new_tokens)
-    lengths = [len(c) for c in out["completion_ids"]]
-    metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
-    if all("answer" in e for e in examples):
-        scores = math_reward(None, out["completions"], answer=[e["answer"] for e in examples])
-        right = [r for r in scores if r is not None]  # None: an answer without a number, which nothing matches
-        if right:
-            metrics[f"eval/{dataset_label(source)}/accuracy"] = sum(right) / len(right)
-        if len(right) < len(scores):  # only then: a run on numeric answers logs the keys it always did
-            metrics[f"eval/{dataset_label(source)}/unscored"] = len(scores) - len(right)
-    return metrics
-
-
-def eval_source(dataset: str, eval_dataset: str | None) -> str | None:
-    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set); None for a file, which is all
-    train data: no eval, as TRL trains without an eval_dataset (config_lines says how to add one)."""
-    if eval_dataset:
-        return eval_dataset
-    if not (os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet"))):
-        return dataset
-    return None
 
 
 # ------------------------------------------------------------------------------- what the harness reads
