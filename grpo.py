@@ -249,7 +249,7 @@ def group_advantages(rewards, group_size: int, scale_rewards: str = "group"):
     `advantages / (std_rewards + 1e-4)` unless "none". Differences: rewards must be finite (TRL zeroes all-None
     rows), and under "batch" TRL logs frac_reward_zero_std from the batch std while std_grouped is always per group.
     "batch" is over the rewards passed in: pass the whole generation batch. A group of equal rewards gets std and
-    advantages exactly 0 (TRL: its float32 rounding, e.g. 1e-3 advantages for four rewards of 1.2).
+    advantages exactly 0 (TRL: its float32 rounding, see below).
     """
     if group_size < 2:
         raise ValueError(f"GRPO needs group_size >= 2 (the std of one sample is undefined), got {group_size}")
@@ -317,11 +317,8 @@ def aggregate_loss(
 
     Micro-batching: when one optimizer step is split into micro-batches whose losses are summed by backward(), pass
     num_sequences = sequences in the whole step and num_items = completion tokens in the whole step (every loss
-    type); the summed gradient then equals the one-big-batch gradient exactly. TRL under gradient accumulation (GA):
-    grpo and dr_grpo divide each micro-batch loss by GA, identical to ours for equal-size micro-batches; dapo divides
-    by num_items_in_batch of the generation batch * GA / steps_per_generation, identical when steps_per_generation
-    == GA (its default); bnpo divides by the micro-batch's own token count and by GA (a mean of micro-batch means,
-    so bnpo == dapo only at GA=1); reproduce that with num_items = completion_mask.sum() * GA.
+    type); the summed gradient then equals the one-big-batch gradient exactly (TRL under gradient accumulation:
+    docs/parity.md).
     """
     B = per_token_loss.shape[0]
     num_sequences = B if num_sequences is None else num_sequences

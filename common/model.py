@@ -54,14 +54,12 @@ def require(package: str, hint: str):
 
 
 def cache_kwarg(lm) -> str:
-    """The name under which lm's forward (and generate) takes a KV cache: newer transformers call it `cache`, older
-    ones only know `past_key_values`."""
+    """The name under which lm's forward (and generate) takes a KV cache: `cache`, or `past_key_values`."""
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
 
 
 def is_checkpointing(lm) -> bool:
-    """Activation checkpointing on? Newer transformers name it is_activation_checkpointing; older ones only have
-    is_gradient_checkpointing (deprecated where the new name exists, so it is read only where that is missing)."""
+    """Activation checkpointing on? is_activation_checkpointing, else the deprecated is_gradient_checkpointing."""
     if hasattr(lm, "is_activation_checkpointing"):
         return bool(lm.is_activation_checkpointing)
     return bool(getattr(lm, "is_gradient_checkpointing", False))
@@ -131,8 +129,8 @@ def load_model(
         # Padding is always masked out, so any id works; EOS is the usual choice (our masks never use pad ids).
         tokenizer.pad_token = tokenizer.eos_token
     if device.type == "cuda":
-        # cuDNN's SDPA builds an execution plan on the host for every new (shape, stride) of q/k/v/mask: tens of ms
-        # each, paid again for each length a pass or a decode step brings. Flash and memory-efficient attention don't.
+        # cuDNN's SDPA builds an execution plan on the host for every new (shape, stride) of q/k/v/mask, paid again
+        # for each length a pass or a decode step brings (docs/results.md). Flash and memory-efficient attention don't.
         torch.backends.cuda.enable_cudnn_sdp(False)
     if quantization is None:
         model.to(device)

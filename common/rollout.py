@@ -24,7 +24,7 @@ or not, and row r takes the token at which the cumulative probability first exce
 rollout therefore consumes B*G x (longest completion) uniforms, whatever rows were dropped on the way, and resumes
 from a checkpoint's RNG state exactly; greedy consumes none. (model.generate draws one torch.multinomial per live step
 instead: same distribution, another stream.) Models that `decode` refuses (`decodes_exactly`: a cache holding more
-than keys and values, a rotary embedding not in STATIC_ROPE) are sampled by `model.generate`, as before.
+than keys and values, a rotary embedding not in STATIC_ROPE) are sampled by `model.generate`.
 """
 
 import contextlib
