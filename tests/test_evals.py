@@ -15,7 +15,7 @@ import evals.common_eval as common_eval
 import evals.gsm8k as gsm8k
 from common.errors import DataError
 from common.rewards import extract_answer, exact_number
-from harness.run import reward_eval
+from harness.held_out import reward_eval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

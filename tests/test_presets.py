@@ -19,7 +19,7 @@ import raft
 import rm
 import sft
 from harness.cli import resolve_preset
-from harness.run import eval_source
+from harness.held_out import eval_source
 
 # grpo.py's defaults before the presets existed (the demo run in docs/results.md): the demo must resolve to
 # exactly these.
