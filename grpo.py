@@ -55,9 +55,9 @@ from common.rollout import check_sampling, hf_generate
 from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import check_reward_fields, preset_label, resolve_preset
+from harness.held_out import eval_source, reward_eval
 from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, fit_knob, plan_memory, release_heap, row_tokens
-from harness.held_out import eval_source, reward_eval
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
