@@ -37,31 +37,32 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 import torch
 import torch.nn.functional as F
 import tyro
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 
-from common.data import concat_prompt_completion, dataset_label, load_rows, micro_batch, pad_batch
+from common.data import concat_prompt_completion, load_rows, micro_batch, pad_batch
 from common.data import setup_chat_template, tokenize_dataset, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed, gathered
 from common.distributed import init_distributed, rank_and_world, shard_model
 from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
-from common.model import pick_device, prompt_cache, resolve_dtype, save_final, seed_everything, sequence_logps
+from common.model import pick_device, prompt_cache, resolve_dtype, sequence_logps
 from common.model import BUCKETS, shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
-from common.model import adamw_8bit
-from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, math_reward, score_rollout
+from common.rewards import REWARD_FUNCS, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, breakers, logging) and plug-ins; a copy of this
 # script that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import Checkpoints, run_identity
+from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import preset_label, resolve_preset
-from harness.hub import check_inputs, locate_model
+from harness.cli import check_reward_fields, preset_label, resolve_preset
+from harness.held_out import eval_source, reward_eval
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, fit_knob, plan_memory, release_heap, row_tokens
 from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
-from plugins.builtin_math import builtin_rows
+from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
 from plugins.judge import api_reward
+from plugins.optim import adamw_8bit
 from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
 from plugins.vllm_engine import VLLMEngine
 
@@ -249,7 +250,7 @@ def group_advantages(rewards, group_size: int, scale_rewards: str = "group"):
     `advantages / (std_rewards + 1e-4)` unless "none". Differences: rewards must be finite (TRL zeroes all-None
     rows), and under "batch" TRL logs frac_reward_zero_std from the batch std while std_grouped is always per group.
     "batch" is over the rewards passed in: pass the whole generation batch. A group of equal rewards gets std and
-    advantages exactly 0 (TRL: its float32 rounding, e.g. 1e-3 advantages for four rewards of 1.2).
+    advantages exactly 0 (TRL: its float32 rounding, see below).
     """
     if group_size < 2:
         raise ValueError(f"GRPO needs group_size >= 2 (the std of one sample is undefined), got {group_size}")
@@ -317,11 +318,8 @@ def aggregate_loss(
 
     Micro-batching: when one optimizer step is split into micro-batches whose losses are summed by backward(), pass
     num_sequences = sequences in the whole step and num_items = completion tokens in the whole step (every loss
-    type); the summed gradient then equals the one-big-batch gradient exactly. TRL under gradient accumulation (GA):
-    grpo and dr_grpo divide each micro-batch loss by GA, identical to ours for equal-size micro-batches; dapo divides
-    by num_items_in_batch of the generation batch * GA / steps_per_generation, identical when steps_per_generation
-    == GA (its default); bnpo divides by the micro-batch's own token count and by GA (a mean of micro-batch means,
-    so bnpo == dapo only at GA=1); reproduce that with num_items = completion_mask.sum() * GA.
+    type); the summed gradient then equals the one-big-batch gradient exactly (TRL under gradient accumulation:
+    docs/parity.md).
     """
     B = per_token_loss.shape[0]
     num_sequences = B if num_sequences is None else num_sequences
@@ -541,38 +539,6 @@ def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: flo
     return metrics
 
 
-@torch.no_grad()
-def reward_eval(generate, examples: list[dict], reward_funcs, max_new_tokens: int, source: str) -> dict:
-    """The held-out eval through the run's own rollout engine (`generate`, HF or vLLM): one greedy completion per
-    prompt, its mean reward (the run's reward functions) and length and, for rows with an answer, the share whose
-    final number is right (eval/<dataset>/accuracy: GSM8K's test accuracy for openai/gsm8k). A row whose answer has
-    no number ("p - q") cannot be judged by math_reward (None): it is left out of the accuracy and counted in
-    eval/<dataset>/unscored (as evals.gsm8k does). Under torchrun every rank scores every prompt (greedy: the same
-    completions on each)."""
-    out = generate([e["prompt_ids"] for e in examples], 1, temperature=0.0, max_new_tokens=max_new_tokens)
-    rewards, _ = score_rollout(examples, out, reward_funcs, max_new_tokens)
-    lengths = [len(c) for c in out["completion_ids"]]
-    metrics = {"eval/reward": rewards.mean().item(), "eval/completions/mean_length": sum(lengths) / len(lengths)}
-    if all("answer" in e for e in examples):
-        scores = math_reward(None, out["completions"], answer=[e["answer"] for e in examples])
-        right = [r for r in scores if r is not None]  # None: an answer without a number, which nothing matches
-        if right:
-            metrics[f"eval/{dataset_label(source)}/accuracy"] = sum(right) / len(right)
-        if len(right) < len(scores):  # only then: a run on numeric answers logs the keys it always did
-            metrics[f"eval/{dataset_label(source)}/unscored"] = len(scores) - len(right)
-    return metrics
-
-
-def eval_source(dataset: str, eval_dataset: str | None) -> str | None:
-    """--eval-dataset, else --dataset itself when it has splits (a hub or builtin set); None for a file, which is all
-    train data: no eval, as TRL trains without an eval_dataset (config_lines says how to add one)."""
-    if eval_dataset:
-        return eval_dataset
-    if not (os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet"))):
-        return dataset
-    return None
-
-
 # ------------------------------------------------------------------------------- what the harness reads
 def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
@@ -709,17 +675,19 @@ def main(args: Args) -> dict:
     args = resolve_preset(args, PRESETS)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
-    seed_everything(args.seed)
+    set_seed(args.seed)
 
     # ---- 2 data and rewards, checked before any weights load (a bad row fails in seconds, naming its line)
     eval_src = eval_source(args.dataset, args.eval_dataset) if args.eval_steps else None
     data = {"--dataset": args.dataset, "--eval-dataset": eval_src}
     if not check_inputs(args.model, data, args.plan):  # every missing input at once; --plan: plans without the data
         return {"memory_plan": memory_plan(args, [])[0]}
-    rows = validate_rows(load_rows(args.dataset, args.dataset_split, builtin=builtin_rows), "prompt")
+    # besides files: builtin:<name>, hub ids and saved datasets; GSM8K's {question, answer} rows read as prompt rows
+    sources = dict(convert=question_row, builtin=builtin_rows, hub=hub_rows)
+    rows = validate_rows(load_rows(args.dataset, args.dataset_split, **sources), "prompt")
     eval_rows = []
     if eval_src:
-        eval_rows = load_rows(eval_src, args.eval_split, builtin=builtin_rows)[: args.eval_limit]
+        eval_rows = load_rows(eval_src, args.eval_split, **sources)[: args.eval_limit]
         eval_rows = validate_rows(eval_rows, "prompt") if eval_rows else []
     reward_funcs = load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})
     check_reward_fields(rows + eval_rows, reward_funcs)  # e.g. `math` needs an `answer` column

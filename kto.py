@@ -38,7 +38,7 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 
 import torch
 import tyro
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 
 from common.data import concat_prompt_completion, load_rows, micro_batch, setup_chat_template
 from common.completions import tokenize_dataset
@@ -47,21 +47,21 @@ from common.distributed import all_gather, all_sum, any_rank, average_gradients,
 from common.distributed import init_distributed, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
-from common.model import as_reference, attach_lora, load_model, save_final
+from common.model import as_reference, attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
-from common.model import seed_everything, snapshot_ref, trainable_parameters, unwrap
-from common.model import adamw_8bit
+from common.model import snapshot_ref, trainable_parameters, unwrap
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import Checkpoints, run_identity
+from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
 from harness.flags import OptionalBool
-from harness.hub import check_inputs, locate_model
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
+from plugins.optim import adamw_8bit
 
 
 @dataclass
@@ -287,7 +287,7 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_reference(resolve_preset(args, PRESETS))
-    seed_everything(args.seed)
+    set_seed(args.seed)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
 
@@ -295,7 +295,7 @@ def main(args: Args) -> dict:
     # every missing input named at once; --plan without the data plans at the length limits
     if not check_inputs(args.model, {"--dataset": args.dataset}, args.plan):
         return {"memory_plan": memory_plan(args, [])[0]}
-    rows = load_rows(args.dataset, args.dataset_split, builtin=builtin_rows)
+    rows = load_rows(args.dataset, args.dataset_split, builtin=builtin_rows, hub=hub_rows)
     if rows and "chosen" in rows[0] and "rejected" in rows[0]:
         rows = unpair(validate_rows(rows, "preference"))
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns

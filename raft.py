@@ -40,6 +40,7 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 import torch
 import torch.nn.functional as F
 import tyro
+from transformers import set_seed
 
 from common.data import dataset_label, load_rows, micro_batch, setup_chat_template
 from common.completions import collate_sft, concat_pairs
@@ -49,25 +50,26 @@ from common.distributed import gathered, gathered_state, init_distributed, is_sh
 from common.distributed import shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
-from common.model import adamw_8bit, attach_lora, check_finite, load_model
+from common.model import attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
-from common.model import save_final, save_weights, seed_everything, sequence_logps, trainable_parameters
-from common.rewards import REWARD_FUNCS, check_reward_fields, load_reward_funcs, score_rollout
+from common.model import sequence_logps, trainable_parameters
+from common.rewards import REWARD_FUNCS, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import check_finite_files, check_run_dir_identity, load_weights, read_marker, run_identity
-from harness.checkpoints import write_marker, writing
+from harness.checkpoints import check_finite, save_final, save_weights, write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import preset_label, resolve_preset
-from harness.hub import check_inputs, locate_model
+from harness.cli import check_reward_fields, preset_label, resolve_preset
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, plan_memory, row_tokens
 from harness.run import Logger, claim_run_dir, make_run_dir, peak_memory_gb
-from plugins.builtin_math import builtin_rows
+from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
 from plugins.judge import api_reward
+from plugins.optim import adamw_8bit
 from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
 
 
@@ -561,7 +563,7 @@ def main(args: Args) -> dict:
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
     spin = args.mode == "spin"
-    seed_everything(args.seed)  # the LoRA init; each round reseeds with seed + round
+    set_seed(args.seed)  # the LoRA init; each round reseeds with seed + round
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
     G = 1 if spin else args.group_size
@@ -571,9 +573,9 @@ def main(args: Args) -> dict:
     data = {"--dataset": args.dataset, "--eval-dataset": args.eval_dataset if args.eval_limit else None}
     if not check_inputs(args.model, data, args.plan):  # every missing input at once; --plan: plans without the data
         return {"memory_plan": memory_plan(args, [])[0]}
-    rows = validate_rows(
-        load_rows(args.dataset, args.dataset_split, builtin=builtin_rows), "supervised" if spin else "prompt"
-    )
+    convert = None if spin else question_row  # GSM8K's {question, answer} rows read as prompt rows
+    rows = load_rows(args.dataset, args.dataset_split, convert, builtin=builtin_rows, hub=hub_rows)
+    rows = validate_rows(rows, "supervised" if spin else "prompt")
     bad = [r["_loc"] for r in rows if spin and not {"prompt", "completion"} <= r.keys()]
     if bad:
         raise DataError(f"--mode spin needs {{prompt, completion}} rows (e.g. builtin:math_sft); {bad[0]} is not one")
@@ -639,7 +641,7 @@ def main(args: Args) -> dict:
     interrupt = StopOnCtrlC()  # Ctrl-C: stop after the round being written
     for rnd in interrupt.watch(range(max(done, 0) + 1, args.num_rounds + 1)):
         t0 = time.perf_counter()
-        seed_everything(args.seed + rnd)  # a round depends only on (seed, round, the policy it starts from)
+        set_seed(args.seed + rnd)  # a round depends only on (seed, round, the policy it starts from)
         batch = micro_batch(examples, rnd - 1, args.prompts_per_round, args.seed)  # epoch-wise shuffled prompts
         # (1) rollout: K samples per prompt from the live policy (eval mode, no grad inside), in slices of
         # --generation-batch-size prompts joined in order, so each prompt's K samples stay contiguous

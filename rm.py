@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import tyro
 from torch.distributed.tensor import DTensor
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 
 from common.data import micro_batch, setup_chat_template
 from common.completions import collate_sft, concat_pairs, load_splits, tokenize_dataset
@@ -40,20 +40,20 @@ from common.distributed import all_gather, all_sum, any_rank, average_gradients,
 from common.distributed import init_distributed, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
-from common.model import attach_lora, load_model, save_final, seed_everything, trainable_parameters
+from common.model import attach_lora, load_model, trainable_parameters
 from common.completions import disable_dropout
 from common.model import unwrap
-from common.model import adamw_8bit
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import Checkpoints, run_identity
+from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
-from harness.hub import check_inputs, locate_model
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
+from plugins.optim import adamw_8bit
 from plugins.reward_model import reward_logits, save_reward
 
 
@@ -302,7 +302,7 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
-    seed_everything(args.seed)
+    set_seed(args.seed)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
 
@@ -312,7 +312,7 @@ def main(args: Args) -> dict:
     if not check_inputs(args.model, {"--dataset": args.dataset}, args.plan):
         return {"memory_plan": memory_plan(args, [])[0]}
     rows, eval_rows = load_splits(
-        args.dataset, args.dataset_split, args.eval_split, kind, args.eval_steps, builtin=builtin_rows
+        args.dataset, args.dataset_split, args.eval_split, kind, args.eval_steps, builtin=builtin_rows, hub=hub_rows
     )  # eval_rows [] without --eval-split
     attributes, targets = row_targets(rows, args)
     eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}

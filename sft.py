@@ -27,7 +27,7 @@ help_before_imports(__name__, __file__, __doc__.split("\n\n")[0])
 
 import torch
 import tyro
-from transformers import get_scheduler
+from transformers import get_scheduler, set_seed
 
 from common.data import bad_field, micro_batch, need, pad_batch, setup_chat_template
 from common.completions import collate_sft, load_splits
@@ -37,18 +37,18 @@ from common.distributed import all_sum, any_rank, average_gradients, close_distr
 from common.distributed import shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError
-from common.model import attach_lora, load_model, save_final, seed_everything, sequence_logps, trainable_parameters
-from common.model import adamw_8bit
+from common.model import attach_lora, load_model, sequence_logps, trainable_parameters
 
 # The optional harness (plumbing: presets, memory plan, checkpoints, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
-from harness.checkpoints import Checkpoints, run_identity
+from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import preset_label, resolve_preset, training_lines
-from harness.hub import check_inputs, locate_model
+from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
+from plugins.optim import adamw_8bit
 from plugins.reward_model import label_rows
 from plugins.steerlm import steer_rows
 
@@ -298,7 +298,7 @@ def main(args: Args) -> dict:
     # ---- 1 setup
     rank, world = init_distributed(args.ddp_timeout)  # under torchrun: this process's rank of world; alone: 0 of 1
     args = resolve_preset(args, PRESETS)
-    seed_everything(args.seed)
+    set_seed(args.seed)
     check_args(args)
     torch.set_num_threads(args.torch_threads or torch.get_num_threads())  # None: keep torch's default
 
@@ -315,6 +315,7 @@ def main(args: Args) -> dict:
         CONVERTERS.get(args.convert),
         builtin_rows,
         convert_flag="--convert",  # rows in Alpaca's or ShareGPT's layout: the error names this flag
+        hub=hub_rows,
     )  # eval_rows [] without --eval-split
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
     rows = steer_rows(rows, args.attributes_in)  # SteerLM: rows' attributes written into their prompts

@@ -17,8 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from common.data import load_rows
 from common.completions import validate_rows
-from common.rewards import check_reward_fields, load_reward_funcs, math_reward
-from plugins.builtin_math import builtin_rows
+from common.rewards import load_reward_funcs, math_reward
+from harness.cli import check_reward_fields
+from plugins.builtin_math import builtin_rows, question_row
 from tests.math_cases import CASES
 
 
@@ -64,7 +65,7 @@ def row_checks(data: str) -> None:
     funcs = load_reward_funcs(["math"])
     sources = [(os.path.join(data, "gsm8k", f"{split}.jsonl"), "train") for split in ("train", "test")]
     for source, split in sources + [("builtin:math", "train"), ("builtin:math", "test")]:
-        rows = validate_rows(load_rows(source, split, builtin=builtin_rows), "prompt")
+        rows = validate_rows(load_rows(source, split, question_row, builtin_rows), "prompt")
         check_reward_fields(rows, funcs)  # raises DataError naming the first row it refuses
         name = f"{source} ({split})" if source.startswith("builtin:") else os.path.relpath(source, data)
         print(f"row check, --rewards math: {name}: {len(rows)}/{len(rows)} rows pass")

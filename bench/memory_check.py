@@ -250,6 +250,8 @@ def child(spec: dict) -> None:
     from common.data import load_rows, setup_chat_template
     from common.completions import tokenize_dataset, validate_rows
     from harness import memory
+    from harness.hub import hub_rows
+    from plugins.builtin_math import question_row
     from harness.cli import resolve_preset
     from harness.hub import locate_model
 
@@ -260,15 +262,16 @@ def child(spec: dict) -> None:
 
         tokenizer = AutoTokenizer.from_pretrained(locate_model(args.model))
         setup_chat_template(tokenizer, args.template)
-        examples = tokenize_dataset(
-            tokenizer, validate_rows(load_rows(args.dataset, "train"), "prompt"), "prompt", None
-        )
+        prompts = validate_rows(load_rows(args.dataset, "train", question_row, hub=hub_rows), "prompt")
+        examples = tokenize_dataset(tokenizer, prompts, "prompt", None)
         args.max_prompt_length = max(len(e["prompt_ids"]) for e in examples)
     if spec["script"] in ("sft", "dpo"):
         args.dataset = near_full_rows(args, spec["script"], os.path.dirname(args.dataset))
     resolved = resolve_preset(args, mod.PRESETS) if hasattr(mod, "PRESETS") else args
     # the rows the script plans with (they bound the sequence lengths below max_length when all are shorter)
-    rows = validate_rows(load_rows(resolved.dataset, resolved.dataset_split), KIND[spec["script"]])
+    convert = question_row if KIND[spec["script"]] == "prompt" else None  # GSM8K's layout: prompt rows
+    rows = load_rows(resolved.dataset, resolved.dataset_split, convert, hub=hub_rows)
+    rows = validate_rows(rows, KIND[spec["script"]])
     import torch
 
     cuda = torch.cuda.is_available()

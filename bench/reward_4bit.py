@@ -19,7 +19,7 @@ import grpo
 from common.data import load_rows, setup_chat_template
 from common.completions import validate_rows
 from common.model import attach_lora, load_model
-from harness.hub import locate_model
+from harness.hub import hub_rows, locate_model
 from plugins.builtin_math import builtin_rows
 from plugins.reward_model import load_reward, read_config, score
 
@@ -49,7 +49,8 @@ def main() -> None:
     args = parser.parse_args()
     import bitsandbytes as bnb
 
-    rows = validate_rows(load_rows(args.dataset, args.split, builtin=builtin_rows), "preference")[: args.pairs]
+    rows = load_rows(args.dataset, args.split, builtin=builtin_rows, hub=hub_rows)
+    rows = validate_rows(rows, "preference")[: args.pairs]
     prompts, n = [r["prompt"] for r in rows] * 2, len(rows)
     completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
     model, t0 = read_config(args.rm_dir)["base_model"], time.perf_counter()

@@ -17,7 +17,7 @@ import torch
 
 from common import data
 from common.data import Ids, _chat, _columns, _encode_texts, _first, _text_problem, bad_field, load_rows, need
-from common.data import concat_prompt_completion, pad_batch, question_row, without
+from common.data import concat_prompt_completion, pad_batch, without
 from common.distributed import rank_and_world
 from common.errors import ArgsError, DataError
 from common.model import masked_sum, sequence_logps
@@ -32,6 +32,7 @@ def load_splits(
     convert=None,
     builtin=None,
     convert_flag: str | None = None,
+    hub=None,
 ) -> tuple[list[dict], list[dict]]:
     """(dataset_split rows, eval_split rows or []) of `dataset`, validated as `kind`. A local file or a saved
     Dataset has no splits (load_rows reads all of it whatever the split): its eval_split may only be dataset_split.
@@ -47,10 +48,10 @@ def load_splits(
             f"--eval-split {eval_split}: {dataset} is {one} with no splits (all of it is the training "
             f"data); leave --eval-split unset, or pass {dataset_split} to evaluate on the training rows"
         )
-    rows = validate_rows(load_rows(dataset, dataset_split, convert=convert, builtin=builtin), kind, convert_flag)
+    rows = validate_rows(load_rows(dataset, dataset_split, convert, builtin, hub), kind, convert_flag)
     if eval_split is None:
         return rows, []
-    return rows, validate_rows(load_rows(dataset, eval_split, convert=convert, builtin=builtin), kind, convert_flag)
+    return rows, validate_rows(load_rows(dataset, eval_split, convert, builtin, hub), kind, convert_flag)
 
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -109,8 +110,6 @@ def _check_row(row: dict, kind: str) -> dict:
         ):
             bad_field(row, "messages", "the last message must be an assistant turn (it becomes the completion)")
         row = without(row, "messages") | {"prompt": msgs[:-1], "completion": msgs[-1:]}
-    if kind == "prompt" and "prompt" not in row and "question" in row:
-        row = question_row(row)
     # (field, may be empty); an SFT row uses whichever of its three layouts it has
     fields = {
         "preference": [("prompt", True), ("chosen", False), ("rejected", False)],

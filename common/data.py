@@ -1,7 +1,7 @@
 """Data for every script: load rows, validate them before any model loads, render chat templates, tokenize prompts,
 pad and batch. Row formats are TRL's, "standard" (strings) or "conversational" (lists of {role, content}); prompt
-rows are {prompt, ...extra fields such as answer}, or {question, answer} (GSM8K's layout), which validate_rows turns
-into {prompt, answer: the number after '####', solution} (question_row). Rows with a completion (supervised,
+rows are {prompt, ...extra fields such as answer} (GSM8K's {question, answer} rows become such rows through a
+converter load_rows is given, plugins.builtin_math.question_row). Rows with a completion (supervised,
 preference, binary) are common.completions'. Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" /
 "org/set:[3]" = index) for error messages. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated
 (TRL's GRPO does not truncate prompts), with one warning: count + first locations.
@@ -121,29 +121,11 @@ def looks_local(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
 
 
-def _load_saved_dataset(path: pathlib.Path, split: str) -> list[dict]:
-    """A folder written by Dataset(Dict).save_to_disk; any other folder is refused (datasets would train on whatever
-    files it finds inside, e.g. a run dir's metrics.jsonl)."""
-    if not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
-        shown = ", ".join(sorted(os.listdir(path))[:5]) or "nothing"
-        raise DataError(
-            f"{path}: a directory, not a saved HF dataset (save_to_disk's dataset_info.json/state.json "
-            f"or dataset_dict.json missing; it holds: {shown}); pass a .json/.jsonl/.parquet file"
-        )
-    import datasets
-
-    data = datasets.load_from_disk(str(path))
-    if isinstance(data, datasets.DatasetDict):
-        if split not in data:
-            raise DataError(f"{path}: no split {split!r} in the saved dataset (it has: {', '.join(data)})")
-        data = data[split]
-    return [dict(r, _loc=f"{path}:[{i}]") for i, r in enumerate(data.to_list())]
-
-
-def load_rows(spec: str, split: str = "train", convert=None, builtin=None) -> list[dict]:
-    """Rows from a local .json/.jsonl/.parquet file, a saved HF dataset folder, a hub id ("org/name" or
-    "org/name:config"), or `builtin:<name>`, served by the `builtin(name, split)` function given (e.g.
-    plugins.builtin_math.builtin_rows); `convert`, a function of a row (e.g. sharegpt_row), rewrites each one."""
+def load_rows(spec: str, split: str = "train", convert=None, builtin=None, hub=None) -> list[dict]:
+    """Rows from a local .json/.jsonl/.parquet file, `builtin:<name>`, served by the `builtin(name, split)` function
+    given (e.g. plugins.builtin_math.builtin_rows), or a saved HF dataset folder or hub id ("org/name" or
+    "org/name:config"), served by `hub(spec, split)` (harness.hub.hub_rows); `convert`, a function of a row (e.g.
+    sharegpt_row), rewrites each one."""
     path = pathlib.Path(spec)
     if spec.startswith("builtin:"):
         if builtin is None:
@@ -151,16 +133,13 @@ def load_rows(spec: str, split: str = "train", convert=None, builtin=None) -> li
         rows = [dict(r) for r in builtin(spec.removeprefix("builtin:"), split)]
     elif path.is_file():
         rows = _read_file(path)
-    elif path.is_dir():
-        rows = _load_saved_dataset(path, split)
-    elif path.suffix in (".json", ".jsonl", ".parquet") or looks_local(spec):
+    elif not path.is_dir() and (path.suffix in (".json", ".jsonl", ".parquet") or looks_local(spec)):
         # a mistyped path must not turn into a hub lookup
         raise DataError(f"{spec}: file not found (no such file or directory)")
+    elif hub is None:
+        raise DataError(f"{spec}: no hub or saved datasets here (load_rows was not given a hub= source)")
     else:
-        import datasets  # imported here: a run on local files never pays for it
-
-        name, _, config = spec.partition(":")  # hub sets with several configs, e.g. "openai/gsm8k:main"
-        rows = datasets.load_dataset(name, config or None, split=split).to_list()
+        rows = hub(spec, split)
     for i, row in enumerate(rows):
         row.setdefault("_loc", f"{spec}:[{i}]")
     if convert is not None:
@@ -185,27 +164,6 @@ def without(row: dict, *drop: str) -> dict:
     return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
 
 
-# ----------------------------------------------------------------------------------------------- GSM8K layout
-# Chosen by measurement: the instruction the embedded model most often follows with "#### N" (docs/results.md).
-MATH_INSTRUCTION = "Solve it step by step. On the last line, write the final answer as #### followed by the number."
-
-
-def question_row(row: dict, instruction: str = MATH_INSTRUCTION) -> dict:
-    """A {question, answer} math row (GSM8K: hub openai/gsm8k:main and its JSONL files alike) as a prompt-only row:
-    prompt = one user turn, the question then `instruction` ('' for the bare question) on a new line; answer = the
-    number after the last '####' with thousands commas dropped ('#### 1,080' -> '1080'), the whole worked solution
-    kept as `solution`. An answer without '####' (a bare number) stays as given; `question` stays too."""
-    question = need(row, "question", str)
-    content = f"{question}\n{instruction}" if instruction else question
-    out = without(row, "answer") | {"prompt": [{"role": "user", "content": content}]}
-    answer = row.get("answer")
-    if isinstance(answer, str) and "####" in answer:
-        return out | {"answer": answer.rsplit("####", 1)[1].strip().replace(",", ""), "solution": answer}
-    if answer is None:
-        return out
-    return out | {"answer": str(answer)}
-
-
 # -------------------------------------------------------------------------------------------------- validation
 def _text_problem(value: object, may_be_empty: bool) -> str | None:
     """What is wrong with a string-or-messages field, or None."""
@@ -221,8 +179,6 @@ def _text_problem(value: object, may_be_empty: bool) -> str | None:
 
 
 def _check_prompt_row(row: dict) -> dict:
-    if "prompt" not in row and "question" in row:
-        row = question_row(row)
     if "prompt" not in row:
         bad_field(row, "prompt", f"missing (row has: {_columns(row)})")
     problem = _text_problem(row["prompt"], False)

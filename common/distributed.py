@@ -18,7 +18,6 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -179,16 +178,6 @@ def gathered_state(model, optimizer=None) -> tuple[dict, dict | None]:
     weights = get_model_state_dict(model, options=options)
     optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
     return weights, optim
-
-
-def load_gathered_state(model, weights: dict, optimizer=None, optim: dict | None = None) -> list[str]:
-    """The inverse of gathered_state on every rank (each passes the full dicts it read): each rank keeps its shards.
-    Returns the model keys the dict lacked (a tied head the saved file left out is filled from its embedding)."""
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    result = set_model_state_dict(model, weights, options=options)
-    if optimizer is not None and optim is not None:
-        set_optimizer_state_dict(model, optimizer, optim, options=options)
-    return list(result.missing_keys) + list(result.unexpected_keys)
 
 
 def close_distributed() -> None:

@@ -13,14 +13,11 @@ Every formula is stated in its docstring and checked against a naive reference i
 
 import contextlib
 import copy
-import errno
 import importlib
 import importlib.util
 import inspect
 import json
 import os
-import random
-import shutil
 import warnings
 
 import torch
@@ -29,12 +26,10 @@ from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_t
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DynamicCache
 from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-from safetensors import SafetensorError
 
 from common.data import looks_local
-from common.distributed import all_gather, broadcast, gathered_state, is_sharded, local_tensor, rank_and_world
-from common.distributed import reshard
-from common.errors import ModelError, NonFiniteWeightsError, OutputDirError, UserError
+from common.distributed import is_sharded, local_tensor, reshard
+from common.errors import ModelError
 
 DEFAULT = "default"
 REF = "ref"
@@ -47,16 +42,6 @@ BUCKETS = {"cuda": 64}
 
 
 # ------------------------------------------------------------------------------------------------------ loading
-def seed_everything(seed: int) -> None:
-    """Python's and torch's (every device's) random streams, and numpy's when it is installed."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if importlib.util.find_spec("numpy") is not None:
-        import numpy as np
-
-        np.random.seed(seed)
-
-
 def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -68,31 +53,13 @@ def require(package: str, hint: str):
     return importlib.import_module(package)
 
 
-def adamw_8bit(model, params, lr: float, weight_decay: float):
-    """transformers' `--optim adamw_8bit`: bitsandbytes' AdamW (optim_bits=8, not paged) with torch's AdamW betas
-    (0.9, 0.999) and eps 1e-8, the same update on moments stored as uint8 codes of a dynamic map with an fp32 absmax
-    per 256 elements. A tensor under 4096 elements (bitsandbytes' min_8bit_size) and, as transformers' Trainer sets
-    them, the model's nn.Embedding weights keep fp32 moments."""
-    bnb = require("bitsandbytes", "--optim adamw_8bit")
-    manager = bnb.optim.GlobalOptimManager.get_instance()
-    manager.initialize()  # overrides are keyed by id(): a freed model's entry would otherwise apply to a new tensor
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding):
-            manager.override_config(module.weight, "optim_bits", 32)
-    return bnb.optim.AdamW(
-        params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay, optim_bits=8, is_paged=False
-    )
-
-
 def cache_kwarg(lm) -> str:
-    """The name under which lm's forward (and generate) takes a KV cache: newer transformers call it `cache`, older
-    ones only know `past_key_values`."""
+    """The name under which lm's forward (and generate) takes a KV cache: `cache`, or `past_key_values`."""
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
 
 
 def is_checkpointing(lm) -> bool:
-    """Activation checkpointing on? Newer transformers name it is_activation_checkpointing; older ones only have
-    is_gradient_checkpointing (deprecated where the new name exists, so it is read only where that is missing)."""
+    """Activation checkpointing on? is_activation_checkpointing, else the deprecated is_gradient_checkpointing."""
     if hasattr(lm, "is_activation_checkpointing"):
         return bool(lm.is_activation_checkpointing)
     return bool(getattr(lm, "is_gradient_checkpointing", False))
@@ -162,8 +129,8 @@ def load_model(
         # Padding is always masked out, so any id works; EOS is the usual choice (our masks never use pad ids).
         tokenizer.pad_token = tokenizer.eos_token
     if device.type == "cuda":
-        # cuDNN's SDPA builds an execution plan on the host for every new (shape, stride) of q/k/v/mask: tens of ms
-        # each, paid again for each length a pass or a decode step brings. Flash and memory-efficient attention don't.
+        # cuDNN's SDPA builds an execution plan on the host for every new (shape, stride) of q/k/v/mask, paid again
+        # for each length a pass or a decode step brings (docs/results.md). Flash and memory-efficient attention don't.
         torch.backends.cuda.enable_cudnn_sdp(False)
     if quantization is None:
         model.to(device)
@@ -361,118 +328,6 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     if not params:
         raise RuntimeError("the model has no trainable parameters")
     return [p for _, p in params]
-
-
-# ------------------------------------------------------------------------------------------------------ saving
-def save_weights(model, out_dir: str, adapters: list[str] | None = None, state_dict: dict | None = None) -> None:
-    """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model.
-    save_embedding_layers=False: our LoRA never resizes the vocabulary, and PEFT's "auto" looks a base name that is
-    no local folder (an alias such as smollm2-135m) up on the hub at every save, with warnings when offline.
-    state_dict: the full weights gathered from a model sharded by FSDP2 (common.distributed.gathered_state), written
-    as one plain transformers folder."""
-    if state_dict is not None:
-        model.save_pretrained(out_dir, safe_serialization=True, state_dict=state_dict)
-        return
-    kwargs = {"selected_adapters": adapters, "save_embedding_layers": False} if is_peft(model) else {}
-    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
-
-
-def all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
-    """No NaN/Inf in a tensor, checked a million elements at a time: torch.isfinite of a whole weight allocates a
-    copy of it (|x|) and three bool masks, 1.75x a fp32 embedding's bytes, at the moment a run saves."""
-    if not tensor.is_floating_point():
-        return True
-    flat = tensor.detach().reshape(-1)
-    ok = torch.ones((), dtype=torch.bool, device=flat.device)
-    for part in flat.split(chunk):
-        ok &= torch.isfinite(part).all()
-    return bool(ok)  # one device sync a tensor, not one a chunk
-
-
-def check_finite(model, where: str = "") -> None:
-    """Refuse to write a model with a NaN/Inf weight: the error names the tensors (and `where`, e.g. the last good
-    checkpoint). A sharded model's shards are checked on every rank and the verdict shared, so all ranks refuse."""
-    bad = [n for n, p in model.named_parameters() if not all_finite(local_tensor(p))]
-    if is_sharded(model):
-        bad = sorted(set(all_gather(bad)))
-    if bad:
-        raise NonFiniteWeightsError(
-            f"{len(bad)} weight tensors hold NaN/Inf (e.g. {bad[0]}); nothing was saved{where}"
-        )
-
-
-def stop_at_end_of_turn(model, tokenizer) -> None:
-    """generate() stops only at generation_config's eos ids: put the trained end of turn (the tokenizer's eos, e.g.
-    ChatML's <|im_end|> on a base model whose eos is <|endoftext|>) first among them, as TRL's SFTTrainer does."""
-    stops = model.generation_config.eos_token_id
-    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
-    if tokenizer.eos_token_id not in stops:
-        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
-
-
-def _out_of_space(e: Exception, folder: str) -> bool:
-    """Whether a failed write ran out of space: ENOSPC / EDQUOT from Python, the OS's words inside safetensors'
-    error, or torch's writer, whose message drops the errno ('[enforce fail at inline_container.cc:672] . unexpected
-    pos ...'), on a file system left with under 1 MiB (measured before the partial files are removed)."""
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
-        return True
-    return "unexpected pos" in str(e) and shutil.disk_usage(folder).free < 2**20
-
-
-@contextlib.contextmanager
-def writing(tmp: str, what: str, last_good: str | None):
-    """Around writing `what` into the temp dir `tmp` (renamed into place when complete): if the writing fails, tmp
-    is removed and a failed write becomes one line that says when the disk is full and names the last good
-    checkpoint (if any), instead of torch's or safetensors' message."""
-    try:
-        yield
-    except Exception as e:
-        full = not isinstance(e, UserError) and _out_of_space(e, os.path.dirname(tmp))
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, UserError) or not isinstance(e, (OSError, RuntimeError, SafetensorError)):
-            raise
-        cause = "no space left on device" if full else f"{type(e).__name__}: {e}"
-        last = f". Last good checkpoint: {last_good}" if last_good else ""
-        raise OutputDirError(f"cannot write {what} ({cause}); removed the half-written {tmp}{last}") from None
-
-
-@contextlib.contextmanager
-def whole_dir(out_dir: str, what: str):
-    """Yields a temp dir beside out_dir to write into, renamed into place once the block completes (a folder already
-    there is replaced only then): a failed write (a full disk) leaves no folder that looks complete, and one line."""
-    out_dir = os.path.abspath(out_dir)
-    tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier write
-    with writing(tmp, what, None):
-        yield tmp
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-
-
-def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
-    """out_dir: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as plain
-    PEFT / transformers load them, plus the tokenizer; refused when a weight is not finite. A full model's
-    generation config also stops at the trained end of turn. Written whole (whole_dir) or not at all. Under torchrun
-    every rank calls it and rank 0 writes (a sharded model gathered into one folder, never shards); a failed write
-    fails every rank."""
-    check_finite(model)
-    if not is_peft(model):
-        stop_at_end_of_turn(model, tokenizer)
-    gathered = gathered_state(model)[0] if is_sharded(model) else None  # a collective: every rank takes part
-    error = None
-    if rank_and_world()[0] == 0:
-        try:
-            with whole_dir(out_dir, out_dir) as tmp:
-                save_weights(model, tmp, adapters, gathered)
-                tokenizer.save_pretrained(tmp)
-        except Exception as e:
-            error = e
-    error = broadcast(error)
-    if error is not None:
-        raise error
-    return out_dir
 
 
 # ---------------------------------------------------------------------------------------------------- log-probs

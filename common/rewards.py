@@ -19,8 +19,7 @@ from fractions import Fraction
 
 import torch
 
-from common.data import MAX_SHOWN, bad_field
-from common.errors import ArgsError, DataError, RewardError
+from common.errors import ArgsError, RewardError
 
 
 def text_of(x, last_assistant: bool = True) -> str:
@@ -358,9 +357,9 @@ REWARD_FUNCS = {
     "target_length": target_length_reward,
 }
 # The row fields a reward needs to score a row at all (without them it returns None); a custom module:function
-# reward may declare its own `fn.needs = ("field",)`. check_reward_fields refuses data no chosen reward can score.
-# A reward may also declare `fn.row_problem(row) -> (field, problem) | None`: what makes a row that has its fields
-# unusable (an answer without a number, a test case that does not parse), refused before the model loads.
+# reward may declare its own `fn.needs = ("field",)`, and `fn.row_problem(row) -> (field, problem) | None`: what
+# makes a row that has its fields unusable (an answer without a number, a test case that does not parse).
+# harness.cli.check_reward_fields refuses such rows, and data no chosen reward can score, before the model loads.
 math_reward.needs = ("answer",)
 math_reward.row_problem = math_row_problem
 regex_reward.needs = ("pattern",)
@@ -400,31 +399,6 @@ def load_reward_funcs(
         else:
             raise ValueError(f"unknown reward {name!r}: use one of {sorted(registry)} or module:function")
     return funcs
-
-
-def check_reward_fields(rows: list[dict], funcs) -> None:
-    """Before the model loads: every row must have the fields (not None) of at least one chosen reward, else it would
-    train on a constant 0 reward (e.g. SFT or preference rows under `math`, which needs `answer`); and no chosen
-    reward's `row_problem` may find fault with a row that has its fields (raises DataError naming line and field)."""
-    for row in rows:  # a row a reward would read but cannot use is an error even if another reward can score it
-        for _, fn, _ in funcs:
-            fields = getattr(fn, "needs", ())
-            check = getattr(fn, "row_problem", None)
-            problem = check(row) if check and all(row.get(f) is not None for f in fields) else None
-            if problem is not None:
-                bad_field(row, *problem)
-    needs = [(name, getattr(fn, "needs", ())) for name, fn, _ in funcs]
-    if not needs or any(not fields for _, fields in needs):
-        return  # no reward functions, or one that scores any row
-    wanted = " or ".join(f"'{name}' needs {', '.join(fields)}" for name, fields in needs)
-    bad = [r for r in rows if not any(all(r.get(f) is not None for f in fields) for _, fields in needs)]
-    if bad:
-        has = [", ".join(k for k, v in r.items() if k != "_loc" and v is not None) for r in bad[:MAX_SHOWN]]
-        shown = "\n  ".join(f"{r.get('_loc', '<row>')}: row has {h}" for r, h in zip(bad, has, strict=False))
-        raise DataError(
-            f"{len(bad)} of {len(rows)} rows cannot be scored by the chosen rewards ({wanted}); "
-            f"first {min(len(bad), MAX_SHOWN)}:\n  {shown}"
-        )
 
 
 _warned_all_none: set[str] = set()

@@ -24,7 +24,7 @@ or not, and row r takes the token at which the cumulative probability first exce
 rollout therefore consumes B*G x (longest completion) uniforms, whatever rows were dropped on the way, and resumes
 from a checkpoint's RNG state exactly; greedy consumes none. (model.generate draws one torch.multinomial per live step
 instead: same distribution, another stream.) Models that `decode` refuses (`decodes_exactly`: a cache holding more
-than keys and values, a rotary embedding not in STATIC_ROPE) are sampled by `model.generate`, as before.
+than keys and values, a rotary embedding not in STATIC_ROPE) are sampled by `model.generate`.
 """
 
 import contextlib
@@ -35,8 +35,9 @@ import time
 import torch
 import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
-from transformers import GenerationConfig
+from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.models.llama.modeling_llama import rotate_half
 
 from common.data import pad_batch
 from common.distributed import all_max, rank_and_world
@@ -121,20 +122,16 @@ class SlabLayer(DynamicLayer):
 
 
 def warp_scores(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """The float32 scores sampled from, as transformers' warpers build them, in their order and each only when on
+    """The float32 scores sampled from: transformers' warpers in generate's order, each only when on
     (min_tokens_to_keep 1): logits / T; -inf below the k-th largest; -inf on the least probable tokens whose
     cumulative probability stays <= 1 - top_p (the most probable one always kept)."""
     scores = logits.float()
     if temperature != 1.0:
-        scores = scores / temperature
+        scores = TemperatureLogitsWarper(float(temperature))(None, scores)
     if top_k:
-        kth = torch.topk(scores, min(top_k, scores.shape[-1]))[0][..., -1, None]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        drop = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-        drop[..., -1:] = False
-        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        scores = TopPLogitsWarper(top_p)(None, scores)
     return scores
 
 
@@ -218,7 +215,7 @@ def decoder_step(lm, cache, input_ids, position_ids, attention_mask, column=None
             key = attention.k_norm(key)
         query = query.transpose(1, 2)  # (n, heads, 1, head_dim)
         key = key.transpose(1, 2)
-        query = query * cos + rotate_half(query) * sin
+        query = query * cos + rotate_half(query) * sin  # RoPE as the model's forward applies it (Llama's rotate_half)
         key = key * cos + rotate_half(key) * sin
         if column is None:
             keys, values = slab.update(key, value.transpose(1, 2))  # (n, kv_heads, L, head_dim) each
@@ -229,12 +226,6 @@ def decoder_step(lm, cache, input_ids, position_ids, attention_mask, column=None
         hidden = hidden + attention.o_proj(out.reshape(n, 1, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return lm.lm_head(backbone.norm(hidden))[:, -1].float()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(-x2, x1) for x = (x1, x2) split at the middle of the last dimension: the rotary embedding's partner."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _packed_forward(weight, bias, x):

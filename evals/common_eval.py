@@ -18,15 +18,15 @@ import time
 from tqdm.auto import tqdm
 
 
-from common.data import MATH_INSTRUCTION, load_rows, question_row, setup_chat_template, tokenize_prompt, validate_rows
+from common.data import load_rows, setup_chat_template, tokenize_prompt, validate_rows
 from common.distributed import all_gather
 from common.errors import ArgsError, DataError
 from common.model import attach_lora, load_model
 from common.rewards import extract_answer, math_reward
 from common.rollout import hf_generate
 from harness.checkpoints import load_weights, resolve_checkpoint
-from harness.hub import check_dataset, locate_model
-from plugins.builtin_math import builtin_rows
+from harness.hub import check_dataset, hub_rows, locate_model
+from plugins.builtin_math import MATH_INSTRUCTION, builtin_rows, question_row
 from plugins.steerlm import parse_attributes, steer_prompt
 
 
@@ -204,17 +204,15 @@ def gsm8k_rows(
     where: str = "system",
 ) -> list[dict]:
     """Eval rows {question, prompt (chat messages), reference}: GSM8K's {question, answer} through the same mapping as
-    training (common.data.question_row: reference = the number after '####'), or prompt-only rows such as
+    training (plugins.builtin_math.question_row: reference = the number after '####'), or prompt-only rows such as
     builtin:math's {prompt, answer}. math_reward extracts the reference with the function it applies to completions.
     attributes ("correct:1,length:0"): SteerLM's attribute string goes into each prompt, in its system message or
     its user turn (`where`, steer_prompt)."""
     # A bad attribute spec fails before any row loads
     label = parse_attributes(attributes, "--attributes") if attributes else None
     check_dataset(dataset)
-    rows = [
-        question_row(r, instruction) if "question" in r and "prompt" not in r else r
-        for r in load_rows(dataset, split, builtin=builtin_rows)[:limit]
-    ]  # [:None] keeps all
+    rows = load_rows(dataset, split, builtin=builtin_rows, hub=hub_rows)[:limit]  # [:None] keeps all
+    rows = [question_row(r, instruction) for r in rows]
     missing = [r.get("_loc", "<row>") for r in rows if r.get("answer") is None]
     if missing:
         raise DataError(f"{missing[0]}: field 'answer' is missing: no reference to score ({len(missing)} rows)")

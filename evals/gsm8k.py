@@ -2,7 +2,7 @@
 
 A completion is correct when `common.rewards.math_reward` gives it 1.0: its final answer (GSM8K `#### N`, else the
 last \\boxed{}, else "the answer is N", else the last number) equals the reference numerically. Zero-shot; the prompt
-is the question plus common.data.MATH_INSTRUCTION (which asks for '#### N'); builtin:math rows keep their own.
+is the question plus plugins.builtin_math.MATH_INSTRUCTION (which asks for '#### N'); builtin:math rows keep their own.
 Run: `python -m evals.gsm8k --dataset openai/gsm8k:main --limit 100` (offline: a local test.jsonl of the same rows)
      `python -m evals.gsm8k --checkpoint runs/grpo__smollm2-135m__42__<time>/checkpoints/step-200`
      `python -m evals.gsm8k --dataset builtin:math --limit 64 --temperature 0.7 --num-samples 4` (mean over samples)
@@ -35,13 +35,13 @@ help_before_imports(__name__, __file__, None)
 import torch
 import tyro
 
-from common.data import MATH_INSTRUCTION
 from common.distributed import broadcast, close_distributed, init_distributed
 from common.model import require
 from common.errors import ArgsError
 from evals.common_eval import dataset_tag, evaluate_gsm8k, gsm8k_rows, load_eval_model, model_label, write_results
 from harness.cli import one_line_errors
 from harness.run import log_scores
+from plugins.builtin_math import MATH_INSTRUCTION
 from plugins.steerlm import parse_attributes
 
 
@@ -69,8 +69,8 @@ class Args:
     limit: int | None = None
     """evaluate only the first N examples"""
     instruction: str | None = None
-    """appended to each {question} row on a new line ('' for the bare question); None = common.data.MATH_INSTRUCTION
-    (asks for the final answer as '#### N'); builtin:math rows carry their own"""
+    """appended to each {question} row on a new line ('' for the bare question); None =
+    plugins.builtin_math.MATH_INSTRUCTION (asks for the final answer as '#### N'); builtin:math rows carry their own"""
     attributes: str | None = None
     """SteerLM: the attribute levels to ask for, e.g. correct:1,length:0, written into every prompt the way sft.py
     wrote its rows' `attributes` (plugins.steerlm.steer_prompt); results are named with them"""

@@ -40,7 +40,7 @@ from common.errors import DataError
 from common.model import require
 from harness.cli import one_line_errors
 from harness.run import log_scores
-from harness.hub import check_dataset
+from harness.hub import check_dataset, hub_rows
 from evals.common_eval import gather_rows, generate_completions, load_eval_model, model_label, write_results
 
 # NLTK data a checker loads at check time. Checked up front per instruction, so "missing" is decided from the
@@ -233,7 +233,7 @@ def main(args: Args) -> dict:
     if args.report_to == "wandb":
         require("wandb", "--report-to wandb")
     check_dataset(args.dataset)  # a hub set offline and not cached: one line now
-    rows = load_rows(args.dataset, args.split)[: args.limit]
+    rows = load_rows(args.dataset, args.split, hub=hub_rows)[: args.limit]
     for row in rows:
         check_row(row, registry)
 

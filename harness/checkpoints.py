@@ -4,6 +4,8 @@ run_dir/checkpoints/step-N is written atomically (a temp dir renamed into place,
 without pickle: weights as safetensors, optimizer/scheduler/RNG through torch.load(weights_only=True), the rest as
 JSON. The marker records each file's sha256, each adapter slot's tensor hash and the run's identity: a resume
 refuses another experiment's checkpoint and skips a damaged one for the previous good one.
+A run's final/ (save_final: plain PEFT or transformers folders) is written whole through a temp dir renamed into
+place, as every write here: a full disk leaves no folder that looks complete, a NaN/Inf weight is never written.
 
 The identity rule: a checkpoint belongs to the base model (config hash, weight fingerprint, dtype, quantization),
 the LoRA config of "default", a reward model's slot, the script (its file's stem) and every Args field that changes
@@ -12,7 +14,9 @@ write and log, how far to train), the model flags (their effect is recorded from
 eval_* (they only evaluate), and whatever fields the script names as free (its speed knobs, its stop rules).
 """
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import inspect
 import json
@@ -26,14 +30,15 @@ import warnings
 
 import torch
 from peft import set_peft_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-from common.errors import CorruptCheckpointError, ResumeError, RunStopped
-from safetensors import safe_open
+from common.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
+from common.errors import UserError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from common.distributed import all_gather, broadcast, gathered_state, is_sharded, load_gathered_state, rank_and_world
-from common.model import DEFAULT, REF, check_finite, is_peft, pick_device, resolve_dtype, save_weights, slot_params
-from common.model import all_finite, snapshot_ref, unwrap, writing  # writing: the one-line failed write, re-exported
+from common.distributed import all_gather, broadcast, gathered_state, is_sharded, local_tensor, rank_and_world
+from common.model import DEFAULT, REF, is_peft, pick_device, resolve_dtype, slot_params, snapshot_ref, unwrap
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 FREE_ON_RESUME = {
@@ -67,6 +72,118 @@ FREE_ON_RESUME = {
 }
 
 
+# ------------------------------------------------------ final/ and every write here: whole, never a NaN weight
+def save_weights(model, out_dir: str, adapters: list[str] | None = None, state_dict: dict | None = None) -> None:
+    """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model.
+    save_embedding_layers=False: our LoRA never resizes the vocabulary, and PEFT's "auto" looks a base name that is
+    no local folder (an alias such as smollm2-135m) up on the hub at every save, with warnings when offline.
+    state_dict: the full weights gathered from a model sharded by FSDP2 (common.distributed.gathered_state), written
+    as one plain transformers folder."""
+    if state_dict is not None:
+        model.save_pretrained(out_dir, safe_serialization=True, state_dict=state_dict)
+        return
+    kwargs = {"selected_adapters": adapters, "save_embedding_layers": False} if is_peft(model) else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+
+
+def all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """No NaN/Inf in a tensor, checked a million elements at a time: torch.isfinite of a whole weight allocates a
+    copy of it (|x|) and three bool masks, 1.75x a fp32 embedding's bytes, at the moment a run saves."""
+    if not tensor.is_floating_point():
+        return True
+    flat = tensor.detach().reshape(-1)
+    ok = torch.ones((), dtype=torch.bool, device=flat.device)
+    for part in flat.split(chunk):
+        ok &= torch.isfinite(part).all()
+    return bool(ok)  # one device sync a tensor, not one a chunk
+
+
+def check_finite(model, where: str = "") -> None:
+    """Refuse to write a model with a NaN/Inf weight: the error names the tensors (and `where`, e.g. the last good
+    checkpoint). A sharded model's shards are checked on every rank and the verdict shared, so all ranks refuse."""
+    bad = [n for n, p in model.named_parameters() if not all_finite(local_tensor(p))]
+    if is_sharded(model):
+        bad = sorted(set(all_gather(bad)))
+    if bad:
+        raise NonFiniteWeightsError(
+            f"{len(bad)} weight tensors hold NaN/Inf (e.g. {bad[0]}); nothing was saved{where}"
+        )
+
+
+def stop_at_end_of_turn(model, tokenizer) -> None:
+    """generate() stops only at generation_config's eos ids: put the trained end of turn (the tokenizer's eos, e.g.
+    ChatML's <|im_end|> on a base model whose eos is <|endoftext|>) first among them, as TRL's SFTTrainer does."""
+    stops = model.generation_config.eos_token_id
+    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    if tokenizer.eos_token_id not in stops:
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, *stops]
+
+
+def _out_of_space(e: Exception, folder: str) -> bool:
+    """Whether a failed write ran out of space: ENOSPC / EDQUOT from Python, the OS's words inside safetensors'
+    error, or torch's writer, whose message drops the errno ('[enforce fail at inline_container.cc:672] . unexpected
+    pos ...'), on a file system left with under 1 MiB (measured before the partial files are removed)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+        return True
+    return "unexpected pos" in str(e) and shutil.disk_usage(folder).free < 2**20
+
+
+@contextlib.contextmanager
+def writing(tmp: str, what: str, last_good: str | None):
+    """Around writing `what` into the temp dir `tmp` (renamed into place when complete): if the writing fails, tmp
+    is removed and a failed write becomes one line that says when the disk is full and names the last good
+    checkpoint (if any), instead of torch's or safetensors' message."""
+    try:
+        yield
+    except Exception as e:
+        full = not isinstance(e, UserError) and _out_of_space(e, os.path.dirname(tmp))
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, UserError) or not isinstance(e, (OSError, RuntimeError, SafetensorError)):
+            raise
+        cause = "no space left on device" if full else f"{type(e).__name__}: {e}"
+        last = f". Last good checkpoint: {last_good}" if last_good else ""
+        raise OutputDirError(f"cannot write {what} ({cause}); removed the half-written {tmp}{last}") from None
+
+
+@contextlib.contextmanager
+def whole_dir(out_dir: str, what: str):
+    """Yields a temp dir beside out_dir to write into, renamed into place once the block completes (a folder already
+    there is replaced only then): a failed write (a full disk) leaves no folder that looks complete, and one line."""
+    out_dir = os.path.abspath(out_dir)
+    tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier write
+    with writing(tmp, what, None):
+        yield tmp
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
+    """out_dir: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as plain
+    PEFT / transformers load them, plus the tokenizer; refused when a weight is not finite. A full model's
+    generation config also stops at the trained end of turn. Written whole (whole_dir) or not at all. Under torchrun
+    every rank calls it and rank 0 writes (a sharded model gathered into one folder, never shards); a failed write
+    fails every rank."""
+    check_finite(model)
+    if not is_peft(model):
+        stop_at_end_of_turn(model, tokenizer)
+    gathered = gathered_state(model)[0] if is_sharded(model) else None  # a collective: every rank takes part
+    error = None
+    if rank_and_world()[0] == 0:
+        try:
+            with whole_dir(out_dir, out_dir) as tmp:
+                save_weights(model, tmp, adapters, gathered)
+                tokenizer.save_pretrained(tmp)
+        except Exception as e:
+            error = e
+    error = broadcast(error)
+    if error is not None:
+        raise error
+    return out_dir
+
+
 def adapter_hash(model, slot: str = REF) -> str:
     """sha256 over a slot's tensors in name order (checkpoints record it and verify it on resume)."""
     h = hashlib.sha256()
@@ -74,6 +191,16 @@ def adapter_hash(model, slot: str = REF) -> str:
         h.update(key.encode())
         h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def load_gathered_state(model, weights: dict, optimizer=None, optim: dict | None = None) -> list[str]:
+    """The inverse of gathered_state on every rank (each passes the full dicts it read): each rank keeps its shards.
+    Returns the model keys the dict lacked (a tied head the saved file left out is filled from its embedding)."""
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    result = set_model_state_dict(model, weights, options=options)
+    if optimizer is not None and optim is not None:
+        set_optimizer_state_dict(model, optimizer, optim, options=options)
+    return list(result.missing_keys) + list(result.unexpected_keys)
 
 
 def load_weights(model, src_dir: str) -> None:

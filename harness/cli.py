@@ -1,5 +1,6 @@
-"""What a script's command line needs around its main(): one-line errors, presets, the start-up block, flag checks
-before any weights load (LoRA settings, an --adapter's files), and Ctrl-C as "stop after this step"."""
+"""What a script's command line needs around its main(): one-line errors, presets, the start-up block, checks
+before any weights load (LoRA settings, an --adapter's files, the fields the chosen rewards read), and Ctrl-C as
+"stop after this step"."""
 
 import contextlib
 import dataclasses
@@ -20,9 +21,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers.utils import logging as hf_logging
 
+from common.data import MAX_SHOWN, bad_field
 from common.distributed import any_rank, rank_and_world
-from common.errors import USER_ERRORS, ArgsError, ModelError, RunStopped
-from common.model import all_finite, pick_device, require, resolve_dtype
+from common.errors import USER_ERRORS, ArgsError, DataError, ModelError, RunStopped
+from common.model import pick_device, require, resolve_dtype
+from harness.checkpoints import all_finite
 from plugins.embedded import MODEL_ALIASES
 
 _DEFERRED_CTRL_C = False  # a Ctrl-C a run answered by finishing its final/ (StopOnCtrlC.finishing): exit 130
@@ -299,6 +302,31 @@ def check_parallel_flags(args) -> None:
         raise ArgsError("--fsdp shards a full fine-tune (add --no-use-lora); a LoRA run is data-parallel without it")
     if world < 2:
         raise ArgsError("--fsdp shards over ranks: launch with torchrun --nproc-per-node N (N >= 2)")
+
+
+def check_reward_fields(rows: list[dict], funcs) -> None:
+    """Before the model loads: every row must have the fields (not None) of at least one chosen reward, else it would
+    train on a constant 0 reward (e.g. SFT or preference rows under `math`, which needs `answer`); and no chosen
+    reward's `row_problem` may find fault with a row that has its fields (raises DataError naming line and field)."""
+    for row in rows:  # a row a reward would read but cannot use is an error even if another reward can score it
+        for _, fn, _ in funcs:
+            fields = getattr(fn, "needs", ())
+            check = getattr(fn, "row_problem", None)
+            problem = check(row) if check and all(row.get(f) is not None for f in fields) else None
+            if problem is not None:
+                bad_field(row, *problem)
+    needs = [(name, getattr(fn, "needs", ())) for name, fn, _ in funcs]
+    if not needs or any(not fields for _, fields in needs):
+        return  # no reward functions, or one that scores any row
+    wanted = " or ".join(f"'{name}' needs {', '.join(fields)}" for name, fields in needs)
+    bad = [r for r in rows if not any(all(r.get(f) is not None for f in fields) for _, fields in needs)]
+    if bad:
+        has = [", ".join(k for k, v in r.items() if k != "_loc" and v is not None) for r in bad[:MAX_SHOWN]]
+        shown = "\n  ".join(f"{r.get('_loc', '<row>')}: row has {h}" for r, h in zip(bad, has, strict=False))
+        raise DataError(
+            f"{len(bad)} of {len(rows)} rows cannot be scored by the chosen rewards ({wanted}); "
+            f"first {min(len(bad), MAX_SHOWN)}:\n  {shown}"
+        )
 
 
 class StopOnCtrlC:

@@ -7,13 +7,14 @@ reliability.md has the measured delays)."""
 
 import functools
 import os
+import pathlib
 import urllib.error
 import urllib.request
 
 from huggingface_hub import constants, snapshot_download, try_to_load_from_cache
 
 from common.data import looks_local
-from common.errors import HubUnavailable
+from common.errors import DataError, HubUnavailable
 from plugins.embedded import ALIAS_CONFIGS, SHIPPED, resolve_model
 
 PROBE_TIMEOUT_S = 3.0  # one HEAD request; a firewall that drops packets costs this long, a DNS failure nothing
@@ -137,6 +138,37 @@ def check_inputs(model: str, data: dict[str, str | None], plan: bool = False) ->
         named = "; ".join(f"{flag} {spec}: {reason}" for flag, (spec, reason, _) in absent.items())
         print(f"--plan without its data ({named}): planned at the length limits", flush=True)
     return not absent
+
+
+def _load_saved_dataset(path: pathlib.Path, split: str) -> list[dict]:
+    """A folder written by Dataset(Dict).save_to_disk; any other folder is refused (datasets would train on whatever
+    files it finds inside, e.g. a run dir's metrics.jsonl)."""
+    if not any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        shown = ", ".join(sorted(os.listdir(path))[:5]) or "nothing"
+        raise DataError(
+            f"{path}: a directory, not a saved HF dataset (save_to_disk's dataset_info.json/state.json "
+            f"or dataset_dict.json missing; it holds: {shown}); pass a .json/.jsonl/.parquet file"
+        )
+    import datasets
+
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise DataError(f"{path}: no split {split!r} in the saved dataset (it has: {', '.join(data)})")
+        data = data[split]
+    return [dict(r, _loc=f"{path}:[{i}]") for i, r in enumerate(data.to_list())]
+
+
+def hub_rows(spec: str, split: str) -> list[dict]:
+    """common.data.load_rows' source (hub=) of a saved HF dataset folder or a hub id ("org/name" or
+    "org/name:config"), as a list of rows."""
+    path = pathlib.Path(spec)
+    if path.is_dir():
+        return _load_saved_dataset(path, split)
+    import datasets  # imported here: a run on local files never pays for it
+
+    name, _, config = spec.partition(":")  # hub sets with several configs, e.g. "openai/gsm8k:main"
+    return datasets.load_dataset(name, config or None, split=split).to_list()
 
 
 def check_dataset(spec: str | None) -> None:

@@ -1,12 +1,15 @@
 """The built-in math data: procedural grade-school word problems in GSM8K's answer format (worked steps, then
 "#### N"), so every script has data offline. `builtin_rows(name, split)` serves the `builtin:<name>` dataset specs
 (pass it to common.data.load_rows as `builtin=`) from `make_math_problems`, a seeded generator (75% one-step over
-one-digit numbers, 25% two-step), split so that no (kind, numbers) combination is in both splits."""
+one-digit numbers, 25% two-step), split so that no (kind, numbers) combination is in both splits. `question_row`
+reads GSM8K's own {question, answer} rows as prompt rows (pass it to load_rows as `convert=`)."""
 
 import random
 import re
 import zlib
 from collections.abc import Callable
+
+from common.data import need, without
 
 NAMES = {
     "Tom": "he",
@@ -25,7 +28,7 @@ NAMES = {
 ITEMS = ["apples", "marbles", "stickers", "pencils", "cookies", "books", "cards", "shells", "stamps", "balloons"]
 PRICED = ["pen", "notebook", "toy car", "sandwich", "ticket", "comic"]
 # The built-in problems take one or two steps, so their prompts ask for a one-line answer: shorter rollouts make each
-# RL step cheaper and fewer are cut off (measured against common.data.MATH_INSTRUCTION: docs/results.md).
+# RL step cheaper and fewer are cut off (measured against MATH_INSTRUCTION below: docs/results.md).
 BUILTIN_INSTRUCTION = "Solve it in one line with the calculation, and end with #### followed by the number."
 
 
@@ -163,3 +166,27 @@ def builtin_rows(name: str, split: str = "train") -> list[dict]:
             }[name]
         )
     return rows
+
+
+# ----------------------------------------------------------------------------------------------- GSM8K layout
+# Chosen by measurement: the instruction the embedded model most often follows with "#### N" (docs/results.md).
+MATH_INSTRUCTION = "Solve it step by step. On the last line, write the final answer as #### followed by the number."
+
+
+def question_row(row: dict, instruction: str = MATH_INSTRUCTION) -> dict:
+    """A {question, answer} math row (GSM8K: hub openai/gsm8k:main and its JSONL files alike) as a prompt-only row:
+    prompt = one user turn, the question then `instruction` ('' for the bare question) on a new line; answer = the
+    number after the last '####' with thousands commas dropped ('#### 1,080' -> '1080'), the whole worked solution
+    kept as `solution`. An answer without '####' (a bare number) stays as given; `question` stays too. A row with a
+    prompt, or without a question, is returned as it is (load_rows' convert= for prompt data)."""
+    if "prompt" in row or "question" not in row:
+        return row
+    question = need(row, "question", str)
+    content = f"{question}\n{instruction}" if instruction else question
+    out = without(row, "answer") | {"prompt": [{"role": "user", "content": content}]}
+    answer = row.get("answer")
+    if isinstance(answer, str) and "####" in answer:
+        return out | {"answer": answer.rsplit("####", 1)[1].strip().replace(",", ""), "solution": answer}
+    if answer is None:
+        return out
+    return out | {"answer": str(answer)}

@@ -30,8 +30,8 @@ import tyro
 
 from common.data import setup_chat_template
 from common.errors import ArgsError, ModelError
-from common.model import attach_lora, load_model, stop_at_end_of_turn, whole_dir
-from harness.checkpoints import writing
+from common.model import attach_lora, load_model
+from harness.checkpoints import stop_at_end_of_turn, whole_dir, writing
 from harness.cli import check_adapter_weights, one_line_errors, read_adapter_config
 from harness.hub import locate_model
 from scripts.gguf_export import check_exportable, check_gguf, pre_tokenizer_name, rounding_tolerance, write_gguf

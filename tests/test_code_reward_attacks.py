@@ -14,7 +14,8 @@ import pytest
 
 import grpo
 from common.errors import DataError, RewardError
-from common.rewards import check_reward_fields, compute_rewards, load_reward_funcs
+from common.rewards import compute_rewards, load_reward_funcs
+from harness.cli import check_reward_fields
 from plugins import code
 from plugins.code import _relay, code_reward, run_code_tests, run_python
 from tests import test_input_edges, test_rewards

@@ -38,6 +38,8 @@ from common.completions import (
 )
 from common.errors import DataError
 from harness import memory
+from harness.hub import hub_rows
+from plugins.builtin_math import MATH_INSTRUCTION, question_row
 from plugins.embedded import resolve_model
 from sft import alpaca_row, collate_packed, pack_examples
 from tests.tiny import CORPUS
@@ -372,7 +374,7 @@ def test_load_json_jsonl_parquet(tmp_path):
         rows = load_rows(str(tmp_path / name))
         assert [r["question"] for r in rows] == ["1+1?", "2+2?"] and rows[1]["answer"] == "4"
         assert rows[1]["_loc"] == str(tmp_path / loc)
-    assert validate_rows(rows, "prompt")[0]["answer"] == "2"
+    assert validate_rows([question_row(r) for r in rows], "prompt")[0]["answer"] == "2"
     with pytest.raises(DataError, match="file not found"):
         load_rows(str(tmp_path / "missing.jsonl"))
 
@@ -393,8 +395,10 @@ def test_builtin_and_hub_branches(monkeypatch):
         return datasets.Dataset.from_list([{"question": "q", "answer": "a"}])
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    rows = load_rows("openai/gsm8k:main", "test")
+    rows = load_rows("openai/gsm8k:main", "test", hub=hub_rows)
     assert calls == [("openai/gsm8k", "main", "test")] and rows[0]["_loc"] == "openai/gsm8k:main:[0]"
+    with pytest.raises(DataError, match="openai/gsm8k:main: no hub or saved datasets here"):
+        load_rows("openai/gsm8k:main", "test")  # the caller names the source (harness.hub.hub_rows)
 
 
 def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
@@ -402,23 +406,22 @@ def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
     prompt = the question + MATH_INSTRUCTION as one user turn, answer = the number after '####' (no commas)."""
     import datasets
 
-    from common.data import MATH_INSTRUCTION
     from evals.common_eval import gsm8k_rows
 
     path = str(shared_data / "gsm8k" / "test.jsonl")
-    rows = validate_rows(load_rows(path), "prompt")
+    rows = validate_rows(load_rows(path, convert=question_row), "prompt")
     assert len(rows) == 1319
     janet, frederick = rows[0], rows[505]  # '#### 18' and '#### 1,600'
     assert janet["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.") and janet["answer"] == "18"
     assert janet["prompt"] == [{"role": "user", "content": f"{janet['question']}\n{MATH_INSTRUCTION}"}]
     assert janet["solution"].endswith("farmer\u2019s market.\n#### 18") and janet["_loc"] == f"{path}:1"
     assert frederick["question"].startswith("Frederick is making popsicles") and frederick["answer"] == "1600"
-    train = validate_rows(load_rows(str(shared_data / "gsm8k" / "train.jsonl")), "prompt")
+    train = validate_rows(load_rows(str(shared_data / "gsm8k" / "train.jsonl"), convert=question_row), "prompt")
     assert len(train) == 7473 and train[0]["question"].startswith("Natalia sold clips") and train[0]["answer"] == "72"
     # The hub branch (datasets.load_dataset faked with the file's first rows) gives the same rows.
     raw = [{"question": r["question"], "answer": r["solution"]} for r in rows[:3]]
     monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split: datasets.Dataset.from_list(raw))
-    hub = validate_rows(load_rows("openai/gsm8k:main", "test"), "prompt")
+    hub = validate_rows(load_rows("openai/gsm8k:main", "test", question_row, hub=hub_rows), "prompt")
     assert [{k: v for k, v in r.items() if k != "_loc"} for r in hub] == [
         {k: v for k, v in r.items() if k != "_loc"} for r in rows[:3]
     ]
@@ -427,7 +430,9 @@ def test_gsm8k_file_and_hub_rows_map_the_same(shared_data, monkeypatch):
     assert [e["reference"] for e in evals] == ["18", rows[1]["answer"]] and evals[0]["prompt"] == janet["prompt"]
     assert gsm8k_rows(path, limit=1, instruction="")[0]["prompt"][0]["content"] == janet["question"]
     with pytest.raises(DataError, match="field 'question': must be a str"):
-        validate_rows([{"question": 3, "answer": "#### 3", "_loc": "q:[0]"}], "prompt")
+        question_row({"question": 3, "answer": "#### 3", "_loc": "q:[0]"})
+    with pytest.raises(DataError, match="field 'prompt': missing"):  # not read as GSM8K rows without the converter
+        validate_rows([{"question": "1+1?", "answer": "#### 2", "_loc": "q:[0]"}], "prompt")
 
 
 def test_implicit_prompt_is_extracted():

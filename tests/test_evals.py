@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 
 import evals.common_eval as common_eval
 import evals.gsm8k as gsm8k
-import grpo
 from common.errors import DataError
 from common.rewards import extract_answer, exact_number
+from harness.held_out import reward_eval
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -170,8 +170,8 @@ def test_evaluate_gsm8k_with_known_completions(tiny_model_dir, monkeypatch):
 
 
 def test_references_without_a_number_are_left_out_and_counted(tiny_model_dir, tmp_path, monkeypatch):
-    # evals.gsm8k counted a row whose reference has no number ("p - q") as wrong; reward_eval (grpo.py's held-out
-    # eval) left it out. Both leave it out of the accuracy now, and both say how many they left out.
+    # evals.gsm8k counted a row whose reference has no number ("p - q") as wrong; reward_eval (the held-out eval
+    # grpo.py runs) left it out. Both leave it out of the accuracy now, and both say how many they left out.
     data = tmp_path / "mixed.jsonl"
     data.write_text(
         "".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in [("2+2?", "#### 4"), ("Name it", "p - q")])
@@ -187,7 +187,7 @@ def test_references_without_a_number_are_left_out_and_counted(tiny_model_dir, tm
         return dict(prompt_ids=prompts, completion_ids=[[5]] * 2, completions=texts, truncated=[False] * 2)
 
     examples = [dict(prompt="q", prompt_ids=[1], answer=a) for a in ("4", "p - q")]
-    metrics = grpo.reward_eval(generate, examples, [], 8, str(data))
+    metrics = reward_eval(generate, examples, [], 8, str(data))
     assert metrics["eval/mixed/accuracy"] == 1.0 and metrics["eval/mixed/unscored"] == 1
 
 

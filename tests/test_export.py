@@ -11,7 +11,8 @@ from transformers import MistralForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from common.errors import ModelError
-from common.model import attach_lora, load_model, save_weights
+from common.model import attach_lora, load_model
+from harness.checkpoints import save_weights
 from scripts import gguf_export, merge_adapter
 from tests.tiny import build_tiny_model, build_tokenizer
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import common.model
+import harness.checkpoints
 import kto
 import raft
 import sft
@@ -150,7 +150,7 @@ def test_a_full_disk_while_writing_final_leaves_no_final_dir(tiny_model_dir, tmp
     """final/ was written in place: a full disk left a final/ with README.md alone (LoRA), or config.json and
     generation_config.json without weights (full), and a raw SafetensorError."""
     calls = []
-    monkeypatch.setattr(common.model, "save_weights", enospc_after(common.model.save_weights, calls))
+    monkeypatch.setattr(harness.checkpoints, "save_weights", enospc_after(harness.checkpoints.save_weights, calls))
     data = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS)
     args = sft.Args(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "runs"), max_steps=1, save_steps=0)
     with pytest.raises(OutputDirError, match=r"^cannot write .*/final \(no space left on device\); removed") as e:

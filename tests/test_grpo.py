@@ -113,7 +113,7 @@ def test_held_out_accuracy_leaves_out_answers_without_a_number():
     """reward_eval's accuracy is over rows whose answer has a number: a symbolic or text answer ("p - q", MATH-style)
     is neither right nor wrong (math_reward's None), and must not crash the eval (it was summed as None)."""
     from common.rewards import load_reward_funcs
-    from grpo import reward_eval
+    from harness.held_out import reward_eval
 
     texts = ["The answer is 4", "so p - q", "#### 7"]
 

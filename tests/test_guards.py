@@ -131,7 +131,7 @@ def test_the_finite_check_before_a_save_holds_no_copy_of_a_weight():
     bf16 weight."""
     from torch.profiler import ProfilerActivity, profile
 
-    from common.model import all_finite, check_finite
+    from harness.checkpoints import all_finite, check_finite
 
     model = torch.nn.Embedding(4096, 4096)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

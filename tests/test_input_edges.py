@@ -15,7 +15,9 @@ import sft
 from common.data import load_rows, looks_local
 from common.errors import DataError, ModelError, OutputDirError
 from common.model import attach_lora, load_model
-from common.rewards import check_reward_fields, load_reward_funcs
+from common.rewards import load_reward_funcs
+from harness.cli import check_reward_fields
+from harness.hub import hub_rows
 from harness.run import make_run_dir
 from tests.prefs_helpers import write_jsonl
 
@@ -39,7 +41,7 @@ def no_model_load(monkeypatch):
 def test_a_plain_directory_is_not_a_dataset(tmp_path):
     write_jsonl(tmp_path / "rows.jsonl", SFT_ROWS)  # datasets would happily train on whatever files a folder holds
     with pytest.raises(DataError, match=f"{tmp_path}: a directory, not a saved HF dataset .*rows.jsonl"):
-        load_rows(str(tmp_path))
+        load_rows(str(tmp_path), hub=hub_rows)
 
 
 def test_a_saved_hf_dataset_directory_loads(tmp_path):
@@ -47,10 +49,12 @@ def test_a_saved_hf_dataset_directory_loads(tmp_path):
 
     datasets.Dataset.from_list(SFT_ROWS).save_to_disk(str(tmp_path / "one"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(SFT_ROWS[:1])}).save_to_disk(str(tmp_path / "dict"))
-    assert [r["completion"] for r in load_rows(str(tmp_path / "one"))] == ["red", "blue"]
-    assert [r["completion"] for r in load_rows(str(tmp_path / "dict"), "train")] == ["red"]
+    assert [r["completion"] for r in load_rows(str(tmp_path / "one"), hub=hub_rows)] == ["red", "blue"]
+    assert [r["completion"] for r in load_rows(str(tmp_path / "dict"), "train", hub=hub_rows)] == ["red"]
     with pytest.raises(DataError, match="no split 'test'"):
-        load_rows(str(tmp_path / "dict"), "test")
+        load_rows(str(tmp_path / "dict"), "test", hub=hub_rows)
+    with pytest.raises(DataError, match=f"{tmp_path / 'one'}: no hub or saved datasets here"):
+        load_rows(str(tmp_path / "one"))  # the caller names the source (harness.hub.hub_rows)
 
 
 @pytest.mark.parametrize("content", ["", "  \n\n\t\n"])

@@ -1,7 +1,7 @@
 """The math checker (common.rewards: extract_answer, exact_number, math_reward) on its regression set
 (tests/math_cases.py), on the cases issues 28 and 40 reported wrong, on input built to make regexes backtrack, from
 threads, and the row check that refuses an `answer` it cannot read exactly (math_row_problem through
-check_reward_fields and grpo)."""
+harness.cli.check_reward_fields and grpo)."""
 
 import json
 import re
@@ -15,7 +15,9 @@ import grpo
 from common.data import load_rows
 from common.completions import validate_rows
 from common.errors import DataError
-from common.rewards import check_reward_fields, exact_number, load_reward_funcs, math_reward, reference_number
+from common.rewards import exact_number, load_reward_funcs, math_reward, reference_number
+from harness.cli import check_reward_fields
+from plugins.builtin_math import question_row
 from tests.math_cases import CASES
 from tests.prefs_helpers import write_jsonl
 
@@ -278,7 +280,7 @@ def test_grpo_refuses_an_empty_answer_before_the_model_loads(tmp_path, monkeypat
 def test_every_gsm8k_row_passes_the_row_check(shared_data):
     funcs = load_reward_funcs(["math"])
     for split, n in (("train", 7473), ("test", 1319)):
-        rows = validate_rows(load_rows(str(shared_data / "gsm8k" / f"{split}.jsonl")), "prompt")
+        rows = validate_rows(load_rows(str(shared_data / "gsm8k" / f"{split}.jsonl"), convert=question_row), "prompt")
         assert len(rows) == n
         check_reward_fields(rows, funcs)
     with open(shared_data / "gsm8k" / "test.jsonl") as f:

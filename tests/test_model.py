@@ -17,7 +17,6 @@ from common.model import (
     is_checkpointing,
     load_model,
     require,
-    save_weights,
     snapshot_ref,
     trainable_parameters,
     unwrap,
@@ -30,6 +29,7 @@ from harness.checkpoints import (
     load_weights,
     resolve_checkpoint,
     run_identity,
+    save_weights,
 )
 
 

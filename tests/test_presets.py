@@ -19,6 +19,7 @@ import raft
 import rm
 import sft
 from harness.cli import resolve_preset
+from harness.held_out import eval_source
 
 # grpo.py's defaults before the presets existed (the demo run in docs/results.md): the demo must resolve to
 # exactly these.
@@ -162,7 +163,7 @@ def test_a_local_train_file_runs_without_an_eval_set(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"^model '\S+no-model': no such local folder"):
         grpo.main(args)
     args = grpo.resolve_preset(args, grpo.PRESETS)
-    assert grpo.eval_source(args.dataset, args.eval_dataset) is None and args.eval_steps == 50
+    assert eval_source(args.dataset, args.eval_dataset) is None and args.eval_steps == 50
     data = grpo.config_lines(args, 1, 0, None)["data"]
     assert data.endswith(
         "1 prompts; no eval (a file has no test split: --eval-dataset FILE scores one every 50 steps)"

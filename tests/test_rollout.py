@@ -4,16 +4,11 @@ test_vllm.py)."""
 
 import copy
 import importlib.util
+import math
 
 import pytest
 import torch
-from transformers import (
-    GenerationConfig,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import GenerationConfig, LogitsProcessorList
 
 from common.data import pad_batch
 from common.model import as_reference, attach_lora, load_model, sequence_logps, snapshot_ref, unwrap
@@ -157,25 +152,44 @@ def test_the_model_generation_config_does_not_leak_into_the_decode_loop(policy):
     assert polluted["completion_ids"] == clean["completion_ids"]
 
 
+INF = float("-inf")
+P = [math.log(p) for p in (0.1, 0.2, 0.3, 0.4)]  # logits of probabilities 0.1 0.2 0.3 0.4
+# (logits, temperature, top_p, top_k) -> the scores, worked out by hand
+WARPED = [
+    ([1.0, 2.0, 3.0, 4.0], 1.0, 1.0, 0, [1.0, 2.0, 3.0, 4.0]),  # everything off: the logits as they are
+    ([1.0, 2.0, 3.0, 4.0], 2.0, 1.0, 0, [0.5, 1.0, 1.5, 2.0]),  # / T
+    ([1.0, 2.0, 3.0, 4.0], 1.0, 1.0, 2, [INF, INF, 3.0, 4.0]),  # the 2 largest
+    ([1.0, 3.0, 3.0, 2.0], 1.0, 1.0, 1, [INF, 3.0, 3.0, INF]),  # ties with the k-th largest stay
+    ([1.0, 2.0, 3.0, 4.0], 1.0, 1.0, 10, [1.0, 2.0, 3.0, 4.0]),  # k past the vocabulary: all
+    # cumulative probability from the least probable: 0.1 0.3 0.6 1.0; dropped where <= 1 - top_p
+    (P, 1.0, 0.75, 0, [INF, *P[1:]]),
+    (P, 1.0, 0.5, 0, [INF, INF, *P[2:]]),
+    (P, 1.0, 1e-8, 0, [INF, INF, INF, P[3]]),  # 1 - top_p rounds to 1 in float32: the most probable stays
+    # T 0.5 first: 2 4 6 8 10; top-k 4 drops 2; probabilities e^-6 e^-4 e^-2 1 (/1.1565), cumulative 0 .002 .018
+    # .135 1: top-p 0.9 drops <= 0.1 (top-p before T would keep 6 as well)
+    ([1.0, 2.0, 3.0, 4.0, 5.0], 0.5, 0.9, 4, [INF, INF, INF, 8.0, 10.0]),
+]
+
+
 @pytest.mark.numerics
-@pytest.mark.parametrize("temperature, top_p, top_k", [(1.0, 1.0, 0), (0.7, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.8, 20)])
-def test_warp_scores_are_the_scores_of_transformers_warpers(temperature, top_p, top_k):
-    """The distribution decode samples from is the one generate's warpers build (same order, same ops: equal)."""
+@pytest.mark.parametrize("logits, temperature, top_p, top_k, expected", WARPED)
+def test_warp_scores_on_known_logits(logits, temperature, top_p, top_k, expected):
+    """The distribution decode samples from, as generate's warpers build it (temperature, then top-k, then top-p,
+    each only when on), against scores worked out by hand: equal, in float32 (bf16 logits too)."""
+    got = warp_scores(torch.tensor([logits]), temperature, top_p, top_k)
+    assert torch.equal(got, torch.tensor([expected]))
+    if logits is not P:  # these values are exact in bf16
+        got = warp_scores(torch.tensor([logits], dtype=torch.bfloat16), temperature, top_p, top_k)
+        assert got.dtype == torch.float32 and torch.equal(got, torch.tensor([expected]))
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(0.7, 0.9, 0), (1.3, 0.8, 20), (1.0, 0.3, 3)])
+def test_warp_scores_keep_at_least_one_token_and_at_most_k(temperature, top_p, top_k):
     torch.manual_seed(0)
-    logits = torch.randn(6, 500) * 3
-    warpers = []
-    if temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(temperature))
+    kept = (warp_scores(torch.randn(6, 500) * 3, temperature, top_p, top_k) > INF).sum(-1)
+    assert kept.min() >= 1
     if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    expected = LogitsProcessorList(warpers)(None, logits.clone())
-    got = warp_scores(logits, temperature, top_p, top_k)
-    assert torch.equal(got, expected)
-    assert (got > float("-inf")).sum(-1).min() >= 1
-    if top_k:
-        assert (got > float("-inf")).sum(-1).max() <= top_k
+        assert kept.max() <= top_k
 
 
 def test_inverse_cdf_takes_the_first_token_past_u_times_the_total():

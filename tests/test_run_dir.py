@@ -12,7 +12,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import common.model
 import harness.checkpoints
 import raft
 import sft
@@ -191,14 +190,14 @@ def test_ctrl_c_at_the_end_of_a_run_leaves_a_complete_final_and_exits_130(
 
         monkeypatch.setattr(module, "save_final", save_final)
     elif when == "first_write":
-        real_weights = common.model.save_weights
+        real_weights = harness.checkpoints.save_weights
 
         def save_weights(*a, **k):  # final/'s first file: two Ctrl-Cs there, the write still completes
             ctrl_c()
             ctrl_c()
             return real_weights(*a, **k)
 
-        monkeypatch.setattr(common.model, "save_weights", save_weights)
+        monkeypatch.setattr(harness.checkpoints, "save_weights", save_weights)
     else:
         real_log = Logger.log
 

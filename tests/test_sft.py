@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from common.completions import load_splits
+from harness.hub import hub_rows
 from sft import Args, main, sft_loss
 from tests import cli
 
@@ -234,7 +235,7 @@ def test_an_eval_split_of_a_saved_dataset_without_splits_is_refused(memo_jsonl, 
     ).save_to_disk(str(tmp_path / "saved_dict"))
     with pytest.raises(ArgsError, match=r"--eval-split test: .*saved is a saved Dataset with no splits"):
         main(Args(model=str(tmp_path / "no-such-model"), dataset=str(tmp_path / "saved"), eval_split="test"))
-    splits = load_splits(str(tmp_path / "saved_dict"), "train", "test", "supervised")
+    splits = load_splits(str(tmp_path / "saved_dict"), "train", "test", "supervised", hub=hub_rows)
     assert [len(r) for r in splits] == [4, 4]  # a DatasetDict's splits are real
 
 

