@@ -235,10 +235,16 @@ def test_a_gpu_run_takes_the_most_groups_per_micro_batch_its_plan_fits(prompts_f
         return {}, args.groups_per_micro_batch <= 3
 
     on_card = grpo.Args(gpu_memory=24.0)
-    assert fit_knob(on_card, "groups_per_micro_batch", 8, plan).groups_per_micro_batch == 2 and tried == [8, 4, 2]
+    assert fit_knob(on_card, "groups_per_micro_batch", 8, plan).groups_per_micro_batch == 2 and tried[:3] == [8, 4, 2]
+    tried.clear()
     assert fit_knob(grpo.Args(), "groups_per_micro_batch", 8, plan).groups_per_micro_batch == 1  # a CPU
     kept = grpo.Args(gpu_memory=24.0, groups_per_micro_batch=8)
-    assert fit_knob(kept, "groups_per_micro_batch", 8, plan).groups_per_micro_batch == 8 and len(tried) == 3
+    assert fit_knob(kept, "groups_per_micro_batch", 8, plan).groups_per_micro_batch == 8 and tried == []
+
+    def with_checkpointing_only(args):  # nothing fits without checkpointing, 4 groups with it
+        return {}, args.gradient_checkpointing and args.groups_per_micro_batch <= 4
+
+    assert fit_knob(on_card, "groups_per_micro_batch", 8, with_checkpointing_only).groups_per_micro_batch == 4
     chosen = {}
     for card in (80.0, 24.0):
         args = grpo.Args(
