@@ -8,8 +8,9 @@ the rest run. The vLLM virtualenv it makes itself (scripts/vllm_venv.py, a few m
 here, in seconds, and stops the rest), then two lanes at once: the suite over the cores (pytest-xdist: a file's tests
 in one worker, the torchrun files one after the other), and beside it the suite's numerics tests again under two other
 sets of x86 kernels (a CPU without AVX-512, then ATen without SIMD intrinsics: an assertion that holds only on this
-CPU's kernels fails here, not on a user's machine), then the vLLM tests in their virtualenv. Each step's output comes
-whole when it ends, with its wall and CPU time. Exits non-zero if any fails (pytest's "nothing collected" counts as a
+CPU's kernels fails here, not on a user's machine), the GPU check's dry run (marked lane2: bench/gpu_check.sh cut
+down, its subprocesses) and the vLLM tests in their virtualenv. Each step's output comes whole when it ends, with its
+wall and CPU time. Exits non-zero if any fails (pytest's "nothing collected" counts as a
 failure). --dry-run prints the commands and runs none."""
 
 import argparse
@@ -87,9 +88,11 @@ def commands(vllm_python: str | None) -> list[tuple[int, dict, list[str]]]:
     pytest = [sys.executable, "-m", "pytest", "-q"]
     # loadgroup: tests/conftest.py gives each file a group of its own (its module fixtures built once, its tests in
     # their order in one process) and the torchrun files one group (two ranks each: one launch at a time).
-    suite = [*pytest, "-m", "not vllm", "-n", str(WORKERS), "--dist", "loadgroup", "--no-loadscope-reorder"]
+    suite = [*pytest, "-m", "not vllm and not lane2", "-n", str(WORKERS), "--dist", "loadgroup"]
+    suite.append("--no-loadscope-reorder")
     steps = [(0, {}, ["ruff", "check", "."]), (0, {}, ["ruff", "format", "--check", "."]), (1, {}, suite)]
     steps += [(2, extra, [*pytest, "-m", "numerics and not vllm"]) for extra in NUMERICS]
+    steps.append((2, {}, [*pytest, "-m", "lane2"]))  # a long test of subprocesses, beside the numerics reruns
     if vllm_python:
         steps.append((2, {}, [vllm_python, "-m", "pytest", "-q", "-m", "vllm"]))
     return steps

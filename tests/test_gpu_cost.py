@@ -295,6 +295,7 @@ def test_a_micro_batch_reads_the_host_once_a_pass(script, tiny_model_dir, tmp_pa
     assert reads[2] - reads[1] <= 2 * PASSES[script]
 
 
+@pytest.mark.lane2
 def test_the_gpu_check_dry_run_returns_every_stages_table(tmp_path):
     """bench/gpu_check.sh --dry-run: every stage of the device check (setup, quick, headline, ours against TRL,
     generation, memory, the reference swap) runs cut down on this CPU and appends its table to gpu_check.md, in at
