@@ -147,28 +147,29 @@ def test_run_tests_without_bubblewrap_or_chromium_says_in_a_line_each_what_skips
     said = [line for line in (out.out + out.err).splitlines() if "chromium" in line]
     assert len(said) == 1 and "test_report_browser.py" in said[0] and "apt-get install chromium" in said[0], said
     ran = [line for line in out.out.splitlines() if line.startswith("$ ")]
-    assert len(ran) == len(run_tests.commands(None)) and ran[0] == "$ ruff check ." and "'not vllm'" in ran[2], ran
+    assert len(ran) == len(run_tests.commands(None)) and ran[0] == "$ ruff check ." and "'not vllm" in ran[2], ran
 
 
 def test_run_tests_lints_first_then_runs_the_suite_over_the_cores_beside_the_reruns_and_the_vllm_tests():
     """Lint alone first; then lane 1, the suite under pytest-xdist (each file whole in one worker, tests/conftest.py's
-    groups), at the same time as lane 2: the numerics tests under AVX2 and under ATen's DEFAULT kernels, then the vLLM
-    tests in their virtualenv."""
+    groups) without its lane2 tests, at the same time as lane 2: the numerics tests under AVX2 and under ATen's
+    DEFAULT kernels, the lane2 tests (the GPU check's dry run), then the vLLM tests in their virtualenv."""
     from scripts import run_tests
 
     steps = [(lane, extra, cmd[1:]) for lane, extra, cmd in run_tests.commands("/v/bin/python")]
-    suite = ["-m", "pytest", "-q", "-m", "not vllm", "-n", str(run_tests.WORKERS), "--dist", "loadgroup"]
+    suite = ["-m", "pytest", "-q", "-m", "not vllm and not lane2", "-n", str(run_tests.WORKERS), "--dist", "loadgroup"]
     assert steps == [
         (0, {}, ["check", "."]),
         (0, {}, ["format", "--check", "."]),
         (1, {}, [*suite, "--no-loadscope-reorder"]),
         (2, run_tests.NUMERICS[0], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
         (2, run_tests.NUMERICS[1], ["-m", "pytest", "-q", "-m", "numerics and not vllm"]),
+        (2, {}, ["-m", "pytest", "-q", "-m", "lane2"]),
         (2, {}, ["-m", "pytest", "-q", "-m", "vllm"]),
     ]
     assert [extra["ATEN_CPU_CAPABILITY"] for extra in run_tests.NUMERICS] == ["avx2", "default"]
     assert run_tests.commands("/v/bin/python")[-1][2][0] == "/v/bin/python"
-    assert len(run_tests.commands(None)) == 5  # --no-vllm
+    assert len(run_tests.commands(None)) == 6  # --no-vllm
     assert run_tests.WORKERS >= 2
 
 
