@@ -1,7 +1,8 @@
 """-h / --help before a script's heavy imports: torch, transformers and peft (which imports bitsandbytes when it is
 installed) take seconds of CPU to import, and --help needs none of them. A script calls help_before_imports() above
 its third-party imports; it prints the same text tyro would print from the script's own Args and exits, or returns.
-Imports only the standard library and tyro."""
+Imports only the standard library and tyro before that choice; when it returns, it imports PEFT with bitsandbytes
+hidden (`import_peft_quietly`)."""
 
 import ast
 import pathlib
@@ -15,14 +16,32 @@ LIGHT = ("harness.flags",)
 
 
 def help_before_imports(module_name: str, path: str, description: str | None) -> None:
-    """When the caller runs as __main__ with -h/--help: builds its `Args` from its source (the class, the file's
+    """Answers -h/--help from the caller's source (`print_help`) when it runs as __main__ with one; returns otherwise,
+    once PEFT is imported quietly."""
+    if module_name == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+        print_help(path, description)
+    import_peft_quietly()
+
+
+def import_peft_quietly() -> None:
+    """PEFT (imported by transformers' trainer utilities too) imports bitsandbytes whenever it is installed, and
+    bitsandbytes on a CPU with AVX-512 BF16 then asks the hub for a kernel and logs a line on stderr, in every run.
+    Imports PEFT with bitsandbytes hidden (None in sys.modules makes its import fail, and PEFT goes on without it);
+    bitsandbytes loads when 4-bit, 8-bit or 8-bit AdamW asks for it (common.model.require), and only then."""
+    if "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        return
+    sys.modules["bitsandbytes"] = None
+    try:
+        import peft  # noqa: F401
+    finally:
+        del sys.modules["bitsandbytes"]
+
+
+def print_help(path: str, description: str | None) -> None:
+    """Builds its `Args` from its source (the class, the file's
     standard-library imports and those from LIGHT; Args' defaults use nothing else) and prints tyro's help for it,
-    which exits. Returns otherwise, and also when Args needs a name beyond those (a fork's default from a third-party
-    package): the script then loads as usual and tyro prints the same help, slower."""
-    if module_name != "__main__":
-        return
-    if not {"-h", "--help"} & set(sys.argv[1:]):
-        return
+    which exits. Returns when Args needs a name beyond those (a fork's default from a third-party package): the
+    script then loads as usual and tyro prints the same help, slower."""
     tree = ast.parse(pathlib.Path(path).read_text(), filename=path)
     imports = []
     for node in tree.body:

@@ -1,8 +1,11 @@
 """The dual-adapter backbone: snapshot_ref / as_reference / trainable set / save-load / checkpoints."""
 
 import inspect
+import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from common.model import (
     unwrap,
 )
 from common.completions import disable_dropout
+from tests.conftest import ROOT
 from harness.checkpoints import (
     Checkpoints,
     adapter_hash,
@@ -244,6 +248,32 @@ def test_an_adapter_of_another_base_with_the_same_shapes_is_named(tiny_model_dir
 def test_missing_optional_package_gives_install_hint():
     with pytest.raises(ImportError, match="pip install surely_not_installed_pkg"):
         require("surely_not_installed_pkg", "--engine vllm")
+
+
+def test_what_an_optional_package_logs_on_import_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
+    (tmp_path / "noisy_pkg").mkdir()
+    (tmp_path / "noisy_pkg" / "__init__.py").write_text(
+        "import logging\nlogging.getLogger(__name__ + '.ops').warning('no fast kernel: %s', 'offline')\n"
+        "logging.getLogger(__name__).warning('second note')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert require("noisy_pkg", "--quantization 4bit").__name__ == "noisy_pkg"
+    err = capsys.readouterr().err
+    assert err == "--quantization 4bit imported noisy_pkg, which says: no fast kernel: offline\n", err
+    assert logging.getLogger("noisy_pkg").propagate and not logging.getLogger("noisy_pkg").handlers
+
+
+@pytest.mark.parametrize("entry", ["sft", "orpo", "kto", "dpo", "rm", "grpo", "raft", "evals.gsm8k", "evals.ifeval"])
+def test_no_entry_point_imports_bitsandbytes_unless_asked(entry):
+    """PEFT imports bitsandbytes when it is installed, and bitsandbytes on an AVX-512 BF16 CPU then asks the hub for a
+    kernel and logs a line in every run. Each entry point imports PEFT without it; 4-bit, 8-bit and 8-bit AdamW load it
+    (tests/test_quantization.py)."""
+    pytest.importorskip("bitsandbytes")  # installed by --dev; without it there is nothing to hide
+    code = f"import sys, {entry}; print('peft' in sys.modules, [m for m in sys.modules if m.startswith('bitsand')])"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.split() == ["True", "[]"], done.stdout + done.stderr[-2000:]
+    assert "kernels-community" not in done.stderr, done.stderr[-2000:]
 
 
 def test_version_shims_follow_the_installed_transformers(tiny_model_dir):
