@@ -17,9 +17,7 @@ import importlib
 import importlib.util
 import inspect
 import json
-import logging
 import os
-import sys
 import warnings
 
 import torch
@@ -49,23 +47,10 @@ def pick_device() -> torch.device:
 
 
 def require(package: str, hint: str):
-    """Import an optional package or fail with a one-line install hint (GPU extras are never imported eagerly).
-    What the package logs while it imports (bitsandbytes: a CPU kernel it could not fetch) becomes one line of ours."""
+    """Import an optional package or fail with a one-line install hint (GPU extras are never imported eagerly)."""
     if importlib.util.find_spec(package) is None:
         raise ImportError(f"{hint} needs the optional package '{package}': pip install {package}")
-    said, log = [], logging.getLogger(package)
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = said.append
-    log.addHandler(handler)
-    log.propagate = False
-    try:
-        module = importlib.import_module(package)
-    finally:
-        log.removeHandler(handler)
-        log.propagate = True
-    if said:
-        print(f"{hint} imported {package}, which says: {said[0].getMessage()}", file=sys.stderr)
-    return module
+    return importlib.import_module(package)
 
 
 def cache_kwarg(lm) -> str:

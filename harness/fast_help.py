@@ -5,6 +5,7 @@ Imports only the standard library and tyro before that choice; when it returns, 
 hidden (`import_peft_quietly`)."""
 
 import ast
+import logging
 import pathlib
 import sys
 import types
@@ -27,9 +28,14 @@ def import_peft_quietly() -> None:
     """PEFT (imported by transformers' trainer utilities too) imports bitsandbytes whenever it is installed, and
     bitsandbytes on a CPU with AVX-512 BF16 then asks the hub for a kernel and logs a line on stderr, in every run.
     Imports PEFT with bitsandbytes hidden (None in sys.modules makes its import fail, and PEFT goes on without it);
-    bitsandbytes loads when 4-bit, 8-bit or 8-bit AdamW asks for it (common.model.require), and only then."""
+    bitsandbytes loads when 4-bit, 8-bit or 8-bit AdamW asks for it (common.model.require), and only then, and each
+    line it logs then says why it was loaded."""
     if "peft" in sys.modules or "bitsandbytes" in sys.modules:
         return
+    said = logging.StreamHandler()
+    said.setFormatter(logging.Formatter("bitsandbytes (loaded for 4-bit, 8-bit or 8-bit AdamW) says: %(message)s"))
+    logging.getLogger("bitsandbytes").addHandler(said)
+    logging.getLogger("bitsandbytes").propagate = False
     sys.modules["bitsandbytes"] = None
     try:
         import peft  # noqa: F401

@@ -1,7 +1,6 @@
 """The dual-adapter backbone: snapshot_ref / as_reference / trainable set / save-load / checkpoints."""
 
 import inspect
-import logging
 import os
 import shutil
 import subprocess
@@ -250,19 +249,6 @@ def test_missing_optional_package_gives_install_hint():
         require("surely_not_installed_pkg", "--engine vllm")
 
 
-def test_what_an_optional_package_logs_on_import_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
-    (tmp_path / "noisy_pkg").mkdir()
-    (tmp_path / "noisy_pkg" / "__init__.py").write_text(
-        "import logging\nlogging.getLogger(__name__ + '.ops').warning('no fast kernel: %s', 'offline')\n"
-        "logging.getLogger(__name__).warning('second note')\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert require("noisy_pkg", "--quantization 4bit").__name__ == "noisy_pkg"
-    err = capsys.readouterr().err
-    assert err == "--quantization 4bit imported noisy_pkg, which says: no fast kernel: offline\n", err
-    assert logging.getLogger("noisy_pkg").propagate and not logging.getLogger("noisy_pkg").handlers
-
-
 @pytest.mark.parametrize("entry", ["sft", "orpo", "kto", "dpo", "rm", "grpo", "raft", "evals.gsm8k", "evals.ifeval"])
 def test_no_entry_point_imports_bitsandbytes_unless_asked(entry):
     """PEFT imports bitsandbytes when it is installed, and bitsandbytes on an AVX-512 BF16 CPU then asks the hub for a
@@ -270,10 +256,13 @@ def test_no_entry_point_imports_bitsandbytes_unless_asked(entry):
     (tests/test_quantization.py)."""
     pytest.importorskip("bitsandbytes")  # installed by --dev; without it there is nothing to hide
     code = f"import sys, {entry}; print('peft' in sys.modules, [m for m in sys.modules if m.startswith('bitsand')])"
+    code += "; import logging; logging.getLogger('bitsandbytes.backends.cpu.ops').warning('no kernel: %s', 'offline')"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, check=True)
     assert done.stdout.split() == ["True", "[]"], done.stdout + done.stderr[-2000:]
-    assert "kernels-community" not in done.stderr, done.stderr[-2000:]
+    # what it would log once loaded (on a CPU with AVX-512 BF16, a kernel it cannot fetch) says why it was loaded
+    said = "bitsandbytes (loaded for 4-bit, 8-bit or 8-bit AdamW) says: no kernel: offline"
+    assert done.stderr.splitlines() == [said], done.stderr[-2000:]
 
 
 def test_version_shims_follow_the_installed_transformers(tiny_model_dir):

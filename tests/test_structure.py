@@ -130,6 +130,8 @@ def test_shared_modules_import_required_packages_at_the_top():
                         local |= {alias.name.split(".")[0] for alias in inner.names}
                     elif isinstance(inner, ast.ImportFrom) and inner.module and inner.level == 0:
                         local.add(inner.module.split(".")[0])
+        if path.name == "fast_help.py":  # its job: PEFT after --help is answered, with bitsandbytes hidden
+            local -= {"peft"}
         assert local <= LAZY, f"{path} imports {sorted(local - LAZY)} inside a function"
 
 
