@@ -564,7 +564,7 @@ def test_rows_in_another_toolkits_layout_say_how_to_convert(tmp_path):
     with pytest.raises(DataError, match=r"^a.json:0: the rows .* not TRL's supervised rows: pass --convert alpaca$"):
         validate_rows(alpaca, "supervised", "--convert")  # the caller names its own option
     sharegpt = [{"conversations": [{"from": "human", "value": "Hi"}], "_loc": "s.json:1"}]
-    with pytest.raises(DataError, match=r"sharegpt's layout \(conversations\), not TRL's prompt rows: convert the file"):
+    with pytest.raises(DataError, match=r"sharegpt's layout \(conversations\), not TRL's prompt rows: convert"):
         validate_rows(sharegpt, "prompt")
     with pytest.raises(DataError, match=r"pass --convert sharegpt"):
         validate_rows(sharegpt, "prompt", "--convert")
