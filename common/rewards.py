@@ -78,15 +78,14 @@ _JOINED = re.compile(
     rf"(?:[\w)\]}}]\s*(?:{_OPERATOR}|\^|\\pm|\bx)|\d\s*(?:to|or|and|plus|minus|times)|\\sqrt|\u221a|[-+])\s*\Z"
     r"|\d[,:'\u2019]\Z|\bor\s+[A-Za-z]\s*=\s*\Z"
 )
-_PHRASE = re.compile(r"answer(?:\s+is)?[\s:=*]*\$?(?=[-+]? ?\.?\d)", re.I)  # "**Answer:** 18", "The answer is - 3."
-# After a marked answer, a self-correction ('#### 42\nIt should be 43') or another marked answer takes it back
+# "**Answer:** 18"; a sign may stand apart on the same line ("The answer is - 3."), not a list's "Answer:\n- 3"
+_PHRASE = re.compile(r"answer(?:\s+is)?(?:[\s:=*]*\$?(?=[-+]?\.?\d)|[ :=*]*(?=[-+] \.?\d))", re.I)
+# After a marked answer, a self-correction ('#### 42\nIt should be 43') or another marked answer takes it back;
+# after _EQUALS comes a result ('9 * 2 = 18', '3 and 4, so 7')
 _AFTERWORD = re.compile(r"(?i)\b(?:wait|actually|should|meant|mistake|oops)\b|\\boxed\{|" + _PHRASE.pattern)
-_EQUALS = re.compile(
-    r"(?i)=|\\approx|\u2248|\b(?:equals|rounds?(?: up| down)? to|so|therefore|thus|hence)\b"
-)  # a result next
-# Unicode as the ASCII a model means: minus signs and dashes ('−' '‒' '‐'), the Arabic decimal and thousands separators
-# and percent ('5٫5'), the fraction slash; vulgar fractions after a space ('12⅓' is 12 1/3, never 12); small and
-# full-width forms by NFKC ('－５．５'), which the whole text does not get: it would read '10⁵' as 105
+_EQUALS = re.compile(r"(?i)=|\\approx|\u2248|\b(?:equals|rounds?(?: up| down)? to|so|therefore|thus|hence)\b")
+# Unicode as the ASCII a model means: minus signs ('−' '‒' '﹣'), Arabic separators ('5٫5'), the fraction slash, vulgar
+# fractions after a space ('12⅓' is 12 1/3), full-width forms by NFKC ('－５．５'; not all text: '10⁵' is no 105)
 _UNICODE = str.maketrans("\u2212\u2012\u2010\u2011\u066b\u066c\u066a\u2044\u3000", "----.,%/ ") | {
     c: " " * (c < 0xFE50) + unicodedata.normalize("NFKC", chr(c)).replace("\u2044", "/")
     for c in [0xBC, 0xBD, 0xBE, *range(0x2150, 0x215F), 0x2189, *range(0xFE50, 0xFE6C), *range(0xFF01, 0xFF5F)]

@@ -112,6 +112,7 @@ CASES = [
     ("The answer is \u2212 3.", "3", 0),
     ("Answer: - 12", "-12", 1),
     ("The final answer is + 8.", "8", 1),
+    ("Answer:\n- 3 apples", "-3", 0),
     # ---- the fallback: a number that comes after the answer in its sentence
     ("So she has 18 apples left, 2 fewer than Tom.", "2", 0),
     ("So she has 18 apples left, 2 fewer than Tom.", "18", 1),
