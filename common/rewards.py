@@ -82,7 +82,7 @@ _JOINED = re.compile(
 _PHRASE = re.compile(r"answer(?:\s+is)?(?:[\s:=*]*\$?(?=[-+]?\.?\d)|[ :=*]*(?=[-+] \.?\d))", re.I)
 # After a marked answer, a self-correction ('#### 42\nIt should be 43') or another marked answer takes it back;
 # after _EQUALS comes a result ('9 * 2 = 18', '3 and 4, so 7')
-_AFTERWORD = re.compile(r"(?i)\b(?:wait|actually|should|meant|mistake|oops)\b|\\boxed\{|" + _PHRASE.pattern)
+_AFTERWORD = re.compile(r"(?i)\b(?:wait|actually|should (?:be|have)|meant|mistake)\b|\\boxed\{|" + _PHRASE.pattern)
 _EQUALS = re.compile(r"(?i)=|\\approx|\u2248|\b(?:equals|rounds?(?: up| down)? to|so|therefore|thus|hence)\b")
 # Unicode as the ASCII a model means: minus signs ('−' '‒' '﹣'), Arabic separators ('5٫5'), the fraction slash, vulgar
 # fractions after a space ('12⅓' is 12 1/3), full-width forms by NFKC ('－５．５'; not all text: '10⁵' is no 105)
