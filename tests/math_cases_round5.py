@@ -144,6 +144,11 @@ CASES = [
     ("The diagonal is 6\\sqrt{2} \u2248 8.49 cm.", "6", 0),
     ("The temperature fell to \uff0d6 degrees.", "-6", 1),
     ("The temperature fell to \uff0d6 degrees.", "6", 0),
+    ("He has 3 apples and 4 pears, so 7 fruits.", "7", 1),
+    ("The 3 friends ate 64 ounces of fudge.", "64", 1),
+    ("She can make 16 biscuits because 144 divided by 9 equals 16.", "16", 1),
+    ("9 / 27 * 100% = 33.333...%, which rounds down to 33%.", "33", 1),
+    ("It costs $1,200 in 2023.", "2023", 0),
 ]
 
 # Expected 1, scored 0: another number competes with the last one in its sentence (the question would decide)
