@@ -13,6 +13,7 @@ import json
 import math
 import numbers
 import re
+import unicodedata
 import warnings
 from collections.abc import Callable
 from fractions import Fraction
@@ -60,25 +61,43 @@ _NUMBER_TOKEN = re.compile(r"(?<![A-Za-z0-9.^{\[])(?<![A-Za-z0-9}]_)(?P<sign>[-+
 _LEADING = re.compile(r"[\s*_${(\[]*(?:(?P<sign>[-+])\s*)?" + _UNSIGNED)
 # A sentence ends at a line break, '. ' or '; ' ('18. Check: 18 / 2 = 9' is 18), not ', ' ('9 eggs, 9 * 2 = 18' is 18)
 _SENTENCE_END = re.compile(r"\n|[.;](?=\s|$)")
-# What after a number makes it part of more than itself: a calculation, range or alternative ('9 * 2', '7–9',
-# '10 to 12', '3 or 4', '3 \pm 1'), a power left unread ('2^x', '(-2)^2', '10⁵'), a radical, pi or other LaTeX command
-# ('3\sqrt{2}', '2\pi'), another number ('3 4', '(3, 4)', '1,2', '3:4', '1.2.3'), the imaginary unit ('3i')
+# What after a number makes it part of more than itself: a calculation, range or alternative ('9 * 2', '7–9', '5~7',
+# '10 to 12', '3 or 4', '3 \pm 1'), also after a variable or unit ('2n + 1', '2 hours and 30') or of one ('42 - y'), a
+# power left unread ('2^x', '(-2)^2', '10⁵'), a radical, pi or other LaTeX command ('3\sqrt{2}', '2\pi', '0.\dot{3}'),
+# another number ('3 4', '(3, 4)', '1,2', '3:4', '1.2.3', '0.(3)'), an overline ('0.3̅'), the imaginary unit ('3i')
+_OPERATOR = r"[-+*/\u00d7\u00f7\u22c5\u00b7\u00b1\u2013\u2014~\u301c]|\\times|\\cdot|\\div"
 _UNREADABLE_AFTER = re.compile(
-    r"[\s)\]}]*(?:"
-    r"(?:[-+*/x\u00d7\u00f7\u22c5\u00b7\u00b1\u2013\u2014]|\\times|\\cdot|\\div|to|or|and)\s*[-+$(.\d\\{\u221a\u03c0]"
-    r"|\^|\\[A-Za-z]|[\u221a\u03c0\u221e]|(?:pi|sqrt)\b|,\s*[-+]?\d|\d"
-    r")|[.:'\u2019]\d|i\b|[\u00b2\u00b3\u00b9\u2070-\u2079]"
+    rf"[\s)\]}}]*(?:(?:[A-Za-z]+\b\s*)?(?:{_OPERATOR}|\b(?:x|or|and|plus|minus|times)\b)\s*[-+$(.\d\\{{/\u221a\u03c0]"
+    rf"|to\s*[-+$(.\d]|(?:{_OPERATOR})\s*[A-Za-z](?![A-Za-z])|\^|\\[A-Za-z]|[\u221a\u03c0\u221e]|(?:pi|sqrt)\b|,\s*[-+]?\d|\d)"
+    r"|[.:'\u2019]\d|\.?\(|\.\\|i\b|[\u00b2\u00b3\u00b9\u2070-\u2079\u0304\u0305]"
 )
 # What before a number joins it to more (the fallback's last number is then no answer): an operator after an
 # operand, a range or alternative, a radical ('9 * 2', '7–9', '10 to 12', '\sqrt 2'), a separator no grouping took
 # ('1,2', '3:4'), a sign set apart ('x = - 14' is no 14; nor is a list's '- 14')
 _JOINED = re.compile(
-    r"(?:[\w)\]}]\s*(?:[-+*/^\u00d7\u00f7\u22c5\u00b7\u00b1\u2013\u2014]|\\times|\\cdot|\\div|\\pm|\bx)"
-    r"|\d\s*(?:to|or|and)|\\sqrt|\u221a|[-+])\s*\Z|\d[,:'\u2019]\Z"
+    rf"(?:[\w)\]}}]\s*(?:{_OPERATOR}|\^|\\pm|\bx)|\d\s*(?:to|or|and|plus|minus|times)|\\sqrt|\u221a|[-+])\s*\Z"
+    r"|\d[,:'\u2019]\Z|\bor\s+[A-Za-z]\s*=\s*\Z"
 )
-_PHRASE = re.compile(r"answer(?:\s+is)?[\s:=*]*\$?(?=[-+]?\.?\d)", re.IGNORECASE)  # '*': "**Answer:** 18"
+# "**Answer:** 18"; a sign may stand apart on the same line ("The answer is - 3."), not a list's "Answer:\n- 3"
+_PHRASE = re.compile(r"answer(?:\s+is)?(?:[\s:=*]*\$?(?=[-+]?\.?\d)|[ :=*]*(?=[-+] \.?\d))", re.I)
+# After a marked answer, a self-correction ('#### 42\nIt should be 43') or another marked answer takes it back;
+# after _EQUALS comes a result ('9 * 2 = 18', '3 and 4, so 7')
+_AFTERWORD = re.compile(r"(?i)\b(?:wait|actually|should (?:be|have)|meant|mistake)\b|\\boxed\{|" + _PHRASE.pattern)
+_EQUALS = re.compile(r"(?i)=|\\approx|\u2248|\b(?:equals|rounds?(?: up| down)? to|so|therefore|thus|hence)\b")
+# Unicode as the ASCII a model means: minus signs ('−' '‒' '﹣'), Arabic separators ('5٫5'), the fraction slash, vulgar
+# fractions after a space ('12⅓' is 12 1/3), full-width forms by NFKC ('－５．５'; not all text: '10⁵' is no 105)
+_UNICODE = str.maketrans("\u2212\u2012\u2010\u2011\u066b\u066c\u066a\u2044\u3000", "----.,%/ ") | {
+    c: " " * (c < 0xFE50) + unicodedata.normalize("NFKC", chr(c)).replace("\u2044", "/")
+    for c in [0xBC, 0xBD, 0xBE, *range(0x2150, 0x215F), 0x2189, *range(0xFE50, 0xFE6C), *range(0xFF01, 0xFF5F)]
+}
+_OTHER_DIGIT = re.compile(r"(?![0-9])\d")
 _LATEX = (  # the LaTeX and typography a model writes around numbers, as plain text, in this order
-    (re.compile(r"\u2212"), "-"),  # the typographic minus
+    (re.compile(r"<<[^<>]*>>"), ""),  # GSM8K's calculator annotations: '9 * 2 = $<<9*2=18>>18' is '9 * 2 = $18'
+    # a repeating decimal a.b\overline{r} as (abr - ab) / (10^|b| (10^|r| - 1)): '0.1\overline{6}' is 15/90
+    (
+        re.compile(r"(?<!\d)(\d{0,99})\.(\d{0,99})\\(?:overline|bar)\{(\d{1,99})\}"),
+        lambda m: f"{int(m[1] + m[2] + m[3]) - int(m[1] + m[2] or 0)}/{10 ** len(m[2]) * (10 ** len(m[3]) - 1)}",
+    ),
     # thousands: '1{,}080', '1\,080', '1 080', "1'080" (before \frac below puts a space before its numerator)
     (re.compile(r"(?<=\d)(?:\{,\}|\\,|\\ |[ '\u00a0\u2009\u202f\u2019])(?=\d{3}(?!\d))"), ","),
     # \frac{1}{2}, \dfrac12, -\tfrac{1}{2}: a/b after a space, so that 2\frac{1}{2} is 2 1/2 (a mixed number), not 21/2
@@ -92,6 +111,7 @@ _LATEX = (  # the LaTeX and typography a model writes around numbers, as plain t
 
 
 def _plain(text: str) -> str:
+    text = _OTHER_DIGIT.sub(lambda m: str(unicodedata.decimal(m[0])), text.translate(_UNICODE))
     for pattern, replacement in _LATEX:
         text = pattern.sub(replacement, text)
     return text
@@ -111,38 +131,57 @@ def _boxed(text: str) -> str | None:
     return None
 
 
-def _boxed_or_phrased(text: str) -> str | None:
-    """The last \\boxed{...}'s content, else the rest of the line after the last "the answer is" / "answer:"."""
+def _boxed_or_phrased(text: str) -> tuple[str, int] | None:
+    """(The last \\boxed{...}'s content, else the rest of the line after the last "the answer is", where it starts)."""
     boxed = _boxed(text)
     if boxed is not None:
-        return boxed
+        return boxed, text.rfind("\\boxed{")
     phrases = [m.end() for m in _PHRASE.finditer(text)]
     if not phrases:
         return None
-    return text[phrases[-1] :].split("\n", 1)[0]  # the whole line: "The answer is 9 * 2 = 18." is 18
+    return text[phrases[-1] :].split("\n", 1)[0], phrases[-1]  # the whole line: "The answer is 9 * 2 = 18." is 18
 
 
-def _marked_answer(text: str) -> str | None:
-    """The answer a (plain) solution marks: GSM8K's last `####` line, or what a box or phrase marks in it ('#### The
-    answer is 48'); else the last \\boxed{...} or "the answer is" in the text; None when nothing marks one."""
+def _marked_answer(text: str) -> tuple[str, int] | None:
+    """The answer a (plain) solution marks, and where it starts: GSM8K's last `####` line, or what a box or phrase
+    marks in it ('#### The answer is 48'); else the last \\boxed{...} or "the answer is" in the text; else None."""
     if "####" in text:
-        line = text.rsplit("####", 1)[1].strip().split("\n")[0]
+        start = text.rfind("####") + len("####")
+        line = text[start:].strip().split("\n")[0]
         inner = _boxed_or_phrased(line)
-        return line if inner is None else inner
+        return (line if inner is None else inner[0]), start
     return _boxed_or_phrased(text)
 
 
+def _last_number(text: str) -> str | None:
+    """The last number and the rest of its line ('24 m^2.'), where nothing competes with it: None where it is joined to
+    what precedes it ('9 * 2', '7–9', 'x = 3 or x = 5') or another value stands in its sentence after the last _EQUALS
+    ('18 apples left, 2 fewer', '= $18 for 9 eggs', '3, 4 and 5'; a count after 'the' is a given: 'The 3 ate 64')."""
+    numbers = list(_NUMBER_TOKEN.finditer(text))
+    if not numbers or _JOINED.search(text[max(0, numbers[-1].start() - 24) : numbers[-1].start()]):
+        return None
+    last = numbers[-1].start()
+    start = max([m.end() for m in _SENTENCE_END.finditer(text[:last])], default=0)
+    start = max([m.end() for m in _EQUALS.finditer(text, start, last)], default=start)
+    given = [m for m in numbers if text[max(0, m.start() - 4) : m.start()].lower() == "the "]
+    if len({_value(m) for m in numbers if m.start() >= start and m not in given}) > 1:
+        return None
+    return text[last:].split("\n", 1)[0]
+
+
 def extract_answer(text) -> str | None:
-    """A solution's final answer: the one it marks (_marked_answer), else (fallback) its last number with the rest of
-    that line ('24 m^2.'); None without one, or when that number is joined to what precedes it ('9 * 2', '7–9')."""
+    """A solution's final answer: the one it marks (_marked_answer), else its last number (_last_number); None
+    without one, or where what follows the marked answer takes it back or competes with it and reads otherwise
+    (_AFTERWORD: '#### 42\\nIt should be 43', '\\boxed{42}. The answer is 43.')."""
     text = _plain(text_of(text)[-_TAIL:])
     marked = _marked_answer(text)
-    if marked is not None:
-        return marked
-    starts = [m.start() for m in _NUMBER_TOKEN.finditer(text)]
-    if not starts or _JOINED.search(text[max(0, starts[-1] - 24) : starts[-1]]):
-        return None
-    return text[starts[-1] :].split("\n", 1)[0]
+    if marked is None:
+        return _last_number(text)
+    afterwords = list(_AFTERWORD.finditer(text, marked[1] + 1))
+    if afterwords and _NUMBER_TOKEN.search(text, afterwords[-1].end()):  # the last word stands: 'Wait, 6 * 7 = 42'
+        if exact_number(extract_answer(text[afterwords[-1].start() :])) != exact_number(marked[0]):
+            return None
+    return marked[0]
 
 
 def _value(m: re.Match) -> Fraction | None:
@@ -198,7 +237,7 @@ def reference_number(answer) -> Fraction | None:
     text = _plain(str(answer)[-_TAIL:])
     marked = _marked_answer(text)
     if marked is not None:
-        return exact_number(marked)
+        return exact_number(marked[0])
     if len(_NUMBER_TOKEN.findall(text)) != 1:
         return None
     return exact_number(text)

@@ -1,7 +1,7 @@
-"""The math checker (common.rewards: extract_answer, exact_number, math_reward) on its regression set
-(tests/math_cases.py), on the cases issues 28 and 40 reported wrong, on input built to make regexes backtrack, from
-threads, and the row check that refuses an `answer` it cannot read exactly (math_row_problem through
-harness.cli.check_reward_fields and grpo)."""
+"""The math checker (common.rewards: extract_answer, exact_number, math_reward) on its regression sets
+(tests/math_cases.py, tests/math_cases_round5.py), on the cases issues 28, 40 and 51 reported wrong, on input built to
+make regexes backtrack, from threads, and the row check that refuses an `answer` it cannot read exactly
+(math_row_problem through harness.cli.check_reward_fields and grpo)."""
 
 import json
 import re
@@ -19,6 +19,7 @@ from common.rewards import exact_number, load_reward_funcs, math_reward, referen
 from harness.cli import check_reward_fields
 from plugins.builtin_math import question_row
 from tests.math_cases import CASES
+from tests import math_cases_round5
 from tests.prefs_helpers import write_jsonl
 
 
@@ -150,6 +151,137 @@ def test_issue_40_unambiguous_answers_score_1(completion, reference):
 )
 def test_exact_number_reads_powers_and_refuses_what_it_cannot_read(s, value):
     assert exact_number(s) == value
+
+
+@pytest.mark.parametrize("completion, reference, expected", math_cases_round5.CASES)
+def test_the_round5_set(completion, reference, expected):
+    # The known misses are refused (0), never read as another number: the checker does not know which one is asked.
+    known_miss = (completion, reference) in math_cases_round5.KNOWN_MISSES
+    assert score(completion, reference) == (0.0 if known_miss else expected)
+
+
+def test_the_round5_set_goes_both_ways():
+    cases = math_cases_round5.CASES
+    assert len(cases) >= 100 and len({(c, r) for c, r, _ in cases}) == len(cases)
+    assert 40 <= sum(expected for _, _, expected in cases) <= len(cases) - 40
+    assert all((c, r, 1) in cases for c, r in math_cases_round5.KNOWN_MISSES)
+
+
+# Issue 51, section 11: each of these scored 1, a false positive (what the old checker read is in the comment).
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("The answer is \uff0d\uff15.", "5"),  # read 5: the full-width minus was dropped
+        ("The answer is \uff15\uff0e\uff15.", "5"),  # read 5: the full-width point ended the number
+        ("The answer is \uff11\uff0c\uff12\uff10\uff10.", "1"),  # read 1: the full-width comma ended it
+        ("The answer is \u20125.", "5"),  # read 5: the figure dash was dropped
+        ("The answer is \ufe635.", "5"),  # read 5: the small hyphen-minus was dropped
+        ("The answer is 12\u2153.", "12"),  # read 12: the vulgar fraction was left out
+        ("The answer is 5\u066b5.", "5"),  # read 5: the Arabic decimal separator ended the number
+        ("The answer is 2\u00bd.", "2"),  # read 2
+        ("\\boxed{0.\\overline{3}}", "0"),  # read 0: the overline was left out
+        ("x = 42 - y", "42"),  # read 42: the variable was left out
+        ("The answer is 2n + 1.", "2"),  # read 2: the rest was a unit
+        ("#### 42\nIt should be 43", "42"),  # read 42: the self-correction was not read
+        ("\\boxed{42}. The answer is 43.", "42"),  # read 42: a later marked answer was not read
+        ("So she has 18 apples left, 2 fewer than Tom.", "2"),  # read 2: the fallback took a number after the answer
+        ("So she pays 9 * 2 = $18 for 9 eggs.", "9"),  # read 9
+        ("x = 3 or x = 5", "5"),  # read 5: one of two candidates
+        ("It takes 5\uff5e7 days.", "7"),  # read 7: the full-width tilde of a range was no operator
+    ],
+)
+def test_issue_51_false_positives_score_0(completion, reference):
+    assert score(completion, reference) == 0.0
+
+
+# Issue 51, section 11: each of these scored 0, though the answer is written whole.
+@pytest.mark.parametrize(
+    "completion, reference",
+    [
+        ("The answer is \uff0d\uff15.", "-5"),
+        ("The answer is \uff15\uff0e\uff15.", "5.5"),
+        ("The answer is \uff11\uff0c\uff12\uff10\uff10.", "1200"),
+        ("The answer is \ufe635.", "-5"),
+        ("The answer is 12\u2153.", "37/3"),
+        ("The answer is 5\u066b5.", "5.5"),
+        ("The answer is 2\u00bd.", "5/2"),
+        ("\\boxed{0.\\overline{3}}", "1/3"),
+        ("The answer is - 3.", "-3"),  # the sign set apart after the phrase: no phrase was found
+        ("The answer is \u2212 3.", "-3"),
+    ],
+)
+def test_issue_51_answers_read_whole_score_1(completion, reference):
+    assert score(completion, reference) == 1.0
+
+
+@pytest.mark.parametrize(
+    "s, value",
+    [
+        ("\uff0d\uff15\uff0e\uff15", Fraction(-11, 2)),
+        ("\uff11\uff0c\uff12\uff10\uff10", Fraction(1200)),
+        ("\u0664\u0662", Fraction(42)),  # Arabic-Indic digits
+        ("\u0665\u066b\u0665", Fraction(11, 2)),
+        ("12\u2153", Fraction(37, 3)),  # a mixed number, not 121/3 (NFKC writes it '121\u20443')
+        ("\u00be", Fraction(3, 4)),
+        ("1\u20444", Fraction(1, 4)),  # the fraction slash
+        ("0.\\overline{3}", Fraction(1, 3)),
+        ("0.1\\overline{6}", Fraction(1, 6)),
+        ("1.\\overline{27}", Fraction(14, 11)),
+        ("10\u2075", None),  # superscripts are not normalised: NFKC would make 105
+        ("0.(3)", None),
+        ("0.3\u0305", None),  # a combining overline
+        ("0.\\dot{3}", None),
+        ("42 - y", None),
+        ("2n + 1", None),
+        ("3 times 4", None),
+        ("2 hours and 30 minutes", None),
+        ("105(2/7)", None),  # a product written by juxtaposition
+        ("18 dollars", Fraction(18)),
+        ("60 km/h", Fraction(60)),
+        ("$18 for 3 shirts", Fraction(18)),
+        ("18 and I am sure", Fraction(18)),
+    ],
+)
+def test_exact_number_reads_unicode_and_refuses_variables(s, value):
+    assert exact_number(s) == value
+
+
+@pytest.mark.parametrize(
+    "answer, value",
+    [
+        ("\uff11\uff0c\uff12\uff10\uff10", Fraction(1200)),
+        ("12\u2153", Fraction(37, 3)),
+        ("#### \uff0d7", Fraction(-7)),
+    ],
+)
+def test_a_reference_in_other_unicode_forms_is_read_whole(answer, value):
+    assert reference_number(answer) == value
+    check_reward_fields([{"prompt": "p", "answer": answer, "_loc": "f.jsonl:1"}], load_reward_funcs(["math"]))
+
+
+@pytest.mark.parametrize("answer", ["x = 42 - y", "2n + 1", "0.(3)"])
+def test_a_reference_with_a_variable_or_an_unread_repeat_is_refused(answer):
+    assert reference_number(answer) is None
+
+
+def test_self_corrections_and_competing_numbers_stay_cheap():
+    # Each later self-correction or marked answer is read again (extract_answer on what follows it) and the fallback
+    # reads every number of the last sentence: neither may make scoring quadratic or deep on text the policy writes.
+    texts = [
+        "#### 1\n" + "Wait, 2. " * 200,
+        "\\boxed{1} " + "The answer is 2. " * 100,
+        "#### 1\n" + "actually " * 200 + "3",
+        "x = " + "1, " * 1000 + "2",
+        "= 1 so " * 400 + "2",
+        "0." + "1" * 3000 + "\\overline{" + "3" * 3000 + "}",
+        "\uff11" * 5000,
+    ]
+    for text in texts:
+        start = time.time()
+        math_reward(None, [text], answer=["18"])
+        exact_number(text)
+        assert time.time() - start < 2.0  # hang guard
+    assert math_reward(None, texts[:3], answer=["1", "1", "1"]) == [0.0, 0.0, 0.0]  # each takes its answer back
 
 
 def test_powers_and_long_numbers_stay_cheap():

@@ -256,11 +256,13 @@ def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
     GiB as lists of Python ints, at one tokenizer call per text), which every script's data goes through); 3,325
     since plumbing and optional parts left the core for the harness and plug-ins (final/'s whole-dir save, the FSDP2
     state loader, the reward-field check, hub and saved-dataset loading, GSM8K's layout, the 8-bit optimizer, the
-    held-out eval) and transformers' set_seed, rotate_half and warpers replaced our copies of them)."""
+    held-out eval) and transformers' set_seed, rotate_half and warpers replaced our copies of them); 3,365 since the
+    math checker reads a number whole or scores 0 (issue #51: Unicode forms, repeating decimals, variables,
+    self-corrections, a last-number fallback that refuses competing numbers; grpo, raft and the evals use it))."""
     core = counted(closure("grpo", skip=OPTIONAL))
     expected = ["common.data", "common.distributed", "common.errors", "common.model", "common.rewards"]
     assert core == [*expected, "common.rollout", "grpo"]
-    assert lines(core) <= 3325, lines(core)
+    assert lines(core) <= 3365, lines(core)
 
 
 def test_closure_report():
