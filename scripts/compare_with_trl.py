@@ -954,9 +954,9 @@ def plot(name: str, series: dict, path: str) -> str:
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        steps = range(1, len(series[key]["ours"]) + 1)
-        ax.plot(steps, series[key]["trl"], "o-", label="TRL", lw=3, alpha=0.45)
-        ax.plot(steps, series[key]["ours"], "x--", label="ours", lw=1.2)
+        trl, ours = series[key]["trl"], series[key]["ours"]  # a side that crashed has fewer steps
+        ax.plot(range(1, len(trl) + 1), trl, "o-", label="TRL", lw=3, alpha=0.45)
+        ax.plot(range(1, len(ours) + 1), ours, "x--", label="ours", lw=1.2)
         ax.set_title(f"{key}  (max |diff| {series[key]['max_abs_diff']:.2e})", fontsize=9)
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(keys) :]:
@@ -1472,8 +1472,11 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
     learning_rate = args.learning_rate or (FULL_FINETUNE_LR if full_dpo else LORA_LR)
     out = []
     for method in METHODS if every else (args.method,):
-        if args.loss_type and (args.loss_type in LOSS_TYPES.get(method, ()) or args.fork):
-            loss_types = (args.loss_type,)  # a fork may add a loss type (docs/forks/apo_zero.patch)
+        # a fork may add a loss type (docs/forks/apo_zero.patch), and check_loss_type says whether one reaches both
+        # sides of a method whose script has none
+        takes = args.loss_type in LOSS_TYPES.get(method, ()) or args.fork or (method not in LOSS_TYPES and not every)
+        if args.loss_type and takes:
+            loss_types = (args.loss_type,)
         elif args.loss_type and not every:
             raise SystemExit(f"--loss-type {args.loss_type} is not one of {method}'s: {LOSS_TYPES.get(method, ())}")
         else:
