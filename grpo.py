@@ -289,10 +289,9 @@ def grpo_per_token_loss(
     """l_t = -min(rho_t A, clip(rho_t, 1 - epsilon, 1 + epsilon_high) A) + beta k3_t with rho_t = exp(logp_t - old_t).
 
     Log-probs (B, T), advantages (B,). k3 is added after the min, so the KL gradient is never clipped (TRL's
-    _compute_loss). Returns (per_token_loss, per_token_kl or None when beta == 0, token_stats): what the surrogate did
-    per token, {name: (bool (B, T), min | max | None)}, logged as name_mean over tokens and name_min / name_max of
-    each update's per-completion means (update_metrics): TRL's clip_ratio/*, tokens whose gradient the clip removed
-    (rho < 1 - eps, A < 0; rho > 1 + eps_high, A > 0). A surrogate without a clip returns {} (TRL logs none)."""
+    _compute_loss). Returns (per_token_loss, per_token_kl or None when beta == 0, token_stats): what update_metrics
+    logs of the surrogate, {name: (bool (B, T), min | max | None)}: TRL's clip_ratio/*, tokens whose gradient the clip
+    removed (rho < 1 - eps, A < 0; rho > 1 + eps_high, A > 0); a surrogate without a clip returns {} (TRL: none)."""
     advantages = advantages[:, None]  # one advantage per completion, shared by its tokens
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # exactly 1 when old = logps.detach()
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
@@ -303,9 +302,8 @@ def grpo_per_token_loss(
         per_token_loss = per_token_loss + beta * per_token_kl
     is_low_clipped = (ratio < 1 - epsilon) & (advantages < 0)
     is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)
-    region = is_low_clipped | is_high_clipped  # disjoint: low needs A < 0, high A > 0
     token_stats = {"clip_ratio/low": (is_low_clipped, min), "clip_ratio/high": (is_high_clipped, max)}
-    return per_token_loss, per_token_kl, token_stats | {"clip_ratio/region": (region, None)}
+    return per_token_loss, per_token_kl, token_stats | {"clip_ratio/region": (is_low_clipped | is_high_clipped, None)}
 
 
 def aggregate_loss(
@@ -457,16 +455,14 @@ def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.T
 
 
 def add_token_stats(stats: dict, mask, per_token_kl, entropy, token_stats: dict) -> None:
-    """Add one micro-batch's sums over completion tokens (kl, entropy and the surrogate's token_stats, as
-    grpo_per_token_loss returns them) and the per-completion means of those with an extreme (TRL's low_min,
-    high_max), kept on the device (read_token_stats reads them once a step); the means are tagged with the
-    micro-batch's number in the step (its update: number // micro-batches per update)."""
+    """Add one micro-batch's sums over completion tokens (kl, entropy, grpo_per_token_loss's token_stats) and the
+    per-completion means of the stats with an extreme (TRL's low_min, high_max), kept on the device (read_token_stats
+    reads them once a step), tagged with the micro-batch's number in the step (its update: number // per update)."""
     per_token = {"kl": torch.zeros_like(entropy) if per_token_kl is None else per_token_kl, "entropy": entropy}
     for key, value in (per_token | {"tokens": torch.ones_like(entropy)}).items():
         stats[key] = stats.get(key, 0.0) + masked_sum(value.float(), mask)
     for name, (value, _) in token_stats.items():  # a (B, 1) stat is one per completion: a mean over them, as TRL
-        one = torch.ones_like(value, dtype=torch.float)
-        for key, x in ((name, value.float()), (f"{name}/n", one)):
+        for key, x in ((name, value.float()), (f"{name}/n", torch.ones_like(value, dtype=torch.float))):
             stats[key] = stats.get(key, 0.0) + (x.sum() if x.shape[-1] == 1 else masked_sum(x, mask))
     stats["surrogate"] = {name: pick for name, (_, pick) in token_stats.items()}  # update_metrics' names
     number = stats.get("micro_batches", 0)
@@ -485,9 +481,7 @@ def read_token_stats(stats: dict) -> None:
     numbers = [number for number, t in tagged for _ in range(t.shape[1])]
     kept, *means = torch.cat([t for _, t in tagged], 1).tolist()
     names = [name for name, pick in stats["surrogate"].items() if pick]
-    stats["seq"] = {
-        name: [(n, r) for n, k, r in zip(numbers, kept, m, strict=True) if k] for name, m in zip(names, means)
-    }
+    stats["seq"] = {s: [(n, r) for n, k, r in zip(numbers, kept, m, strict=True) if k] for s, m in zip(names, means)}
 
 
 SUMS = ("kl", "entropy", "tokens")  # add_token_stats' sums over completion tokens (and the surrogate's stats)
