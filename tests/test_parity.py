@@ -82,6 +82,7 @@ def test_per_step_metrics_match_trl(harness, method, kw):
     report = run(harness, method, **kw)
     assert report["tokenization"]["identical"], report["tokenization"]
     assert_series_match(report)
+    assert report["verdict"]["verdict"] == "PASS", report["verdict"]  # the harness's own verdict, same tolerances
     if kw.get("use_lora") is False:  # step 1 scores the untouched policy against its own precomputed log-probs
         for side in ("ours", "trl"):
             first = report["history"][side][0]

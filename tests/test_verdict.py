@@ -1,9 +1,10 @@
 """scripts/compare_with_trl.py's verdict (issue #50): a comparison of a fork with TRL gives PASS, FAIL, NOT
 DISCRIMINATING (the fork's origin is as close to TRL: the run cannot tell the idea apart) or NOTHING COMPARED, and an
-exit code for each. The forks are written here from the current scripts, each a TRL 1.16 feature the project does not
-ship: KTO's loss_type="apo_zero_unpaired" (a new Args field), GRPO's loss_type="sapo" (new Args fields and new
-parameters with defaults in grpo_per_token_loss), and a GRPO surrogate without its clip (no TRL counterpart: it must
-fail against GRPOTrainer once the one-batch check is off-policy)."""
+exit code for each. The forks: two TRL 1.16 features the project does not ship, as docs/forks/ patches, KTO's
+loss_type="apo_zero_unpaired" (kto_apo.patch: a new Args field) and GRPO's loss_type="sapo" (sapo.patch: new Args
+fields and new parameters with defaults in grpo_per_token_loss); written here from the current scripts, a GRPO
+surrogate without its clip (no TRL counterpart: it must fail against GRPOTrainer once the one-batch check is
+off-policy) and a KTO fork that crashes in its second step."""
 
 import json
 import math
@@ -15,6 +16,7 @@ import pytest
 from tests import cli
 from tests.conftest import ROOT
 from tests.test_distributed import ENV
+from tests.test_forks import apply_fork
 
 pytest.importorskip("trl")
 
@@ -25,73 +27,6 @@ def edit(source: str, old: str, new: str) -> str:
     """One edit of a script's text: the anchor must be there exactly once (else the script moved: pick it again)."""
     assert source.count(old) == 1, f"the anchor moved: {old!r}"
     return source.replace(old, new)
-
-
-def kto_apo_fork(folder, name="kto_apo.py") -> str:
-    """kto.py with TRL's loss_type="apo_zero_unpaired" (arXiv:2408.06266): a loss_type field; APO-zero is KTO's loss
-    with no reference point (z0 = 0), and TRL logs kl 0 for it."""
-    source = (ROOT / "kto.py").read_text()
-    field = '    undesirable_weight: float = 1.0\n    """weight of the undesirable (label false) losses"""\n'
-    source = edit(
-        source,
-        field,
-        field + '    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"\n    """kto or apo_zero_unpaired"""\n',
-    )
-    z0 = "            z0 = kto_reference_point(kl_logps, ref_kl_logps)\n"
-    source = edit(
-        source,
-        z0,
-        '            z0 = kto_reference_point(kl_logps, ref_kl_logps) if args.loss_type == "kto" else '
-        "torch.zeros((), device=device)\n",
-    )
-    path = folder / name
-    path.write_text(source)
-    return str(path)
-
-
-def grpo_sapo_fork(folder) -> str:
-    """grpo.py with TRL's loss_type="sapo" (a soft gate sigmoid(tau (rho - 1)) 4 / tau instead of the clip, tau by
-    the advantage's sign): two new Args fields and three new parameters with defaults in grpo_per_token_loss; the
-    surrogate returns no clip statistics (TRL logs none for sapo)."""
-    s = (ROOT / "grpo.py").read_text()
-    s = edit(s, '"dr_grpo", "dapo"] = "dapo"\n', '"dr_grpo", "dapo", "sapo"] = "dapo"\n')
-    s = edit(
-        s,
-        "    scale_rewards: Literal[",
-        '    sapo_temperature_pos: float = 1.0\n    """gate temperature, A > 0"""\n'
-        '    sapo_temperature_neg: float = 1.05\n    """gate temperature, A < 0"""\n    scale_rewards: Literal[',
-    )
-    s = edit(
-        s,
-        "advantages, epsilon, epsilon_high, beta\n):",
-        'advantages, epsilon, epsilon_high, beta,\n    loss_type="dapo", sapo_temperature_pos=1.0, '
-        "sapo_temperature_neg=1.05\n):",
-    )
-    s = edit(
-        s,
-        "    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)\n",
-        "    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)\n"
-        '    if loss_type == "sapo":\n'
-        "        tau = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)\n"
-        "        per_token_loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages\n",
-    )
-    s = edit(
-        s,
-        "    return per_token_loss, per_token_kl, token_stats | ",
-        '    if loss_type == "sapo":\n        return per_token_loss, per_token_kl, {}\n'
-        "    return per_token_loss, per_token_kl, token_stats | ",
-    )
-    s = edit(s, '    if loss_type == "grpo":\n', '    if loss_type in ("grpo", "sapo"):\n')
-    s = edit(
-        s,
-        "                    beta=args.beta,\n                )\n",
-        "                    beta=args.beta,\n                    loss_type=args.loss_type,\n"
-        "                    sapo_temperature_pos=args.sapo_temperature_pos,\n"
-        "                    sapo_temperature_neg=args.sapo_temperature_neg,\n                )\n",
-    )
-    path = folder / "grpo_sapo.py"
-    path.write_text(s)
-    return str(path)
 
 
 def grpo_noclip_fork(folder) -> str:
@@ -144,7 +79,7 @@ def test_kto_loss_type_fork_reaches_both_sides_and_the_origin_tells_whether_the_
     where APO-zero and KTO agree: kto.py (the origin, run without the field it lacks) is as close to TRL as the fork,
     so the verdict is NOT DISCRIMINATING, naming z0; at a higher rate and one more step z0 leaves 0 and the fork
     passes where the origin fails."""
-    fork = kto_apo_fork(tmp_path)
+    fork = apply_fork("kto_apo", tmp_path)
     report = run(trl_harness, method="kto", fork=fork, loss_type="apo_zero_unpaired")
     assert report["origin"]["dropped"] == {"loss_type": "apo_zero_unpaired"}
     assert all(h["kl"] == 0 for h in report["history"]["trl"])  # TRL ran APO-zero (no KL estimate)
@@ -188,7 +123,7 @@ def test_a_grpo_fork_adding_loss_parameters_is_called_with_its_own_values(trl_ha
     sapo_temperature_neg=2.0 reaches TRL and the fork's Args, and the one-batch check passes the fork's value (not the
     default) by name: the fork passes, step by step and on the off-policy batch; grpo.py on the same settings does
     not. The fork's surrogate returns no clip statistics, and its run logs none."""
-    fork = grpo_sapo_fork(tmp_path)
+    fork = apply_fork("sapo", tmp_path)
     kw = dict(method="grpo", fixed_rollout=True, fork=fork, loss_type="sapo", steps=2)
     report = run(trl_harness, **kw, trl_config={"sapo_temperature_neg": 2.0})
     v = report["verdict"]
@@ -198,7 +133,9 @@ def test_a_grpo_fork_adding_loss_parameters_is_called_with_its_own_values(trl_ha
     assert not [k for h in report["history"]["ours"] for k in h if k.startswith("clip_ratio")]
     # A parameter without a default that nothing names: refused before any model is built
     bad = tmp_path / "grpo_bad.py"
-    bad.write_text(edit(open(fork).read(), "sapo_temperature_neg=1.05\n):", "sapo_temperature_neg=1.05, gamma\n):"))
+    bad.write_text(
+        edit(open(fork).read(), "    sapo_temperature_neg=1.05,\n):", "    sapo_temperature_neg=1.05,\n    gamma,\n):")
+    )
     with pytest.raises(SystemExit, match="grpo_bad.py's grpo_per_token_loss takes gamma without a default"):
         check_calls(Setup(model="m", adapter="a", out="o", **{**kw, "fork": str(bad)}))
 
