@@ -12,8 +12,21 @@ hyperparameters; writes both per-step series, the largest per-step difference an
 A fork's own hyperparameter: --trl-config sets any field of TRL's config for the method (TRL_CONFIG) over the
 harness's value, and ours the field of the same name if its Args has one (OURS_NAME: the few named otherwise); a field
 TRL lacks, one a harness flag sets (FLAG_FIELDS) or one that lines the runs up (PINNED_FIELDS) is refused before any
-model is built, as is a --loss-type ours' Args (the fork's) does not take. Under --fork the output says how many of
-the fork's changed lines ran in ours' run (changed_lines, traced); --fixed-rollout's one batch runs the fork's loss.
+model is built. --loss-type reaches TRL's config and ours' Args (the fork's) or is refused as early, saying which side
+lacks it (check_loss_type). Under --fork the output says how many of the fork's changed lines ran in ours' run
+(changed_lines, traced); --fixed-rollout's one batch runs the fork's loss, aggregation and advantages, each called
+with its parameters by name from the harness's values, the fork's Args and --trl-config (call_mapped), so a fork may
+add parameters with defaults; one without a default that nothing names is refused before anything runs (check_calls).
+
+The verdict: every compared key has a tolerance (RTOL, ATOL, ATOL_SUMS; GRPO's one batch ONE_BATCH_*; the values
+tests/test_parity.py uses), and each run prints PASS or FAIL per key, then PASS, FAIL, NOT DISCRIMINATING or NOTHING
+COMPARED, which is the exit code (EXIT: 0, 1, 3, 4; 2 = refused before anything ran). A side that raises is FAIL,
+naming it, with what it logged before still compared and written. Under --fork the fork's origin (SCRIPT[method] of
+this checkout: the script it was copied from, run without the fields and values it lacks) runs on the same settings
+too, and its largest |origin - TRL| is printed beside |fork - TRL|; a fork that passes where its origin passes as well
+is NOT DISCRIMINATING (the run cannot tell the idea apart), with the settings that would separate them where known.
+GRPO's one batch is off-policy by default: old log-probs = the current ones + N(0, OFF_POLICY_STD) on both sides, so
+clip, gate and ratio ideas show in its gradients (--one-batch-on-policy: ratio 1).
 
 Methods: sft, dpo (--loss-type sigmoid|ipo|robust), simpo (TRL: trl.experimental.cpo.CPOTrainer, loss_type="simpo"),
 orpo (trl.experimental.orpo.ORPOTrainer), kto, grpo (--loss-type grpo|bnpo|dr_grpo|dapo), rm (RewardTrainer; its
@@ -45,7 +58,8 @@ How the two runs are made identical (each point is checked by the harness, not a
   --fixed-rollout replaces sampling in both (ours: common.rollout.hf_generate; TRL: _generate_single_turn) by the
   same deterministic completions (seeded tokens and lengths, some without EOS), and also calls TRL's
   GRPOTrainer._compute_loss and our grpo_per_token_loss + aggregate_loss on one batch split into two micro-batches,
-  on the same model and tensors, comparing the loss and every LoRA gradient for each loss_type.
+  on the same model and tensors and the same (off-policy) old log-probs, comparing the loss and every LoRA gradient
+  for each loss_type.
 """
 
 import argparse
@@ -1728,7 +1742,7 @@ def verdict_lines(r: dict) -> list[str]:
     fork = "fork" if r["setup"]["fork"] else "ours"
     head = f"{'key':<26} {'steps':>5}  {'|' + fork + ' - TRL|':>13}"
     head += f"  {'|origin - TRL|':>14}" if "keys" in origin else ""
-    lines = [head + f"  {'tolerance':<22} verdict"]
+    lines = [head + f"  {'tolerance':<22} verdict"] if v["keys"] else []
     method = r["setup"]["method"]
     for key, k in v["keys"].items():
         row = f"{key:<26} {k['steps']:>5}  {r['max_abs_diff'][key]:>13.2e}"
