@@ -289,8 +289,9 @@ def grpo_per_token_loss(
     """l_t = -min(rho_t A, clip(rho_t, 1 - epsilon, 1 + epsilon_high) A) + beta k3_t with rho_t = exp(logp_t - old_t).
 
     Log-probs (B, T), advantages (B,). k3 is added after the min, so the KL gradient is never clipped (TRL's
-    _compute_loss). Returns (per_token_loss, per_token_kl or None when beta == 0, is_low_clipped, is_high_clipped):
-    TRL's clip_ratio: tokens whose gradient the clip removed (rho < 1 - eps, A < 0; rho > 1 + eps_high, A > 0)."""
+    _compute_loss). Returns (per_token_loss, per_token_kl or None when beta == 0, token_stats): what update_metrics
+    logs of the surrogate, {name: (bool (B, T), min | max | None)}: TRL's clip_ratio/*, tokens whose gradient the clip
+    removed (rho < 1 - eps, A < 0; rho > 1 + eps_high, A > 0); a surrogate without a clip returns {} (TRL: none)."""
     advantages = advantages[:, None]  # one advantage per completion, shared by its tokens
     ratio = torch.exp(per_token_logps - old_per_token_logps)  # exactly 1 when old = logps.detach()
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
@@ -301,7 +302,8 @@ def grpo_per_token_loss(
         per_token_loss = per_token_loss + beta * per_token_kl
     is_low_clipped = (ratio < 1 - epsilon) & (advantages < 0)
     is_high_clipped = (ratio > 1 + epsilon_high) & (advantages > 0)
-    return per_token_loss, per_token_kl, is_low_clipped, is_high_clipped
+    token_stats = {"clip_ratio/low": (is_low_clipped, min), "clip_ratio/high": (is_high_clipped, max)}
+    return per_token_loss, per_token_kl, token_stats | {"clip_ratio/region": (is_low_clipped | is_high_clipped, None)}
 
 
 def aggregate_loss(
@@ -452,38 +454,37 @@ def rollout_mask(out: dict, mask_truncated_completions: bool, device) -> torch.T
     return completion_mask
 
 
-def add_token_stats(stats: dict, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped) -> None:
-    """Add one micro-batch's sums over completion tokens and per-completion clip ratios (TRL's low_min, high_max),
-    kept on the device (read_token_stats reads them once a step); the ratios are tagged with the micro-batch's number
-    in the step (its update: number // micro-batches per update)."""
-    per_token = {
-        "kl": torch.zeros_like(entropy) if per_token_kl is None else per_token_kl,
-        "entropy": entropy,
-        "low": is_low_clipped,
-        "high": is_high_clipped,
-        "tokens": torch.ones_like(entropy),
-    }
-    for key, value in per_token.items():
+def add_token_stats(stats: dict, mask, per_token_kl, entropy, token_stats: dict) -> None:
+    """Add one micro-batch's sums over completion tokens (kl, entropy, grpo_per_token_loss's token_stats) and the
+    per-completion means of the stats with an extreme (TRL's low_min, high_max), kept on the device (read_token_stats
+    reads them once a step), tagged with the micro-batch's number in the step (its update: number // per update)."""
+    per_token = {"kl": torch.zeros_like(entropy) if per_token_kl is None else per_token_kl, "entropy": entropy}
+    for key, value in (per_token | {"tokens": torch.ones_like(entropy)}).items():
         stats[key] = stats.get(key, 0.0) + masked_sum(value.float(), mask)
+    for name, (value, _) in token_stats.items():  # a (B, 1) stat is one per completion: a mean over them, as TRL
+        for key, x in ((name, value.float()), (f"{name}/n", torch.ones_like(value, dtype=torch.float))):
+            stats[key] = stats.get(key, 0.0) + (x.sum() if x.shape[-1] == 1 else masked_sum(x, mask))
+    stats["surrogate"] = {name: pick for name, (_, pick) in token_stats.items()}  # update_metrics' names
     number = stats.get("micro_batches", 0)
     stats["micro_batches"] = number + 1
     # TRL's nanmin/nanmax skip a fully masked (cut-off) completion: it has no ratio (kept 0)
-    ratios = [masked_mean(v.float(), mask, dim=-1, empty="zero") for v in (is_low_clipped, is_high_clipped)]
+    ratios = [masked_mean(v.float(), mask, dim=-1, empty="zero") for v, pick in token_stats.values() if pick]
     stats.setdefault("per_completion", []).append((number, torch.stack([mask.bool().any(-1).float(), *ratios])))
 
 
 def read_token_stats(stats: dict) -> None:
-    """The step's sums (SUMS) as floats, and low_seq / high_seq: (micro-batch number, ratio) of every completion
-    that has one, read from add_token_stats' tensors once a step."""
+    """The step's sums (SUMS and the surrogate's) as floats, and seq[name]: (micro-batch number, mean) of every
+    completion that has one, per surrogate stat with an extreme, read from add_token_stats' tensors once a step."""
     tagged = stats.pop("per_completion")
-    stats |= dict(zip(SUMS, torch.stack([stats[key] for key in SUMS]).tolist(), strict=True))
+    sums = (*SUMS, *stats["surrogate"], *(f"{name}/n" for name in stats["surrogate"]))
+    stats |= dict(zip(sums, torch.stack([stats[key] for key in sums]).tolist(), strict=True))
     numbers = [number for number, t in tagged for _ in range(t.shape[1])]
-    kept, low, high = torch.cat([t for _, t in tagged], 1).tolist()
-    stats["low_seq"] = [(n, r) for n, k, r in zip(numbers, kept, low, strict=True) if k]
-    stats["high_seq"] = [(n, r) for n, k, r in zip(numbers, kept, high, strict=True) if k]
+    kept, *means = torch.cat([t for _, t in tagged], 1).tolist()
+    names = [name for name, pick in stats["surrogate"].items() if pick]
+    stats["seq"] = {s: [(n, r) for n, k, r in zip(numbers, kept, m, strict=True) if k] for s, m in zip(names, means)}
 
 
-SUMS = ("kl", "entropy", "low", "high", "tokens")  # add_token_stats' sums over completion tokens
+SUMS = ("kl", "entropy", "tokens")  # add_token_stats' sums over completion tokens (and the surrogate's stats)
 
 
 def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> dict:
@@ -528,14 +529,11 @@ def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: flo
     metrics = {"loss": sum(losses) / len(losses), "grad_norm": grad_norm, "learning_rate": learning_rate}
     if beta != 0.0:
         metrics["kl"] = stats["kl"] / tokens
-    metrics |= {
-        "entropy": stats["entropy"] / tokens,
-        "clip_ratio/low_mean": stats["low"] / tokens,
-        "clip_ratio/low_min": per_update(stats["low_seq"], updates, micro_batches, min),
-        "clip_ratio/high_mean": stats["high"] / tokens,
-        "clip_ratio/high_max": per_update(stats["high_seq"], updates, micro_batches, max),
-        "clip_ratio/region_mean": (stats["low"] + stats["high"]) / tokens,  # disjoint: low needs A < 0, high A > 0
-    }
+    metrics["entropy"] = stats["entropy"] / tokens
+    for name, pick in stats["surrogate"].items():  # grpo_per_token_loss's token_stats (TRL's clip_ratio/*)
+        metrics[f"{name}_mean"] = stats[name] / max(stats[f"{name}/n"], 1.0)
+        if pick:
+            metrics[f"{name}_{pick.__name__}"] = per_update(stats["seq"][name], updates, micro_batches, pick)
     return metrics
 
 
@@ -822,7 +820,7 @@ def main(args: Args) -> dict:
             loss_sum = torch.zeros((), device=device)  # on the device: read once an update, not a micro-batch
             for j, rows_j in enumerate(micro):
                 per_token_logps, entropy = logps_of(rows_j, return_entropy=True)
-                per_token_loss, per_token_kl, is_low_clipped, is_high_clipped = grpo_per_token_loss(
+                per_token_loss, per_token_kl, token_stats = grpo_per_token_loss(
                     per_token_logps=per_token_logps,
                     old_per_token_logps=per_token_logps.detach() if old is None else old[j],
                     ref_per_token_logps=None if ref is None else ref[j],
@@ -837,7 +835,7 @@ def main(args: Args) -> dict:
                 )
                 (loss * world).backward()
                 loss_sum += loss.detach()
-                add_token_stats(stats, mask, per_token_kl, entropy, is_low_clipped, is_high_clipped)
+                add_token_stats(stats, mask, per_token_kl, entropy, token_stats)
             loss_sum = all_sum([loss_sum.item()])[0]  # the global batch's loss
             losses.append(loss_sum)
             average_gradients(params)  # torchrun: the mean over the ranks (FSDP2 reduced them in backward)
@@ -852,9 +850,9 @@ def main(args: Args) -> dict:
         timer.mark("train")
         # (6) log, eval, save, stop: the global step's metrics (every rank's completions and token sums)
         read_token_stats(stats)
-        stats |= dict(zip(SUMS, all_sum([stats[key] for key in SUMS]), strict=True))
-        stats["low_seq"] = all_gather(stats["low_seq"])
-        stats["high_seq"] = all_gather(stats["high_seq"])
+        sums = (*SUMS, *stats["surrogate"], *(f"{name}/n" for name in stats["surrogate"]))
+        stats |= dict(zip(sums, all_sum([stats[key] for key in sums]), strict=True))
+        stats["seq"] = {name: all_gather(seq) for name, seq in stats["seq"].items()}
         out = out | {key: all_gather(out[key]) for key in ("prompt_ids", "completion_ids", "truncated")}
         metrics = rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out)
         metrics |= update_metrics(stats, args.beta, losses, grad_norm, scheduler.get_last_lr()[0])

@@ -12,8 +12,21 @@ hyperparameters; writes both per-step series, the largest per-step difference an
 A fork's own hyperparameter: --trl-config sets any field of TRL's config for the method (TRL_CONFIG) over the
 harness's value, and ours the field of the same name if its Args has one (OURS_NAME: the few named otherwise); a field
 TRL lacks, one a harness flag sets (FLAG_FIELDS) or one that lines the runs up (PINNED_FIELDS) is refused before any
-model is built, as is a --loss-type ours' Args (the fork's) does not take. Under --fork the output says how many of
-the fork's changed lines ran in ours' run (changed_lines, traced); --fixed-rollout's one batch runs the fork's loss.
+model is built. --loss-type reaches TRL's config and ours' Args (the fork's) or is refused as early, saying which side
+lacks it (check_loss_type). Under --fork the output says how many of the fork's changed lines ran in ours' run
+(changed_lines, traced); --fixed-rollout's one batch runs the fork's loss, aggregation and advantages, each called
+with its parameters by name from the harness's values, the fork's Args and --trl-config (call_mapped), so a fork may
+add parameters with defaults; one without a default that nothing names is refused before anything runs (check_calls).
+
+The verdict: every compared key has a tolerance (RTOL, ATOL, ATOL_SUMS; GRPO's one batch ONE_BATCH_*; the values
+tests/test_parity.py uses), and each run prints PASS or FAIL per key, then PASS, FAIL, NOT DISCRIMINATING or NOTHING
+COMPARED, which is the exit code (EXIT: 0, 1, 3, 4; 2 = refused before anything ran). A side that raises is FAIL,
+naming it, with what it logged before still compared and written. Under --fork the fork's origin (SCRIPT[method] of
+this checkout: the script it was copied from, run without the fields and values it lacks) runs on the same settings
+too, and its largest |origin - TRL| is printed beside |fork - TRL|; a fork that passes where its origin passes as well
+is NOT DISCRIMINATING (the run cannot tell the idea apart), with the settings that would separate them where known.
+GRPO's one batch is off-policy by default: old log-probs = the current ones + N(0, OFF_POLICY_STD) on both sides, so
+clip, gate and ratio ideas show in its gradients (--one-batch-on-policy: ratio 1).
 
 Methods: sft, dpo (--loss-type sigmoid|ipo|robust), simpo (TRL: trl.experimental.cpo.CPOTrainer, loss_type="simpo"),
 orpo (trl.experimental.orpo.ORPOTrainer), kto, grpo (--loss-type grpo|bnpo|dr_grpo|dapo), rm (RewardTrainer; its
@@ -45,7 +58,8 @@ How the two runs are made identical (each point is checked by the harness, not a
   --fixed-rollout replaces sampling in both (ours: common.rollout.hf_generate; TRL: _generate_single_turn) by the
   same deterministic completions (seeded tokens and lengths, some without EOS), and also calls TRL's
   GRPOTrainer._compute_loss and our grpo_per_token_loss + aggregate_loss on one batch split into two micro-batches,
-  on the same model and tensors, comparing the loss and every LoRA gradient for each loss_type.
+  on the same model and tensors and the same (off-policy) old log-probs, comparing the loss and every LoRA gradient
+  for each loss_type.
 """
 
 import argparse
@@ -112,6 +126,32 @@ KEYS = {  # compared per step; TRL's names, which ours logs too
     "rm": ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward"),
     "rloo": ("loss", "grad_norm", "reward", "reward_std", "kl", "entropy", "completions/mean_length"),
 }
+
+# The verdict (tests/test_parity.py asserts with the same values): per compared key and step, |ours - TRL| <= ATOL +
+# RTOL |TRL| (fp32 rounding of ~300-token sums is ~1e-5 relative at worst; measured 1e-8 to 3e-6); sums of completion
+# log-probs (logps/*, KTO's kl: a difference of such sums, O(300) here) ATOL_SUMS. GRPO's one batch (--fixed-rollout):
+# the loss to ONE_BATCH_LOSS_ATOL, every gradient to ONE_BATCH_GRAD_RTOL (|ours - TRL| / |TRL| over all of them).
+RTOL = 1e-5
+ATOL = 1e-5
+ATOL_SUMS = 1e-4
+SUMS = {"logps/chosen", "logps/rejected"}
+ONE_BATCH_LOSS_ATOL = 1e-6
+ONE_BATCH_GRAD_RTOL = 1e-5
+# The exit code of a run of this script: 2 is a refusal before anything ran (argparse's usage errors too)
+EXIT = {"PASS": 0, "FAIL": 1, "NOT DISCRIMINATING": 3, "NOTHING COMPARED": 4}
+# The old log-probs of GRPO's one-batch check: the current ones + N(0, OFF_POLICY_STD) per completion token, so the
+# ratio leaves 1 (e^0.3 = 1.35, beyond epsilon 0.2) and clip, gate and ratio ideas show in the gradients
+OFF_POLICY_STD = 0.3
+
+
+def atol_of(method: str, key: str) -> float:
+    """The absolute tolerance of a compared key (OURS=TRL: ours' name decides)."""
+    name = key.partition("=")[0]
+    return ATOL_SUMS if name in SUMS or (method == "kto" and name == "kl") else ATOL
+
+
+def within(ours: float, trl: float, method: str, key: str) -> bool:
+    return abs(ours - trl) <= atol_of(method, key) + RTOL * abs(trl)
 
 
 # --trl-config FIELD=VALUE: TRL's config class per method (any of its fields may be set), the fields a harness flag
@@ -204,6 +244,9 @@ class Setup:
     # (bench/vs_trl.py's memory presets) ours swaps a CPU copy of the starting weights in for each step's reference
     # pass, and TRL holds a second model as its reference
     precompute_ref: bool = True
+    # GRPO's one-batch check (--fixed-rollout) with old log-probs that differ from the current ones (OFF_POLICY_STD),
+    # as a second update of a rollout sees them; False: old = current (ratio 1, the first update)
+    one_batch_off_policy: bool = True
 
     @property
     def name(self) -> str:
@@ -446,6 +489,7 @@ def our_args(s: Setup, data_path: str) -> dict:
         "max_length": s.max_length,
         "lr_scheduler_type": "linear",
     }
+    common |= {"loss_type": s.loss_type} if s.loss_type else {}  # sft, orpo, kto: a fork's (check_loss_type)
     if s.method == "sft":
         return {**common, "completion_only_loss": True, "packing": False, "lora_dropout": 0.0}
     if s.method == "rm":
@@ -486,14 +530,55 @@ def ours_trl_fields(s: Setup, module) -> dict:
     return {OURS_NAME.get(k, k): v for k, v in s.trl_config.items() if OURS_NAME.get(k, k) in names}
 
 
-def run_ours(s: Setup, data_path: str, bank: FixedRollouts | None = None, hit: set | None = None) -> list[dict]:
-    """Our script's per-step history; with `hit` (a fork), the fork's line numbers that ran are added to it."""
-    module = load_script(s)
-    args = module.Args(**(our_args(s, data_path) | ours_trl_fields(s, module)))
+def fit_args(module, kw: dict) -> tuple[dict, dict]:
+    """kw as the script's Args takes it: (kept, dropped), dropped = the fields its Args lacks and the values its
+    Literal does not allow (the origin of a fork that added a field or a loss type runs without them; check_calls
+    has refused both for the script under test)."""
+    hints = typing.get_type_hints(module.Args)
+    kept, dropped = {}, {}
+    for key, value in kw.items():
+        choices = typing.get_args(hints[key]) if typing.get_origin(hints.get(key)) is typing.Literal else None
+        if key not in hints or (choices and value not in choices):
+            dropped[key] = value
+        else:
+            kept[key] = value
+    return kept, dropped
+
+
+def script_args(s: Setup, module, data_path: str = ""):
+    """The script's Args for this comparison: the harness's values, then --trl-config's fields ours' Args has."""
+    return module.Args(**fit_args(module, our_args(s, data_path) | ours_trl_fields(s, module))[0])
+
+
+def run_ours(
+    s: Setup, data_path: str, bank: FixedRollouts | None = None, hit: set | None = None, module=None
+) -> list[dict]:
+    """Our script's per-step history (module: the script to run, default the Setup's); with `hit` (a fork), the fork's
+    line numbers that ran are added to it."""
+    module = module or load_script(s)
+    args = script_args(s, module, data_path)
     with our_fixed_generation(bank, module) if bank else contextlib.nullcontext():
         with lines_run(module.__file__, hit) if hit is not None else contextlib.nullcontext():
             out = module.main(args)
     return out["history"]
+
+
+def logged_steps(folder: str) -> list[dict]:
+    """The steps a run of ours logged before it stopped: the newest metrics.jsonl under folder (harness/run.py writes
+    and flushes one line a step)."""
+    logs = [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if f == "metrics.jsonl"]
+    if not logs:
+        return []
+    with open(max(logs, key=os.path.getmtime)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def failure(side: str, error: BaseException) -> dict:
+    """Which side failed and how: the error's line and the last frames of its traceback."""
+    import traceback
+
+    trace = "".join(traceback.format_exception(error)[-6:])
+    return {"side": side, "error": f"{type(error).__name__}: {error}", "traceback": trace}
 
 
 # ------------------------------------------------------------------------------- did the fork's lines run
@@ -669,7 +754,12 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
 
         args = SFTConfig(
             **with_trl_config(
-                s, trl_common(s, **over), max_length=s.max_length, completion_only_loss=True, packing=False
+                s,
+                trl_common(s, **over),
+                max_length=s.max_length,
+                completion_only_loss=True,
+                packing=False,
+                **({"loss_type": s.loss_type} if s.loss_type else {}),  # a fork's (check_loss_type)
             )
         )
         return SFTTrainer(args=args, **kw)
@@ -728,7 +818,7 @@ def trl_trainer(s: Setup, rows: list[dict], tokenizer, bank: FixedRollouts | Non
                 s,
                 trl_common(s, **over),
                 beta=s.run_beta,
-                loss_type="kto",
+                loss_type=s.loss_type or "kto",  # a fork's (check_loss_type: its Args has the field)
                 desirable_weight=1.0,
                 undesirable_weight=1.0,
                 max_length=s.max_length,
@@ -878,9 +968,9 @@ def plot(name: str, series: dict, path: str) -> str:
     rows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        steps = range(1, len(series[key]["ours"]) + 1)
-        ax.plot(steps, series[key]["trl"], "o-", label="TRL", lw=3, alpha=0.45)
-        ax.plot(steps, series[key]["ours"], "x--", label="ours", lw=1.2)
+        trl, ours = series[key]["trl"], series[key]["ours"]  # a side that crashed has fewer steps
+        ax.plot(range(1, len(trl) + 1), trl, "o-", label="TRL", lw=3, alpha=0.45)
+        ax.plot(range(1, len(ours) + 1), ours, "x--", label="ours", lw=1.2)
         ax.set_title(f"{key}  (max |diff| {series[key]['max_abs_diff']:.2e})", fontsize=9)
         ax.set_xlabel("step")
     for ax in list(axes.flat)[len(keys) :]:
@@ -894,7 +984,59 @@ def plot(name: str, series: dict, path: str) -> str:
 
 
 # --------------------------------------------------------------------------------- GRPO fixed-batch losses
-def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None) -> list[dict]:
+def call_mapped(fn, given: dict, args=None, trl_config: dict | None = None):
+    """fn called with its parameters by name: the harness's value (given), else the field of that name of the script's
+    Args (args: a fork's own fields, --trl-config's included), else --trl-config's field of that name; a parameter
+    none of them has keeps its default (check_calls refused, before anything ran, one that has none)."""
+    kw = {}
+    for name in inspect.signature(fn).parameters:
+        if name in given:
+            kw[name] = given[name]
+        elif args is not None and hasattr(args, name):
+            kw[name] = getattr(args, name)
+        elif trl_config and name in trl_config:
+            kw[name] = trl_config[name]
+    return fn(**kw)
+
+
+def unmapped(fn, given, args_fields, trl_config) -> list[str]:
+    """fn's parameters that call_mapped has no value for and that have no default (or that only take a position)."""
+    return [
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY
+        or (p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        and name not in {*given, *args_fields, *trl_config}
+    ]
+
+
+# What the harness gives the GRPO functions it calls on one batch (grpo_loss_parity), by parameter name
+ONE_BATCH_GIVEN = {
+    "grpo_per_token_loss": (
+        "per_token_logps",
+        "old_per_token_logps",
+        "ref_per_token_logps",
+        "advantages",
+        "epsilon",
+        "epsilon_high",
+        "beta",
+        "completion_mask",
+        "loss_type",
+        "max_completion_length",
+    ),
+    "aggregate_loss": (
+        "per_token_loss",
+        "completion_mask",
+        "loss_type",
+        "max_completion_length",
+        "num_items",
+        "num_sequences",
+    ),
+    "group_advantages": ("rewards", "group_size", "scale_rewards"),
+}
+
+
+def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None, module=None) -> list[dict]:
     """One fixed batch (prompts_per_step x group_size completions from the bank) split into `micro` micro-batches:
     TRL's GRPOTrainer._compute_loss vs our grpo_per_token_loss + aggregate_loss, on the same model (TRL's PeftModel
     with its "default" and "ref" adapters; without LoRA its model and its reference model), advantages and reference
@@ -904,11 +1046,11 @@ def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None) ->
     Under --fork the fork's own grpo_per_token_loss, aggregate_loss and group_advantages run (the arguments its
     signature takes, e.g. GSPO's completion_mask), for the run's loss_type only (loss_types None: every grpo.py one,
     or the fork's)."""
-    grpo = load_script(s)  # the script under test (grpo.py or the fork): its loss, aggregation and advantages
+    grpo = module or load_script(s)  # the script under test (grpo.py or the fork): its loss, aggregation, advantages
     script = os.path.basename(grpo.__file__)
-    if loss_types is None:
-        loss_types = (s.run_loss_type,) if s.fork else LOSS_TYPES["grpo"]
-    takes = inspect.signature(grpo.grpo_per_token_loss).parameters
+    args = script_args(s, grpo)  # the values of its own parameters a fork added (its Args' fields, --trl-config's)
+    if loss_types is None:  # TRL's; ours runs the same where its Args takes it, else its own (an origin's)
+        loss_types = (s.run_loss_type,) if s.fork or module else LOSS_TYPES["grpo"]
     from common.model import as_reference, sequence_logps
     from common.rewards import compute_rewards, load_reward_funcs
 
@@ -931,7 +1073,8 @@ def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None) ->
     }
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards, _ = compute_rewards(funcs, [r["prompt"] for r in rows for _ in range(G)], texts, fields)
-    advantages, _ = grpo.group_advantages(rewards, G, s.trl_config.get("scale_rewards", "group"))
+    given = {"rewards": rewards, "group_size": G, "scale_rewards": getattr(args, "scale_rewards", "group")}
+    advantages, _ = call_mapped(grpo.group_advantages, given, args, s.trl_config)
 
     # Ours: right-padded prompt + completion rows; TRL: left-padded prompts, right-padded completions (its layout).
     seqs = concat_prompt_completion(prompt_rows, completions, pad)
@@ -949,6 +1092,15 @@ def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None) ->
     ref_trl = torch.zeros(c_ids.shape)  # the same reference values, at TRL's completion positions
     for b, (p, c) in enumerate(zip(p_len, completions)):
         ref_trl[b, : len(c)] = ref[b, p : p + len(c)]
+    old = None  # on-policy: each side's old log-probs are its current ones, detached (ratio exactly 1)
+    if s.one_batch_off_policy:  # the same fixed old log-probs on both sides, at their own positions
+        g = torch.Generator().manual_seed(s.seed)
+        with torch.no_grad():
+            old = sequence_logps(model, seqs["input_ids"], seqs["attention_mask"], mask)
+        old = old + torch.randn(old.shape, generator=g) * OFF_POLICY_STD * mask  # (n, P + C)
+        old_trl = torch.zeros(c_ids.shape)
+        for b, (p, c) in enumerate(zip(p_len, completions)):
+            old_trl[b, : len(c)] = old[b, p : p + len(c)]
     trl_inputs = {
         "prompt_ids": pad_batch(prompt_rows, pad, "left"),
         "prompt_mask": pad_batch([[1] * k for k in p_len], 0, "left"),
@@ -957,7 +1109,7 @@ def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None) ->
         "advantages": advantages,
         "ref_per_token_logps": ref_trl,
         "num_items_in_batch": c_mask.sum(),
-    }
+    } | ({} if old is None else {"old_per_token_logps": old_trl})
     mb = n // micro
     chunks = [slice(i, i + mb) for i in range(0, n, mb)]
     params = [
@@ -990,19 +1142,30 @@ def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None) ->
             logps = sequence_logps(model, seqs["input_ids"][c], seqs["attention_mask"][c], mask[c])
             given = dict(
                 per_token_logps=logps,
-                old_per_token_logps=logps.detach(),
+                old_per_token_logps=logps.detach() if old is None else old[c],
                 ref_per_token_logps=ref[c],
                 advantages=advantages[c],
                 epsilon=s.epsilon,
                 epsilon_high=s.epsilon if s.epsilon_high is None else s.epsilon_high,
                 beta=s.run_beta,
                 completion_mask=mask[c],
+                loss_type=loss_type,
+                max_completion_length=s.max_completion_length,
             )
-            per_token_loss, per_token_kl, *_ = grpo.grpo_per_token_loss(**{k: given[k] for k in takes})
+            per_token_loss, per_token_kl, *_ = call_mapped(grpo.grpo_per_token_loss, given, args, s.trl_config)
             if kl_times_ratio and per_token_kl is not None:
-                # TRL's use_bias_correction_kl: beta * k3 * rho; rho == 1 in value, so only the gradient gains k3
-                per_token_loss = per_token_loss + s.run_beta * per_token_kl * (torch.exp(logps - logps.detach()) - 1)
-            loss = grpo.aggregate_loss(per_token_loss, mask[c], loss_type, s.max_completion_length, num_items_of(c), n)
+                # TRL's use_bias_correction_kl: beta * k3 * rho (on-policy rho == 1 in value: only the gradient gains)
+                rho = torch.exp(logps - given["old_per_token_logps"])
+                per_token_loss = per_token_loss + s.run_beta * per_token_kl * (rho - 1)
+            given = dict(
+                per_token_loss=per_token_loss,
+                completion_mask=mask[c],
+                loss_type=loss_type,
+                max_completion_length=s.max_completion_length,
+                num_items=num_items_of(c),
+                num_sequences=n,
+            )
+            loss = call_mapped(grpo.aggregate_loss, given, args, s.trl_config)
             loss.backward()
             total += loss.item()
         return total, grads()
@@ -1019,13 +1182,18 @@ def grpo_loss_parity(s: Setup, loss_types=None, micro: int = 2, trainer=None) ->
     results = []
     for loss_type in loss_types:
         bnpo = [cases[0], (False, f"{script}, num_items = micro-batch tokens x GA", trl_bnpo, False)]
+        ours_type = loss_type if fit_args(grpo, {"loss_type": loss_type})[0] else args.loss_type
         for bias_correction, variant, num_items_of, kl_times_ratio in bnpo if loss_type == "bnpo" else cases:
             trl_loss, trl_grads = trl_side(loss_type, bias_correction)
-            our_loss, our_grads = our_side(loss_type, num_items_of, kl_times_ratio)
+            our_loss, our_grads = our_side(ours_type, num_items_of, kl_times_ratio)
             diff = {k: our_grads[k] - trl_grads[k] for k in our_grads}
             results.append(
                 {
                     "loss_type": loss_type,
+                    "ours_loss_type": ours_type,
+                    # the parity row (the others pin differences by design): what the verdict reads
+                    "parity": not bias_correction and (loss_type != "bnpo" or num_items_of is trl_bnpo),
+                    "off_policy": old is not None,
                     "trl": f"use_bias_correction_kl={bias_correction}",
                     "ours": variant,
                     "ours_loss": our_loss,
@@ -1070,27 +1238,192 @@ def run_pair(s: Setup, tokenizer) -> dict:
             raise ValueError(f"{len(rows) - len(examples)} rows dropped at max_length={s.max_length}; raise it")
     t0 = time.perf_counter()
     hit = set() if s.fork else None
-    ours = run_ours(s, data_path, bank, hit)
+    failed = []  # a side that raised: what it logged before is still compared and written, the verdict is FAIL
+    script = os.path.basename(s.fork) if s.fork else SCRIPT[s.method] + ".py"
+    try:
+        ours = run_ours(s, data_path, bank, hit)
+    except Exception as error:  # recorded with its traceback (failure), printed and written; the verdict is FAIL
+        ours = logged_steps(os.path.join(run_dir, "runs"))
+        failed.append(failure(f"ours ({script})", error))
     t1 = time.perf_counter()
     if s.fork:
         report["fork_lines"] = fork_lines_report(s, hit)
-    trainer = quiet(trl_trainer(s, [rows[i] for i in order], tokenizer, bank))
-    if kind != "prompt":
-        report["tokenization"] = tokenization_report(s, trainer, examples, order)
-        if not s.chat and not report["tokenization"]["identical"]:
-            raise AssertionError(f"TRL tokenized the rows differently: {report['tokenization']}")
-    trainer.train()
+    trainer = None
+    try:
+        trainer = quiet(trl_trainer(s, [rows[i] for i in order], tokenizer, bank))
+        if kind != "prompt":
+            report["tokenization"] = tokenization_report(s, trainer, examples, order)
+            if not s.chat and not report["tokenization"]["identical"]:
+                raise AssertionError(f"TRL tokenized the rows differently: {report['tokenization']}")
+        trainer.train()
+    except Exception as error:  # as ours': recorded, printed and written; the verdict is FAIL
+        failed.append(failure("TRL", error))
     t2 = time.perf_counter()
     report["seconds"] = {"ours": t1 - t0, "trl": t2 - t1}
-    report["history"] = {"ours": ours, "trl": trl_history(trainer, s.iterations)}
-    report["series"] = compare(ours, report["history"]["trl"], s.keys or KEYS[s.method])
+    report["history"] = {"ours": ours, "trl": trl_history(trainer, s.iterations) if trainer else []}
+    keys = s.keys or KEYS[s.method]
+    report["series"] = compare(ours, report["history"]["trl"], keys)
     report["max_abs_diff"] = {k: v["max_abs_diff"] for k, v in report["series"].items()}
-    if s.method == "grpo" and s.fixed_rollout:
-        report["loss_parity"] = grpo_loss_parity(s, trainer=trainer)
+    one_batch = s.method == "grpo" and s.fixed_rollout and trainer is not None
+    if one_batch:
+        try:
+            report["loss_parity"] = grpo_loss_parity(s, trainer=trainer)
+        except Exception as error:
+            failed.append(failure(f"ours ({script}), GRPO's one-batch check", error))
+    if s.fork and not failed and report["fork_lines"]["differs"]:
+        report["origin"] = run_origin(s, data_path, bank, trainer if one_batch else None)
+    report["failed"] = failed
+    report["verdict"] = verdict(s, report)
     with open(os.path.join(run_dir, "series.json"), "w") as f:
         json.dump(report, f, indent=1)
     report["png"] = plot(s.name, report["series"], os.path.join(run_dir, "overlay.png"))
     return report
+
+
+def run_origin(s: Setup, data_path: str, bank, trainer) -> dict:
+    """The fork's origin (the script it was copied from: SCRIPT[method] in this checkout) on the same settings, less
+    the fields and values it lacks (a fork's new field or loss type: listed in "dropped"); its gap to TRL beside the
+    fork's is the comparison's power. A crash of the origin is recorded, not raised (it says nothing of the fork)."""
+    origin = importlib.import_module(SCRIPT[s.method])
+    plain = replace(s, fork=None, out=os.path.join(s.out, "origin"))
+    out = {"script": os.path.basename(origin.__file__)}
+    out["dropped"] = fit_args(origin, our_args(plain, data_path) | ours_trl_fields(plain, origin))[1]
+    try:
+        out["history"] = run_ours(plain, data_path, bank, module=origin)
+        if trainer is not None:
+            out["loss_parity"] = grpo_loss_parity(plain, (s.run_loss_type,), trainer=trainer, module=origin)
+    except Exception as error:  # recorded: the verdict then has no origin to weigh the fork against
+        out["failed"] = failure(f"origin ({out['script']})", error)
+    return out
+
+
+def key_verdict(method: str, key: str, ours: list, trl: list) -> dict:
+    """PASS when every step both sides logged is within the key's tolerance (atol_of + RTOL |TRL|); FAIL, naming the
+    first step that is not, when one is or when one side logged the key at a step and the other did not; not
+    compared when neither side logged it at any step."""
+    steps, why = 0, None
+    for step, (a, b) in enumerate(zip(ours, trl), 1):
+        if math.isnan(a) and math.isnan(b):
+            continue
+        steps += 1
+        if why is None and (math.isnan(a) or math.isnan(b)):
+            why = f"step {step}: only {'TRL' if math.isnan(a) else 'ours'} logged it"
+        elif why is None and not within(a, b, method, key):
+            why = f"step {step}: {a:.7g} vs TRL {b:.7g}"
+    if why:
+        return {"verdict": "FAIL", "steps": steps, "why": why}
+    return {"verdict": "PASS" if steps else "not compared", "steps": steps}
+
+
+def one_batch_verdict(rows: list[dict]) -> dict | None:
+    """GRPO's one-batch check: PASS when every parity row's loss and gradients are within their tolerances."""
+    rows = [r for r in rows if r["parity"]]
+    if not rows:
+        return None
+    bad = [
+        r
+        for r in rows
+        if not (r["loss_abs_diff"] <= ONE_BATCH_LOSS_ATOL and r["grad_rel_diff"] <= ONE_BATCH_GRAD_RTOL)
+    ]
+    worst = max(rows, key=lambda r: r["grad_rel_diff"])
+    return {
+        "verdict": "FAIL" if bad else "PASS",
+        "loss_abs_diff": max(r["loss_abs_diff"] for r in rows),
+        "grad_rel_diff": worst["grad_rel_diff"],
+        "off_policy": all(r["off_policy"] for r in rows),
+    }
+
+
+def verdict(s: Setup, report: dict) -> dict:
+    """The comparison's verdict: FAIL when a side crashed or a compared key (or GRPO's one batch) is out of its
+    tolerance; NOTHING COMPARED when no key had a value on both sides (sampled GRPO: two samplers, curves only);
+    NOT DISCRIMINATING when the fork passes and its origin is as close to TRL (within the same tolerances on every
+    compared key and the one batch): the run cannot tell the idea apart; else PASS."""
+    sampled = KIND[s.method] == "prompt" and not s.fixed_rollout
+    series = report["series"]
+    keys = {} if sampled else {k: key_verdict(s.method, k, v["ours"], v["trl"]) for k, v in series.items()}
+    one = one_batch_verdict(report.get("loss_parity", []))
+    out = {"keys": keys, "one_batch": one, "why": [f"{f['side']} failed: {f['error']}" for f in report["failed"]]}
+    compared = [k for k, v in keys.items() if v["verdict"] != "not compared"] + (["one batch"] if one else [])
+    failing = [k for k, v in keys.items() if v["verdict"] == "FAIL"] + (
+        ["one batch"] if one and one["verdict"] == "FAIL" else []
+    )
+    if one and one["verdict"] == "FAIL":
+        keys_why = f"loss {one['loss_abs_diff']:.1e} apart, gradients {one['grad_rel_diff']:.1e} relative"
+        out["why"].append(f"one batch ({'off' if one['off_policy'] else 'on'}-policy): {keys_why}")
+    out["why"] += [f"{k}: {keys[k]['why']}" for k in failing if k in keys]
+    origin = report.get("origin")
+    if origin and "history" in origin:
+        trl = report["history"]["trl"]
+        o_series = compare(origin["history"], trl, list(series))
+        origin["max_abs_diff"] = {k: v["max_abs_diff"] for k, v in o_series.items()}
+        origin["keys"] = (
+            {} if sampled else {k: key_verdict(s.method, k, v["ours"], v["trl"]) for k, v in o_series.items()}
+        )
+        origin["one_batch"] = one_batch_verdict(origin.get("loss_parity", []))
+    if report["failed"] or failing:
+        out["verdict"] = "FAIL"
+    elif not compared:
+        out["verdict"] = "NOTHING COMPARED"
+        out["why"].append(
+            "sampled GRPO: the two samplers draw different completions; pass --fixed-rollout"
+            if sampled
+            else "no compared key was logged by both sides"
+        )
+    elif s.fork and not report["fork_lines"]["differs"]:
+        out["verdict"] = "NOT DISCRIMINATING"
+        out["why"].append(f"the fork is its origin, {report['fork_lines']['origin']}: a match says nothing of an idea")
+    elif s.fork and origin and origin.get("failed"):
+        out["verdict"] = "PASS"
+        out["why"].append(f"the origin could not run on these settings ({origin['failed']['error']})")
+    elif s.fork and origin and as_close(origin, keys, one):
+        out["verdict"] = "NOT DISCRIMINATING"
+        out["why"].append(
+            f"the origin {origin['script']} is within the tolerances too: this run cannot tell the idea apart"
+        )
+    else:
+        out["verdict"] = "PASS"
+    if out["verdict"] == "NOT DISCRIMINATING":
+        out["hints"] = separating_settings(s, report)
+    return out
+
+
+def as_close(origin: dict, keys: dict, one: dict | None) -> bool:
+    """Whether the origin is within the tolerances wherever the fork was compared (every key, and the one batch)."""
+    same = all(origin["keys"].get(k, {}).get("verdict") in ("PASS", "not compared") for k in keys)
+    return same and (one is None or (origin["one_batch"] or {}).get("verdict") == "PASS")
+
+
+def separating_settings(s: Setup, report: dict) -> list[str]:
+    """Settings that would let the comparison tell the fork from its origin, where the harness knows them."""
+    hints = []
+    lines = report.get("fork_lines") or {}
+    if lines.get("changed") and not lines.get("ran"):
+        hints.append("the fork's changed lines never ran: pass the flags that switch its idea on")
+    hints += [
+        f"more steps (--steps {max(2 * s.steps, 6)})",
+        f"a higher learning rate (--learning-rate {10 * s.learning_rate:g})",
+    ]
+    if s.method in ("grpo", "rloo"):
+        if s.iterations < 2:
+            hints.append(
+                "--num-iterations 2 (a ratio, clip or gate idea acts only once the policy has moved from the one that "
+                "sampled: the first update of a rollout has ratio 1)"
+            )
+        if not s.fixed_rollout:
+            hints.append("--fixed-rollout (the same completions on both sides, and the one-batch check, off-policy)")
+        elif not s.one_batch_off_policy:
+            hints.append("drop --one-batch-on-policy (its old log-probs then differ from the current ones)")
+    if s.method == "kto":  # the origin's z0 (the fork's where the fork is its origin)
+        history = (report.get("origin") or {}).get("history") or report["history"]["ours"]
+        kl = [h.get("kl", math.nan) for h in history]
+        if kl and all(k == 0 for k in kl):
+            hints.append(
+                f"KTO's reference point z0 (kl in {SCRIPT[s.method]}.py's log) was 0 at every step (it is clamped at "
+                "0), where a loss that differs from KTO's only through z0 agrees with it: a higher --learning-rate or "
+                "more --steps, until kl leaves 0 (on the tiny model: --learning-rate 1e-2 --steps 4)"
+            )
+    return hints
 
 
 def summary_markdown(reports: list[dict], command: str) -> str:
@@ -1099,15 +1432,21 @@ def summary_markdown(reports: list[dict], command: str) -> str:
         "",
         f"`{command}` ({time.strftime('%Y-%m-%d')})",
         "",
-        "| run | steps | key | max abs diff | max rel diff | ours (last) | TRL (last) |",
-        "|---|---|---|---|---|---|---|",
+        "| run | steps | key | max abs diff | max rel diff | ours (last) | TRL (last) | origin's max abs diff "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
+        origin = r.get("origin") or {}
         for key, v in r["series"].items():
+            gap = origin.get("max_abs_diff", {}).get(key)
+            last = [f"{x[-1]:.6g}" if x else "-" for x in (v["ours"], v["trl"])]
             lines.append(
-                f"| {r['name']} | {len(v['ours'])} | {key} | {v['max_abs_diff']:.2e} | "
-                f"{v['max_rel_diff']:.2e} | {v['ours'][-1]:.6g} | {v['trl'][-1]:.6g} |"
+                f"| {r['name']} | {len(v['ours'])} | {key} | {v['max_abs_diff']:.2e} | {v['max_rel_diff']:.2e} | "
+                f"{last[0]} | {last[1]} | {'-' if gap is None else f'{gap:.2e}'} | "
+                f"{r['verdict']['keys'].get(key, {}).get('verdict', 'curves only')} |"
             )
+        lines.append(f"| {r['name']} | | verdict | {r['verdict']['verdict']} | | | | | |")
         if r.get("tokenization") and not r["tokenization"]["identical"]:
             lines.append(f"| {r['name']} | | tokenization | {r['tokenization']} | | | |")
     forks = [r for r in reports if r.get("fork_lines")]
@@ -1147,8 +1486,11 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
     learning_rate = args.learning_rate or (FULL_FINETUNE_LR if full_dpo else LORA_LR)
     out = []
     for method in METHODS if every else (args.method,):
-        if args.loss_type and (args.loss_type in LOSS_TYPES.get(method, ()) or args.fork):
-            loss_types = (args.loss_type,)  # a fork may add a loss type (docs/forks/apo_zero.patch)
+        # a fork may add a loss type (docs/forks/apo_zero.patch), and check_loss_type says whether one reaches both
+        # sides of a method whose script has none
+        takes = args.loss_type in LOSS_TYPES.get(method, ()) or args.fork or (method not in LOSS_TYPES and not every)
+        if args.loss_type and takes:
+            loss_types = (args.loss_type,)
         elif args.loss_type and not every:
             raise SystemExit(f"--loss-type {args.loss_type} is not one of {method}'s: {LOSS_TYPES.get(method, ())}")
         else:
@@ -1181,6 +1523,7 @@ def setups(args, model: str, adapter: str) -> list[Setup]:
                 fork=args.fork,
                 trl_config=dict(args.trl_config),
                 keys=tuple(args.keys) if args.keys else None,
+                one_batch_off_policy=getattr(args, "one_batch_off_policy", True),
             )
             for loss_type in loss_types
             for fixed in fixed_modes
@@ -1203,15 +1546,56 @@ def trl_field(text: str) -> tuple[str, object]:
 
 
 def check_loss_type(s: Setup) -> None:
-    """--loss-type against ours' Args (the method's script or the fork, whose Literal may add one, e.g. APO-zero's),
-    before any model is built."""
-    if not s.loss_type or s.method == "rloo":  # RLOO's loss is per sequence: ours takes no loss_type
+    """--loss-type reaches both sides or is refused, before any model is built: TRL's config for the method must have
+    a loss_type, and so must ours' Args (the method's script or the fork, whose Literal may add a value, e.g.
+    APO-zero's); simpo's is fixed on both sides."""
+    if not s.loss_type:
         return
+    module, name = TRL_CONFIG[s.method]
+    config = getattr(importlib.import_module(module), name)
+    script = os.path.basename(s.fork) if s.fork else SCRIPT[s.method] + ".py"
+    flag = f"--loss-type {s.loss_type}"
+    if s.method == "simpo":
+        raise SystemExit(f"{flag}: --method simpo runs dpo.py's loss_type simpo against CPOConfig(loss_type='simpo')")
+    if "loss_type" not in {f.name for f in dataclasses.fields(config)}:
+        raise SystemExit(f"{flag}: TRL's {name} has no loss_type, so it would reach {script} alone; drop the flag")
     hint = typing.get_type_hints(load_script(s).Args).get("loss_type")
+    if hint is None:
+        raise SystemExit(
+            f"{flag}: {script}'s Args has no loss_type, so it would reach TRL's {name} alone; add the field to the "
+            f"fork (its code choosing the loss), or set TRL's alone with --trl-config loss_type={s.loss_type}"
+        )
     choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
     if choices and s.loss_type not in choices:
-        script = os.path.basename(s.fork) if s.fork else SCRIPT[s.method] + ".py"
-        raise SystemExit(f"--loss-type {s.loss_type} is not one of {script}'s: {', '.join(choices)}")
+        raise SystemExit(f"{flag} is not one of {script}'s: {', '.join(choices)}")
+
+
+def check_calls(s: Setup) -> None:
+    """Refuse, before any model is built, what the harness cannot call: an Args field of the script under test that
+    has no default and no value from the harness or --trl-config, a value its Args cannot take, and (GRPO's one
+    batch) a parameter of grpo_per_token_loss, aggregate_loss or group_advantages with no default that neither the
+    harness, the script's Args nor --trl-config names. Parameters and fields a fork adds with a default are fine."""
+    module = load_script(s)
+    script = os.path.basename(module.__file__)
+    kw = our_args(s, "") | ours_trl_fields(s, module)
+    dropped = fit_args(module, kw)[1]
+    if dropped:
+        raise SystemExit(f"{script}'s Args cannot take the harness's {dropped} (renamed, removed or narrowed?)")
+    fields = dataclasses.fields(module.Args)
+    missing = [f.name for f in fields if f.name not in kw and f.default is f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise SystemExit(f"{script}'s Args has no default for {', '.join(missing)}: give each one")
+    if s.method != "grpo" or not s.fixed_rollout:
+        return
+    for fn, given in ONE_BATCH_GIVEN.items():
+        if not callable(getattr(module, fn, None)):
+            raise SystemExit(f"{script} has no {fn}, which GRPO's one-batch check (--fixed-rollout) calls")
+        bad = unmapped(getattr(module, fn), given, {f.name for f in fields}, s.trl_config)
+        if bad:
+            raise SystemExit(
+                f"{script}'s {fn} takes {', '.join(bad)} without a default; the harness gives it "
+                f"{', '.join(given)} and the fields of its Args and --trl-config by name: give each one a default"
+            )
 
 
 def check_trl_config(s: Setup) -> list[str]:
@@ -1230,7 +1614,8 @@ def check_trl_config(s: Setup) -> list[str]:
     for key, value in s.trl_config.items():
         if key not in trl_fields:
             raise SystemExit(f"--trl-config {key}: TRL's {name} has no such field")
-        if key in FLAG_FIELDS:
+        # loss_type when ours' Args has none: --loss-type is refused (check_loss_type), so this sets TRL's alone
+        if key in FLAG_FIELDS and (key != "loss_type" or key in {f.name for f in dataclasses.fields(ours.Args)}):
             flag = FLAG_FIELDS[key]
             raise SystemExit(f"--trl-config {key}: the harness sets it on both sides from {flag}; pass {flag}")
         if key in PINNED_FIELDS:
@@ -1285,6 +1670,13 @@ def main(argv=None):
         default=None,
         help="the logged keys to compare (default: the method's); OURS=TRL pairs two",
     )
+    parser.add_argument(
+        "--one-batch-on-policy",
+        dest="one_batch_off_policy",
+        action="store_false",
+        help="GRPO --fixed-rollout: the one-batch check with old log-probs = the current ones (ratio 1); default: "
+        "off-policy, so clip, gate and ratio ideas show in its gradients",
+    )
     parser.add_argument("--out", default="outputs/compare_with_trl")
     parser.add_argument("--mapping", action="store_true", help="print the hyperparameter mapping table and exit")
     args = parser.parse_args(argv)
@@ -1302,6 +1694,7 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for s in setups(args, "", ""):  # every flag checked against both sides before any model is built
         check_loss_type(s)
+        check_calls(s)
         for line in check_trl_config(s):
             print(line)
     import datasets
@@ -1312,8 +1705,7 @@ def main(argv=None):
     for s in setups(args, model, adapter):
         r = run_pair(s, tokenizer)
         reports.append(r)
-        worst = ", ".join(f"{k} {v:.1e}" for k, v in r["max_abs_diff"].items())
-        print(f"{s.name}: max |ours - TRL| per key: {worst}  -> {r['png']}")
+        print(f"{s.name}: -> {r['png']}")
         if r.get("fork_lines"):
             print("  " + fork_lines_text(s.fork, r["fork_lines"]))
         for x in r.get("loss_parity", []):
@@ -1321,11 +1713,60 @@ def main(argv=None):
                 f"  one batch {x['loss_type']}, TRL {x['trl']} vs ours {x['ours']}: loss {x['ours_loss']:.6g} / "
                 f"{x['trl_loss']:.6g}, grad max |diff| {x['grad_max_abs_diff']:.1e} (rel {x['grad_rel_diff']:.1e})"
             )
+        for f in r["failed"]:
+            print(f"  {f['side']} FAILED: {f['error']}\n" + "    " + f["traceback"].strip().replace("\n", "\n    "))
+        print("\n".join("  " + line for line in verdict_lines(r)))
     md = summary_markdown(reports, "python scripts/compare_with_trl.py " + " ".join(argv or sys.argv[1:]))
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(md)
     print(md)
+    overall = overall_verdict(reports)
+    print(f"overall: {overall} (exit {EXIT[overall]})")
     return reports
+
+
+def overall_verdict(reports: list[dict]) -> str:
+    """FAIL if any comparison failed; else NOT DISCRIMINATING if any could not tell a fork from its origin; else PASS
+    if any passed (--method all's sampled GRPO, curves only, compares nothing); else NOTHING COMPARED."""
+    verdicts = {r["verdict"]["verdict"] for r in reports}
+    for v in ("FAIL", "NOT DISCRIMINATING", "PASS"):
+        if v in verdicts:
+            return v
+    return "NOTHING COMPARED"
+
+
+def verdict_lines(r: dict) -> list[str]:
+    """The verdict as printed: per key the steps compared, |ours - TRL| (and |origin - TRL| under --fork) and PASS or
+    FAIL, then GRPO's one batch, the verdict and why."""
+    v, origin = r["verdict"], r.get("origin") or {}
+    fork = "fork" if r["setup"]["fork"] else "ours"
+    head = f"{'key':<26} {'steps':>5}  {'|' + fork + ' - TRL|':>13}"
+    head += f"  {'|origin - TRL|':>14}" if "keys" in origin else ""
+    lines = [head + f"  {'tolerance':<22} verdict"] if v["keys"] else []
+    method = r["setup"]["method"]
+    for key, k in v["keys"].items():
+        row = f"{key:<26} {k['steps']:>5}  {r['max_abs_diff'][key]:>13.2e}"
+        if "keys" in origin:
+            row += f"  {origin['max_abs_diff'][key]:>14.2e}"
+        tolerance = f"{atol_of(method, key):g} + {RTOL:g}|TRL|"
+        row += f"  {tolerance:<22} {k['verdict']}"
+        if "keys" in origin:
+            row += f" (origin {origin['keys'][key]['verdict']})"
+        lines.append(row)
+    for name, one in (("one batch", v["one_batch"]), ("origin's one batch", origin.get("one_batch"))):
+        if one:
+            policy = "off-policy" if one["off_policy"] else "on-policy"
+            lines.append(
+                f"{name} ({policy}): loss {one['loss_abs_diff']:.1e} (tolerance {ONE_BATCH_LOSS_ATOL:g}), gradients "
+                f"{one['grad_rel_diff']:.1e} relative (tolerance {ONE_BATCH_GRAD_RTOL:g}): {one['verdict']}"
+            )
+    if origin.get("dropped"):
+        lines.append(f"origin {origin['script']} ran without what it lacks: {origin['dropped']}")
+    if origin.get("failed"):
+        lines.append(f"origin {origin['script']} failed: {origin['failed']['error']}")
+    lines.append(f"verdict: {v['verdict']}" + "".join(f"; {why}" for why in v["why"]))
+    lines += [f"  would separate them: {hint}" for hint in v.get("hints", [])]
+    return lines
 
 
 # --------------------------------------------------------------------------------------- the mapping table
@@ -1566,4 +2007,11 @@ def mapping_markdown() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        done = main()
+    except SystemExit as refused:  # a refusal before anything ran: its message, exit 2 (argparse's usage errors too)
+        if isinstance(refused.code, str):
+            print(refused.code, file=sys.stderr)
+            sys.exit(2)
+        raise
+    sys.exit(EXIT[overall_verdict(done)] if done is not None else 0)

@@ -215,7 +215,8 @@ def test_an_unmodified_copy_matches_trl_through_fork_and_is_reported_as_its_orig
 def test_a_one_line_idea_in_a_copy_is_reported_as_run_on_the_command_line(tmp_path):
     """The command line a researcher runs, on a copy of dpo.py outside the checkout whose one edited line writes
     DPO's sigmoid loss as a softplus (the same value): the comparison still matches TRL and the output names the one
-    changed line as run."""
+    changed line as run; dpo.py, its origin, matches TRL as closely (the same math), so the verdict is NOT
+    DISCRIMINATING (exit 3), not PASS."""
     from tests.test_parity import assert_series_match
 
     fork = tmp_path / "my_dpo_softplus.py"
@@ -229,7 +230,8 @@ def test_a_one_line_idea_in_a_copy_is_reported_as_run_on_the_command_line(tmp_pa
          "--steps", "2", "--out", str(out)],
         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 3, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "verdict: NOT DISCRIMINATING" in done.stdout and "the origin dpo.py is within the tolerances" in done.stdout
     assert "fork my_dpo_softplus.py: 1 of its 1 changed lines (inside functions) ran in ours' run\n" in done.stdout
     assert "never ran" not in done.stdout and "NOT A TEST" not in done.stdout
     (series,) = out.glob("*/series.json")

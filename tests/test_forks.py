@@ -27,6 +27,8 @@ FORKS = {
     "rloo": ("grpo.py", "grpo_rloo.py"),
     "apo_zero": ("dpo.py", "dpo_apo.py"),
     "bare": ("grpo.py", "grpo_bare.py"),  # grpo.py with every harness and plug-in call deleted
+    "sapo": ("grpo.py", "grpo_sapo.py"),  # tests/test_verdict.py compares these two with TRL
+    "kto_apo": ("kto.py", "kto_apo.py"),
 }
 
 

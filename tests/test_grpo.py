@@ -43,13 +43,25 @@ def objective(logps, old, ref, advantages, epsilon, epsilon_high, beta) -> dict:
     )
 
 
+def clipped(token_stats: dict) -> tuple:
+    """grpo_per_token_loss's clip masks (TRL's clip_ratio/low and high) out of its token_stats."""
+    assert set(token_stats) == {"clip_ratio/low", "clip_ratio/high", "clip_ratio/region"}
+    return token_stats["clip_ratio/low"][0], token_stats["clip_ratio/high"][0]
+
+
+def surrogate(low, high) -> dict:
+    """token_stats as grpo_per_token_loss returns them, from given clip masks."""
+    return {"clip_ratio/low": (low, min), "clip_ratio/high": (high, max), "clip_ratio/region": (low | high, None)}
+
+
 # ---------------------------------------------------------------------------------------------------- objective
 @pytest.mark.numerics
 def test_ratio_one_gives_the_policy_gradient():
     """num_iterations = 1: old = logps.detach(), so rho = 1 and d l_t / d logp_t = -A exactly (beta = 0)."""
     logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.5]], requires_grad=True)
     advantages = torch.tensor([0.7, -1.3])
-    loss, kl, low, high = grpo_per_token_loss(**objective(logps, logps.detach(), None, advantages, 0.2, 0.2, 0.0))
+    loss, kl, stats = grpo_per_token_loss(**objective(logps, logps.detach(), None, advantages, 0.2, 0.2, 0.0))
+    low, high = clipped(stats)
     loss.sum().backward()
     expected = -advantages[:, None].expand(2, 3)
     torch.testing.assert_close(loss.detach(), expected, rtol=0, atol=0)
@@ -64,7 +76,8 @@ def test_clipping_by_hand():
     old = torch.zeros(2, 2)
     logps = torch.log(torch.tensor([[1.5, 0.5], [0.5, 1.5]])).requires_grad_()
     advantages = torch.tensor([1.0, -1.0])
-    loss, _, low, high = grpo_per_token_loss(**objective(logps, old, None, advantages, 0.2, 0.28, 0.0))
+    loss, _, stats = grpo_per_token_loss(**objective(logps, old, None, advantages, 0.2, 0.28, 0.0))
+    low, high = clipped(stats)
     # row 0 (A=+1): -min(1.5, 1.28) = -1.28 (clipped high), -min(0.5, 0.8) = -0.5 (not clipped: A > 0)
     # row 1 (A=-1): -min(-0.5, -0.8) = 0.8 (clipped low), -min(-1.5, -1.28) = 1.5 (not clipped: A < 0)
     torch.testing.assert_close(loss.detach(), torch.tensor([[-1.28, -0.5], [0.8, 1.5]]))
@@ -80,9 +93,10 @@ def test_kl_term_is_added_after_the_clip():
     """beta k3 with ref - logp = 0.5: k3 = e^0.5 - 1.5; its gradient beta (1 - e^0.5) survives on a clipped token."""
     logps = torch.log(torch.tensor([[1.5]])).requires_grad_()
     ref = logps.detach() + 0.5
-    loss, kl, _, high = grpo_per_token_loss(
+    loss, kl, stats = grpo_per_token_loss(
         **objective(logps, torch.zeros(1, 1), ref, torch.tensor([1.0]), 0.2, 0.2, 0.1)
     )
+    _, high = clipped(stats)
     k3 = math.exp(0.5) - 1.5
     assert kl.item() == pytest.approx(k3) and high.item()
     assert loss.item() == pytest.approx(-1.2 + 0.1 * k3)
@@ -138,7 +152,7 @@ def test_clip_ratio_min_max_skip_fully_masked_completions_as_trl():
     low = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
     high = torch.zeros_like(low)
     stats = {}
-    grpo.add_token_stats(stats, mask, None, torch.rand(3, 3), low, high)
+    grpo.add_token_stats(stats, mask, None, torch.rand(3, 3), surrogate(low, high))
     grpo.read_token_stats(stats)
     metrics = grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)
     per_seq = lambda x: (x.float() * mask).sum(-1) / mask.sum(-1)  # noqa: E731  TRL's masked_seq_mean
@@ -146,9 +160,29 @@ def test_clip_ratio_min_max_skip_fully_masked_completions_as_trl():
     assert metrics["clip_ratio/high_max"] == nanmax(per_seq(high)).item() == 0.0
     assert metrics["clip_ratio/low_mean"] == metrics["clip_ratio/region_mean"] == 3 / 5
     stats = {}
-    grpo.add_token_stats(stats, torch.zeros(2, 2), None, torch.rand(2, 2), low[:2, :2], high[:2, :2])
+    grpo.add_token_stats(stats, torch.zeros(2, 2), None, torch.rand(2, 2), surrogate(low[:2, :2], high[:2, :2]))
     grpo.read_token_stats(stats)
     assert math.isnan(grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)["clip_ratio/low_min"])  # TRL: NaN too
+
+
+def test_the_surrogate_returns_the_statistics_logged_of_it():
+    """grpo_per_token_loss returns its own per-token statistics (TRL's clip_ratio/*) and update_metrics logs those and
+    no others, so a fork that changes the surrogate changes its metrics in the same block: one without a clip returns
+    {} and logs no clip ratio (as TRL for its losses without one); a stat one per completion (B, 1), as a sequence
+    level ratio's, is a mean over completions (TRL's at sequence level), not over tokens."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    stats = {}
+    grpo.add_token_stats(stats, mask, None, torch.rand(2, 3), {})
+    grpo.read_token_stats(stats)
+    metrics = grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)
+    assert "entropy" in metrics and not [k for k in metrics if k.startswith("clip_ratio")], metrics
+    stats = {}
+    gate = {"gate/closed": (torch.tensor([[True], [False]]), max)}
+    grpo.add_token_stats(stats, mask, None, torch.rand(2, 3), gate)
+    grpo.read_token_stats(stats)
+    metrics = grpo.update_metrics(stats, 0.0, [0.0], 1.0, 1e-3)
+    assert metrics["gate/closed_mean"] == 0.5  # one of two completions (over tokens it would be 3/4)
+    assert metrics["gate/closed_max"] == 1.0 and not [k for k in metrics if k.startswith("clip_ratio")]
 
 
 def test_clip_ratio_min_max_are_per_update_then_averaged_as_trl():
@@ -160,7 +194,7 @@ def test_clip_ratio_min_max_are_per_update_then_averaged_as_trl():
     half = torch.tensor([[True, True], [False, False]])
     stats = {}
     for low, high in ((half, half), (none, none), (none, none), (full, none)):  # update 1: mb 1, 2; update 2: 3, 4
-        grpo.add_token_stats(stats, mask, None, torch.rand(2, 2), low, high)
+        grpo.add_token_stats(stats, mask, None, torch.rand(2, 2), surrogate(low, high))
     grpo.read_token_stats(stats)
     metrics = grpo.update_metrics(stats, 0.0, [0.0, 0.0], 1.0, 1e-3)
     assert metrics["clip_ratio/high_max"] == (1.0 + 0.0) / 2  # update 1's max 1.0, update 2's 0.0
@@ -168,7 +202,7 @@ def test_clip_ratio_min_max_are_per_update_then_averaged_as_trl():
     assert metrics["clip_ratio/high_mean"] == 2 / 16
     stats = {}
     for low, high in ((full, full), (half, none)):  # one micro-batch per update
-        grpo.add_token_stats(stats, mask, None, torch.rand(2, 2), low, high)
+        grpo.add_token_stats(stats, mask, None, torch.rand(2, 2), surrogate(low, high))
     grpo.read_token_stats(stats)
     metrics = grpo.update_metrics(stats, 0.0, [0.0, 0.0], 1.0, 1e-3)
     assert metrics["clip_ratio/low_min"] == (1.0 + 0.0) / 2 and metrics["clip_ratio/high_max"] == (1.0 + 0.0) / 2
