@@ -15,6 +15,7 @@ eval_* (they only evaluate), and whatever fields the script names as free (its s
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import hashlib
@@ -147,25 +148,68 @@ def writing(tmp: str, what: str, last_good: str | None):
         raise OutputDirError(f"cannot write {what} ({cause}); removed the half-written {tmp}{last}") from None
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap the names of two folders in one step (Linux renameat2 RENAME_EXCHANGE); False where the kernel, the C
+    library or the file system cannot (another OS, NFS, old kernels), and nothing was changed."""
+    rename = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if rename is None:
+        return False
+    at_cwd = -100  # AT_FDCWD: the paths are absolute or relative to the working directory
+    return rename(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), 2) == 0  # 2: RENAME_EXCHANGE
+
+
+def _aside(out_dir: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(out_dir)), f".old-{os.path.basename(out_dir)}")
+
+
+def repair_swap(out_dir: str) -> None:
+    """Undo what a kill inside swap_in's fallback left: the old folder renamed aside with nothing at out_dir is put
+    back; beside a whole out_dir, it is deleted."""
+    aside = _aside(out_dir)
+    if os.path.isdir(aside) and not os.path.exists(out_dir):
+        os.replace(aside, out_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def swap_in(tmp: str, out_dir: str) -> None:
+    """Put the complete folder tmp at out_dir so that a kill at any instant leaves a whole folder there, the old one
+    or the new, never a mix: the two names are exchanged in one step, then the old one (now at tmp) is deleted.
+    Where the file system cannot exchange names, the old folder is renamed aside (.old-<name>) before the new one
+    is renamed in and deleted after: a kill between the two renames leaves it whole, and the next write (or
+    repair_swap) puts it back."""
+    repair_swap(out_dir)
+    if not os.path.exists(out_dir):
+        os.replace(tmp, out_dir)
+    elif _exchange(tmp, out_dir):
+        shutil.rmtree(tmp)
+    else:
+        aside = _aside(out_dir)
+        os.replace(out_dir, aside)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(aside)
+
+
 @contextlib.contextmanager
 def whole_dir(out_dir: str, what: str):
-    """Yields a temp dir beside out_dir to write into, renamed into place once the block completes (a folder already
-    there is replaced only then): a failed write (a full disk) leaves no folder that looks complete, and one line."""
+    """Yields a temp dir beside out_dir to write into, swapped in once the block completes (swap_in: a folder already
+    there stays whole until the new one has replaced it): a failed write (a full disk) leaves no folder that looks
+    complete, and one line; a kill at any instant leaves the old folder or the new one."""
     out_dir = os.path.abspath(out_dir)
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier write
+    repair_swap(out_dir)  # an old folder a kill left aside goes back first
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier write (or the old folder it swapped)
     with writing(tmp, what, None):
         yield tmp
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    swap_in(tmp, out_dir)
 
 
-def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
+def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None, extra=None) -> str:
     """out_dir: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as plain
-    PEFT / transformers load them, plus the tokenizer; refused when a weight is not finite. A full model's
-    generation config also stops at the trained end of turn. Written whole (whole_dir) or not at all. Under torchrun
-    every rank calls it and rank 0 writes (a sharded model gathered into one folder, never shards); a failed write
-    fails every rank."""
+    PEFT / transformers load them, plus the tokenizer and what extra(folder) writes beside them (a reward head);
+    refused when a weight is not finite. A full model's generation config also stops at the trained end of turn.
+    Written whole (whole_dir: an old out_dir stays whole until the new one replaced it) or not at all. Under
+    torchrun every rank calls it and rank 0 writes (a sharded model gathered into one folder, never shards); a
+    failed write fails every rank."""
     check_finite(model)
     if not is_peft(model):
         stop_at_end_of_turn(model, tokenizer)
@@ -176,6 +220,8 @@ def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None
             with whole_dir(out_dir, out_dir) as tmp:
                 save_weights(model, tmp, adapters, gathered)
                 tokenizer.save_pretrained(tmp)
+                if extra is not None:
+                    extra(tmp)
         except Exception as e:
             error = e
     error = broadcast(error)
@@ -527,9 +573,7 @@ class Checkpoints:
             if is_peft(model):
                 meta["adapter_sha256"] = {slot: adapter_hash(model, slot) for slot in model.peft_config}
             write_marker(tmp, COMPLETE, meta)  # last: each file's sha256 and the marker's own
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        swap_in(tmp, final)  # a step-N already there stays whole until this one replaced it
         old = list_checkpoints(self.run_dir)[: -self.keep] if self.keep > 0 else []
         for path in old:
             shutil.rmtree(path)
@@ -541,7 +585,8 @@ class Checkpoints:
 
         `path` is a checkpoint dir, or a run dir: then its newest checkpoint whose files and adapter tensors match
         their recorded hashes is used (a damaged one is skipped with a warning). A checkpoint of another experiment
-        (identity differs) is refused unless ignore_mismatch; so is one with no steps left before total_steps.
+        (identity differs) is refused unless ignore_mismatch; so is one past total_steps. One at total_steps (the
+        run's last step: its final/ write died) loads, with one line, and the script's loop, empty, goes on to final/.
         `path` None (no --resume-from-checkpoint): a new run, (0, {})."""
         if path is None:
             return 0, {}
@@ -555,9 +600,9 @@ class Checkpoints:
                 meta = _read_verified_meta(ckpt)
                 check_identity(ckpt, meta.get("identity"), self.identity, ignore_mismatch)
                 check_world_size(ckpt, meta.get("world_size", 1), ignore_mismatch)
-                if total_steps is not None and meta["step"] >= total_steps:
+                if total_steps is not None and meta["step"] > total_steps:
                     raise ResumeError(
-                        f"{ckpt} is at step {meta['step']}, at or past this run's {total_steps} steps: "
+                        f"{ckpt} is at step {meta['step']}, past this run's {total_steps} steps: "
                         "nothing to train (raise --max-steps to continue)"
                     )
                 _load_verified_weights(ckpt, meta, model)
@@ -591,6 +636,8 @@ class Checkpoints:
         broadcast(None)  # every rank has chosen its checkpoint before rank 0 moves any
         if rank == 0:
             self._set_aside_newer(ckpt, meta["step"])
+        if meta["step"] == total_steps:  # a final/ lost at the end (a kill, a full disk) is made from the last step
+            print(f"resume: {ckpt} is this run's last step ({total_steps}): no step left to train; final/ from it")
         return meta["step"], meta["trainer_state"] | state.get("tensors", {})
 
     def _set_aside_newer(self, ckpt: str, step: int) -> None:

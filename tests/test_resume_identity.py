@@ -139,16 +139,27 @@ def test_another_scripts_checkpoint_is_refused(tiny_model_dir, memo, tmp_path):
         )
 
 
-def test_resuming_at_or_past_max_steps_names_both_numbers(tiny_model_dir, sft_run_dir, memo, tmp_path):
-    for max_steps in (2, 1):
-        with pytest.raises(ResumeError, match=f"at step 2, at or past this run's {max_steps} steps"):
-            sft_run(
-                tiny_model_dir,
-                memo,
-                tmp_path / str(max_steps),
-                max_steps=max_steps,
-                resume_from_checkpoint=sft_run_dir,
-            )
+def test_resuming_past_max_steps_names_both_numbers(tiny_model_dir, sft_run_dir, memo, tmp_path):
+    with pytest.raises(ResumeError, match="at step 2, past this run's 1 steps: nothing to train"):
+        sft_run(tiny_model_dir, memo, tmp_path, max_steps=1, resume_from_checkpoint=sft_run_dir)
+
+
+def files_of(folder) -> dict:
+    root = pathlib.Path(folder)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_final_lost_at_the_end_is_made_by_a_resume(tiny_model_dir, run_copy, memo, tmp_path, capsys):
+    """Issue 51, item 1: the last checkpoint is the last step (--save-steps divides --max-steps) and the final write
+    died (a kill, OOM, a full disk): the resume said "nothing to train", so final/ could never be made. Now it loads
+    that step, trains nothing and writes final/: the one the run wrote, byte for byte."""
+    final = pathlib.Path(run_copy, "final")
+    whole = files_of(final)
+    shutil.rmtree(final)
+    out = sft_run(tiny_model_dir, memo, tmp_path, resume_from_checkpoint=str(run_copy))  # --max-steps 2 again
+    assert "is this run's last step (2): no step left to train; final/ from it" in capsys.readouterr().out
+    assert os.path.samefile(out["final_dir"], final) and files_of(final) == whole
+    assert [h["step"] for h in out["history"]] == [1, 2]  # the run's steps, none trained again
 
 
 def flip_one_value(path):
