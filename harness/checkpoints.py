@@ -25,6 +25,7 @@ import os
 import pathlib
 import random
 import re
+import secrets
 import shutil
 import time
 import warnings
@@ -34,7 +35,7 @@ from peft import set_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from common.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
-from common.errors import UserError
+from common.errors import ArgsError, DataError, UserError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
@@ -313,7 +314,8 @@ def base_identity(model, dtype: str | None = None, quantization: str | None = No
 def run_identity(model, args=None, free: tuple[str, ...] = ()) -> dict:
     """What a checkpoint belongs to, flat and JSON-ready: the base model and the LoRA config of "default" (from the
     model, before any update), a reward model's slot (model.reward_identity), and with `args` (a script's Args) the
-    script's name and every field that changes the math: all but FREE_ON_RESUME, eval_* and the script's `free`."""
+    script's name, every field that changes the math (all but FREE_ON_RESUME, eval_* and the script's `free`) and
+    the sha256 of the --dataset file (data_sha256). Under torchrun every rank's is compared (check_ranks_agree)."""
     dtype = None
     quantization = None
     if args is not None:
@@ -332,7 +334,68 @@ def run_identity(model, args=None, free: tuple[str, ...] = ()) -> dict:
         for key, value in dataclasses.asdict(args).items():
             if key not in FREE_ON_RESUME and key not in free and not key.startswith("eval_"):
                 ident[f"args.{key}"] = value
-    return json.loads(json.dumps(ident, default=str))  # tuples -> lists, as they come back from the marker file
+        data = data_sha256(getattr(args, "dataset", None))
+        if data is not None:  # a local file: its content; `builtin:` sets and hub ids: their name (args.dataset)
+            ident["data.sha256"] = data
+    ident = json.loads(json.dumps(ident, default=str))  # tuples -> lists, as they come back from the marker file
+    if args is not None:
+        check_ranks_agree(ident, args)
+    return ident
+
+
+def data_sha256(spec: str | None) -> str | None:
+    """sha256 of a local dataset's bytes (a file, or each file of a saved dataset folder with its relative path), so
+    a resume notices data whose content changed under the same name; None for `builtin:` sets and hub ids, which
+    their name stands for. A file that changes while it is hashed is refused in one line."""
+    if not spec or spec.startswith("builtin:") or not os.path.exists(spec):
+        return None
+    files = [spec] if os.path.isfile(spec) else sorted(str(f) for f in pathlib.Path(spec).rglob("*") if f.is_file())
+    before = [os.stat(f) for f in files]
+    h = hashlib.sha256()
+    for path in files:
+        h.update(os.path.relpath(path, spec).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    after = [os.stat(f) for f in files]
+    if [(a.st_size, a.st_mtime_ns) for a in before] != [(a.st_size, a.st_mtime_ns) for a in after]:
+        raise DataError(f"--dataset {spec}: it changed while this run read it; start the run once it is written")
+    return h.hexdigest()
+
+
+PER_RANK = {"output_dir", "torch_threads"}  # read by rank 0 alone, or a machine's own; ranks may differ in them
+RANK_FIELDS = {"data.sha256": "--dataset's content (sha256)", "script.sha256": "the script file (sha256)"}
+
+
+def rank_view(identity: dict, args) -> dict:
+    """What ranks must agree on: the run's identity (the base model, LoRA, the math arguments, the data's sha256),
+    every other Args field but PER_RANK (how far to train, when to save, log and evaluate: the ranks meet at each),
+    and the sha256 of the script's file."""
+    view = dict(identity)
+    for key, value in dataclasses.asdict(args).items():
+        if key not in PER_RANK:
+            view[f"args.{key}"] = value
+    view["script.sha256"] = hashlib.sha256(pathlib.Path(inspect.getfile(type(args))).read_bytes()).hexdigest()
+    return json.loads(json.dumps(view, default=str))
+
+
+def check_ranks_agree(identity: dict, args) -> None:
+    """Under torchrun, every rank's rank_view is gathered and compared with rank 0's: ranks that would train
+    another run (another --seed, --learning-rate, dataset copy, batch size or --max-steps) are refused in one line
+    naming each field, on every rank, before any step. Nothing alone."""
+    if rank_and_world()[1] == 1:
+        return
+    ranks = all_gather([rank_view(identity, args)])
+    diffs = []
+    for rank, theirs in enumerate(ranks[1:], 1):
+        for key in sorted(ranks[0].keys() | theirs.keys()):
+            if json.dumps(ranks[0].get(key)) != json.dumps(theirs.get(key)):  # as text: a NaN equals a NaN
+                name = RANK_FIELDS.get(key, "--" + key[5:].replace("_", "-") if key.startswith("args.") else key)
+                diffs.append(f"{name}: rank 0 {ranks[0].get(key)!r}, rank {rank} {theirs.get(key)!r}")
+    if diffs:
+        raise ArgsError(
+            f"the ranks would train different runs: {'; '.join(diffs)} (start every rank with the same command, "
+            "script and data)"
+        )
 
 
 def _identity_differences(saved: dict | None, now: dict) -> list[str]:
@@ -370,18 +433,28 @@ def check_world_size(where: str, saved: int, ignore_mismatch: bool = False) -> N
     warnings.warn(f"--resume-ignore-mismatch: {why}", stacklevel=2)
 
 
+def run_record(run_dir: str) -> dict | None:
+    """run_dir/identity.json (a run resumed in place, round by round): the identity its first start recorded and a
+    random run_id, which each of its round markers repeats; None when there is none."""
+    path = pathlib.Path(run_dir, "identity.json")
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def check_run_dir_identity(run_dir: str, identity: dict, ignore_mismatch: bool = False) -> None:
-    """For runs resumed in place (round by round): the first start writes run_dir/identity.json; a later start in
-    the same run dir must match it, as a checkpoint must. Under torchrun rank 0 checks or writes, and every rank
-    raises its verdict."""
+    """For runs resumed in place (round by round): the first start writes run_dir/identity.json (run_record); a
+    later start in the same run dir must match it, as a checkpoint must. Under torchrun rank 0 checks or writes,
+    and every rank raises its verdict."""
     path = pathlib.Path(run_dir, "identity.json")
     error = None
     if rank_and_world()[0] == 0:
         try:
             if path.exists():
-                check_identity(run_dir, json.loads(path.read_text()), identity, ignore_mismatch)
+                saved = {k: v for k, v in json.loads(path.read_text()).items() if k != "run_id"}
+                check_identity(run_dir, saved, identity, ignore_mismatch)
             else:
-                path.write_text(json.dumps(identity, indent=2))
+                tmp = path.with_name(".tmp-identity.json")  # renamed into place whole
+                tmp.write_text(json.dumps({"run_id": secrets.token_hex(8), **identity}, indent=2))
+                os.replace(tmp, path)
         except Exception as e:
             error = e
     error = broadcast(error)
@@ -633,7 +706,10 @@ class Checkpoints:
             torch.cuda.set_rng_state_all(rng["cuda"])
         elapsed = meta.get("elapsed_s", 0.0)  # absent in checkpoints written before it was recorded
         self.elapsed_before = float(elapsed) if isinstance(elapsed, int | float) else 0.0
-        broadcast(None)  # every rank has chosen its checkpoint before rank 0 moves any
+        chosen = all_gather([(ckpt, meta["marker_sha256"])])  # every rank has chosen before rank 0 moves any
+        if len({marker for _, marker in chosen}) > 1:  # a rank that reads another copy of the run dir
+            which = "; ".join(f"rank {r}: {path}" for r, (path, _) in enumerate(chosen))
+            raise ResumeError(f"the ranks would resume from different checkpoints ({which}): give them the same one")
         if rank == 0:
             self._set_aside_newer(ckpt, meta["step"])
         if meta["step"] == total_steps:  # a final/ lost at the end (a kill, a full disk) is made from the last step

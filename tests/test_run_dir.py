@@ -117,7 +117,8 @@ def test_a_second_process_cannot_write_a_run_dir_in_use(tiny_model_dir, tmp_path
     run_dir = tmp_path / f"raft-{uuid.uuid4().hex[:6]}"
     (run_dir / "round-0").mkdir(parents=True)
     (run_dir / "round-0" / "metrics.json").write_text("{}")
-    write_marker(str(run_dir / "round-0"), raft.ROUND_COMPLETE, {"round": 0})  # a round a resume accepts
+    (run_dir / "identity.json").write_text('{"run_id": "0"}')  # a round a resume accepts: its marker names the run
+    write_marker(str(run_dir / "round-0"), raft.ROUND_COMPLETE, {"round": 0, "run": {"run_id": "0"}})
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
