@@ -1,7 +1,9 @@
 """Files on disk (issue: reliability round 3): a save that fills the disk says so, names the last good checkpoint and
 removes its half-written folder; one process at a time writes a run directory."""
 
+import dataclasses
 import importlib
+import json
 import os
 import pathlib
 import shutil
@@ -341,3 +343,18 @@ def test_a_kill_at_any_instant_of_a_final_write_leaves_the_old_or_the_new_final_
         assert now in (old, new), f"killed before step {kill_at} of {total}: final/ holds {sorted(now)}"
         seen.append("old" if now == old else "new")
     assert "old" in seen and "new" in seen
+
+
+@pytest.mark.parametrize("script", ["dpo", "grpo"])
+def test_a_final_lost_at_the_end_is_made_by_a_resume_in_dpo_and_grpo(script, tiny_model_dir, tmp_path):
+    """Issue 51, item 1, for a script with a reference slot (dpo: final/ref/) and for grpo's loop: a checkpoint at
+    --max-steps whose final/ was lost resumes into the same final/, byte for byte, training no step."""
+    module, args = end_run_args(script, tiny_model_dir, tmp_path)
+    args = dataclasses.replace(args, save_steps=2)
+    out = module.main(args)
+    final = pathlib.Path(out["final_dir"])
+    whole = files_of(final)
+    shutil.rmtree(final)
+    again = module.main(dataclasses.replace(args, resume_from_checkpoint=out["run_dir"]))
+    assert os.path.samefile(again["final_dir"], final) and files_of(final) == whole
+    assert [json.loads(line)["step"] for line in open(final.parent / "metrics.jsonl")] == [1, 2]
