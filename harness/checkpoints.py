@@ -41,6 +41,7 @@ from safetensors.torch import load_file
 
 from common.distributed import all_gather, broadcast, gathered_state, is_sharded, local_tensor, rank_and_world
 from common.model import DEFAULT, REF, is_peft, pick_device, resolve_dtype, slot_params, snapshot_ref, unwrap
+from harness.hub import BEFORE_READ
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 FREE_ON_RESUME = {
@@ -346,19 +347,23 @@ def run_identity(model, args=None, free: tuple[str, ...] = ()) -> dict:
 def data_sha256(spec: str | None) -> str | None:
     """sha256 of a local dataset's bytes (a file, or each file of a saved dataset folder with its relative path), so
     a resume notices data whose content changed under the same name; None for `builtin:` sets and hub ids, which
-    their name stands for. A file that changes while it is hashed is refused in one line."""
+    their name stands for. A file that changes while it is hashed, or since check_inputs saw it before the rows were
+    read (harness.hub.BEFORE_READ), is refused in one line: the rows read might not be the bytes hashed."""
     if not spec or spec.startswith("builtin:") or not os.path.exists(spec):
         return None
     files = [spec] if os.path.isfile(spec) else sorted(str(f) for f in pathlib.Path(spec).rglob("*") if f.is_file())
-    before = [os.stat(f) for f in files]
+    stamps = [(found.st_size, found.st_mtime_ns) for found in map(os.stat, files)]
+    changed = DataError(f"--dataset {spec}: it changed while this run read it; start the run once it is written")
+    read = BEFORE_READ.get(os.path.realpath(spec))  # a file as check_inputs saw it, before the rows were read
+    if read is not None and [read] != stamps:
+        raise changed
     h = hashlib.sha256()
     for path in files:
         h.update(os.path.relpath(path, spec).encode() + b"\0")
         with open(path, "rb") as f:
             h.update(hashlib.file_digest(f, "sha256").digest())
-    after = [os.stat(f) for f in files]
-    if [(a.st_size, a.st_mtime_ns) for a in before] != [(a.st_size, a.st_mtime_ns) for a in after]:
-        raise DataError(f"--dataset {spec}: it changed while this run read it; start the run once it is written")
+    if stamps != [(found.st_size, found.st_mtime_ns) for found in map(os.stat, files)]:  # while it was hashed
+        raise changed
     return h.hexdigest()
 
 

@@ -436,3 +436,23 @@ def test_ranks_that_would_resume_from_different_checkpoints_are_refused(
     monkeypatch.setattr(harness.checkpoints, "all_gather", lambda items: items + [("/node1/step-1", "0" * 64)])
     with pytest.raises(ResumeError, match=r"different checkpoints \(rank 0: .*step-2; rank 1: /node1/step-1\)"):
         sft_run(tiny_model_dir, memo, tmp_path, max_steps=3, resume_from_checkpoint=str(run_copy))
+
+
+def test_a_dataset_rewritten_while_the_run_reads_it_is_refused(tiny_model_dir, memo, tmp_path, monkeypatch):
+    """Issue 51, item 7: a file rewritten while a run read it went unnoticed (the rows read could mix two versions,
+    and the checkpoint would record the new one). Its size and time are taken before the rows are read
+    (check_inputs) and compared when it is hashed (run_identity): a change in between stops the run before any
+    step."""
+    data = str(shutil.copy(memo, tmp_path / "data.jsonl"))
+    real = sft.load_splits
+
+    def rewritten_while_read(*args, **kwargs):
+        rows = real(*args, **kwargs)
+        with open(data, "a") as f:  # another process appends a row meanwhile
+            f.write(json.dumps({"prompt": "Say late", "completion": "late late"}) + "\n")
+        return rows
+
+    monkeypatch.setattr(sft, "load_splits", rewritten_while_read)
+    with pytest.raises(DataError, match=f"^--dataset {data}: it changed while this run read it"):
+        sft_run(tiny_model_dir, data, tmp_path / "runs")
+    assert not list((tmp_path / "runs").glob("*/checkpoints"))
