@@ -4,14 +4,17 @@ run_dir/checkpoints/step-N is written atomically (a temp dir renamed into place,
 without pickle: weights as safetensors, optimizer/scheduler/RNG through torch.load(weights_only=True), the rest as
 JSON. The marker records each file's sha256, each adapter slot's tensor hash and the run's identity: a resume
 refuses another experiment's checkpoint and skips a damaged one for the previous good one.
-A run's final/ (save_final: plain PEFT or transformers folders) is written whole through a temp dir renamed into
-place, as every write here: a full disk leaves no folder that looks complete, a NaN/Inf weight is never written.
+A run's final/ (save_final: plain PEFT or transformers folders) is written whole through a temp dir swapped into
+place (swap_in: a kill at any instant leaves the old folder or the new one), as every write here: a full disk leaves
+no folder that looks complete, a NaN/Inf weight is never written.
 
 The identity rule: a checkpoint belongs to the base model (config hash, weight fingerprint, dtype, quantization),
-the LoRA config of "default", a reward model's slot, the script (its file's stem) and every Args field that changes
-an update's math. Free to change on a resume are the harness's own flags (FREE_ON_RESUME: where and how often to
-write and log, how far to train), the model flags (their effect is recorded from the model itself), fields named
-eval_* (they only evaluate), and whatever fields the script names as free (its speed knobs, its stop rules).
+the LoRA config of "default", a reward model's slot, the script (its file's stem), every Args field that changes
+an update's math and the --dataset file's sha256. Under torchrun the ranks must agree on all of it, and on every
+other flag (check_ranks_agree). Free to change on a resume are the harness's own flags (FREE_ON_RESUME: where and
+how often to write and log, how far to train), the model flags (their effect is recorded from the model itself),
+fields named eval_* (they only evaluate), and whatever fields the script names as free (its speed knobs, its stop
+rules).
 """
 
 import contextlib
