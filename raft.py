@@ -60,7 +60,7 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import check_finite_files, check_run_dir_identity, load_weights, read_marker, run_identity
-from harness.checkpoints import check_finite, save_final, save_weights, write_marker, writing
+from harness.checkpoints import check_finite, run_record, save_final, save_weights, swap_in, write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.hub import check_inputs, hub_rows, locate_model
@@ -303,27 +303,36 @@ def _write_round(run_dir: str, n: int, files: dict[str, list[dict]], metrics: di
         pathlib.Path(tmp, "metrics.json").write_text(json.dumps(metrics, indent=2))
         if model is not None:  # only the policy: a PEFT adapter that --adapter of every script loads, or a model
             save_weights(model, os.path.join(tmp, "adapter"), ["default"], weights)
-        write_marker(tmp, ROUND_COMPLETE, {"round": n})  # last: each file's sha256 and the marker's own
-    if os.path.exists(final):  # a damaged round-n a resume fell back from
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        # last: each file's sha256 and the marker's own, with the round's number and its run (identity.json)
+        write_marker(tmp, ROUND_COMPLETE, {"round": n, "run": run_record(run_dir)})
+    swap_in(tmp, final)  # a damaged round-n a resume fell back from stays whole until this one replaced it
 
 
 def last_good_round(run_dir: str) -> int:
     """The newest round-N whose marker, files (their sha256 at write time) and weights (finite) check out; a damaged
-    newer one is skipped with one warning each. -1: none (a new run dir)."""
+    newer one is skipped with one warning each. -1: none (a new run dir). Refused in one line: a round whose marker
+    names another round (copied from an earlier one) or another run (identity.json's identity and run_id differ:
+    copied from another run dir), and rounds without identity.json, which cannot be checked."""
     rounds = [int(d[6:]) for d in os.listdir(run_dir) if d.startswith("round-") and d[6:].isdigit()]
+    run = run_record(run_dir)
     failures = []
     for n in sorted(rounds, reverse=True):
         folder = os.path.join(run_dir, f"round-{n}")
         try:
-            read_marker(folder, ROUND_COMPLETE, "metrics.json")
+            meta = read_marker(folder, ROUND_COMPLETE, "metrics.json")
             check_finite_files(folder)
         except CorruptCheckpointError as e:
             failures.append(str(e))
             if n != min(rounds):
                 warnings.warn(f"{e}; falling back to the previous round", stacklevel=2)
             continue
+        if run is None:
+            raise ResumeError(f"{run_dir}: no identity.json, so its rounds cannot be checked as this run's")
+        if meta.get("round") != n:
+            raise ResumeError(f"{folder}: its marker is round {meta.get('round')}'s (a copy of another round)")
+        if meta.get("run") != run:
+            why = "another run's (identity and run_id differ from identity.json), or written before markers held one"
+            raise ResumeError(f"{folder}: its marker is {why}; move it out of {run_dir} to resume")
         return n
     if failures:
         raise CorruptCheckpointError(f"{run_dir}: no intact round to resume from: {'; '.join(failures)}")
@@ -591,9 +600,11 @@ def main(args: Args) -> dict:
     run_dir = args.resume_from or make_run_dir(args.exp_name, args.model, args.seed, args.output_dir)
     # The last verified round (a crash leaves .tmp-round-N, never round-N): -1 = a new run, else continue after it
     done = last_good_round(run_dir)
-    if args.resume_from and not 0 <= done < args.num_rounds:  # nothing to continue, or nothing left to run
-        why = f"round {done} is done, at or past this run's {args.num_rounds} rounds" if done >= 0 else "no round-N/"
+    if args.resume_from and not 0 <= done <= args.num_rounds:  # nothing to continue from, or past the run's end
+        why = f"round {done} is done, past this run's {args.num_rounds} rounds" if done >= 0 else "no round-N/"
         raise ResumeError(f"--resume-from {run_dir}: {why}")
+    if args.resume_from and done == args.num_rounds:  # a final/ lost at the end (a kill, a full disk) is made again
+        print(f"resume: round {done} is this run's last ({args.num_rounds}); no round left to run, final/ from it")
     claim_run_dir(run_dir)  # a resume writes into the run dir itself: one process at a time, before any write
 
     # ---- 3 model: policy = base + "default" LoRA, or every weight (the last finished round's on resume)

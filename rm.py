@@ -445,10 +445,12 @@ def main(args: Args) -> dict:
     with interrupt.finishing():  # from the last step on, a Ctrl-C lets final/ complete (then exit 130)
         head_weight = full_weight(head.weight)  # FSDP2: the head gathered whole from its shards (a collective)
         del unwrap(model).score  # in its own file: final/'s weights are the backbone's alone
-        final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
         head.weight = torch.nn.Parameter(head_weight.detach())  # the whole head, as save_reward writes it
-        if rank == 0:  # the run's one writer
-            save_reward(final_dir, head, args.model, args.loss_type, attributes, args.quantization, args.max_length)
+        head_config = (args.model, args.loss_type, attributes, args.quantization, args.max_length)
+        # the head and reward_config.json written into final/ with the backbone (rank 0), so it is replaced whole
+        final_dir = save_final(
+            os.path.join(run_dir, "final"), model, tokenizer, extra=lambda d: save_reward(d, head, *head_config)
+        )
     logger.close()
     close_distributed()
     first = logger.history[0] if logger.history else {}

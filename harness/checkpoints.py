@@ -4,17 +4,21 @@ run_dir/checkpoints/step-N is written atomically (a temp dir renamed into place,
 without pickle: weights as safetensors, optimizer/scheduler/RNG through torch.load(weights_only=True), the rest as
 JSON. The marker records each file's sha256, each adapter slot's tensor hash and the run's identity: a resume
 refuses another experiment's checkpoint and skips a damaged one for the previous good one.
-A run's final/ (save_final: plain PEFT or transformers folders) is written whole through a temp dir renamed into
-place, as every write here: a full disk leaves no folder that looks complete, a NaN/Inf weight is never written.
+A run's final/ (save_final: plain PEFT or transformers folders) is written whole through a temp dir swapped into
+place (swap_in: a kill at any instant leaves the old folder or the new one), as every write here: a full disk leaves
+no folder that looks complete, a NaN/Inf weight is never written.
 
 The identity rule: a checkpoint belongs to the base model (config hash, weight fingerprint, dtype, quantization),
-the LoRA config of "default", a reward model's slot, the script (its file's stem) and every Args field that changes
-an update's math. Free to change on a resume are the harness's own flags (FREE_ON_RESUME: where and how often to
-write and log, how far to train), the model flags (their effect is recorded from the model itself), fields named
-eval_* (they only evaluate), and whatever fields the script names as free (its speed knobs, its stop rules).
+the LoRA config of "default", a reward model's slot, the script (its file's stem), every Args field that changes
+an update's math and the --dataset file's sha256. Under torchrun the ranks must agree on all of it, and on every
+other flag (check_ranks_agree). Free to change on a resume are the harness's own flags (FREE_ON_RESUME: where and
+how often to write and log, how far to train), the model flags (their effect is recorded from the model itself),
+fields named eval_* (they only evaluate), and whatever fields the script names as free (its speed knobs, its stop
+rules).
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import hashlib
@@ -24,6 +28,7 @@ import os
 import pathlib
 import random
 import re
+import secrets
 import shutil
 import time
 import warnings
@@ -33,12 +38,13 @@ from peft import set_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from common.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
-from common.errors import UserError
+from common.errors import ArgsError, DataError, UserError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from common.distributed import all_gather, broadcast, gathered_state, is_sharded, local_tensor, rank_and_world
 from common.model import DEFAULT, REF, is_peft, pick_device, resolve_dtype, slot_params, snapshot_ref, unwrap
+from harness.hub import BEFORE_READ
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used
 FREE_ON_RESUME = {
@@ -147,25 +153,68 @@ def writing(tmp: str, what: str, last_good: str | None):
         raise OutputDirError(f"cannot write {what} ({cause}); removed the half-written {tmp}{last}") from None
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap the names of two folders in one step (Linux renameat2 RENAME_EXCHANGE); False where the kernel, the C
+    library or the file system cannot (another OS, NFS, old kernels), and nothing was changed."""
+    rename = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if rename is None:
+        return False
+    at_cwd = -100  # AT_FDCWD: the paths are absolute or relative to the working directory
+    return rename(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), 2) == 0  # 2: RENAME_EXCHANGE
+
+
+def _aside(out_dir: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(out_dir)), f".old-{os.path.basename(out_dir)}")
+
+
+def repair_swap(out_dir: str) -> None:
+    """Undo what a kill inside swap_in's fallback left: the old folder renamed aside with nothing at out_dir is put
+    back; beside a whole out_dir, it is deleted."""
+    aside = _aside(out_dir)
+    if os.path.isdir(aside) and not os.path.exists(out_dir):
+        os.replace(aside, out_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def swap_in(tmp: str, out_dir: str) -> None:
+    """Put the complete folder tmp at out_dir so that a kill at any instant leaves a whole folder there, the old one
+    or the new, never a mix: the two names are exchanged in one step, then the old one (now at tmp) is deleted.
+    Where the file system cannot exchange names, the old folder is renamed aside (.old-<name>) before the new one
+    is renamed in and deleted after: a kill between the two renames leaves it whole, and the next write (or
+    repair_swap) puts it back."""
+    repair_swap(out_dir)
+    if not os.path.exists(out_dir):
+        os.replace(tmp, out_dir)
+    elif _exchange(tmp, out_dir):
+        shutil.rmtree(tmp)
+    else:
+        aside = _aside(out_dir)
+        os.replace(out_dir, aside)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(aside)
+
+
 @contextlib.contextmanager
 def whole_dir(out_dir: str, what: str):
-    """Yields a temp dir beside out_dir to write into, renamed into place once the block completes (a folder already
-    there is replaced only then): a failed write (a full disk) leaves no folder that looks complete, and one line."""
+    """Yields a temp dir beside out_dir to write into, swapped in once the block completes (swap_in: a folder already
+    there stays whole until the new one has replaced it): a failed write (a full disk) leaves no folder that looks
+    complete, and one line; a kill at any instant leaves the old folder or the new one."""
     out_dir = os.path.abspath(out_dir)
     tmp = os.path.join(os.path.dirname(out_dir), f".tmp-{os.path.basename(out_dir)}")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier write
+    repair_swap(out_dir)  # an old folder a kill left aside goes back first
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier write (or the old folder it swapped)
     with writing(tmp, what, None):
         yield tmp
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    swap_in(tmp, out_dir)
 
 
-def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None) -> str:
+def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None, extra=None) -> str:
     """out_dir: the adapters given (None = all: "default" at the top, "ref" in ref/) or the full model, as plain
-    PEFT / transformers load them, plus the tokenizer; refused when a weight is not finite. A full model's
-    generation config also stops at the trained end of turn. Written whole (whole_dir) or not at all. Under torchrun
-    every rank calls it and rank 0 writes (a sharded model gathered into one folder, never shards); a failed write
-    fails every rank."""
+    PEFT / transformers load them, plus the tokenizer and what extra(folder) writes beside them (a reward head);
+    refused when a weight is not finite. A full model's generation config also stops at the trained end of turn.
+    Written whole (whole_dir: an old out_dir stays whole until the new one replaced it) or not at all. Under
+    torchrun every rank calls it and rank 0 writes (a sharded model gathered into one folder, never shards); a
+    failed write fails every rank."""
     check_finite(model)
     if not is_peft(model):
         stop_at_end_of_turn(model, tokenizer)
@@ -176,6 +225,8 @@ def save_final(out_dir: str, model, tokenizer, adapters: list[str] | None = None
             with whole_dir(out_dir, out_dir) as tmp:
                 save_weights(model, tmp, adapters, gathered)
                 tokenizer.save_pretrained(tmp)
+                if extra is not None:
+                    extra(tmp)
         except Exception as e:
             error = e
     error = broadcast(error)
@@ -267,7 +318,8 @@ def base_identity(model, dtype: str | None = None, quantization: str | None = No
 def run_identity(model, args=None, free: tuple[str, ...] = ()) -> dict:
     """What a checkpoint belongs to, flat and JSON-ready: the base model and the LoRA config of "default" (from the
     model, before any update), a reward model's slot (model.reward_identity), and with `args` (a script's Args) the
-    script's name and every field that changes the math: all but FREE_ON_RESUME, eval_* and the script's `free`."""
+    script's name, every field that changes the math (all but FREE_ON_RESUME, eval_* and the script's `free`) and
+    the sha256 of the --dataset file (data_sha256). Under torchrun every rank's is compared (check_ranks_agree)."""
     dtype = None
     quantization = None
     if args is not None:
@@ -286,7 +338,72 @@ def run_identity(model, args=None, free: tuple[str, ...] = ()) -> dict:
         for key, value in dataclasses.asdict(args).items():
             if key not in FREE_ON_RESUME and key not in free and not key.startswith("eval_"):
                 ident[f"args.{key}"] = value
-    return json.loads(json.dumps(ident, default=str))  # tuples -> lists, as they come back from the marker file
+        data = data_sha256(getattr(args, "dataset", None))
+        if data is not None:  # a local file: its content; `builtin:` sets and hub ids: their name (args.dataset)
+            ident["data.sha256"] = data
+    ident = json.loads(json.dumps(ident, default=str))  # tuples -> lists, as they come back from the marker file
+    if args is not None:
+        check_ranks_agree(ident, args)
+    return ident
+
+
+def data_sha256(spec: str | None) -> str | None:
+    """sha256 of a local dataset's bytes (a file, or each file of a saved dataset folder with its relative path), so
+    a resume notices data whose content changed under the same name; None for `builtin:` sets and hub ids, which
+    their name stands for. A file that changes while it is hashed, or since check_inputs saw it before the rows were
+    read (harness.hub.BEFORE_READ), is refused in one line: the rows read might not be the bytes hashed."""
+    if not spec or spec.startswith("builtin:") or not os.path.exists(spec):
+        return None
+    files = [spec] if os.path.isfile(spec) else sorted(str(f) for f in pathlib.Path(spec).rglob("*") if f.is_file())
+    stamps = [(found.st_size, found.st_mtime_ns) for found in map(os.stat, files)]
+    changed = DataError(f"--dataset {spec}: it changed while this run read it; start the run once it is written")
+    read = BEFORE_READ.get(os.path.realpath(spec))  # a file as check_inputs saw it, before the rows were read
+    if read is not None and [read] != stamps:
+        raise changed
+    h = hashlib.sha256()
+    for path in files:
+        h.update(os.path.relpath(path, spec).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    if stamps != [(found.st_size, found.st_mtime_ns) for found in map(os.stat, files)]:  # while it was hashed
+        raise changed
+    return h.hexdigest()
+
+
+PER_RANK = {"output_dir", "torch_threads"}  # read by rank 0 alone, or a machine's own; ranks may differ in them
+RANK_FIELDS = {"data.sha256": "--dataset's content (sha256)", "script.sha256": "the script file (sha256)"}
+
+
+def rank_view(identity: dict, args) -> dict:
+    """What ranks must agree on: the run's identity (the base model, LoRA, the math arguments, the data's sha256),
+    every other Args field but PER_RANK (how far to train, when to save, log and evaluate: the ranks meet at each),
+    and the sha256 of the script's file."""
+    view = dict(identity)
+    for key, value in dataclasses.asdict(args).items():
+        if key not in PER_RANK:
+            view[f"args.{key}"] = value
+    view["script.sha256"] = hashlib.sha256(pathlib.Path(inspect.getfile(type(args))).read_bytes()).hexdigest()
+    return json.loads(json.dumps(view, default=str))
+
+
+def check_ranks_agree(identity: dict, args) -> None:
+    """Under torchrun, every rank's rank_view is gathered and compared with rank 0's: ranks that would train
+    another run (another --seed, --learning-rate, dataset copy, batch size or --max-steps) are refused in one line
+    naming each field, on every rank, before any step. Nothing alone."""
+    if rank_and_world()[1] == 1:
+        return
+    ranks = all_gather([rank_view(identity, args)])
+    diffs = []
+    for rank, theirs in enumerate(ranks[1:], 1):
+        for key in sorted(ranks[0].keys() | theirs.keys()):
+            if json.dumps(ranks[0].get(key)) != json.dumps(theirs.get(key)):  # as text: a NaN equals a NaN
+                name = RANK_FIELDS.get(key, "--" + key[5:].replace("_", "-") if key.startswith("args.") else key)
+                diffs.append(f"{name}: rank 0 {ranks[0].get(key)!r}, rank {rank} {theirs.get(key)!r}")
+    if diffs:
+        raise ArgsError(
+            f"the ranks would train different runs: {'; '.join(diffs)} (start every rank with the same command, "
+            "script and data)"
+        )
 
 
 def _identity_differences(saved: dict | None, now: dict) -> list[str]:
@@ -324,18 +441,28 @@ def check_world_size(where: str, saved: int, ignore_mismatch: bool = False) -> N
     warnings.warn(f"--resume-ignore-mismatch: {why}", stacklevel=2)
 
 
+def run_record(run_dir: str) -> dict | None:
+    """run_dir/identity.json (a run resumed in place, round by round): the identity its first start recorded and a
+    random run_id, which each of its round markers repeats; None when there is none."""
+    path = pathlib.Path(run_dir, "identity.json")
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def check_run_dir_identity(run_dir: str, identity: dict, ignore_mismatch: bool = False) -> None:
-    """For runs resumed in place (round by round): the first start writes run_dir/identity.json; a later start in
-    the same run dir must match it, as a checkpoint must. Under torchrun rank 0 checks or writes, and every rank
-    raises its verdict."""
+    """For runs resumed in place (round by round): the first start writes run_dir/identity.json (run_record); a
+    later start in the same run dir must match it, as a checkpoint must. Under torchrun rank 0 checks or writes,
+    and every rank raises its verdict."""
     path = pathlib.Path(run_dir, "identity.json")
     error = None
     if rank_and_world()[0] == 0:
         try:
             if path.exists():
-                check_identity(run_dir, json.loads(path.read_text()), identity, ignore_mismatch)
+                saved = {k: v for k, v in json.loads(path.read_text()).items() if k != "run_id"}
+                check_identity(run_dir, saved, identity, ignore_mismatch)
             else:
-                path.write_text(json.dumps(identity, indent=2))
+                tmp = path.with_name(".tmp-identity.json")  # renamed into place whole
+                tmp.write_text(json.dumps({"run_id": secrets.token_hex(8), **identity}, indent=2))
+                os.replace(tmp, path)
         except Exception as e:
             error = e
     error = broadcast(error)
@@ -527,9 +654,7 @@ class Checkpoints:
             if is_peft(model):
                 meta["adapter_sha256"] = {slot: adapter_hash(model, slot) for slot in model.peft_config}
             write_marker(tmp, COMPLETE, meta)  # last: each file's sha256 and the marker's own
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        swap_in(tmp, final)  # a step-N already there stays whole until this one replaced it
         old = list_checkpoints(self.run_dir)[: -self.keep] if self.keep > 0 else []
         for path in old:
             shutil.rmtree(path)
@@ -541,7 +666,8 @@ class Checkpoints:
 
         `path` is a checkpoint dir, or a run dir: then its newest checkpoint whose files and adapter tensors match
         their recorded hashes is used (a damaged one is skipped with a warning). A checkpoint of another experiment
-        (identity differs) is refused unless ignore_mismatch; so is one with no steps left before total_steps.
+        (identity differs) is refused unless ignore_mismatch; so is one past total_steps. One at total_steps (the
+        run's last step: its final/ write died) loads, with one line, and the script's loop, empty, goes on to final/.
         `path` None (no --resume-from-checkpoint): a new run, (0, {})."""
         if path is None:
             return 0, {}
@@ -555,9 +681,9 @@ class Checkpoints:
                 meta = _read_verified_meta(ckpt)
                 check_identity(ckpt, meta.get("identity"), self.identity, ignore_mismatch)
                 check_world_size(ckpt, meta.get("world_size", 1), ignore_mismatch)
-                if total_steps is not None and meta["step"] >= total_steps:
+                if total_steps is not None and meta["step"] > total_steps:
                     raise ResumeError(
-                        f"{ckpt} is at step {meta['step']}, at or past this run's {total_steps} steps: "
+                        f"{ckpt} is at step {meta['step']}, past this run's {total_steps} steps: "
                         "nothing to train (raise --max-steps to continue)"
                     )
                 _load_verified_weights(ckpt, meta, model)
@@ -588,9 +714,14 @@ class Checkpoints:
             torch.cuda.set_rng_state_all(rng["cuda"])
         elapsed = meta.get("elapsed_s", 0.0)  # absent in checkpoints written before it was recorded
         self.elapsed_before = float(elapsed) if isinstance(elapsed, int | float) else 0.0
-        broadcast(None)  # every rank has chosen its checkpoint before rank 0 moves any
+        chosen = all_gather([(ckpt, meta["marker_sha256"])])  # every rank has chosen before rank 0 moves any
+        if len({marker for _, marker in chosen}) > 1:  # a rank that reads another copy of the run dir
+            which = "; ".join(f"rank {r}: {path}" for r, (path, _) in enumerate(chosen))
+            raise ResumeError(f"the ranks would resume from different checkpoints ({which}): give them the same one")
         if rank == 0:
             self._set_aside_newer(ckpt, meta["step"])
+        if meta["step"] == total_steps:  # a final/ lost at the end (a kill, a full disk) is made from the last step
+            print(f"resume: {ckpt} is this run's last step ({total_steps}): no step left to train; final/ from it")
         return meta["step"], meta["trainer_state"] | state.get("tensors", {})
 
     def _set_aside_newer(self, ckpt: str, step: int) -> None:

@@ -18,6 +18,9 @@ from common.errors import DataError, HubUnavailable
 from plugins.embedded import ALIAS_CONFIGS, SHIPPED, resolve_model
 
 PROBE_TIMEOUT_S = 3.0  # one HEAD request; a firewall that drops packets costs this long, a DNS failure nothing
+# each local dataset file check_inputs saw, by real path: (size, mtime_ns) before the run read it; the run's data hash
+# (harness.checkpoints.data_sha256) refuses a file that has changed since, so the rows read are the rows hashed
+BEFORE_READ: dict[str, tuple[int, int]] = {}
 
 
 @functools.cache
@@ -122,6 +125,9 @@ def check_inputs(model: str, data: dict[str, str | None], plan: bool = False) ->
         problems["--model"] = (model, why, "--model /path/to/folder")
     absent = {}
     for flag, spec in data.items():
+        if spec and os.path.isfile(spec):
+            found = os.stat(spec)
+            BEFORE_READ[os.path.realpath(spec)] = (found.st_size, found.st_mtime_ns)
         reason = _missing_dataset(spec) if spec else None
         if reason:
             absent[flag] = (spec, reason, f"{flag} file.jsonl")

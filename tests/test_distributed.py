@@ -358,8 +358,9 @@ def test_a_resume_on_another_number_of_ranks_is_refused_in_one_line(tiny_model_d
     assert len(alone.stderr.strip().splitlines()) == 1 or alone.stderr.strip().splitlines()[-1].startswith("sft.py:")
 
 
-def two_nodes(kw: dict, out) -> list[subprocess.Popen]:
-    """Two torchrun "nodes" on 127.0.0.1, one process each, meeting at a free port (static rendezvous)."""
+def two_nodes(kw: dict, out, node1: dict | None = None) -> list[subprocess.Popen]:
+    """Two torchrun "nodes" on 127.0.0.1, one process each, meeting at a free port (static rendezvous); node1: flags
+    node 1 gets instead (a rank started with another command)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -367,7 +368,8 @@ def two_nodes(kw: dict, out) -> list[subprocess.Popen]:
     for node in (0, 1):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}"]
         launcher += ["--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}"]
-        cmd = [*launcher, "sft.py", *flags({**kw, "output_dir": str(out)})]
+        own = (node1 or {}) if node == 1 else {}
+        cmd = [*launcher, "sft.py", *flags({**kw, "output_dir": str(out), **own})]
         pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         nodes.append(subprocess.Popen(cmd, cwd=ROOT, env=ENV, **pipes))
     return nodes
@@ -391,6 +393,26 @@ def test_a_rank_that_dies_on_another_node_gives_one_clear_line_not_a_hang(tiny_m
     assert code != 0 and time.time() - t0 < 60
     lines = [line for line in err.splitlines() if "lost contact with another rank" in line]
     assert len(lines) == 1 and lines[0].startswith("sft.py [rank 0/2]: error:"), err[-3000:]
+
+
+def test_ranks_started_with_other_flags_or_data_are_refused_in_one_line(tiny_model_dir, prefs, tmp_path):
+    """Issue 51, item 3: a rank with another --seed or dataset copy trained silently, its gradients averaged in; with
+    another --max-steps rank 0 wrote final/ and both then timed out. Node 1 here gets all three: both ranks stop
+    at start-up, before any step, with one line naming each field, and nothing is written."""
+    kw = setup("sft", tiny_model_dir, prefs, max_steps=2, save_steps=1, ddp_timeout=60)
+    copy = tmp_path / "node1" / os.path.basename(kw["dataset"])  # node 1's own copy, one row changed
+    copy.parent.mkdir()
+    copy.write_text(open(kw["dataset"]).read().replace("blue", "teal", 1))
+    nodes = two_nodes(kw, tmp_path / "out", node1={"seed": 2, "max_steps": 3, "dataset": str(copy)})
+    (code, _, err), (code1, _, err1) = [finish(p, timeout=240) for p in nodes]
+    assert code != 0 and code1 != 0, err[-3000:]
+    lines = [line for line in err.splitlines() if "the ranks would train different runs" in line]
+    assert len(lines) == 1 and lines[0].startswith("sft.py [rank 0/2]: error:"), err[-3000:]
+    for named in ("--seed: rank 0 1, rank 1 2", "--max-steps: rank 0 2, rank 1 3", "--dataset's content (sha256)"):
+        assert named in lines[0]
+    assert any("the ranks would train different runs" in line for line in err1.splitlines())
+    run_dir = run_dir_of(tmp_path / "out")
+    assert not {"checkpoints", "final", "metrics.jsonl"} & set(os.listdir(run_dir))  # nothing trained, nothing saved
 
 
 def _checkpoints_or_metrics(root) -> bool:

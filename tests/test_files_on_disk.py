@@ -221,7 +221,8 @@ def test_a_resume_in_a_dir_without_locks_is_named_before_loading(tiny_model_dir,
     run_dir = tmp_path / "raft-run"
     (run_dir / "round-0").mkdir(parents=True)
     (run_dir / "round-0" / "metrics.json").write_text("{}")
-    write_marker(str(run_dir / "round-0"), raft.ROUND_COMPLETE, {"round": 0})
+    (run_dir / "identity.json").write_text('{"run_id": "0"}')  # a round marker repeats its run's record
+    write_marker(str(run_dir / "round-0"), raft.ROUND_COMPLETE, {"round": 0, "run": {"run_id": "0"}})
 
     def flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")

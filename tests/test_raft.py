@@ -17,7 +17,7 @@ import torch
 import raft
 from common.data import load_rows
 from common.completions import validate_rows
-from common.errors import CorruptCheckpointError, RunStopped
+from common.errors import CorruptCheckpointError, ResumeError, RunStopped
 from harness.checkpoints import write_marker
 from safetensors.torch import load_file, save_file
 from raft import Args, last_good_round, main, make_pairs, select_best, spin_pairs
@@ -510,3 +510,30 @@ def test_a_huge_learning_rate_stops_with_the_last_good_round(tiny_model_dir, pro
     assert e.value.checkpoint.endswith("round-0") and "last good: " in str(e.value)
     run_dir = os.path.dirname(e.value.checkpoint)
     assert sorted(d for d in os.listdir(run_dir) if "round" in d) == ["round-0"]
+
+
+def test_a_round_copied_from_an_earlier_round_or_another_run_is_refused(
+    tiny_model_dir, prompts_jsonl, two_rounds, tmp_path
+):
+    """Issue 51, item 6: round markers held no run identity and the round number was not compared with the folder,
+    so a resume continued from a round copied from another run, or from an earlier round, without a word. Each
+    marker now holds its round and its run (identity.json: the run's identity and a random run_id), checked on
+    resume: a copy is refused in one line naming the folder, before anything loads."""
+    run_dir = shutil.copytree(two_rounds, tmp_path / "copy")
+    marker = json.load(open(os.path.join(run_dir, "round-2", "round_complete.json")))
+    record = json.load(open(os.path.join(run_dir, "identity.json")))
+    assert marker["round"] == 2 and marker["run"] == record and record["args.seed"] == 1 and record["run_id"]
+    shutil.rmtree(os.path.join(run_dir, "round-2"))
+    shutil.copytree(os.path.join(run_dir, "round-1"), os.path.join(run_dir, "round-2"))  # an earlier round
+    with pytest.raises(ResumeError, match=r"round-2: its marker is round 1's \(a copy of another round\)$"):
+        last_good_round(run_dir)
+    # another run of the same command (the same identity: --num-rounds may change): its round-1 in place of ours
+    other = run(tiny_model_dir, prompts_jsonl, tmp_path / "other", num_rounds=1)["run_dir"]
+    for n in (1, 2):
+        shutil.rmtree(os.path.join(run_dir, f"round-{n}"))
+    shutil.copytree(os.path.join(other, "round-1"), os.path.join(run_dir, "round-1"))
+    with pytest.raises(ResumeError, match=r"round-1: its marker is another run's .*; move it out of .* to resume"):
+        last_good_round(run_dir)
+    os.remove(os.path.join(run_dir, "identity.json"))
+    with pytest.raises(ResumeError, match="no identity.json, so its rounds cannot be checked"):
+        last_good_round(run_dir)

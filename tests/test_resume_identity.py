@@ -2,6 +2,8 @@
 newest checkpoint for the previous good one, catches a flipped bit in "default", and refuses a run with no steps
 left (issue 18, section 4)."""
 
+import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -13,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 import dpo
 import sft
-from common.errors import CorruptCheckpointError, ResumeError
-from harness.checkpoints import _file_hashes, marker_sha256, run_identity
+import harness.checkpoints
+from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError
+from harness.checkpoints import _file_hashes, data_sha256, marker_sha256, rank_view, run_identity
 from tests.prefs_helpers import preference_rows, write_jsonl
 from tests.tiny import write_tiny
 
@@ -139,16 +142,27 @@ def test_another_scripts_checkpoint_is_refused(tiny_model_dir, memo, tmp_path):
         )
 
 
-def test_resuming_at_or_past_max_steps_names_both_numbers(tiny_model_dir, sft_run_dir, memo, tmp_path):
-    for max_steps in (2, 1):
-        with pytest.raises(ResumeError, match=f"at step 2, at or past this run's {max_steps} steps"):
-            sft_run(
-                tiny_model_dir,
-                memo,
-                tmp_path / str(max_steps),
-                max_steps=max_steps,
-                resume_from_checkpoint=sft_run_dir,
-            )
+def test_resuming_past_max_steps_names_both_numbers(tiny_model_dir, sft_run_dir, memo, tmp_path):
+    with pytest.raises(ResumeError, match="at step 2, past this run's 1 steps: nothing to train"):
+        sft_run(tiny_model_dir, memo, tmp_path, max_steps=1, resume_from_checkpoint=sft_run_dir)
+
+
+def files_of(folder) -> dict:
+    root = pathlib.Path(folder)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_final_lost_at_the_end_is_made_by_a_resume(tiny_model_dir, run_copy, memo, tmp_path, capsys):
+    """Issue 51, item 1: the last checkpoint is the last step (--save-steps divides --max-steps) and the final write
+    died (a kill, OOM, a full disk): the resume said "nothing to train", so final/ could never be made. Now it loads
+    that step, trains nothing and writes final/: the one the run wrote, byte for byte."""
+    final = pathlib.Path(run_copy, "final")
+    whole = files_of(final)
+    shutil.rmtree(final)
+    out = sft_run(tiny_model_dir, memo, tmp_path, resume_from_checkpoint=str(run_copy))  # --max-steps 2 again
+    assert "is this run's last step (2): no step left to train; final/ from it" in capsys.readouterr().out
+    assert os.path.samefile(out["final_dir"], final) and files_of(final) == whole
+    assert [h["step"] for h in out["history"]] == [1, 2]  # the run's steps, none trained again
 
 
 def flip_one_value(path):
@@ -274,8 +288,9 @@ def test_raft_resume_in_the_same_run_dir_must_be_the_same_experiment(tiny_model_
     assert sorted(d for d in os.listdir(run_dir) if d.startswith("round-")) == ["round-0", "round-1"]  # nothing ran
 
 
-def test_raft_resume_past_its_rounds_is_an_error(tiny_model_dir, tmp_path):
-    """It used to be a silent no-op that rewrote final/."""
+def test_raft_resume_at_its_last_round_makes_a_lost_final_and_past_it_is_an_error(tiny_model_dir, tmp_path, capsys):
+    """A resume past the run's rounds used to be a silent no-op that rewrote final/: it is an error. At the last
+    round (issue 51, item 1: the final write died) it writes final/ from that round, saying so, and runs none."""
     import raft
 
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Count to {i}", "answer": str(i)} for i in range(4)])
@@ -291,9 +306,16 @@ def test_raft_resume_past_its_rounds_is_an_error(tiny_model_dir, tmp_path):
         eval_limit=0,
         reward_threshold=None,
     )
-    run_dir = raft.main(raft.Args(**kw))["run_dir"]
-    with pytest.raises(ResumeError, match="round 1 is done, at or past this run's 1 rounds"):
+    run_dir = raft.main(raft.Args(**{**kw, "num_rounds": 2}))["run_dir"]
+    with pytest.raises(ResumeError, match="round 2 is done, past this run's 1 rounds"):
         raft.main(raft.Args(**{**kw, "resume_from": run_dir}))
+    final = pathlib.Path(run_dir, "final")
+    whole = files_of(final)
+    shutil.rmtree(final)
+    capsys.readouterr()
+    out = raft.main(raft.Args(**{**kw, "num_rounds": 2, "resume_from": run_dir}))
+    assert "round 2 is this run's last (2); no round left to run, final/ from it" in capsys.readouterr().out
+    assert files_of(final) == whole and [h["step"] for h in out["history"]] == [0, 1, 2]
 
 
 def test_raft_resume_from_a_dir_without_a_round_is_an_error(tiny_model_dir, tmp_path):
@@ -332,3 +354,105 @@ def test_a_flipped_bit_in_the_marker_is_a_corrupt_checkpoint(tiny_model_dir, run
     with pytest.warns(UserWarning, match="step-2: .*own hash.*falling back to the previous checkpoint"):
         out = sft_run(tiny_model_dir, memo, tmp_path / "b", max_steps=3, resume_from_checkpoint=str(run_copy))
     assert [h["step"] for h in out["history"]] == [1, 2, 3]  # resumed from step-1
+
+
+def test_a_dataset_whose_content_changed_is_refused_on_resume(tiny_model_dir, memo, tmp_path):
+    """Issue 51, item 7: the identity held the dataset's path only, so a resume on a file edited since trained on
+    other rows without a word. The checkpoint holds the file's sha256: another content under the same name is
+    refused in one line naming it."""
+    data = str(shutil.copy(memo, tmp_path / "data.jsonl"))
+    run_dir = sft_run(tiny_model_dir, data, tmp_path / "runs", max_steps=1)["run_dir"]
+    text = pathlib.Path(data).read_text()
+    pathlib.Path(data).write_text(text.replace("blue", "teal", 1))  # one word of one row
+    with pytest.raises(ResumeError, match=r"data.sha256: saved '[0-9a-f]{64}', now '[0-9a-f]{64}'") as e:
+        sft_run(tiny_model_dir, data, tmp_path / "runs", max_steps=2, resume_from_checkpoint=run_dir)
+    assert "\n" not in str(e.value) and "args." not in str(e.value)  # the path is the same: only the content
+    pathlib.Path(data).write_text(text)  # the content it trained on: resumed
+    out = sft_run(tiny_model_dir, data, tmp_path / "runs", max_steps=2, resume_from_checkpoint=run_dir)
+    assert [h["step"] for h in out["history"]] == [1, 2]
+
+
+def test_a_dataset_rewritten_while_it_is_hashed_is_refused(tmp_path, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a"}\n')
+    assert data_sha256(str(data)) == data_sha256(str(shutil.copy(data, tmp_path / "same.jsonl")))  # content, not path
+    real = hashlib.file_digest
+
+    def rewritten_meanwhile(f, name):
+        digest = real(f, name)
+        data.write_text('{"prompt": "b"}\n{"prompt": "c"}\n')
+        return digest
+
+    monkeypatch.setattr(hashlib, "file_digest", rewritten_meanwhile)
+    with pytest.raises(DataError, match=f"^--dataset {data}: it changed while this run read it"):
+        data_sha256(str(data))
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("seed", 2, "--seed: rank 0 1, rank 1 2"),
+        ("learning_rate", 0.02, "--learning-rate: rank 0 0.01, rank 1 0.02"),
+        ("per_device_train_batch_size", 2, "--per-device-train-batch-size: rank 0 4, rank 1 2"),
+        ("max_steps", 3, "--max-steps: rank 0 2, rank 1 3"),
+        ("dataset", "copy", "--dataset's content \\(sha256\\): rank 0 '[0-9a-f]{64}', rank 1 '[0-9a-f]{64}'"),
+        ("torch_threads", 2, None),  # a machine's own: free
+    ],
+)
+def test_ranks_that_disagree_are_refused_naming_the_field(
+    tiny_model_dir, memo, tmp_path, monkeypatch, field, value, named
+):
+    """Issue 51, item 3: rank 1 started with another --seed, --learning-rate, dataset copy or batch size trained
+    silently (its gradients averaged in); with another --max-steps rank 0 wrote final/ and both timed out. Every
+    rank's view is gathered at start-up (run_identity); here rank 1's is computed from its own Args and handed to
+    rank 0 as torchrun's all_gather would."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    args = sft.Args(
+        model=tiny_model_dir, dataset=memo, max_steps=2, seed=1, learning_rate=0.01, per_device_train_batch_size=4
+    )
+    if field == "dataset":  # rank 1's copy of the data: the same file name on its node, one row changed
+        value = str(tmp_path / "node1" / os.path.basename(memo))
+        os.makedirs(os.path.dirname(value))
+        pathlib.Path(value).write_text(pathlib.Path(memo).read_text().replace("blue", "teal", 1))
+    theirs = dataclasses.replace(args, **{field: value})
+    view = rank_view(run_identity(model, theirs), theirs)
+    monkeypatch.setattr(harness.checkpoints, "rank_and_world", lambda: (0, 2))
+    monkeypatch.setattr(harness.checkpoints, "all_gather", lambda items: items + [view])
+    if named is None:
+        run_identity(model, args)
+        return
+    with pytest.raises(ArgsError, match=f"^the ranks would train different runs: .*{named}") as e:
+        run_identity(model, args)
+    assert "\n" not in str(e.value)
+
+
+def test_ranks_that_would_resume_from_different_checkpoints_are_refused(
+    tiny_model_dir, run_copy, memo, tmp_path, monkeypatch
+):
+    """A rank that reads another copy of the run dir (another node's, older) picks another checkpoint: every rank's
+    choice (its marker's hash) is gathered, and a difference is refused naming each rank's checkpoint."""
+    monkeypatch.setattr(harness.checkpoints, "all_gather", lambda items: items + [("/node1/step-1", "0" * 64)])
+    with pytest.raises(ResumeError, match=r"different checkpoints \(rank 0: .*step-2; rank 1: /node1/step-1\)"):
+        sft_run(tiny_model_dir, memo, tmp_path, max_steps=3, resume_from_checkpoint=str(run_copy))
+
+
+def test_a_dataset_rewritten_while_the_run_reads_it_is_refused(tiny_model_dir, memo, tmp_path, monkeypatch):
+    """Issue 51, item 7: a file rewritten while a run read it went unnoticed (the rows read could mix two versions,
+    and the checkpoint would record the new one). Its size and time are taken before the rows are read
+    (check_inputs) and compared when it is hashed (run_identity): a change in between stops the run before any
+    step."""
+    data = str(shutil.copy(memo, tmp_path / "data.jsonl"))
+    real = sft.load_splits
+
+    def rewritten_while_read(*args, **kwargs):
+        rows = real(*args, **kwargs)
+        with open(data, "a") as f:  # another process appends a row meanwhile
+            f.write(json.dumps({"prompt": "Say late", "completion": "late late"}) + "\n")
+        return rows
+
+    monkeypatch.setattr(sft, "load_splits", rewritten_while_read)
+    with pytest.raises(DataError, match=f"^--dataset {data}: it changed while this run read it"):
+        sft_run(tiny_model_dir, data, tmp_path / "runs")
+    assert not list((tmp_path / "runs").glob("*/checkpoints"))

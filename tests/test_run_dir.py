@@ -1,8 +1,12 @@
 """Files on disk (issue: reliability round 3): a save that fills the disk says so, names the last good checkpoint and
 removes its half-written folder; one process at a time writes a run directory."""
 
+import dataclasses
 import importlib
+import json
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,7 +119,8 @@ def test_a_second_process_cannot_write_a_run_dir_in_use(tiny_model_dir, tmp_path
     run_dir = tmp_path / f"raft-{uuid.uuid4().hex[:6]}"
     (run_dir / "round-0").mkdir(parents=True)
     (run_dir / "round-0" / "metrics.json").write_text("{}")
-    write_marker(str(run_dir / "round-0"), raft.ROUND_COMPLETE, {"round": 0})  # a round a resume accepts
+    (run_dir / "identity.json").write_text('{"run_id": "0"}')  # a round a resume accepts: its marker names the run
+    write_marker(str(run_dir / "round-0"), raft.ROUND_COMPLETE, {"round": 0, "run": {"run_id": "0"}})
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -264,3 +269,92 @@ def test_sft_cli_ctrl_c_right_after_the_last_step_completes_final(tiny_model_dir
     assert_complete_final(run_dir / "final")
     assert "sft: loss " in out and "Traceback" not in err
     assert err.strip().splitlines()[-1].endswith(": Ctrl-C: the last step and final/ were completed first; exit 130")
+
+
+class Killed(BaseException):
+    """A SIGKILL at that instant: no handler of ours runs (BaseException passes every `except Exception`)."""
+
+
+def files_of(folder) -> dict:
+    root = pathlib.Path(folder)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["names-exchanged", "renamed-aside"])
+def test_a_kill_at_any_instant_of_a_final_write_leaves_the_old_or_the_new_final_whole(
+    tiny_model_dir, tmp_path, monkeypatch, exchange
+):
+    """Issue 51, item 2: final/ was replaced by rmtree then rename, so a kill in between left a final/ with some of
+    its files (PEFT cannot load it) beside a complete temp dir, and nothing repaired it. The write is killed before
+    each step that renames or deletes, in turn: final/ is then the old one or the new one, file for file (where the
+    file system cannot exchange two names, the old one renamed aside is put back by the next write's first act)."""
+    from common.model import attach_lora, load_model
+
+    model, tokenizer = load_model(tiny_model_dir, "fp32")
+    model = attach_lora(model)
+    old_dir = tmp_path / "old"
+    harness.checkpoints.save_final(str(old_dir), model, tokenizer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.5)  # the new final/: other adapter weights
+    if not exchange:
+        monkeypatch.setattr(harness.checkpoints, "_exchange", lambda a, b: False)
+    state = {"armed": False, "kill_at": -1, "steps": 0}
+
+    def killable(fn):
+        def step(*args, **kwargs):
+            if state["armed"]:
+                if state["steps"] == state["kill_at"]:
+                    raise Killed
+                state["steps"] += 1
+            return fn(*args, **kwargs)
+
+        return step
+
+    for name in ("replace", "rename", "unlink", "remove", "rmdir"):
+        monkeypatch.setattr(os, name, killable(getattr(os, name)))
+    if hasattr(harness.checkpoints, "_exchange"):
+        monkeypatch.setattr(harness.checkpoints, "_exchange", killable(harness.checkpoints._exchange))
+    out = tmp_path / "run" / "final"
+
+    def write_killed_at(kill_at: int) -> int:
+        shutil.rmtree(out.parent, ignore_errors=True)
+        shutil.copytree(old_dir, out)  # the run's earlier final/
+        state.update(armed=True, kill_at=kill_at, steps=0)
+        try:
+            harness.checkpoints.save_final(str(out), model, tokenizer)
+        except Killed:
+            pass
+        finally:
+            state["armed"] = False
+        return state["steps"]
+
+    old = files_of(old_dir)
+    total = write_killed_at(-1)  # not killed: the steps of a whole write
+    new = files_of(out)
+    assert new != old and total >= 2
+    seen = []
+    for kill_at in range(total):
+        write_killed_at(kill_at)
+        if not exchange:
+            harness.checkpoints.repair_swap(str(out))
+        now = files_of(out)
+        assert now in (old, new), f"killed before step {kill_at} of {total}: final/ holds {sorted(now)}"
+        seen.append("old" if now == old else "new")
+    assert "old" in seen and "new" in seen
+
+
+@pytest.mark.parametrize("script", ["dpo", "grpo"])
+def test_a_final_lost_at_the_end_is_made_by_a_resume_in_dpo_and_grpo(script, tiny_model_dir, tmp_path):
+    """Issue 51, item 1, for a script with a reference slot (dpo: final/ref/) and for grpo's loop: a checkpoint at
+    --max-steps whose final/ was lost resumes into the same final/, byte for byte, training no step."""
+    module, args = end_run_args(script, tiny_model_dir, tmp_path)
+    args = dataclasses.replace(args, save_steps=2)
+    out = module.main(args)
+    final = pathlib.Path(out["final_dir"])
+    whole = files_of(final)
+    shutil.rmtree(final)
+    again = module.main(dataclasses.replace(args, resume_from_checkpoint=out["run_dir"]))
+    assert os.path.samefile(again["final_dir"], final) and files_of(final) == whole
+    assert [json.loads(line)["step"] for line in open(final.parent / "metrics.jsonl")] == [1, 2]
