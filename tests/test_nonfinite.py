@@ -228,3 +228,24 @@ def test_a_reward_model_holding_nan_is_refused_when_named(adapter_dir, tmp_path)
         model_reward(f"model:{path}")
     with pytest.raises(ArgsError, match=r"--rewards model:.*:nan: the weight must be a finite number"):
         model_reward(f"model:{adapter_dir}:nan")
+
+
+def test_rewards_whose_group_statistics_overflow_are_refused_naming_the_function():
+    """3e38 and -3e38 fit float32, but their group's std (and its sum of |r|) does not: the std was Inf and every
+    advantage 0, in silence. 10**400 raised a bare OverflowError naming no reward."""
+    funcs = [("wide", lambda prompts, completions, **kw: [3e38, -3e38, 1.0, None], 1.0)]
+    with pytest.raises(RewardError, match=r"^reward 'wide' returned .*: the mean or std of a group overflows float32"):
+        compute_rewards(funcs, ["p"] * 4, ["a", "b", "c", "d"], {})
+    advantages, std = grpo.group_advantages(torch.tensor([3e38, -3e38]), 2)  # what it gave: no signal, no word
+    assert advantages.tolist() == [0.0, 0.0] and std.isinf().all()
+    funcs = [("huge_int", lambda prompts, completions, **kw: [1, 10**400], 1.0)]
+    with pytest.raises(RewardError, match=r"^reward 'huge_int' returned 1000000000.*for completion 1: past float32"):
+        compute_rewards(funcs, ["p", "p"], ["a", "b"], {})
+    wide_sum = [(n, lambda prompts, completions, **kw: [1.5e38, -1.5e38], 1.0) for n in ("a", "b")]
+    with pytest.raises(RewardError, match=r"weighted sum of rewards \['a', 'b'\] overflows float32"):
+        compute_rewards(wide_sum, ["p", "p"], ["a", "b"], {})
+    fine = [("big", lambda prompts, completions, **kw: [1e37, -1e37, 0.0, 5.0], 1.0)]  # large, and its stats fit
+    rewards, _ = compute_rewards(fine, ["p"] * 4, ["a", "b", "c", "d"], {})
+    assert (
+        grpo.group_advantages(rewards, 2)[1].isfinite().all() and grpo.group_advantages(rewards, 4)[1].isfinite().all()
+    )
