@@ -81,8 +81,8 @@ def one_line_errors():
                 print(f"{prog}: Ctrl-C: the last step and final/ were completed first; exit 130", file=sys.stderr)
             raise SystemExit(130)
     except KeyboardInterrupt:
-        prog = _rank_tag(name)
-        print(f"{prog}: interrupted", file=sys.stderr)
+        if rank_and_world()[0] == 0:  # under torchrun every rank got the Ctrl-C: rank 0 says so
+            print(f"{prog}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except Exception as e:
         prog = _rank_tag(name)
@@ -348,10 +348,11 @@ class StopOnCtrlC:
 
     def _handle(self, signum, frame):
         # Under torchrun a terminal's Ctrl-C reaches each rank twice at once (from the terminal, and forwarded by
-        # torchrun): a repeat within a second is the same Ctrl-C.
+        # torchrun): a repeat within a second is the same Ctrl-C. Every rank gets it; rank 0 answers for the run.
         repeat = time.monotonic() - self.first <= 1.0
+        speaks = rank_and_world()[0] == 0
         if self.final:
-            if not repeat:
+            if not repeat and speaks:
                 print(
                     "\nCtrl-C: writing final/ first (stopping now would lose the last step); it ends by itself",
                     file=sys.stderr,
@@ -365,7 +366,8 @@ class StopOnCtrlC:
             return
         self.requested = True
         self.first = time.monotonic()
-        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
+        if speaks:
+            print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
 
     def _restore(self) -> None:
         if self.previous is not None:  # None: a handler not set from Python, which cannot be put back
@@ -390,7 +392,7 @@ class StopOnCtrlC:
         that the CLI exits 130 after the run's end line."""
         global _DEFERRED_CTRL_C
         self.final = True
-        if self.requested:  # pressed during the last step, which the loop let finish
+        if self.requested and rank_and_world()[0] == 0:  # pressed during the last step, which the loop let finish
             print("Ctrl-C during the last step: writing final/ first (it ends by itself)", file=sys.stderr)
         try:
             yield
