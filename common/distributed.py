@@ -11,10 +11,8 @@ over the ranks before anything is decided from them, so every rank takes the sam
 """
 
 import contextlib
-import ctypes
 import datetime
 import os
-import signal
 import sys
 
 import torch
@@ -23,27 +21,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from common.errors import ArgsError
-
 
 _OURS: list[bool] = []  # [True] while the process group is the one init_distributed set up
 
 
 def init_distributed(timeout_s: float) -> tuple[int, int]:
     """(rank, world size). Under torchrun: join the process group (NCCL on CUDA, on this node's LOCAL_RANK card;
-    gloo on a CPU), every collective bounded by timeout_s (a rank that died makes the others fail, not hang), the
-    rank killed when its launcher dies, and ranks other than 0 print nothing on stdout (rank 0 speaks for the run;
-    errors still reach stderr). Alone: (0, 1). WORLD_SIZE without torchrun is refused (ArgsError)."""
+    gloo on a CPU), every collective bounded by timeout_s (a rank that died makes the others fail, not hang), and
+    ranks other than 0 print nothing on stdout (rank 0 speaks for
+    the run; errors still reach stderr). Alone: (0, 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or dist.is_initialized():
         return rank_and_world()
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # set by hand: nothing starts the other ranks, joining waits timeout_s
-        raise ArgsError(f"WORLD_SIZE={world} is set, but not by torchrun: launch with torchrun, or unset it")
-    launcher = os.getppid()
-    if sys.platform == "linux":  # a rank dies with its launcher (SIGKILLed, OOM-killed): none trains on unsupervised
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != launcher:  # it died before that
-            os.kill(os.getpid(), signal.SIGKILL)
     backend = "gloo"
     if torch.cuda.is_available():
         backend = "nccl"

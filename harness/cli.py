@@ -3,6 +3,7 @@ before any weights load (LoRA settings, an --adapter's files, the fields the cho
 "stop after this step"."""
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import math
@@ -23,7 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from common.data import MAX_SHOWN, bad_field
 from common.distributed import any_rank, rank_and_world
-from common.errors import USER_ERRORS, ArgsError, DataError, ModelError, RunStopped
+from common.errors import USER_ERRORS, ArgsError, DataError, ModelError, RewardError, RunStopped
 from common.model import pick_device, require, resolve_dtype
 from harness.checkpoints import all_finite
 from plugins.embedded import MODEL_ALIASES
@@ -75,6 +76,7 @@ def one_line_errors():
     previous = warnings.showwarning
     warnings.showwarning = one_line_warning  # the warnings module's documented hook for how a warning is shown
     try:
+        _join_torchrun()
         yield
         if _DEFERRED_CTRL_C:  # the run completed (final/ written), then it answers the Ctrl-C as a stop does
             if rank_and_world()[0] == 0:
@@ -102,6 +104,24 @@ def one_line_errors():
         raise SystemExit(1) from None
     finally:
         warnings.showwarning = previous
+
+
+def _join_torchrun() -> None:
+    """A rank of torchrun's (WORLD_SIZE > 1) dies with its launcher: a torchrun SIGKILLed or OOM-killed left its ranks
+    training on unsupervised to the end, holding their GPUs after the job had "ended". The kernel's parent-death
+    signal (PR_SET_PDEATHSIG, Linux) kills it with the launcher from here on, before the script's main() runs.
+    WORLD_SIZE > 1 that torchrun did not set (no TORCHELASTIC_RUN_ID) is refused: nothing starts the other ranks, and
+    the join waited --ddp-timeout (1,800 s by default) for them."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() in ("", "1"):
+        return
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise ArgsError(f"WORLD_SIZE={world} is set, but not by torchrun: launch with torchrun, or unset it")
+    launcher = os.getppid()
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG, the signal sent when the parent dies
+        if os.getppid() != launcher:  # it died before that
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def resolve_preset(args, presets: dict[str, dict]):
@@ -327,6 +347,29 @@ def check_reward_fields(rows: list[dict], funcs) -> None:
             f"{len(bad)} of {len(rows)} rows cannot be scored by the chosen rewards ({wanted}); "
             f"first {min(len(bad), MAX_SHOWN)}:\n  {shown}"
         )
+
+
+def _group_statistics_overflow(values: torch.Tensor, group_size: int) -> bool:
+    """Whether what GRPO's group_advantages computes of these rewards in float32 is not finite: each group's mean, the
+    deviations from it and its std, and the batch's std (--scale-rewards batch)."""
+    grouped = values.view(-1, group_size)  # (n_prompts, G)
+    mean = grouped.mean(1, keepdim=True)
+    return not all(bool(s.isfinite().all()) for s in (mean, grouped - mean, grouped.std(1), values.std()))
+
+
+def check_reward_statistics(rewards: torch.Tensor, per_func: torch.Tensor, funcs, group_size: int) -> None:
+    """RewardError when the statistics GRPO takes of the rewards (a group's mean, deviations and std; the batch's std)
+    overflow float32 though every reward is finite: 3e38 and -3e38 have an Inf std, which made every advantage 0 in
+    silence. rewards (B,): the weighted sums, per_func (B, F): each function's (NaN where it does not apply), all
+    ranks' (the script gathers them first). It names the first function whose own rewards overflow so, else the sum."""
+    if not _group_statistics_overflow(rewards, group_size):
+        return
+    names = [name for name, _, _ in funcs]
+    culprits = [(f"reward '{n}'", per_func[:, i].nan_to_num(0.0)) for i, n in enumerate(names)]
+    culprits = [(what, v) for what, v in culprits if _group_statistics_overflow(v, group_size)]
+    what, values = (culprits or [(f"the weighted sum of rewards {names}", rewards)])[0]
+    span = f"{values.min().item():g} .. {values.max().item():g}"
+    raise RewardError(f"{what}: rewards {span} overflow float32 in a group's mean or std (its advantages would be 0)")
 
 
 class StopOnCtrlC:

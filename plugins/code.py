@@ -38,7 +38,7 @@ import warnings
 
 from common.errors import RewardError
 from common.rewards import text_of
-from plugins.code_judge import MATH, PURE, JudgeKilled, holds, judge
+from plugins.code_judge import MATH, PURE, holds, judge
 
 # In the sandbox, before the solution: the fallback's isolation, rlimits, the solution as __main__, then its
 # `queries` (run_code_tests), each value written as a line "\x1e<i> <json>" (encode: builtin types, tagged where
@@ -662,11 +662,11 @@ def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
 
 
 def _judged(request: dict) -> int | None:
-    """code_judge.judge, its JudgeKilled (a judge killed by a signal not of its budget, each time it was run) a
+    """code_judge.judge, its ChildProcessError (a judge killed by a signal not of its budget, each time it was run) a
     RewardError naming the reward: the run stops in one line rather than score a sample it could not judge."""
     try:
         return judge(request)
-    except JudgeKilled as e:
+    except ChildProcessError as e:
         raise RewardError(f"reward 'code': {e}") from None
 
 

@@ -6,9 +6,9 @@ n^2 to build (22 s of CPU for 41,000 of them, inside the 1 MiB parse budget). So
 its own (`judge`: this file as `python -I -S plugins/code_judge.py`, standard library only, the request on stdin, the
 number of tests passed on stdout) under RLIMIT_CPU of JUDGE_CPU_S seconds: a judge past it is killed and its sample
 scores 0. A judge killed by anything else (the OOM killer, a SIGTERM from outside) says nothing about the solution:
-it is run again, and past JUDGE_RETRIES the run stops naming the signal (JudgeKilled), never a silent 0. A record or
-a test it cannot decode or evaluate fails that test, whatever it raises: the values are the solution's, and a
-malformed one scores 0, never stops the run."""
+it is run again, and past JUDGE_RETRIES the run stops naming the signal (ChildProcessError), never a silent 0. A
+record or a test it cannot decode or evaluate fails that test, whatever it raises: the values are the solution's,
+and a malformed one scores 0, never stops the run."""
 
 import ast
 import builtins
@@ -237,10 +237,6 @@ def holds(test: ast.AST, values: dict) -> bool:
         return False
 
 
-class JudgeKilled(RuntimeError):
-    """The judge was killed by a signal that is not its CPU budget's, JUDGE_RETRIES + 1 times in a row."""
-
-
 def _judge_once(message: bytes) -> tuple[int | None, float, bytes, bytes]:
     """One judge process on the request: (its exit status, negative for a signal, or None when it ran past
     _JUDGE_WALL_S and was killed; the CPU seconds it used; its stdout; its stderr). Reaped with os.wait4 for its CPU
@@ -271,7 +267,7 @@ def judge(request: dict) -> int | None:
     scores 0. request: the run's stdout as "output", and either "expected" (a stdin/stdout test's expected output)
     or "tests" (split asserts as text: plugins.code._Split.test unparsed) and "count" (the run's number of queries).
     A judge killed by another signal (SIGKILL before its budget was spent: the OOM killer; SIGTERM) is run again
-    with a warning, JUDGE_RETRIES times; then JudgeKilled: the sample's score is unknown, not 0."""
+    with a warning, JUDGE_RETRIES times; then ChildProcessError: the sample's score is unknown, not 0."""
     message = json.dumps(request).encode()  # ASCII (json escapes the rest): any locale reads it
     for attempt in range(JUDGE_RETRIES + 1):
         code, cpu, out, err = _judge_once(message)
@@ -287,7 +283,7 @@ def judge(request: dict) -> int | None:
             break
         killed = f"{signal.Signals(-code).name} after {cpu:.2f} s of CPU (its budget: {JUDGE_CPU_S} s)"
         if attempt == JUDGE_RETRIES:
-            raise JudgeKilled(
+            raise ChildProcessError(
                 f"the code judge was killed by {killed}, {JUDGE_RETRIES + 1} times in a row: not the solution's doing "
                 "(the OOM killer? a kill from outside?), so the sample cannot be scored"
             )
