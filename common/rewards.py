@@ -419,14 +419,14 @@ def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torc
             _warned_all_none.add(name)  # once per function: a missing dataset column would repeat it every step
             warnings.warn(f"reward '{name}' returned None for a whole batch: is its dataset column missing?")
         for j, r in enumerate(out):  # None: "does not apply" (NaN below, left out); NaN/Inf, "1.0": a broken reward
-            if r is not None and not (isinstance(r, numbers.Real) and (isinstance(r, int) or math.isfinite(r))):
+            huge = isinstance(r, int) and abs(r) >= 2**128  # past float32 (float() raises past 1e308: 10**400)
+            if r is not None and (huge or not (isinstance(r, numbers.Real) and math.isfinite(r))):  # not "1.0"
                 shown = f"completion {j} of {len(out)} ({str(completions[j])[:60]!r})"
-                problem = "a reward must be a finite number or None"
-                raise RewardError(f"reward '{name}' returned {r!r} for {shown}: {problem}")
-        per_func[:, i] = torch.tensor([math.nan if r is None else float(min(max(r, -(2**128)), 2**128)) for r in out])
+                raise RewardError(f"reward '{name}' returned {r!r:.60} for {shown}: must be a finite number or None")
+        per_func[:, i] = torch.tensor([math.nan if r is None else float(r) for r in out])
         j = next((j for j, r in enumerate(out) if r is not None and per_func[j, i].isinf()), None)
-        if j is not None:  # finite in float64, or an int (float() raises past 1e308), Inf in float32 (1e39, 10**400)
-            raise RewardError(f"reward '{name}' returned {out[j]!r:.40} for completion {j}: past float32's range")
+        if j is not None:  # finite in float64, Inf in the float32 the rewards train in (1e39)
+            raise RewardError(f"reward '{name}' returned {out[j]!r} for completion {j}: past float32's range")
     weights = torch.tensor([w for _, _, w in funcs])
     rewards = (per_func * weights).nansum(dim=1)
     if not rewards.isfinite().all():  # the weighted sum can overflow float32 where no single reward does

@@ -279,5 +279,6 @@ def test_group_statistics_are_checked_as_grpo_computes_them():
 def test_a_reward_past_floats_range_is_refused_naming_the_function():
     """10**400 is a real number (an int), and float() of it raised a bare OverflowError naming no reward."""
     funcs = [("huge_int", lambda prompts, completions, **kw: [1, 10**400], 1.0)]
-    with pytest.raises(RewardError, match=r"^reward 'huge_int' returned 1000000000.* for completion 1: past float32"):
+    huge = r"^reward 'huge_int' returned 1000000000.* for completion 1 of 2 \('b'\): must be a finite number"
+    with pytest.raises(RewardError, match=huge):
         compute_rewards(funcs, ["p", "p"], ["a", "b"], {})
