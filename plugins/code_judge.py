@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 import warnings
 
 # The expected side: literals, operators, comparisons, the builtins in PURE and math's functions in MATH, evaluated by
@@ -245,16 +245,19 @@ def _judge_once(message: bytes) -> tuple[int | None, float, bytes, bytes]:
         i.write(message)
         i.seek(0)
         proc = subprocess.Popen([sys.executable, "-I", "-S", _SELF], stdin=i, stdout=o, stderr=e)
-        walled = threading.Event()
-        timer = threading.Timer(_JUDGE_WALL_S, lambda: (walled.set(), proc.kill()))
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
+        deadline = time.monotonic() + _JUDGE_WALL_S
+        walled = False
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline and not walled:  # (not reaped yet: the pid is still the judge's)
+                proc.kill()
+                walled = True
+            time.sleep(0.002)
         proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
         return (
-            None if walled.is_set() else proc.returncode,
+            None if walled else proc.returncode,
             usage.ru_utime + usage.ru_stime,
             os.pread(o.fileno(), 1 << 20, 0),
             os.pread(e.fileno(), 1 << 12, 0),
