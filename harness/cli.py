@@ -58,7 +58,8 @@ def one_line_errors():
     A warning is one line too, `<prog>: warning: <message>`, not Python's two (file:line: category, then the
     warnings.warn( source line); one raised outside this project also names its category and origin. Off a terminal
     (a log file, CI) the hub, transformers and datasets loading bars are turned off first: their carriage-return
-    frames fill a log."""
+    frames fill a log. Under torchrun the rank is first tied to its launcher, and WORLD_SIZE without torchrun is
+    refused (_join_torchrun)."""
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's bars
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is first imported
@@ -350,8 +351,8 @@ def check_reward_fields(rows: list[dict], funcs) -> None:
 
 
 def _group_statistics_overflow(values: torch.Tensor, group_size: int) -> bool:
-    """Whether what GRPO's group_advantages computes of these rewards in float32 is not finite: each group's mean, the
-    deviations from it and its std, and the batch's std (--scale-rewards batch)."""
+    """Whether what group-relative advantages compute of these rewards in float32 is not finite: each group's mean,
+    the deviations from it and its std, and the batch's std (a batch-wide scale)."""
     grouped = values.view(-1, group_size)  # (n_prompts, G)
     mean = grouped.mean(1, keepdim=True)
     return not all(bool(s.isfinite().all()) for s in (mean, grouped - mean, grouped.std(1), values.std()))
