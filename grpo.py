@@ -54,7 +54,7 @@ from common.rollout import check_sampling, hf_generate
 # script that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import check_reward_fields, preset_label, resolve_preset
+from harness.cli import check_reward_fields, check_reward_statistics, preset_label, resolve_preset
 from harness.held_out import eval_source, reward_eval
 from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, fit_knob, plan_memory, release_heap, row_tokens
@@ -785,6 +785,7 @@ def main(args: Args) -> dict:
         n = len(sample_rows)
         rewards = torch.tensor(all_gather(rewards.tolist()), dtype=rewards.dtype)
         per_func = torch.tensor(all_gather(per_func.tolist()), dtype=per_func.dtype)
+        check_reward_statistics(rewards, per_func, reward_funcs, G)  # finite rewards whose std overflows: refused
         advantages, std_grouped = group_advantages(rewards, G, args.scale_rewards)
         advantages = advantages[rank * n : (rank + 1) * n].to(device)  # this rank's rows
         timer.mark("reward")

@@ -458,10 +458,10 @@ def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torc
             _warned_all_none.add(name)  # once per function: a missing dataset column would repeat it every step
             warnings.warn(f"reward '{name}' returned None for a whole batch: is its dataset column missing?")
         for j, r in enumerate(out):  # None: "does not apply" (NaN below, left out); NaN/Inf, "1.0": a broken reward
-            if r is not None and not (isinstance(r, numbers.Real) and math.isfinite(r)):  # float() would read "1.0"
+            huge = isinstance(r, int) and abs(r) >= 2**128  # past float32 (float() raises past 1e308: 10**400)
+            if r is not None and (huge or not (isinstance(r, numbers.Real) and math.isfinite(r))):  # not "1.0"
                 shown = f"completion {j} of {len(out)} ({str(completions[j])[:60]!r})"
-                problem = "a reward must be a finite number or None"
-                raise RewardError(f"reward '{name}' returned {r!r} for {shown}: {problem}")
+                raise RewardError(f"reward '{name}' returned {r!r:.60} for {shown}: must be a finite number or None")
         per_func[:, i] = torch.tensor([math.nan if r is None else float(r) for r in out])
         j = next((j for j, r in enumerate(out) if r is not None and per_func[j, i].isinf()), None)
         if j is not None:  # finite in float64, Inf in the float32 the rewards train in (1e39)

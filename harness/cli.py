@@ -3,6 +3,7 @@ before any weights load (LoRA settings, an --adapter's files, the fields the cho
 "stop after this step"."""
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import math
@@ -23,7 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from common.data import MAX_SHOWN, bad_field
 from common.distributed import any_rank, rank_and_world
-from common.errors import USER_ERRORS, ArgsError, DataError, ModelError, RunStopped
+from common.errors import USER_ERRORS, ArgsError, DataError, ModelError, RewardError, RunStopped
 from common.model import pick_device, require, resolve_dtype
 from harness.checkpoints import all_finite
 from plugins.embedded import MODEL_ALIASES
@@ -57,7 +58,8 @@ def one_line_errors():
     A warning is one line too, `<prog>: warning: <message>`, not Python's two (file:line: category, then the
     warnings.warn( source line); one raised outside this project also names its category and origin. Off a terminal
     (a log file, CI) the hub, transformers and datasets loading bars are turned off first: their carriage-return
-    frames fill a log."""
+    frames fill a log. Under torchrun the rank is first tied to its launcher, and WORLD_SIZE without torchrun is
+    refused (_join_torchrun)."""
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()  # transformers' and huggingface_hub's bars
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # read when datasets is first imported
@@ -75,14 +77,15 @@ def one_line_errors():
     previous = warnings.showwarning
     warnings.showwarning = one_line_warning  # the warnings module's documented hook for how a warning is shown
     try:
+        _join_torchrun()
         yield
         if _DEFERRED_CTRL_C:  # the run completed (final/ written), then it answers the Ctrl-C as a stop does
             if rank_and_world()[0] == 0:
                 print(f"{prog}: Ctrl-C: the last step and final/ were completed first; exit 130", file=sys.stderr)
             raise SystemExit(130)
     except KeyboardInterrupt:
-        prog = _rank_tag(name)
-        print(f"{prog}: interrupted", file=sys.stderr)
+        if rank_and_world()[0] == 0:  # under torchrun every rank got the Ctrl-C: rank 0 says so
+            print(f"{prog}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
     except Exception as e:
         prog = _rank_tag(name)
@@ -102,6 +105,24 @@ def one_line_errors():
         raise SystemExit(1) from None
     finally:
         warnings.showwarning = previous
+
+
+def _join_torchrun() -> None:
+    """A rank of torchrun's (WORLD_SIZE > 1) dies with its launcher: a torchrun SIGKILLed or OOM-killed left its ranks
+    training on unsupervised to the end, holding their GPUs after the job had "ended". The kernel's parent-death
+    signal (PR_SET_PDEATHSIG, Linux) kills it with the launcher from here on, before the script's main() runs.
+    WORLD_SIZE > 1 that torchrun did not set (no TORCHELASTIC_RUN_ID) is refused: nothing starts the other ranks, and
+    the join waited --ddp-timeout (1,800 s by default) for them."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.strip() in ("", "1"):
+        return
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        raise ArgsError(f"WORLD_SIZE={world} is set, but not by torchrun: launch with torchrun, or unset it")
+    launcher = os.getppid()
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG, the signal sent when the parent dies
+        if os.getppid() != launcher:  # it died before that
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def resolve_preset(args, presets: dict[str, dict]):
@@ -329,6 +350,29 @@ def check_reward_fields(rows: list[dict], funcs) -> None:
         )
 
 
+def _group_statistics_overflow(values: torch.Tensor, group_size: int) -> bool:
+    """Whether what group-relative advantages compute of these rewards in float32 is not finite: each group's mean,
+    the deviations from it and its std, and the batch's std (a batch-wide scale)."""
+    grouped = values.view(-1, group_size)  # (n_prompts, G)
+    mean = grouped.mean(1, keepdim=True)
+    return not all(bool(s.isfinite().all()) for s in (mean, grouped - mean, grouped.std(1), values.std()))
+
+
+def check_reward_statistics(rewards: torch.Tensor, per_func: torch.Tensor, funcs, group_size: int) -> None:
+    """RewardError when the statistics GRPO takes of the rewards (a group's mean, deviations and std; the batch's std)
+    overflow float32 though every reward is finite: 3e38 and -3e38 have an Inf std, which made every advantage 0 in
+    silence. rewards (B,): the weighted sums, per_func (B, F): each function's (NaN where it does not apply), all
+    ranks' (the script gathers them first). It names the first function whose own rewards overflow so, else the sum."""
+    if not _group_statistics_overflow(rewards, group_size):
+        return
+    names = [name for name, _, _ in funcs]
+    culprits = [(f"reward '{n}'", per_func[:, i].nan_to_num(0.0)) for i, n in enumerate(names)]
+    culprits = [(what, v) for what, v in culprits if _group_statistics_overflow(v, group_size)]
+    what, values = (culprits or [(f"the weighted sum of rewards {names}", rewards)])[0]
+    span = f"{values.min().item():g} .. {values.max().item():g}"
+    raise RewardError(f"{what}: rewards {span} overflow float32 in a group's mean or std (its advantages would be 0)")
+
+
 class StopOnCtrlC:
     """While a loop runs over watch(steps): Ctrl-C (SIGINT) sets .requested, so the loop can stop at the end of its
     step with a checkpoint; a second Ctrl-C aborts at once (KeyboardInterrupt). When the loop runs out (its last
@@ -348,10 +392,11 @@ class StopOnCtrlC:
 
     def _handle(self, signum, frame):
         # Under torchrun a terminal's Ctrl-C reaches each rank twice at once (from the terminal, and forwarded by
-        # torchrun): a repeat within a second is the same Ctrl-C.
+        # torchrun): a repeat within a second is the same Ctrl-C. Every rank gets it; rank 0 answers for the run.
         repeat = time.monotonic() - self.first <= 1.0
+        speaks = rank_and_world()[0] == 0
         if self.final:
-            if not repeat:
+            if not repeat and speaks:
                 print(
                     "\nCtrl-C: writing final/ first (stopping now would lose the last step); it ends by itself",
                     file=sys.stderr,
@@ -365,7 +410,8 @@ class StopOnCtrlC:
             return
         self.requested = True
         self.first = time.monotonic()
-        print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
+        if speaks:
+            print("\nCtrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)", file=sys.stderr)
 
     def _restore(self) -> None:
         if self.previous is not None:  # None: a handler not set from Python, which cannot be put back
@@ -390,7 +436,7 @@ class StopOnCtrlC:
         that the CLI exits 130 after the run's end line."""
         global _DEFERRED_CTRL_C
         self.final = True
-        if self.requested:  # pressed during the last step, which the loop let finish
+        if self.requested and rank_and_world()[0] == 0:  # pressed during the last step, which the loop let finish
             print("Ctrl-C during the last step: writing final/ first (it ends by itself)", file=sys.stderr)
         try:
             yield

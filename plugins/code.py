@@ -27,6 +27,7 @@ import resource
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -256,24 +257,70 @@ def _kind(forced: bool) -> str:
 
 # The self-check at first use: a known-good and a known-bad solution, each through a stdin/stdout run and an assert
 # run of the chosen sandbox, judged as every sample is. A sandbox that runs nothing (a program its runs cannot find,
-# namespaces refused after the probe) would otherwise score every sample 0, correct ones too, and say nothing.
+# namespaces refused after the probe) would otherwise score every sample 0, correct ones too, and say nothing. Then a
+# known escape, which proves isolation rather than function: a `bwrap` that runs its command without namespaces (a
+# shim, a stub) passed the first part, and its solutions read the host's files.
 _CHECK_TESTS = [{"input": "2\n", "output": "3\n"}, "assert f(1) == 2"]
 _GOOD = "import sys\n\n\ndef f(x):\n    return x + 1\n\n\nprint(f(int(sys.stdin.read() or 0)))"
 _BAD = _GOOD.replace("x + 1", "x - 1")
+_ESCAPE = """import socket
+leaks = []
+try:
+    if open({path!r}).read() == {secret!r}:
+        leaks.append("read the host file {path}")
+except OSError:
+    pass
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+    leaks.append("connected to the trainer's listener on 127.0.0.1:{port}")
+except OSError:
+    pass
+print("; ".join(leaks) or "isolated")
+"""
 
 
 def _self_check(kind: str, name: str) -> None:
-    """Raise RewardError, one line naming the sandbox and its stderr, unless _GOOD scores 1 and _BAD 0 in it."""
+    """Raise RewardError, one line naming the sandbox and its stderr, unless _GOOD scores 1 and _BAD 0 in it; then
+    _isolation_check."""
     try:
         scores = [run_code_tests(source, _CHECK_TESTS, kind=kind) for source in (_GOOD, _BAD)]
     except OSError as e:  # its program cannot start (gone, not executable): that is what it says
         raise RewardError(f"reward 'code': the code sandbox {name} cannot start: {e}") from None
     if scores == [1.0, 0.0]:
+        _isolation_check(kind, name)
         return
     stderr = _run(kind, _GOOD, "2\n", timeout=5.0, memory_mb=1024, max_procs=32, max_output=1 << 22, queries=())[1]
     raise RewardError(
         f"reward 'code': the code sandbox {name} failed its self-check: a known-good solution scored {scores[0]} and "
         f"a known-bad one {scores[1]}, not 1.0 and 0.0; its stderr: {' | '.join(stderr.splitlines()[-5:]) or '(none)'}"
+    )
+
+
+def _isolation_check(kind: str, name: str) -> None:
+    """A known escape must fail in the sandbox: reading a host file any user may read (a random secret in a new
+    world-readable folder of the trainer's temp dir) and connecting to a TCP listener of the trainer's on 127.0.0.1.
+    bwrap promises both (its own mount and network namespaces): one that lets either through is no sandbox, and the
+    run stops naming it (RewardError). The fallback's namespaces may be refused by the kernel, which each run warns
+    about (docs/rewards.md): there the escape is warned about once, naming what it reached."""
+    secret = secrets.token_hex(16)
+    listener = socket.create_server(("127.0.0.1", 0))
+    with tempfile.TemporaryDirectory(prefix="onlyone_isolation_") as host, listener as ear:
+        os.chmod(host, 0o755)  # readable by any uid: only the sandbox's own file system can hide it
+        path = os.path.join(host, "secret")
+        pathlib.Path(path).write_text(secret)
+        os.chmod(path, 0o644)
+        escape = _ESCAPE.format(path=path, secret=secret, port=ear.getsockname()[1])
+        out = _run(kind, escape, "", timeout=5.0, memory_mb=1024, max_procs=32, max_output=1 << 12, queries=())[0]
+    if out == "isolated\n":
+        return
+    reached = out.strip().replace("\n", " ") or "(it printed nothing)"
+    if kind == "fallback":
+        warnings.warn(f"code sandbox {name}: not isolated here: a known escape {reached}")
+        return
+    raise RewardError(
+        f"reward 'code': the code sandbox {name} failed its isolation check: a known escape {reached}; it "
+        "runs solutions without namespaces (a shim or stub named bwrap?): install bubblewrap, or set "
+        "ONLYONE_SANDBOX=fallback"
     )
 
 
@@ -604,14 +651,23 @@ def run_code_tests(code: str, tests, timeout: float = 5.0, **sandbox) -> float:
     for case in cases:
         if isinstance(case, dict):
             output = run_python(code, case["input"], timeout, **sandbox)
-            judged.append(judge({"output": output, "expected": case["output"]}))
+            judged.append(_judged({"output": output, "expected": case["output"]}))
     asserts = [ast.unparse(case.test) for case in cases if isinstance(case, _Split)]
     if asserts:
         output = run_python(code, "", timeout, queries=queries, **sandbox)
-        judged.append(judge({"output": output, "tests": asserts, "count": len(queries)}))
+        judged.append(_judged({"output": output, "tests": asserts, "count": len(queries)}))
     if None in judged:  # a judge ran past its CPU budget on what this solution printed: the sample scores 0
         return 0.0
     return sum(judged) / max(len(cases), 1)
+
+
+def _judged(request: dict) -> int | None:
+    """code_judge.judge, its ChildProcessError (a judge killed by a signal not of its budget, each time it was run) a
+    RewardError naming the reward: the run stops in one line rather than score a sample it could not judge."""
+    try:
+        return judge(request)
+    except ChildProcessError as e:
+        raise RewardError(f"reward 'code': {e}") from None
 
 
 def _row_problem(row: dict) -> tuple[str, str] | None:

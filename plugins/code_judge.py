@@ -5,8 +5,10 @@ bounds on sizes alone do not bound its cost: ints k * (2**61 - 1) all hash to 0,
 n^2 to build (22 s of CPU for 41,000 of them, inside the 1 MiB parse budget). So it runs in a short-lived process of
 its own (`judge`: this file as `python -I -S plugins/code_judge.py`, standard library only, the request on stdin, the
 number of tests passed on stdout) under RLIMIT_CPU of JUDGE_CPU_S seconds: a judge past it is killed and its sample
-scores 0. A record or a test it cannot decode or evaluate fails that test, whatever it raises: the values are the
-solution's, and a malformed one scores 0, never stops the run."""
+scores 0. A judge killed by anything else (the OOM killer, a SIGTERM from outside) says nothing about the solution:
+it is run again, and past JUDGE_RETRIES the run stops naming the signal (ChildProcessError), never a silent 0. A
+record or a test it cannot decode or evaluate fails that test, whatever it raises: the values are the solution's,
+and a malformed one scores 0, never stops the run."""
 
 import ast
 import builtins
@@ -16,8 +18,11 @@ import operator
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import warnings
 
 # The expected side: literals, operators, comparisons, the builtins in PURE and math's functions in MATH, evaluated by
@@ -75,6 +80,7 @@ _MAX_VALUES = 1 << 20  # characters of the solution's values parsed per run
 JUDGE_CPU_S = 2  # seconds of CPU to judge one run: its output's lines, or its records decoded and its asserts
 _JUDGE_MEMORY = 1 << 30  # bytes of address space: at most _MAX_VALUES of JSON decoded, _binop bounds what is built
 _JUDGE_WALL_S = 60  # a guard only (the budget is CPU time): a judge still running then has a machine too busy
+JUDGE_RETRIES = 2  # runs again of a judge killed by a signal not of its budget, before the run stops
 _SELF = os.path.abspath(__file__)
 
 
@@ -231,24 +237,63 @@ def holds(test: ast.AST, values: dict) -> bool:
         return False
 
 
+def _judge_once(message: bytes) -> tuple[int | None, float, bytes, bytes]:
+    """One judge process on the request: (its exit status, negative for a signal, or None when it ran past
+    _JUDGE_WALL_S and was killed; the CPU seconds it used; its stdout; its stderr). Reaped with os.wait4 for its CPU
+    time, which tells its budget's kill from another."""
+    with tempfile.TemporaryFile() as i, tempfile.TemporaryFile() as o, tempfile.TemporaryFile() as e:
+        i.write(message)
+        i.seek(0)
+        proc = subprocess.Popen([sys.executable, "-I", "-S", _SELF], stdin=i, stdout=o, stderr=e)
+        deadline = time.monotonic() + _JUDGE_WALL_S
+        walled = False
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline and not walled:  # (not reaped yet: the pid is still the judge's)
+                proc.kill()
+                walled = True
+            time.sleep(0.002)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        return (
+            None if walled else proc.returncode,
+            usage.ru_utime + usage.ru_stime,
+            os.pread(o.fileno(), 1 << 20, 0),
+            os.pread(e.fileno(), 1 << 12, 0),
+        )
+
+
 def judge(request: dict) -> int | None:
     """How many of a run's tests pass, judged by this file in a child process under JUDGE_CPU_S seconds of CPU (the
     trainer computes nothing on what the solution printed); None if the judge ran past its budget: the sample then
     scores 0. request: the run's stdout as "output", and either "expected" (a stdin/stdout test's expected output)
-    or "tests" (split asserts as text: plugins.code._Split.test unparsed) and "count" (the run's number of queries)."""
+    or "tests" (split asserts as text: plugins.code._Split.test unparsed) and "count" (the run's number of queries).
+    A judge killed by another signal (SIGKILL before its budget was spent: the OOM killer; SIGTERM) is run again
+    with a warning, JUDGE_RETRIES times; then ChildProcessError: the sample's score is unknown, not 0."""
     message = json.dumps(request).encode()  # ASCII (json escapes the rest): any locale reads it
-    try:
-        result = subprocess.run(
-            [sys.executable, "-I", "-S", _SELF], input=message, capture_output=True, timeout=_JUDGE_WALL_S, check=False
-        )
-    except subprocess.TimeoutExpired:  # (subprocess.run has killed it)
-        warnings.warn(f"code judge: {_JUDGE_WALL_S} s of wall time before {JUDGE_CPU_S} s of CPU: a sample scores 0")
-        return None
-    if result.returncode < 0:  # SIGXCPU at the budget, or SIGKILL a second later: the solution's output costs too much
-        return None
-    if result.returncode != 0:  # the judge's own failure, not the solution's: never a silent 0
-        raise RuntimeError(f"the code judge failed: {result.stderr.decode(errors='replace')[-1000:]}")
-    return int(result.stdout)
+    for attempt in range(JUDGE_RETRIES + 1):
+        code, cpu, out, err = _judge_once(message)
+        if code is None:
+            warnings.warn(
+                f"code judge: {_JUDGE_WALL_S} s of wall time before {JUDGE_CPU_S} s of CPU: the sample scores 0"
+            )
+            return None
+        # its budget: SIGXCPU at JUDGE_CPU_S s of CPU, or the hard limit's SIGKILL a second later
+        if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu >= JUDGE_CPU_S):
+            return None
+        if code >= 0:
+            break
+        killed = f"{signal.Signals(-code).name} after {cpu:.2f} s of CPU (its budget: {JUDGE_CPU_S} s)"
+        if attempt == JUDGE_RETRIES:
+            raise ChildProcessError(
+                f"the code judge was killed by {killed}, {JUDGE_RETRIES + 1} times in a row: not the solution's doing "
+                "(the OOM killer? a kill from outside?), so the sample cannot be scored"
+            )
+        warnings.warn(f"code judge: killed by {killed}, not by its budget: judging the sample again")
+    if code != 0:  # the judge's own failure, not the solution's: never a silent 0
+        raise RuntimeError(f"the code judge failed: {err.decode(errors='replace')[-1000:]}")
+    return int(out)
 
 
 def _passed(request: dict) -> int:

@@ -334,3 +334,105 @@ def test_a_sandbox_failing_its_self_check_stops_the_run_in_one_line(tmp_path, mo
     message = str(caught.value)
     assert message.startswith(f"reward 'code': the code sandbox bwrap ({fake}) failed its self-check: "), message
     assert "fake-bwrap: runs nothing" in message and "\n" not in message
+
+
+def test_a_bwrap_without_namespaces_fails_the_isolation_check(tmp_path, monkeypatch, bwrap_chosen_afresh):
+    """A `bwrap` that runs its command without namespaces (it only honours --chdir's effect: it runs in the folder
+    holding solution.py) passed the self-check, which tested function: good and bad solutions scored 1 and 0, and a
+    solution then read a host file. The self-check runs a known escape now, a world-readable host file and a TCP
+    listener of the trainer's: the run stops in one line naming bwrap and what the escape reached."""
+    fake = tmp_path / "bin" / "bwrap"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\nimport os, sys\nargs = sys.argv[1:]\n"
+        "os.chdir(os.path.dirname(args[args.index('/tmp/solution.py') - 1]))\n"
+        f"start = args.index({code._PYTHON!r})\nos.execv(args[start], args[start:])\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    with pytest.raises(RewardError) as caught:
+        code_reward(None, ["def f(x):\n    return x + 1"], test_cases=[["assert f(1) == 2"]])
+    message = str(caught.value)
+    assert message.startswith(f"reward 'code': the code sandbox bwrap ({fake}) failed its isolation check: "), message
+    assert "read the host file" in message and "connected to the trainer's listener" in message, message
+    assert "\n" not in message
+
+
+def test_the_real_sandboxes_pass_the_isolation_check(kind, no_leftovers):
+    """The escape fails in both sandboxes here: bwrap, and the fallback where the kernel allows its namespaces."""
+    from plugins.code import _ESCAPE, _isolation_check
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback warns where the escape got through
+        _isolation_check(kind, kind)
+    assert "socket.create_connection" in _ESCAPE
+
+
+# ------------------------------------------------------------------------------------------ a judge killed by a signal
+def _fake_judge(tmp_path, monkeypatch, body: str) -> None:
+    """The judge's process replaced by a script: body, then (if it gets there) the real judge."""
+    from plugins import code_judge
+
+    script = tmp_path / "judge.py"
+    script.write_text(
+        f"import os, signal, sys\n{body}\n"
+        f"os.execv(sys.executable, [sys.executable, '-I', '-S', {code_judge._SELF!r}])\n"
+    )
+    monkeypatch.setattr(code_judge, "_SELF", str(script))
+
+
+def test_a_judge_killed_by_a_signal_is_an_error_naming_it_never_a_silent_0(tmp_path, monkeypatch):
+    """A judge killed by the OOM killer (SIGKILL long before its CPU budget) or a SIGTERM scored a correct solution
+    0 in silence. It is judged again (JUDGE_RETRIES times, a warning each), then the run stops in one line naming the
+    reward and the signal."""
+    run_code_tests("pass", ["assert 1 == 1"])  # the sandbox's first use checks itself: before the patch
+    for sig in ("SIGKILL", "SIGTERM"):
+        _fake_judge(tmp_path, monkeypatch, f"os.kill(os.getpid(), signal.{sig})")
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(RewardError) as error:
+            warnings.simplefilter("always")
+            run_code_tests("def f(x):\n    return x + 1", ["assert f(1) == 2"])
+        message = str(error.value)
+        assert message.startswith(f"reward 'code': the code judge was killed by {sig} after "), message
+        assert "3 times in a row" in message and "\n" not in message
+        assert sum("judging the sample again" in str(w.message) for w in caught) == 2
+
+
+def test_a_judge_killed_once_is_judged_again(tmp_path, monkeypatch):
+    """Killed the first time only: the sample gets its true score, with one warning."""
+    run_code_tests("pass", ["assert 1 == 1"])
+    marker = tmp_path / "killed-once"
+    _fake_judge(
+        tmp_path,
+        monkeypatch,
+        f"if not os.path.exists({str(marker)!r}):\n    open({str(marker)!r}, 'w').close()\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run_code_tests("def f(x):\n    return x + 1", ["assert f(1) == 2", "assert f(2) == 3"]) == 1.0
+    assert ["code judge: killed by SIGKILL" in str(w.message) for w in caught] == [True]
+
+
+def test_a_judge_past_its_cpu_budget_still_scores_0_quietly(tmp_path, monkeypatch):
+    """What the budget kills (SIGXCPU at RLIMIT_CPU; the hard limit's SIGKILL once the budget is spent) is the
+    solution's output costing too much: 0, no warning, no error."""
+    from plugins import code_judge
+
+    run_code_tests("pass", ["assert 1 == 1"])
+    monkeypatch.setattr(code_judge, "JUDGE_CPU_S", 1)
+    spin = "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (1, 2))\n{ignore}while True:\n    pass"
+    for ignore in ("", "signal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"):  # SIGXCPU, then the hard limit's SIGKILL
+        _fake_judge(tmp_path, monkeypatch, spin.format(ignore=ignore))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert run_code_tests("def f(x):\n    return x + 1", ["assert f(1) == 2"]) == 0.0
+
+
+def test_a_judge_killed_during_the_self_check_is_named_not_the_sandbox(tmp_path, monkeypatch, bwrap_chosen_afresh):
+    """The self-check's known-good solution judged by a judge that is killed: the run stops naming the judge and its
+    signal, not `the code sandbox ... failed its self-check`."""
+    _fake_judge(tmp_path, monkeypatch, "os.kill(os.getpid(), signal.SIGKILL)")
+    with pytest.raises(RewardError) as caught, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code_reward(None, ["def f(x):\n    return x + 1"], test_cases=[["assert f(1) == 2"]])
+    assert str(caught.value).startswith("reward 'code': the code judge was killed by SIGKILL"), caught.value

@@ -10,6 +10,7 @@ loop: one writer, a resume of a killed run, Ctrl-C, a breaker stop, a NaN stop, 
 dies, and two "nodes" on 127.0.0.1.
 """
 
+import contextlib
 import importlib
 import json
 import math
@@ -87,9 +88,12 @@ def flags(kw: dict) -> list[str]:
     return out
 
 
-def torchrun(script: str, kw: dict, nproc: int = 2, timeout: float = 300, extra: tuple = ()) -> subprocess.Popen:
-    """torchrun --standalone (a free port) with the script's flags; the caller waits."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *extra]
+def torchrun(
+    script: str, kw: dict, nproc: int = 2, timeout: float = 300, extra: tuple = (), via: str = "torch.distributed.run"
+) -> subprocess.Popen:
+    """torchrun --standalone (a free port) with the script's flags (via: torchrun's module, or harness.torchrun);
+    the caller waits."""
+    launcher = [sys.executable, "-m", via, "--standalone", f"--nproc-per-node={nproc}", *extra]
     return subprocess.Popen(
         [*launcher, f"{script}.py", *flags(kw)],
         cwd=ROOT,
@@ -288,11 +292,12 @@ def _workers(launcher_pid: int) -> list[int]:
 
 
 def test_ctrl_c_stops_every_rank_after_the_same_step_with_one_checkpoint(tiny_model_dir, prefs, tmp_path):
-    """SIGINT to torchrun (it forwards the signal to each rank): every rank stops after the same step (the request is
-    all-reduced), one checkpoint of that step, rank 0's one line with the resume command (the ranks exit 130;
-    torchrun itself reports the signal it got)."""
+    """SIGINT to the launcher (it forwards the signal to each rank): every rank stops after the same step (the request
+    is all-reduced), one checkpoint of that step, and each line once: rank 0's (every rank printed `Ctrl-C: stopping
+    after this step`). Through harness.torchrun the launcher exits 130, as one process does, without torchrun's
+    traceback (plain torchrun: status 1 and its SignalException's traceback, after the ranks exited 130)."""
     kw = setup("sft", tiny_model_dir, prefs, max_steps=500, save_steps=0)
-    proc = torchrun("sft", {**kw, "output_dir": str(tmp_path / "out")})
+    proc = torchrun("sft", {**kw, "output_dir": str(tmp_path / "out")}, via="harness.torchrun")
     deadline = time.time() + 120
     while time.time() < deadline:
         runs = os.listdir(tmp_path / "out") if os.path.isdir(tmp_path / "out") else []
@@ -302,11 +307,66 @@ def test_ctrl_c_stops_every_rank_after_the_same_step_with_one_checkpoint(tiny_mo
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGINT)
     code, _, err = finish(proc, timeout=120)
-    assert code != 0
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert err.count("Ctrl-C: stopping after this step") == 1, err[-3000:]
     lines = [line for line in err.splitlines() if "stopped at step" in line]
     assert len(lines) == 1 and "(Ctrl-C)" in lines[0] and "--resume-from-checkpoint" in lines[0], err[-3000:]
     step = lines[0].split("stopped at step ")[1].split()[0]
     assert _checkpoints(tmp_path / "out") == [f"step-{step}"]
+
+
+def test_ranks_die_with_their_launcher(tiny_model_dir, prefs, tmp_path):
+    """torchrun SIGKILLed (or OOM-killed) mid-run: its ranks ran on unsupervised to the end (63 s later they wrote
+    final/), holding their GPUs after the job had "ended". Each rank has a parent-death signal now: both are gone
+    within seconds, and no final/ is written."""
+    kw = setup("sft", tiny_model_dir, prefs, max_steps=2000, save_steps=0)
+    proc = torchrun("sft", {**kw, "output_dir": str(tmp_path / "out")})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not _checkpoints_or_metrics(tmp_path / "out"):
+            time.sleep(0.05)
+        ranks = _workers(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher alone (its ranks hold its pipes: read them after)
+        deadline = time.time() + 30
+        while time.time() < deadline and [pid for pid in ranks if _alive(pid)]:
+            time.sleep(0.1)
+        assert not [pid for pid in ranks if _alive(pid)], "a rank outlived its launcher by 30 s"
+        assert not os.path.exists(os.path.join(run_dir_of(tmp_path / "out"), "final"))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (the ranks share the launcher's process group)
+        proc.communicate(timeout=60)
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid is a process that has not exited (a zombie waiting to be reaped has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_world_size_without_torchrun_is_refused_at_once(monkeypatch, capsys):
+    """WORLD_SIZE set by hand, with no other rank to join: the join waited --ddp-timeout (1,800 s by default) for a
+    peer nothing would start. The CLI refuses it before main() runs, in one line naming WORLD_SIZE."""
+    from common.distributed import init_distributed
+    from harness.cli import one_line_errors
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(SystemExit) as stopped, one_line_errors():
+        init_distributed(5)  # (what main() would do first: on the old code it waited 5 s for rank 1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 1 and len(err) == 1, err
+    assert err[0].endswith(": error: WORLD_SIZE=2 is set, but not by torchrun: launch with torchrun, or unset it")
 
 
 def test_a_breaker_stops_every_rank_at_the_same_step(tiny_model_dir, prefs, tmp_path):

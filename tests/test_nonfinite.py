@@ -228,3 +228,57 @@ def test_a_reward_model_holding_nan_is_refused_when_named(adapter_dir, tmp_path)
         model_reward(f"model:{path}")
     with pytest.raises(ArgsError, match=r"--rewards model:.*:nan: the weight must be a finite number"):
         model_reward(f"model:{adapter_dir}:nan")
+
+
+def test_rewards_whose_group_statistics_overflow_are_refused_naming_the_function(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """3e38 and -3e38 fit float32, but their group's std does not: it was Inf and every advantage 0, in silence (a run
+    that trained nothing and exited 0). grpo.py refuses it before the advantages, naming the function (every rank's
+    rewards: grpo gathers them first, so --scale-rewards batch is covered too)."""
+    advantages, std = grpo.group_advantages(torch.tensor([3e38, -3e38]), 2)  # what it gave: no signal, no word
+    assert advantages.tolist() == [0.0, 0.0] and std.isinf().all()
+    code = "def wide(prompts, completions, **kw):\n    return [3e38 * (-1) ** i for i in range(len(completions))]\n"
+    (tmp_path / "wide_reward.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = grpo.Args(
+        model=tiny_model_dir,
+        dataset=data_for("grpo", tmp_path),
+        output_dir=str(tmp_path / "runs"),
+        rewards=["format", "wide_reward:wide"],
+        preset="demo",
+        eval_steps=0,
+        max_steps=2,
+        prompts_per_step=2,
+        group_size=2,
+        max_completion_length=4,
+    )
+    with pytest.raises(RewardError, match=r"^reward 'wide': rewards -3e\+38 .. 3e\+38 overflow float32 in a group's"):
+        grpo.main(args)
+
+
+def test_group_statistics_are_checked_as_grpo_computes_them():
+    """The weighted sum decides (a function's overflowing rewards scaled down by its weight train as they are); the
+    first function whose own rewards overflow is named, else the sum; large rewards whose statistics fit pass."""
+    from harness.cli import check_reward_statistics
+
+    funcs = [("a", None, 1.0), ("b", None, 1.0)]
+    fine = torch.tensor([1e37, -1e37, 0.0, 5.0])
+    check_reward_statistics(fine, torch.stack([fine, fine * 0], 1), funcs, 2)
+    check_reward_statistics(fine, torch.stack([fine, fine * 0], 1), funcs, 4)
+    each_fits = torch.tensor([[1.5e38, 1.5e38], [-1.5e38, -1.5e38]])  # (B, F): each function's group std fits
+    with pytest.raises(RewardError, match=r"^the weighted sum of rewards \['a', 'b'\]: rewards -3e\+38 .. 3e\+38"):
+        check_reward_statistics(each_fits.sum(1), each_fits, funcs, 2)
+    one_wide = torch.tensor([[1.0, 3e38], [1.0, -3e38]])
+    with pytest.raises(RewardError, match=r"^reward 'b': rewards"):
+        check_reward_statistics(one_wide.sum(1), one_wide, funcs, 2)
+    with pytest.raises(RewardError, match=r"^reward 'a': rewards 3e\+38 .. 3e\+38"):  # the mean's sum
+        check_reward_statistics(torch.tensor([3e38, 3e38]), torch.tensor([[3e38], [3e38]]), funcs[:1], 2)
+
+
+def test_a_reward_past_floats_range_is_refused_naming_the_function():
+    """10**400 is a real number (an int), and float() of it raised a bare OverflowError naming no reward."""
+    funcs = [("huge_int", lambda prompts, completions, **kw: [1, 10**400], 1.0)]
+    huge = r"^reward 'huge_int' returned 1000000000.* for completion 1 of 2 \('b'\): must be a finite number"
+    with pytest.raises(RewardError, match=huge):
+        compute_rewards(funcs, ["p", "p"], ["a", "b"], {})
