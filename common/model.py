@@ -18,15 +18,19 @@ import importlib.util
 import inspect
 import json
 import os
+import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from peft.import_utils import is_bnb_4bit_available, is_bnb_available
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DynamicCache
 from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.utils.import_utils import is_bitsandbytes_available
 
+from common import HIDDEN
 from common.data import looks_local
 from common.distributed import is_sharded, local_tensor, reshard
 from common.errors import ModelError
@@ -48,6 +52,11 @@ def pick_device() -> torch.device:
 
 def require(package: str, hint: str):
     """Import an optional package or fail with a one-line install hint (GPU extras are never imported eagerly)."""
+    if package in HIDDEN:  # back, without what PEFT and transformers cached of it while it was hidden
+        HIDDEN.discard(package)
+        sys.modules.pop(package, None)
+        for cached in (is_bnb_available, is_bnb_4bit_available, is_bitsandbytes_available):
+            cached.cache_clear()
     if importlib.util.find_spec(package) is None:
         raise ImportError(f"{hint} needs the optional package '{package}': pip install {package}")
     return importlib.import_module(package)

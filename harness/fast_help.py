@@ -12,6 +12,8 @@ import types
 
 import tyro
 
+import common
+
 # Project modules an Args may import from that import nothing heavy (only typing and tyro).
 LIGHT = ("harness.flags",)
 
@@ -25,11 +27,12 @@ def help_before_imports(module_name: str, path: str, description: str | None) ->
 
 
 def import_peft_quietly() -> None:
-    """PEFT (imported by transformers' trainer utilities too) imports bitsandbytes whenever it is installed, and
+    """PEFT imports bitsandbytes whenever it is installed (at import, and again for every LoRA it creates), and
     bitsandbytes on a CPU with AVX-512 BF16 then asks the hub for a kernel and logs a line on stderr, in every run.
-    Imports PEFT with bitsandbytes hidden (None in sys.modules makes its import fail, and PEFT goes on without it);
-    bitsandbytes loads when 4-bit, 8-bit or 8-bit AdamW asks for it (common.model.require), and only then, and each
-    line it logs then says why it was loaded."""
+    Hides bitsandbytes for the run (None in sys.modules: importing it fails and looking for it finds nothing, so PEFT
+    and transformers go on without it; common.HIDDEN says we did) and imports PEFT. common.model.require,
+    called where 4-bit, 8-bit or 8-bit AdamW asks for bitsandbytes, brings it back; each line it logs then says why
+    it was loaded."""
     if "peft" in sys.modules or "bitsandbytes" in sys.modules:
         return
     said = logging.StreamHandler()
@@ -37,10 +40,8 @@ def import_peft_quietly() -> None:
     logging.getLogger("bitsandbytes").addHandler(said)
     logging.getLogger("bitsandbytes").propagate = False
     sys.modules["bitsandbytes"] = None
-    try:
-        import peft  # noqa: F401
-    finally:
-        del sys.modules["bitsandbytes"]
+    common.HIDDEN.add("bitsandbytes")
+    import peft  # noqa: F401
 
 
 def print_help(path: str, description: str | None) -> None:

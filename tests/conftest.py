@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import peft  # noqa: F401  (first: a script the tests import then leaves bitsandbytes as it is, see below)
 import pytest
 import torch
 
@@ -17,6 +18,9 @@ NO_SHARED_DATA = "shared data folder"  # the start of the skip reason the shared
 # One thread: on a 2-vCPU machine torch is far faster and steadier for tiny models (tests only, not a user default).
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# PEFT is imported above, before any test imports a script: a script's import_peft_quietly (harness.fast_help) then
+# hides nothing in the test processes, where test_quantization loads bitsandbytes in-process; the hiding is tested in
+# fresh processes (tests/test_model.py).
 
 from tests.tiny import write_tiny
 

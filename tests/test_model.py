@@ -255,7 +255,8 @@ def test_no_entry_point_imports_bitsandbytes_unless_asked(entry):
     kernel and logs a line in every run. Each entry point imports PEFT without it; 4-bit, 8-bit and 8-bit AdamW load it
     (tests/test_quantization.py)."""
     pytest.importorskip("bitsandbytes")  # installed by --dev; without it there is nothing to hide
-    code = f"import sys, {entry}; print('peft' in sys.modules, [m for m in sys.modules if m.startswith('bitsand')])"
+    loaded = "[m for m, v in sys.modules.items() if 'bitsand' in m and v]"
+    code = f"import sys, {entry}; print('peft' in sys.modules, {loaded})"
     code += "; import logging; logging.getLogger('bitsandbytes.backends.cpu.ops').warning('no kernel: %s', 'offline')"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, check=True)
@@ -263,6 +264,28 @@ def test_no_entry_point_imports_bitsandbytes_unless_asked(entry):
     # what it would log once loaded (on a CPU with AVX-512 BF16, a kernel it cannot fetch) says why it was loaded
     said = "bitsandbytes (loaded for 4-bit, 8-bit or 8-bit AdamW) says: no kernel: offline"
     assert done.stderr.splitlines() == [said], done.stderr[-2000:]
+
+
+def test_a_plain_run_never_loads_bitsandbytes_and_4bit_still_does(tiny_model_dir, tmp_path):
+    """PEFT imports bitsandbytes again for every LoRA it creates: a whole sft run (model, LoRA, a step, final/) loads
+    none of it, and the same process then loads a 4-bit base with PEFT's 4-bit LoRA layers: bitsandbytes comes back
+    when asked for, whatever PEFT and transformers cached while it was hidden."""
+    pytest.importorskip("bitsandbytes")
+    code = (
+        "import sys, collections, sft\n"
+        f"sft.main(sft.Args(model={tiny_model_dir!r}, preset='demo', max_steps=1, output_dir={str(tmp_path)!r}))\n"
+        "print('LOADED', [m for m, v in sys.modules.items() if 'bitsand' in m and v])\n"
+        "from common.model import attach_lora, load_model\n"
+        f"model = attach_lora(load_model({tiny_model_dir!r}, quantization='4bit')[0])\n"
+        "print('LORA', sorted({type(m).__module__ for m in model.modules() if hasattr(m, 'lora_A')}))\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stdout.splitlines() if line.startswith(("LOADED", "LORA"))]
+    assert said == ["LOADED []", "LORA ['peft.tuners.lora.bnb']"], done.stdout[-2000:]
+    before_4bit = done.stderr.split("bitsandbytes (loaded for")[0]
+    assert "bitsandbytes" not in before_4bit and "kernels" not in before_4bit, before_4bit[-2000:]
 
 
 def test_version_shims_follow_the_installed_transformers(tiny_model_dir):
