@@ -150,6 +150,27 @@ def test_run_tests_without_bubblewrap_or_chromium_says_in_a_line_each_what_skips
     assert len(ran) == len(run_tests.commands(None)) and ran[0] == "$ ruff check ." and "'not vllm" in ran[2], ran
 
 
+def test_run_tests_without_the_shared_data_says_in_a_line_which_tests_skip(tmp_path, monkeypatch, capsys):
+    """25 tests skipped without a word before the suite's last line when ../shared/data was absent (issue 52, item 3):
+    the test command names the folder, the files whose tests skip and what they cover, as it does for bubblewrap and
+    chromium, and runs the rest; with the folder there it says nothing of it."""
+    from scripts import run_tests
+
+    monkeypatch.setattr(sys, "argv", ["run_tests.py", "--dry-run", "--no-vllm"])
+    monkeypatch.setattr(run_tests, "SHARED_DATA", tmp_path / "absent")
+    assert run_tests.main() == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if str(tmp_path / "absent") in line]
+    assert len(said) == 1 and said[0].startswith(f"run_tests: no {tmp_path / 'absent'}: "), said
+    assert "skip" in said[0] and "not shipped with a clone" in said[0] and "ONLYONE_SHARED_DATA" in said[0]
+    named = re.search(r"skip \((.*?): ", said[0]).group(1).split(", ")
+    assert {"test_data.py", "test_evals.py", "test_math_checker.py"} <= set(named), named
+    assert all((ROOT / "tests" / name).is_file() for name in named)
+    (tmp_path / "present").mkdir()
+    monkeypatch.setattr(run_tests, "SHARED_DATA", tmp_path / "present")
+    assert run_tests.main() == 0
+    assert "present" not in capsys.readouterr().out
+
+
 def test_run_tests_lints_first_then_runs_the_suite_over_the_cores_beside_the_reruns_and_the_vllm_tests():
     """Lint alone first; then lane 1, the suite under pytest-xdist (each file whole in one worker, tests/conftest.py's
     groups) without its lane2 tests, at the same time as lane 2: the numerics tests under AVX2 and under ATen's
