@@ -66,6 +66,14 @@ NUMERICS = [
 WORKERS = min(8, max(2, len(os.sched_getaffinity(0))))
 
 
+def vllm_venv():
+    """scripts/vllm_venv.py as a module, loaded by its path (this file runs as a script and is imported by tests)."""
+    spec = importlib.util.spec_from_file_location("vllm_venv", ROOT / "scripts" / "vllm_venv.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def missing() -> list[str]:
     """One line per missing requirement: what it is, what needs it, the command that gets it."""
     lines = []
@@ -158,7 +166,7 @@ def run_lane(steps: list[tuple[dict, list[str]]], env: dict, done: list, lock: t
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM tests (and making their virtualenv)")
-    parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", str(ROOT / ".venv-vllm")))
+    parser.add_argument("--vllm-venv", default=str(vllm_venv().default_venv()), help="default: %(default)s")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
     args = parser.parse_args()
     lacking = missing()

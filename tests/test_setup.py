@@ -112,6 +112,27 @@ def test_vllm_venv_made_from_inside_a_venv_sees_that_venvs_packages(tmp_path):
     assert done.stdout.split()[2] == importlib.import_module("torch").__file__
 
 
+def test_the_vllm_venv_goes_outside_the_checkout_into_the_users_cache(tmp_path):
+    """The tests' vLLM virtualenv (2.4 GB) was made as .venv-vllm/ inside the checkout (issue 52): by default it goes
+    to the user's cache, $XDG_CACHE_HOME/onlyone/vllm-venv-<hex of the interpreter> (VLLM_VENV elsewhere), and the
+    test command looks for it there."""
+    from scripts import run_tests
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_VENV", "ONLYONE_CACHE")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    cmd = [sys.executable, "scripts/vllm_venv.py", "--no-install"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True)
+    made = pathlib.Path(re.match(r"vllm venv: (\S+) on top of", done.stdout).group(1))
+    assert made.parent == tmp_path / "cache" / "onlyone" and re.fullmatch(r"vllm-venv-[0-9a-f]{8}", made.name), made
+    assert (made / "bin" / "python").exists() and ROOT not in made.parents
+    where = subprocess.run([*cmd[:2], "--where"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert where.stdout.strip() == str(made)
+    moved = subprocess.run([*cmd[:2], "--where"], cwd=ROOT, env={**env, "VLLM_VENV": str(tmp_path / "v")},
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert moved.stdout.strip() == str(tmp_path / "v")
+    assert ROOT not in run_tests.vllm_venv().default_venv().resolve().parents
+
+
 def test_run_tests_names_each_missing_requirement_with_the_command_that_gets_it(monkeypatch):
     from scripts import run_tests
 
