@@ -590,6 +590,8 @@ class Checkpoints:
         self.elapsed_before = float(elapsed) if isinstance(elapsed, int | float) else 0.0
         broadcast(None)  # every rank has chosen its checkpoint before rank 0 moves any
         if rank == 0:
+            of = f" of {total_steps}" if total_steps is not None else ""
+            print(f"resuming from {ckpt} at step {meta['step']}{of} (run dir {self.run_dir})", flush=True)
             self._set_aside_newer(ckpt, meta["step"])
         return meta["step"], meta["trainer_state"] | state.get("tensors", {})
 

@@ -58,6 +58,8 @@ def resumed_run_dir(resume_path: str) -> str | None:
     if os.path.isfile(os.path.join(path, COMPLETE)):  # a checkpoint
         parent = os.path.dirname(os.path.abspath(path))
         run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+        if run_dir and not os.path.isabs(path):  # named as the user named it, as a new run's dir is (runs/...)
+            run_dir = os.path.relpath(run_dir)
     elif os.path.isdir(os.path.join(path, "checkpoints")):
         run_dir = path
     else:

@@ -163,6 +163,23 @@ def test_a_finished_run_dir_keeps_no_lock_file_and_a_crashed_one_keeps_it_for_it
     assert ".lock" not in os.listdir(crashed[0]) and (crashed[0] / "final").is_dir()
 
 
+def test_a_resume_says_so_and_names_its_run_dir_as_a_new_run_does(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A resume never said it was resuming, and named its run dir by its absolute path where a new run names it as
+    --output-dir does (issue 52): one line names the checkpoint and its step, and the run dir is the same string."""
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    kw = dict(model=tiny_model_dir, dataset=data, output_dir="runs", max_steps=2, save_steps=1, report_to="none")
+    first = sft.main(sft.Args(**kw))
+    assert first["run_dir"].startswith("runs/sft__"), first["run_dir"]
+    capsys.readouterr()
+    checkpoint = os.path.join(first["run_dir"], "checkpoints", "step-2")
+    resumed = sft.main(sft.Args(**kw | dict(max_steps=3, resume_from_checkpoint=checkpoint)))
+    out = capsys.readouterr().out
+    assert resumed["run_dir"] == first["run_dir"] and f"run dir {first['run_dir']}, saved" in out, out[-2000:]
+    said = [line for line in out.splitlines() if line.startswith("resuming")]
+    assert said == [f"resuming from {checkpoint} at step 2 of 3 (run dir {first['run_dir']})"], out[-2000:]
+
+
 # ------------------------------------------------------------------------ Ctrl-C at the end of a run (issue 40 §5)
 PREFS = [{"prompt": f"Pick {i}", "chosen": f"yes {i}", "rejected": f"no {i} no"} for i in range(8)]  # dpo's rows
 END_RUNS = {  # two steps of each on the tiny model
