@@ -49,7 +49,7 @@ KERNEL_CACHE = 1024
 KERNEL_BYTES = int(0.64 * 2**20)
 SLOW_STEP_S = 60.0  # a CPU step predicted to take longer than this is named with the settings that take less
 RATE_ROWS = 2048  # rows of the matmul that measures this CPU's speed (cpu_matmul_rate)
-ROWS_KNOBS = ("per_device_train_batch_size", "groups_per_micro_batch")  # rows of a micro-batch: its passes scale
+ROWS_KNOB = "per_device_train_batch_size"  # TRL's rows a micro-batch: the knob whose passes scale with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -720,11 +720,11 @@ def cheaper_settings(
         trials = []  # (kind, flag, passes, micro-batches a step), each kind's halvings in order
         v = value // 2
         while v >= least:
-            if name in ROWS_KNOBS and ga:
+            if name == ROWS_KNOB and ga:
                 flag = f"{flag_name(name)} {v} --gradient-accumulation-steps {math.ceil(value * ga / v)}"
                 fewer = scaled_phases(phases, v / value, longest=longest)
                 trials.append(("the same rows a step", flag, fewer, math.ceil(value * ga / v)))
-            if name in ROWS_KNOBS and slow:
+            if name == ROWS_KNOB and slow:
                 fewer = scaled_phases(phases, v / value, longest=longest)
                 trials.append(("fewer rows a step", f"{flag_name(name)} {v}", fewer, micro))
             if name == "max_length":
