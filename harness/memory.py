@@ -633,8 +633,9 @@ def cpu_matmul_rate(hidden: int, intermediate: int, fp32: bool, threads: int) ->
     torch thread count), best of 3 after a warm-up: about 0.1 s. A step's other work (attention's softmax, norms,
     the optimizer, Python) only adds, so a time from it is a floor."""
     dtype = torch.float32 if fp32 else torch.bfloat16
-    a = torch.randn(RATE_ROWS, hidden, dtype=dtype)
-    b = torch.randn(hidden, intermediate, dtype=dtype)
+    own = torch.Generator().manual_seed(0)  # not torch's global stream: the run's seeded draws stay as they were
+    a = torch.randn(RATE_ROWS, hidden, dtype=dtype, generator=own)
+    b = torch.randn(hidden, intermediate, dtype=dtype, generator=own)
     torch.mm(a, b)
     best = math.inf
     for _ in range(3):

@@ -826,3 +826,14 @@ def test_a_slow_cpu_step_is_said_with_the_settings_that_take_less(tiny_model_dir
     assert {q[0].split()[0] for q in quick} == {"--per-device-train-batch-size", "--max-length"}, line
     assert all(int(q[1]) < memory.SLOW_STEP_S for q in quick), line
     assert "--gradient-accumulation-steps" in line and "--gradient-checkpointing" in line, line
+
+
+def test_the_plan_leaves_torchs_random_stream_as_it_was(tiny_model_dir, on_cpu):
+    """Timing this CPU's matmul (cpu_matmul_rate, on a CPU plan) draws its operands from a generator of its own: a run
+    seeded before its plan samples after it exactly as it would without it (its LoRA init, a fork's the same)."""
+    memory.cpu_matmul_rate.cache_clear()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    dpo.memory_plan(dpo.Args(model=tiny_model_dir), [])
+    assert memory.cpu_matmul_rate.cache_info().misses == 1  # the CPU was timed
+    assert torch.equal(torch.get_rng_state(), before)
