@@ -429,7 +429,7 @@ def main(args: Args) -> dict:
         builtin=builtin_rows,
         hub=hub_rows,
     )  # eval_rows [] without --eval-split
-    print_config("dpo", preset_label(args, PRESETS), args.model, training_lines(args, len(rows), args.use_lora))
+    print_config(args, preset_label(args, PRESETS), training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
@@ -567,7 +567,7 @@ def main(args: Args) -> dict:
     logger.close()
     close_distributed()
     took = logger.took(checkpoints.elapsed())
-    print(f"dpo: {logger.trend('loss', 'rewards/accuracies')}, {took}, saved {final_dir}")
+    print(f"{args.exp_name}: {logger.trend('loss', 'rewards/accuracies')}, {took}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -692,9 +692,7 @@ def main(args: Args) -> dict:
     # --groups-per-micro-batch None: on a GPU as many of a rank's groups as the memory plan fits in one micro-batch
     fits = functools.partial(memory_plan, rows=rows, quiet=True)
     args = fit_knob(args, "groups_per_micro_batch", args.prompts_per_step // world, fits)
-    print_config(
-        "grpo", preset_label(args, PRESETS), args.model, config_lines(args, len(rows), len(eval_rows), eval_src)
-    )
+    print_config(args, preset_label(args, PRESETS), config_lines(args, len(rows), len(eval_rows), eval_src))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
@@ -891,7 +889,7 @@ def main(args: Args) -> dict:
         keys += [f"rewards/{name}/mean" for name, _, _ in reward_funcs]
     keys += sorted({k for h in logger.history for k in h if k.endswith("/accuracy")})  # held-out: before -> after
     took = logger.took(checkpoints.elapsed())  # the whole run's, a resume's earlier part included
-    print(f"grpo: {logger.trend(*keys)}, kl {metrics.get('kl', 0.0):.4f}, {took}, saved {final_dir}")
+    print(f"{args.exp_name}: {logger.trend(*keys)}, kl {metrics.get('kl', 0.0):.4f}, {took}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": history, "model": model}
 
 

@@ -301,7 +301,7 @@ def main(args: Args) -> dict:
     rows = validate_rows(rows, "binary")  # non-boolean labels fail here; a single-class dataset warns
     if len(rows) < 2:  # (tokenize_dataset's drops are checked again below)
         raise DataError(f"{args.dataset}: one row; KTO needs >= 2 (its KL pairs take another row's completion)")
-    print_config("kto", preset_label(args, PRESETS), args.model, training_lines(args, len(rows), args.use_lora))
+    print_config(args, preset_label(args, PRESETS), training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
@@ -476,7 +476,7 @@ def main(args: Args) -> dict:
         final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     close_distributed()
-    print(f"kto: {logger.trend('loss', 'kl')}, {logger.took(checkpoints.elapsed())}, saved {final_dir}")
+    print(f"{args.exp_name}: {logger.trend('loss', 'kl')}, {logger.took(checkpoints.elapsed())}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

@@ -591,9 +591,7 @@ def main(args: Args) -> dict:
     eval_rows = gsm8k_rows(args.eval_dataset, args.eval_split, args.eval_limit) if args.eval_limit else []
     reward_funcs = [] if spin else load_reward_funcs(args.rewards, REWARDS, loaders={"model": model_reward})
     check_reward_fields(rows, reward_funcs)  # e.g. `math` needs an `answer` column
-    print_config(
-        "raft", preset_label(args, PRESETS), args.model, config_lines(args, len(rows), len(eval_rows), G, use_ref)
-    )
+    print_config(args, preset_label(args, PRESETS), config_lines(args, len(rows), len(eval_rows), G, use_ref))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
@@ -732,7 +730,7 @@ def main(args: Args) -> dict:
         accuracy.append(round_metrics.get(acc_key, math.nan))
         seconds += round_metrics.get("time/round", 0.0)
     took = f"{logger.took(seconds, 'rounds')}, saved {final_dir}"
-    print(f"raft ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, {took}")
+    print(f"{args.exp_name} ({args.mode}): {acc_key} by round {[round(a, 4) for a in accuracy]}, {took}")
     out = {"run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "accuracy_by_round": accuracy}
     return {**metrics, **out, "model": model}
 

@@ -317,7 +317,7 @@ def main(args: Args) -> dict:
     attributes, targets = row_targets(rows, args)
     eval_targets = row_targets(eval_rows, args, attributes)[1] if eval_rows else {}
     lines = training_lines(args, len(rows), args.use_lora) | {"head": f"{args.loss_type}: {attributes}"}
-    print_config("rm", preset_label(args, PRESETS), args.model, lines)
+    print_config(args, preset_label(args, PRESETS), lines)
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
@@ -456,8 +456,9 @@ def main(args: Args) -> dict:
     first = logger.history[0] if logger.history else {}
     last_logged = logger.history[-1] if logger.history else {}
     shown = "accuracy" if args.loss_type == "bradley_terry" else f"mse/{attributes[0]}"
-    print(f"rm: loss {first.get('loss', math.nan):.4f} -> {last_logged.get('loss', math.nan):.4f}, {shown} ", end="")
-    print(f"{last_logged.get(shown, math.nan):.3f}, {logger.took(checkpoints.elapsed())}, saved {final_dir}")
+    trend = f"loss {first.get('loss', math.nan):.4f} -> {last_logged.get('loss', math.nan):.4f}"
+    print(f"{args.exp_name}: {trend}, {shown} {last_logged.get(shown, math.nan):.3f}, ", end="")
+    print(f"{logger.took(checkpoints.elapsed())}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history, "model": model}
 
 

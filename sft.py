@@ -320,7 +320,7 @@ def main(args: Args) -> dict:
     rows, eval_rows = label_rows(args.label_with, rows, eval_rows)  # SteerLM: attribute levels from a reward model
     rows = steer_rows(rows, args.attributes_in)  # SteerLM: rows' attributes written into their prompts
     eval_rows = steer_rows(eval_rows, args.attributes_in)
-    print_config("sft", preset_label(args, PRESETS), args.model, training_lines(args, len(rows), args.use_lora))
+    print_config(args, preset_label(args, PRESETS), training_lines(args, len(rows), args.use_lora))
     plan, checkpointing = memory_plan(args, rows)  # may turn gradient checkpointing on to fit
     if args.plan:
         return {"memory_plan": plan}
@@ -459,7 +459,7 @@ def main(args: Args) -> dict:
         final_dir = save_final(os.path.join(run_dir, "final"), model, tokenizer)
     logger.close()
     close_distributed()
-    print(f"sft: {logger.trend('loss')}, {logger.took(checkpoints.elapsed())}, saved {final_dir}")
+    print(f"{args.exp_name}: {logger.trend('loss')}, {logger.took(checkpoints.elapsed())}, saved {final_dir}")
     return {**metrics, "run_dir": run_dir, "final_dir": final_dir, "history": logger.history}
 
 

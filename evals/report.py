@@ -6,6 +6,8 @@ Inputs are what the other tools already write: the summary JSONs of evals.gsm8k 
 task; rows are grouped by their "label", in order of first appearance) and run dirs with metrics.jsonl (one JSON
 object per logged step: "step" plus metric keys). Nothing is recomputed.
 Run: `python -m evals.report --runs runs/sft__a runs/grpo__b --evals out/base__gsm8k.json out/grpo__gsm8k.json`
+     `python -m evals.report` (neither given: every run dir in ./runs and every summary in ./eval_results, the folders
+     the scripts and evals write by default, named in one line)
 Writes report/report.md, report/<metric>.png for each curve, report/report.html (PNGs inlined as base64 data URIs).
 Each curve's PNG has one panel per run kind (the exp_name before the first "__": sft, dpo, grpo, ...), since their
 losses mean different things; a faint raw line and a bold EMA line per run (TensorBoard's debiased smoothing), or
@@ -13,6 +15,7 @@ the raw line alone for a run of fewer than MIN_EMA_POINTS logged points, where a
 """
 
 import base64
+import dataclasses
 import html
 import json
 import math
@@ -20,7 +23,6 @@ import os
 import re
 import time
 import warnings
-from dataclasses import dataclass
 
 # -h/--help is answered from Args before the imports below load torch, transformers and peft (seconds of CPU).
 from harness.fast_help import help_before_imports
@@ -39,12 +41,14 @@ HEADLINE = {
 }
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     runs: tuple[str, ...] = ()
-    """run dirs (each holding metrics.jsonl) whose training curves to draw"""
+    """run dirs (each holding metrics.jsonl) whose training curves to draw; with neither --runs nor --evals, every
+    run dir in ./runs"""
     evals: tuple[str, ...] = ()
-    """summary JSON files from evals.gsm8k / evals.ifeval"""
+    """summary JSON files from evals.gsm8k / evals.ifeval; with neither --runs nor --evals, every summary in
+    ./eval_results, oldest first (so the baseline is the first policy evaluated)"""
     baseline: str | None = None
     """the policy (a summary's label) the deltas are against, its row marked; None = the first --evals entry's"""
     out: str = "report"
@@ -56,6 +60,35 @@ class Args:
     smoothing: float = 0.6
     """EMA weight of the bold smoothed line beside each raw curve (TensorBoard's slider); 0 draws the raw line only,
     as does a run of fewer than 10 logged points"""
+
+
+DEFAULT_RUNS = "runs"  # the training scripts' --output-dir default
+DEFAULT_EVALS = "eval_results"  # evals.gsm8k's and evals.ifeval's --output-dir default
+
+
+def default_inputs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(runs, evals) when neither flag is given: the run dirs in ./runs that hold a metrics.jsonl (by name) and the
+    eval summaries in ./eval_results (each <label>__<task>.json beside its per-example .jsonl), oldest first: the
+    baseline is the policy evaluated first, usually the base model. One line says what was found and read."""
+    runs = ()
+    if os.path.isdir(DEFAULT_RUNS):
+        names = sorted(os.listdir(DEFAULT_RUNS))
+        runs = tuple(f"{DEFAULT_RUNS}/{n}" for n in names if os.path.isfile(f"{DEFAULT_RUNS}/{n}/metrics.jsonl"))
+    evals = ()
+    if os.path.isdir(DEFAULT_EVALS):
+        found = [os.path.join(DEFAULT_EVALS, n) for n in os.listdir(DEFAULT_EVALS) if n.endswith(".json")]
+        evals = tuple(sorted(found, key=lambda path: (os.path.getmtime(path), path)))
+    if not runs and not evals:
+        raise ArgsError(
+            f"nothing to report: no --runs or --evals given, and no run dir with metrics.jsonl in ./{DEFAULT_RUNS} "
+            f"nor summary JSON in ./{DEFAULT_EVALS} (give --runs RUN_DIR ... and/or --evals SUMMARY.json ...)"
+        )
+    print(
+        f"report: no --runs or --evals given: read {len(runs)} run dir(s) from ./{DEFAULT_RUNS} and {len(evals)} eval "
+        f"summar{'y' if len(evals) == 1 else 'ies'} from ./{DEFAULT_EVALS} (oldest first: the baseline is the first)",
+        flush=True,
+    )
+    return runs, evals
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -271,8 +304,9 @@ def main(args: Args) -> dict:
     # ---- 1 inputs: eval summaries and run logs, all checked before anything is read or written
     if not 0 <= args.smoothing < 1:
         raise ArgsError(f"--smoothing {args.smoothing}: the EMA weight must be in [0, 1)")
-    if not args.runs and not args.evals:
-        raise ArgsError("nothing to report: give --runs RUN_DIR ... and/or --evals SUMMARY.json ...")
+    if not args.runs and not args.evals:  # the folders the scripts and evals write by default
+        runs, evals = default_inputs()
+        args = dataclasses.replace(args, runs=runs, evals=evals)
     missing = [p for p in args.evals if not os.path.isfile(p)]
     missing += [log for log in (os.path.join(r, "metrics.jsonl") for r in args.runs) if not os.path.isfile(log)]
     if missing:

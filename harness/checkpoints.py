@@ -719,6 +719,8 @@ class Checkpoints:
             which = "; ".join(f"rank {r}: {path}" for r, (path, _) in enumerate(chosen))
             raise ResumeError(f"the ranks would resume from different checkpoints ({which}): give them the same one")
         if rank == 0:
+            of = f" of {total_steps}" if total_steps is not None else ""
+            print(f"resuming from {ckpt} at step {meta['step']}{of} (run dir {self.run_dir})", flush=True)
             self._set_aside_newer(ckpt, meta["step"])
         if meta["step"] == total_steps:  # a final/ lost at the end (a kill, a full disk) is made from the last step
             print(f"resume: {ckpt} is this run's last step ({total_steps}): no step left to train; final/ from it")

@@ -146,11 +146,12 @@ def preset_label(args, presets: dict[str, dict]) -> str:
     return f"{args.preset} (its settings, your dataset)"
 
 
-def print_config(script: str, preset: str, model: str, lines: dict[str, str]) -> None:
-    """The resolved configuration a run starts with, one aligned line per topic (the full set is in args.json)."""
+def print_config(args, preset: str, lines: dict[str, str]) -> None:
+    """The resolved configuration a run starts with, one aligned line per topic (the full set is in args.json), under
+    the run's name (args.exp_name: the script's file name unless given, so a fork's own) and its model."""
     width = max(map(len, lines))
     body = "".join(f"\n  {k.ljust(width)}  {v}" for k, v in lines.items())
-    print(f"{script}: preset {preset}, model {model}{body}", flush=True)
+    print(f"{args.exp_name}: preset {preset}, model {args.model}{body}", flush=True)
 
 
 def training_lines(args, n_rows: int, lora: bool = True) -> dict[str, str]:

@@ -50,12 +50,13 @@ def _is_cached(repo_id: str, kind: str) -> bool:
     return any(os.path.isdir(f) for f in folders)
 
 
-def check_hub(repo_id: str, kind: str) -> bool:
+def check_hub(repo_id: str, kind: str, offline: str | None = None) -> bool:
     """Call before fetching `repo_id` (kind "model" or "dataset") from the hub. Returns True when it must come from
     the cache alone (hub unreachable, but cached: load snapshot_download(..., local_files_only=True)), False to load
     it normally; raises
     HubUnavailable (one line) when it is neither cached nor reachable, and FileNotFoundError for a path that is not
-    there (it would otherwise be looked up on the hub as a repo id)."""
+    there (it would otherwise be looked up on the hub as a repo id). `offline`: what else works without the hub
+    (e.g. a built-in set), named in that line after the local copy."""
     flag = {"model": "--model /path/to/folder", "dataset": "--dataset file.jsonl"}[kind]
     if looks_local(repo_id):
         raise FileNotFoundError(f"{kind} '{repo_id}': no such local {'folder' if kind == 'model' else 'file'}")
@@ -66,7 +67,7 @@ def check_hub(repo_id: str, kind: str) -> bool:
         return True
     raise HubUnavailable(
         f"cannot fetch {kind} '{repo_id}': it is not in the local cache and {why}; download it "
-        f"where the hub is reachable, or pass a local copy: {flag}"
+        f"where the hub is reachable, or pass a local copy: {flag}" + (f", or offline: {offline}" if offline else "")
     )
 
 
@@ -177,11 +178,11 @@ def hub_rows(spec: str, split: str) -> list[dict]:
     return datasets.load_dataset(name, config or None, split=split).to_list()
 
 
-def check_dataset(spec: str | None) -> None:
-    """Fail now, in one line, when `spec` is a hub dataset that is neither cached nor reachable; files, saved
-    datasets and builtin:<name> pass."""
+def check_dataset(spec: str | None, offline: str | None = None) -> None:
+    """Fail now, in one line, when `spec` is a hub dataset that is neither cached nor reachable (naming `offline`, what
+    works without the hub, when given); files, saved datasets and builtin:<name> pass."""
     if spec is None or spec.startswith("builtin:") or os.path.exists(spec) or looks_local(spec):
         return
     if spec.endswith((".json", ".jsonl", ".parquet")):
         return
-    check_hub(spec.partition(":")[0], "dataset")
+    check_hub(spec.partition(":")[0], "dataset", offline)

@@ -11,9 +11,12 @@ is held when it runs. Per-token activation counts are what autograd saves in tra
 
 import ctypes
 import dataclasses
+import functools
 import json
+import math
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -44,6 +47,9 @@ MMAP_THRESHOLD = 1 << 20  # CPU runs: glibc maps a block from this size that no 
 # up to this many, and this much resident per cached row count of one shape, both caches together (docs/memory.md)
 KERNEL_CACHE = 1024
 KERNEL_BYTES = int(0.64 * 2**20)
+SLOW_STEP_S = 60.0  # a CPU step predicted to take longer than this is named with the settings that take less
+RATE_ROWS = 2048  # rows of the matmul that measures this CPU's speed (cpu_matmul_rate)
+ROWS_KNOB = "per_device_train_batch_size"  # TRL's rows a micro-batch: the knob whose passes scale with it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -602,6 +608,147 @@ def release_heap() -> bool:
     return True
 
 
+def describe_batch(phases: dict[str, list]) -> str:
+    """The shapes a plan assumed, phase by phase: each pass's rows x tokens (and what it is), each rollout's prompts,
+    samples and token budgets."""
+    said = []
+    for phase, passes in phases.items():
+        shapes = []
+        for p in passes:
+            if isinstance(p, Generate):
+                budget = f"{p.prompt_tokens} + {p.new_tokens} tokens"
+                shapes.append(f"sampling {p.prompts} prompts x {p.group_size}, {budget}")
+                continue
+            what = "forward + backward" if p.grad else p.name
+            after = f" after a {p.context}-token prompt" if p.context else ""
+            shapes.append(f"{what} {p.rows} row{'s' * (p.rows != 1)} x {p.tokens} tokens{after}")
+        if shapes:
+            said.append(f"{phase}: {', then '.join(shapes)}")
+    return "; ".join(said)
+
+
+@functools.cache
+def cpu_matmul_rate(hidden: int, intermediate: int, fp32: bool, threads: int) -> float:
+    """FLOP/s this CPU gives the model's MLP matmul (RATE_ROWS x hidden @ hidden x intermediate, the run's dtype and
+    torch thread count), best of 3 after a warm-up: about 0.1 s. A step's other work (attention's softmax, norms,
+    the optimizer, Python) only adds, so a time from it is a floor."""
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    own = torch.Generator().manual_seed(0)  # not torch's global stream: the run's seeded draws stay as they were
+    a = torch.randn(RATE_ROWS, hidden, dtype=dtype, generator=own)
+    b = torch.randn(hidden, intermediate, dtype=dtype, generator=own)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * RATE_ROWS * hidden * intermediate / max(best, 1e-9)
+
+
+def pass_flops(c: dict, p, full: bool, checkpointing: bool) -> float:
+    """Matmul FLOPs of one Pass or Generate: 2 per weight per token through the decoder's linears, causal attention
+    (queries x the keys before them, twice: scores and values) and the head for the scored tokens; a backward adds
+    the gradient of every input (frozen weights: as much again) and of every weight when all are trained, and
+    checkpointing one more forward. A rollout: its prompts' prefill and one token per row per new token."""
+    L, H, F, Hq, K = _shape(c)
+    linear = param_counts(c)[0]
+    V = c["vocab_size"]
+    if isinstance(p, Generate):
+        rows = p.prompts * p.group_size
+        return 2 * linear * p.prompts * p.prompt_tokens + 2 * (linear + V * H) * rows * p.new_tokens
+    forward = 2 * linear * p.rows * p.tokens + 2 * L * p.rows * p.tokens * (p.context + p.tokens) * Hq
+    forward += 2 * p.scored * (V if p.vocab else 1) * H
+    if not p.grad:
+        return forward
+    return forward * (3 if full else 2) + forward * checkpointing
+
+
+def si(x: float) -> str:
+    """'12.7 T', '49 G', '3 M': three figures at most and a metric prefix, for FLOP counts and rates."""
+    for prefix in ("", "k", "M", "G", "T", "P"):
+        if abs(x) < 1000 or prefix == "P":
+            return f"{x:.3g} {prefix}"
+        x /= 1000
+    return f"{x:.3g} P"
+
+
+def step_seconds(c: dict, phases: dict[str, list], full: bool, checkpointing: bool, micro: int, rate: float) -> float:
+    """A floor on a CPU step's seconds: the matmul FLOPs of its passes (each micro-batch's, `micro` of them) and its
+    rollouts (once) at `rate` FLOP/s."""
+    flops = 0.0
+    for passes in phases.values():
+        for p in passes:
+            flops += pass_flops(c, p, full, checkpointing) * (1 if isinstance(p, Generate) else micro)
+    return flops / rate
+
+
+def scaled_phases(phases: dict[str, list], rows: float = 1.0, max_tokens: int = 0, longest: int = 0) -> dict:
+    """The passes of a micro-batch with `rows` times the rows, or each sequence cut to max_tokens (--max-length), as
+    a bound: fewer rows may pad to a longer row than the run's largest micro-batch did, so their sequences are taken
+    as long as `longest` (the longest row, capped by --max-length; 0: unknown, kept as planned), in one length group;
+    cut rows are as long as each other, one group too. A plan with the flag draws the micro-batches again."""
+    out = {}
+    for phase, passes in phases.items():
+        out[phase] = []
+        for p in passes:
+            if isinstance(p, Generate):
+                out[phase].append(p)
+                continue
+            n = max(1, math.ceil(p.rows * rows))
+            T = min(p.tokens, max_tokens) if max_tokens else max(p.tokens, 0 if p.context else longest)
+            group = p.group if T == p.tokens else 0
+            scored = math.ceil(p.scored * n / p.rows * T / p.tokens)
+            out[phase].append(dataclasses.replace(p, rows=n, tokens=T, scored=scored, group=min(group, n * T)))
+    return out
+
+
+def cheaper_settings(
+    args, knobs, phases, checkpointed, plan, budget: int, checkpointing: bool, slow: bool, longest: int = 0
+) -> list[str]:
+    """The settings among the script's knobs (`knobs`: (field, least)) that fit the budget, each with its estimated
+    plan (`plan(phases, checkpointing, micro-batches a step)` -> (total bytes, a step's seconds or None)): fewer rows
+    a micro-batch with as many more accumulated (the same rows a step), shorter sequences (--max-length) and, when
+    `slow`, fewer rows a step: each the first halving that fits (when `slow`, that also takes under SLOW_STEP_S, else
+    the quickest); then gradient checkpointing (`checkpointed`: its passes) when it is off. longest: the bound
+    scaled_phases takes for fewer rows."""
+    ga = getattr(args, "gradient_accumulation_steps", None)
+    micro = ga or 1
+    found = []
+    for name, least in knobs:
+        value = getattr(args, name, None)
+        if not isinstance(value, int) or isinstance(least, str) or value <= least:
+            continue
+        trials = []  # (kind, flag, passes, micro-batches a step), each kind's halvings in order
+        v = value // 2
+        while v >= least:
+            if name == ROWS_KNOB and ga:
+                flag = f"{flag_name(name)} {v} --gradient-accumulation-steps {math.ceil(value * ga / v)}"
+                fewer = scaled_phases(phases, v / value, longest=longest)
+                trials.append(("the same rows a step", flag, fewer, math.ceil(value * ga / v)))
+            if name == ROWS_KNOB and slow:
+                fewer = scaled_phases(phases, v / value, longest=longest)
+                trials.append(("fewer rows a step", f"{flag_name(name)} {v}", fewer, micro))
+            if name == "max_length":
+                cut = scaled_phases(phases, max_tokens=v)
+                trials.append(("rows past it cut or dropped", f"{flag_name(name)} {v}", cut, micro))
+            v //= 2
+        picked = {}
+        for kind, flag, shrunk, steps in trials:
+            total, seconds = plan(shrunk, checkpointing, steps)
+            quick = not slow or kind == "the same rows a step" or seconds is None or seconds < SLOW_STEP_S
+            if total <= budget and (kind not in picked or not picked[kind][3]):
+                picked[kind] = (flag, total, seconds, quick)  # kept once quick; else the next, quicker one
+        for kind, (flag, total, seconds, _) in picked.items():
+            took = "" if seconds is None else f", {seconds:.0f} s or more a step"
+            found.append(f"{flag} ({total / GiB:.1f} GiB{took}; {kind})")
+    if not checkpointing:
+        total, seconds = plan(checkpointed, True, micro)
+        if total <= budget:
+            took = "" if seconds is None else f", {seconds:.0f} s or more a step"
+            found.append(f"--gradient-checkpointing ({total / GiB:.1f} GiB{took}; one more forward a step)")
+    return found
+
+
 def fit_knob(args, name: str, most: int, plan):
     """args with the micro-batch knob `name` set where it is None: on a GPU (or a plan for a card, --gpu-memory) the
     largest of most, most // 2, ... 1 whose plan(args) fits the card (plan: the script's memory_plan with quiet=True;
@@ -748,6 +895,8 @@ def plan_memory(
             )
             parts = fits
             checkpointing = True
+    used = phases_checkpointed if checkpointing and phases_checkpointed else phases
+    print(f"batch planned: {describe_batch(used)}", flush=True)
     if world > 1:
         sharded = (
             f"weights, gradients and AdamW states 1/{world} each (--fsdp)" if args.fsdp else "a full replica each"
@@ -759,7 +908,43 @@ def plan_memory(
         host = f"dataset rows {data / GiB:.2f} GiB" + (f" + their tokens {tokens / GiB:.2f} GiB" if tokens else "")
         host += f", reference weights 2 x {copy / GiB:.2f} GiB" if copy else ""
         print(f"  host RAM (not in the total): {host}", flush=True)
-    if parts["total"] > budget and not ignore and not args.plan:
+    micro = getattr(args, "gradient_accumulation_steps", None) or 1
+    rate = None
+    if device == "cpu":  # a CPU step's floor from its matmuls at this CPU's measured speed
+        L, H, F, Hq, K = _shape(config)
+        rate = cpu_matmul_rate(H, F, fp32, torch.get_num_threads())
+    full = trained.lora_r is None
+
+    def replan(passes, on: bool, steps: int) -> tuple[int, float | None]:
+        total = estimate(config, trained, passes, on, device, budget, extra)["total"]
+        return total, None if rate is None else step_seconds(config, passes, full, on, steps, rate)
+
+    seconds = replan(used, checkpointing, micro)[1]
+    slow = seconds is not None and seconds > SLOW_STEP_S
+    over = parts["total"] > budget and not ignore
+    if slow or over:
+        checkpointed = phases_checkpointed or phases
+        limit = getattr(args, "max_length", 0)  # fewer rows a micro-batch: sequences up to the longest row
+        longest = min(limit, row_tokens(args, rows, quiet=True) or limit) if limit else 0
+        found = cheaper_settings(args, knobs, used, checkpointed, replan, budget, checkpointing, slow, longest)
+        fit = f"settings that fit the {budget / GiB:.1f} GiB, estimated (--plan with one prints its own plan): "
+        fit += "; ".join(found) if found else "none among this script's knobs"
+    if slow:
+        threads = torch.get_num_threads()
+        floor = f"{si(seconds * rate)}FLOP of matmuls at {si(rate)}FLOP/s, measured on {threads}"
+        print(
+            f"slow on this CPU: a step takes {seconds:.0f} s or more ({floor} torch thread(s); {micro} "
+            f"micro-batch(es) a step); {fit}",
+            flush=True,
+        )
+    if over and args.plan and not slow:  # (a slow step's line names the same settings)
+        print(f"over the {what}: {fit}", flush=True)
+    if over and not args.plan:
+        if found:
+            raise ArgsError(
+                f"the memory plan needs {parts['total'] / GiB:.1f} GiB but the {what} is {budget / GiB:.1f} GiB: "
+                f"{fit} (or --ignore-memory-plan to start anyway)"
+            )
         values = [(name, getattr(args, name), least) for name, least in knobs]
         raise ArgsError(
             f"the memory plan needs {parts['total'] / GiB:.1f} GiB but the {what} is {budget / GiB:.1f} GiB: "

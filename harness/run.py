@@ -58,6 +58,8 @@ def resumed_run_dir(resume_path: str) -> str | None:
     if os.path.isfile(os.path.join(path, COMPLETE)):  # a checkpoint
         parent = os.path.dirname(os.path.abspath(path))
         run_dir = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+        if run_dir and not os.path.isabs(path):  # named as the user named it, as a new run's dir is (runs/...)
+            run_dir = os.path.relpath(run_dir)
     elif os.path.isdir(os.path.join(path, "checkpoints")):
         run_dir = path
     else:
@@ -134,6 +136,22 @@ def lock_run_dir(run_dir: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     _LOCKED[path] = fd
+
+
+def release_run_dir(run_dir: str) -> None:
+    """A clean end (Logger.close): this process is done writing run_dir, so its .lock goes, removed while still held,
+    then the lock is dropped. A run that crashes, is killed or stops early keeps the file, unlocked once the process
+    ends (the kernel drops a flock however a process ends): the next resume takes it. Nothing when this process holds
+    no lock on run_dir (another rank, a dir it only reads)."""
+    path = os.path.realpath(run_dir)
+    fd = _LOCKED.pop(path, None)
+    if fd is None:
+        return
+    try:
+        os.remove(os.path.join(path, ".lock"))
+    except FileNotFoundError:  # removed by hand while the run went on: nothing left to remove
+        pass
+    os.close(fd)
 
 
 def peak_memory_gb() -> float:
@@ -394,6 +412,7 @@ class Logger:
         return f"{seconds:.0f} s for {self.total} {unit} on {on}; run dir {self.run_dir}"
 
     def close(self) -> None:
+        """The run's clean end: the log closed and the run dir's lock released, its .lock file removed."""
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
@@ -401,6 +420,7 @@ class Logger:
             self.wandb.finish()
         if self.jsonl is not None:
             self.jsonl.close()
+        release_run_dir(self.run_dir)
 
 
 class Breakers:

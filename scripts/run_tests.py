@@ -2,18 +2,19 @@
 
 First it checks what the tests need and names what is missing with the command that gets it (then stops: it installs
 nothing into your environment; `python scripts/install.py --dev` installs it all). A missing optional system program
-(bubblewrap, chromium) stops nothing: one line says which tests skip without it and what they would have covered, and
-the rest run. The vLLM virtualenv it makes itself (scripts/vllm_venv.py, a few minutes and a download the first time;
---no-vllm skips the vLLM tests instead). Then, with one torch thread a process: lint and format (ruff; a slip fails
-here, in seconds, and stops the rest), then two lanes at once: the suite over the cores (pytest-xdist: a file's tests
-in one worker, the torchrun files one after the other), and beside it the suite's numerics tests again under two other
-sets of x86 kernels (a CPU without AVX-512, then ATen without SIMD intrinsics: an assertion that holds only on this
-CPU's kernels fails here, not on a user's machine), the GPU check's dry run (marked lane2: bench/gpu_check.sh cut
-down, its subprocesses) and the vLLM tests in their virtualenv. Each step's output comes whole when it ends, with its
-wall and CPU time. Exits non-zero if any fails (pytest's "nothing collected" counts as a
-failure). --dry-run prints the commands and runs none."""
+(bubblewrap, chromium) or the shared test data folder (../shared/data) stops nothing: one line says which tests skip
+without it and what they would have covered, and the rest run. The vLLM virtualenv it makes itself
+(scripts/vllm_venv.py, a few minutes and a download the first time; --no-vllm skips the vLLM tests instead). Then, with
+one torch thread a process: lint and format (ruff; a slip fails here, in seconds, and stops the rest), then two lanes
+at once: the suite over the cores (pytest-xdist: a file's tests in one worker, the torchrun files one after the other),
+and beside it the suite's numerics tests again under two other sets of x86 kernels (a CPU without AVX-512, then ATen
+without SIMD intrinsics: an assertion that holds only on this CPU's kernels fails here, not on a user's machine), the
+GPU check's dry run (marked lane2: bench/gpu_check.sh cut down, its subprocesses) and the vLLM tests in their
+virtualenv. Each step's output comes whole when it ends, with its wall and CPU time. Exits non-zero if any fails
+(pytest's "nothing collected" counts as a failure). --dry-run prints the commands and runs none."""
 
 import argparse
+import ast
 import importlib.util
 import os
 import pathlib
@@ -52,6 +53,9 @@ OPTIONAL = [
         "apt-get install chromium",
     ),
 ]
+# The project's shared test data (real GSM8K, IFEval and LLaMA-Factory demo files) beside the checkout, not shipped
+# with a clone; ONLYONE_SHARED_DATA points elsewhere. tests/conftest.py's `shared_data` fixture skips without it.
+SHARED_DATA = pathlib.Path(os.environ.get("ONLYONE_SHARED_DATA", ROOT.parent / "shared" / "data"))
 # The numerics reruns' extra environment: the kernels capped as .ci/run always has.
 NUMERICS = [
     {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
@@ -60,6 +64,14 @@ NUMERICS = [
 # The suite's xdist workers: one a core, at least two (a worker often waits on a subprocess: a CLI run, torchrun), at
 # most eight (each holds its own torch and models in memory).
 WORKERS = min(8, max(2, len(os.sched_getaffinity(0))))
+
+
+def vllm_venv():
+    """scripts/vllm_venv.py as a module, loaded by its path (this file runs as a script and is imported by tests)."""
+    spec = importlib.util.spec_from_file_location("vllm_venv", ROOT / "scripts" / "vllm_venv.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def missing() -> list[str]:
@@ -74,10 +86,29 @@ def missing() -> list[str]:
     return lines
 
 
+def shared_data_files() -> list[str]:
+    """The test files with a test that takes the `shared_data` fixture (found in their source, nothing imported)."""
+    files = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+        if any(arg.arg == "shared_data" for f in functions for arg in f.args.args):
+            files.append(path.name)
+    return files
+
+
 def skipping() -> list[str]:
-    """One line per missing optional program: the tests that skip without it, what they cover, the command that gets
-    it."""
-    return [f"no {program}: {skips} ({get})" for program, skips, get in OPTIONAL if shutil.which(program) is None]
+    """One line per missing optional program, and one when the shared test data folder is absent: the tests that skip
+    without it, what they cover, how to get it."""
+    lines = [f"no {program}: {skips} ({get})" for program, skips, get in OPTIONAL if shutil.which(program) is None]
+    if not SHARED_DATA.is_dir():
+        lines.append(
+            f"no {SHARED_DATA}: the tests that read its real files skip ({', '.join(shared_data_files())}: the data "
+            "loaders, converters, math checker and evals on GSM8K, IFEval and LLaMA-Factory's demo files; the suite's "
+            "last lines count them), the rest cover the same code on built-in rows (the project's shared test data, "
+            "kept beside the checkout and not shipped with a clone; ONLYONE_SHARED_DATA names another folder)"
+        )
+    return lines
 
 
 def commands(vllm_python: str | None) -> list[tuple[int, dict, list[str]]]:
@@ -135,7 +166,7 @@ def run_lane(steps: list[tuple[dict, list[str]]], env: dict, done: list, lock: t
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM tests (and making their virtualenv)")
-    parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", str(ROOT / ".venv-vllm")))
+    parser.add_argument("--vllm-venv", default=str(vllm_venv().default_venv()), help="default: %(default)s")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
     args = parser.parse_args()
     lacking = missing()

@@ -11,8 +11,6 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # scripts (sft.py, dpo.py, ...) and common/ import from the repo root
-# The project's shared test data beside the checkout (not shipped with a clone); ONLYONE_SHARED_DATA points elsewhere
-SHARED_DATA = pathlib.Path(os.environ.get("ONLYONE_SHARED_DATA", ROOT.parent / "shared" / "data"))
 NO_SHARED_DATA = "shared data folder"  # the start of the skip reason the shared_data fixture gives
 
 # One thread: on a 2-vCPU machine torch is far faster and steadier for tiny models (tests only, not a user default).
@@ -22,6 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # hides nothing in the test processes, where test_quantization loads bitsandbytes in-process; the hiding is tested in
 # fresh processes (tests/test_model.py).
 
+from scripts.run_tests import SHARED_DATA  # one definition: the test command names it when it is absent
 from tests.tiny import write_tiny
 
 

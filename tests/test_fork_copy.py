@@ -176,6 +176,11 @@ def test_a_copy_trains_as_its_script_in_process_and_run_from_a_folder_outside_th
         cwd=path.parent, env={**ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    # The copy's own lines open with its name, the configuration's first and the end line (issue 52: the origin's)
+    said = [line for line in done.stdout.splitlines() if not line.startswith((" ", "memory plan", "row lengths"))]
+    assert said[0].startswith(f"{outside_name(script)}: preset "), said
+    assert said[-1].startswith(f"{outside_name(script)}: " if script != "raft" else f"{outside_name(script)} ("), said
+    assert "saved" in said[-1] and not [line for line in said if line.startswith((f"{script}: ", f"{script} ("))]
     final = os.path.relpath(ours["final_dir"], ours["run_dir"])
     expected = logged(script, ours["run_dir"])
     assert expected and all(math.isfinite(step["loss"]) for step in expected if "loss" in step), expected

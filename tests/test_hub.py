@@ -99,6 +99,17 @@ def test_the_headline_command_offline_names_every_missing_input_at_once(tmp_path
     assert "Traceback" not in res.stderr
 
 
+def test_the_gsm8k_eval_offline_names_the_built_in_set_that_works_without_the_hub(tmp_path):
+    """`python -m evals.gsm8k --limit 8` with the hub out of reach suggested only `--dataset file.jsonl` (issue 52):
+    its one line also names `--dataset builtin:math`, the set that runs offline on the embedded model."""
+    env = offline_env(tmp_path) | {"HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "evals.gsm8k", "--limit", "8", "--output-dir", str(tmp_path / "out")]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.startswith("evals.gsm8k: error: cannot fetch dataset 'openai/gsm8k'"), last
+    assert "--dataset file.jsonl" in last and "--dataset builtin:math" in last and "Traceback" not in res.stderr
+
+
 def test_cached_model_loads_offline_without_retries(tmp_path, tiny_model_dir):
     """A model in the hub cache loads with the hub unreachable, from the cache alone (no 'Retrying' HEAD requests):
     locate_model gives its cached folder and load_model loads from there."""

@@ -23,6 +23,7 @@ from harness.memory import CPU_RUNTIME, Pass, Trained, adamw_state_bytes, estima
 from harness.memory import trained_tensors
 from tests.conftest import ROOT, python_as_launched
 from tests import cli
+from tests.prefs_helpers import write_jsonl
 
 # L 2, H 8, intermediate F 16, 2 heads of 4 (Hq 8), 1 kv head (K 4), vocab 32, untied, no attention bias
 CFG = dict(model_type="llama", num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
@@ -749,3 +750,90 @@ def test_a_cpu_runs_plan_keeps_freed_blocks_out_of_its_resident_memory(tiny_mode
     text = python_as_launched(STEADY.format(root=str(ROOT), model=str(tiny_model_dir)))
     released = int(re.search(r"RELEASED (-?\d+)", text).group(1))
     assert released >= 90, text  # the 100 MiB freed left RSS
+
+
+# ---- issue 52: the batch a plan assumed; the settings that fit, or that take less than a slow CPU step
+LONG_PAIRS = [  # preference pairs longer than the --max-length the tests plan with, of varied lengths
+    {"prompt": f"Question {i}: say yes or no.", "chosen": "yes " * (60 + 20 * i), "rejected": "no " * (40 + 9 * i)}
+    for i in range(16)
+]
+
+
+def test_a_plan_without_its_data_says_which_batch_it_planned(tiny_model_dir, tmp_path, capsys, on_cpu):
+    """`--plan` without the data planned at the length limits without saying which batch (issue 52): one line gives
+    each pass's rows x tokens, here DPO's 2 x 8 pairs at --max-length 1024."""
+    args = dpo.Args(model=tiny_model_dir, dataset=str(tmp_path / "absent.jsonl"), plan=True, output_dir=str(tmp_path))
+    dpo.main(args)
+    out = capsys.readouterr().out
+    assert "--plan without its data" in out and "planned at the length limits" in out, out
+    line = "batch planned: step: reference pass 16 rows x 1024 tokens, then forward + backward 16 rows x 1024 tokens"
+    assert line in out.splitlines(), out
+
+
+def named_settings(message: str) -> list[tuple[dict, float]]:
+    """(the Args fields, the GiB said) of each setting a message names: `--flag N [--flag N]` or a bare flag."""
+    found = []
+    for flags, gib in re.findall(r"((?:--[a-z-]+(?: \d+)? ?)+) \(([\d.]+) GiB", message):
+        fields = {}
+        for flag, value in re.findall(r"--([a-z-]+)(?: (\d+))?", flags):
+            fields[flag.replace("-", "_")] = int(value) if value else True
+        found.append((fields, float(gib)))
+    return found
+
+
+def test_over_budget_names_the_settings_that_fit_and_each_does(tiny_model_dir, tmp_path, monkeypatch):
+    """A plan over the machine named knobs to try, halved, none known to fit (issue 52): the refusal names the
+    settings that fit (fewer rows a micro-batch with more accumulated, a shorter --max-length), each with its plan,
+    and each, planned for real with its flags, fits the same budget."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", LONG_PAIRS)
+    kw = dict(
+        model=tiny_model_dir, dataset=data, output_dir=str(tmp_path), max_length=512, gradient_checkpointing=True
+    )
+    monkeypatch.setattr(memory, "device_memory", lambda device: (2**40, "test budget"))
+    full = dpo.main(dpo.Args(**kw, plan=True))["memory_plan"]
+    budget = full["total"] - (full["total"] - full["weights"] - full["allowance (runtime)"]) // 3
+    monkeypatch.setattr(memory, "device_memory", lambda device: (budget, "test budget"))
+    monkeypatch.setattr(dpo, "load_model", refuse_load)
+    with pytest.raises(ArgsError, match="settings that fit") as e:
+        dpo.main(dpo.Args(**kw))
+    named = named_settings(str(e.value))
+    flags = [set(fields) for fields, _ in named]
+    assert {"per_device_train_batch_size", "gradient_accumulation_steps"} in flags, named
+    for fields, gib in named:
+        planned = dpo.main(dpo.Args(**kw | fields, plan=True))["memory_plan"]["total"]
+        assert planned <= budget and abs(planned / memory.GiB - gib) < 0.1 + 0.1 * gib, (fields, gib, planned)
+
+
+def test_a_slow_cpu_step_is_said_with_the_settings_that_take_less(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """DPO on a real preference file took ~100 s a step on a CPU and said nothing (issue 52): a step whose matmuls
+    alone, at the CPU's measured speed (made slow here), take over SLOW_STEP_S is said in one line, naming quicker
+    settings (fewer rows a step, a shorter --max-length) with their times under it, and the memory ones."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", LONG_PAIRS)
+    kw = dict(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path), max_length=512, plan=True)
+    monkeypatch.setattr(memory, "device_memory", lambda device: (2**40, "test budget"))
+    said = {}
+    for rate in (1e12, 1e6, None):  # FLOP/s: a fast CPU (nothing said), a slow one, then one 1.2 x SLOW_STEP_S slow
+        if rate is None:
+            rate = 1e6 * float(re.search(r"takes (\d+) s or more", said[1e6][0]).group(1)) / (1.2 * memory.SLOW_STEP_S)
+        monkeypatch.setattr(memory, "cpu_matmul_rate", lambda *a, rate=rate: rate)
+        dpo.main(dpo.Args(**kw))
+        said[rate] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("slow on this CPU")]
+    assert said[1e12] == [] and len(said[1e6]) == 1 and "at 1 MFLOP/s, measured on 1 torch thread" in said[1e6][0]
+    [line] = said[rate]
+    step = float(re.match(r"slow on this CPU: a step takes (\d+) s or more \(", line).group(1))
+    assert memory.SLOW_STEP_S < step < 1.3 * memory.SLOW_STEP_S, line
+    quick = re.findall(r"(--[a-z-]+ \d+) \([\d.]+ GiB, (\d+) s or more a step; (fewer rows a step|rows past it)", line)
+    assert {q[0].split()[0] for q in quick} == {"--per-device-train-batch-size", "--max-length"}, line
+    assert all(int(q[1]) < memory.SLOW_STEP_S for q in quick), line
+    assert "--gradient-accumulation-steps" in line and "--gradient-checkpointing" in line, line
+
+
+def test_the_plan_leaves_torchs_random_stream_as_it_was(tiny_model_dir, on_cpu):
+    """Timing this CPU's matmul (cpu_matmul_rate, on a CPU plan) draws its operands from a generator of its own: a run
+    seeded before its plan samples after it exactly as it would without it (its LoRA init, a fork's the same)."""
+    memory.cpu_matmul_rate.cache_clear()
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    dpo.memory_plan(dpo.Args(model=tiny_model_dir), [])
+    assert memory.cpu_matmul_rate.cache_info().misses == 1  # the CPU was timed
+    assert torch.equal(torch.get_rng_state(), before)

@@ -148,6 +148,43 @@ def test_a_second_process_cannot_write_a_run_dir_in_use(tiny_model_dir, tmp_path
     assert done.returncode == 0, done.stderr
 
 
+def test_a_finished_run_dir_keeps_no_lock_file_and_a_crashed_one_keeps_it_for_its_resume(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A finished run dir kept its .lock (issue 52): a clean end removes it. A run that crashes keeps it (the flock
+    goes with the process), and its resume, which takes the lock again, removes it when it ends cleanly."""
+    data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    kw = dict(model=tiny_model_dir, dataset=data, output_dir=str(tmp_path / "runs"), max_steps=2, save_steps=1)
+    done = sft.main(sft.Args(**kw))
+    assert os.path.isdir(os.path.join(done["run_dir"], "final")) and ".lock" not in os.listdir(done["run_dir"])
+    monkeypatch.setattr(sft, "save_final", lambda *a, **k: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(OSError, match="disk gone"):
+        sft.main(sft.Args(**kw))
+    crashed = [d for d in (tmp_path / "runs").iterdir() if str(d) != done["run_dir"]]
+    assert len(crashed) == 1 and (crashed[0] / ".lock").is_file()
+    monkeypatch.undo()
+    resumed = sft.main(sft.Args(**kw | dict(max_steps=3, resume_from_checkpoint=str(crashed[0]))))
+    assert os.path.realpath(resumed["run_dir"]) == str(crashed[0].resolve())
+    assert ".lock" not in os.listdir(crashed[0]) and (crashed[0] / "final").is_dir()
+
+
+def test_a_resume_says_so_and_names_its_run_dir_as_a_new_run_does(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A resume never said it was resuming, and named its run dir by its absolute path where a new run names it as
+    --output-dir does (issue 52): one line names the checkpoint and its step, and the run dir is the same string."""
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    kw = dict(model=tiny_model_dir, dataset=data, output_dir="runs", max_steps=2, save_steps=1, report_to="none")
+    first = sft.main(sft.Args(**kw))
+    assert first["run_dir"].startswith("runs/sft__"), first["run_dir"]
+    capsys.readouterr()
+    checkpoint = os.path.join(first["run_dir"], "checkpoints", "step-2")
+    resumed = sft.main(sft.Args(**kw | dict(max_steps=3, resume_from_checkpoint=checkpoint)))
+    out = capsys.readouterr().out
+    assert resumed["run_dir"] == first["run_dir"] and f"run dir {first['run_dir']}, saved" in out, out[-2000:]
+    said = [line for line in out.splitlines() if line.startswith("resuming")]
+    assert said == [f"resuming from {checkpoint} at step 2 of 3 (run dir {first['run_dir']})"], out[-2000:]
+
+
 # ------------------------------------------------------------------------ Ctrl-C at the end of a run (issue 40 §5)
 PREFS = [{"prompt": f"Pick {i}", "chosen": f"yes {i}", "rejected": f"no {i} no"} for i in range(8)]  # dpo's rows
 END_RUNS = {  # two steps of each on the tiny model

@@ -112,6 +112,27 @@ def test_vllm_venv_made_from_inside_a_venv_sees_that_venvs_packages(tmp_path):
     assert done.stdout.split()[2] == importlib.import_module("torch").__file__
 
 
+def test_the_vllm_venv_goes_outside_the_checkout_into_the_users_cache(tmp_path):
+    """The tests' vLLM virtualenv (2.4 GB) was made as .venv-vllm/ inside the checkout (issue 52): by default it goes
+    to the user's cache, $XDG_CACHE_HOME/onlyone/vllm-venv-<hex of the interpreter> (VLLM_VENV elsewhere), and the
+    test command looks for it there."""
+    from scripts import run_tests
+
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_VENV", "ONLYONE_CACHE")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    cmd = [sys.executable, "scripts/vllm_venv.py", "--no-install"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True)
+    made = pathlib.Path(re.match(r"vllm venv: (\S+) on top of", done.stdout).group(1))
+    assert made.parent == tmp_path / "cache" / "onlyone" and re.fullmatch(r"vllm-venv-[0-9a-f]{8}", made.name), made
+    assert (made / "bin" / "python").exists() and ROOT not in made.parents
+    where = subprocess.run([*cmd[:2], "--where"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert where.stdout.strip() == str(made)
+    moved = subprocess.run([*cmd[:2], "--where"], cwd=ROOT, env={**env, "VLLM_VENV": str(tmp_path / "v")},
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert moved.stdout.strip() == str(tmp_path / "v")
+    assert ROOT not in run_tests.vllm_venv().default_venv().resolve().parents
+
+
 def test_run_tests_names_each_missing_requirement_with_the_command_that_gets_it(monkeypatch):
     from scripts import run_tests
 
@@ -148,6 +169,27 @@ def test_run_tests_without_bubblewrap_or_chromium_says_in_a_line_each_what_skips
     assert len(said) == 1 and "test_report_browser.py" in said[0] and "apt-get install chromium" in said[0], said
     ran = [line for line in out.out.splitlines() if line.startswith("$ ")]
     assert len(ran) == len(run_tests.commands(None)) and ran[0] == "$ ruff check ." and "'not vllm" in ran[2], ran
+
+
+def test_run_tests_without_the_shared_data_says_in_a_line_which_tests_skip(tmp_path, monkeypatch, capsys):
+    """25 tests skipped without a word before the suite's last line when ../shared/data was absent (issue 52, item 3):
+    the test command names the folder, the files whose tests skip and what they cover, as it does for bubblewrap and
+    chromium, and runs the rest; with the folder there it says nothing of it."""
+    from scripts import run_tests
+
+    monkeypatch.setattr(sys, "argv", ["run_tests.py", "--dry-run", "--no-vllm"])
+    monkeypatch.setattr(run_tests, "SHARED_DATA", tmp_path / "absent")
+    assert run_tests.main() == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if str(tmp_path / "absent") in line]
+    assert len(said) == 1 and said[0].startswith(f"run_tests: no {tmp_path / 'absent'}: "), said
+    assert "skip" in said[0] and "not shipped with a clone" in said[0] and "ONLYONE_SHARED_DATA" in said[0]
+    named = re.search(r"skip \((.*?): ", said[0]).group(1).split(", ")
+    assert {"test_data.py", "test_evals.py", "test_math_checker.py"} <= set(named), named
+    assert all((ROOT / "tests" / name).is_file() for name in named)
+    (tmp_path / "present").mkdir()
+    monkeypatch.setattr(run_tests, "SHARED_DATA", tmp_path / "present")
+    assert run_tests.main() == 0
+    assert "present" not in capsys.readouterr().out
 
 
 def test_run_tests_lints_first_then_runs_the_suite_over_the_cores_beside_the_reruns_and_the_vllm_tests():

@@ -181,6 +181,39 @@ def test_report_plots_one_panel_per_run_kind_with_ema_and_integer_steps(tmp_path
     assert os.path.getsize(out["plots"]["reward"]) > 1000
 
 
+def test_report_with_no_arguments_reads_runs_and_eval_results_and_says_so(tmp_path, monkeypatch, capsys):
+    """`python -m evals.report` with no arguments errored although ./runs and ./eval_results were there (issue 52):
+    it reads every run dir there with a metrics.jsonl and every eval summary, oldest first (the baseline), and says
+    so in one line; with neither folder, one error names both."""
+    from common.errors import ArgsError
+    from evals.report import Args, main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ArgsError, match=r"no --runs or --evals given.*\./runs.*\./eval_results"):
+        main(Args(out="report"))
+    for name in ("sft__m__1__a", "grpo__m__1__b"):
+        os.makedirs(f"runs/{name}")
+        with open(f"runs/{name}/metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in _history(3, 1.0, 0.1, 0))
+    os.makedirs("runs/crashed_before_a_step")  # no metrics.jsonl: not a run to draw
+    os.makedirs("eval_results")
+    for n, (label, accuracy) in enumerate((("zeta-base", 0.25), ("alpha-grpo", 0.5))):
+        summary = {"task": "gsm8k", "label": label, "accuracy": accuracy, "n": 8, "dataset": "builtin:math"}
+        with open(f"eval_results/{label}__gsm8k.json", "w") as f:
+            json.dump(summary, f)
+        with open(f"eval_results/{label}__gsm8k.jsonl", "w") as f:
+            f.write("{}\n")  # per-example records: not a summary
+        os.utime(f"eval_results/{label}__gsm8k.json", (1e9 + n, 1e9 + n))  # the base model evaluated first
+    out = main(Args(out="report"))
+    said = capsys.readouterr().out.splitlines()
+    assert said[0] == (
+        "report: no --runs or --evals given: read 2 run dir(s) from ./runs and 2 eval summaries from ./eval_results "
+        "(oldest first: the baseline is the first)"
+    ), said
+    assert [row[0] for row in out["runs"][1:]] == ["grpo__m__1__b", "sft__m__1__a"]
+    assert [row[0] for row in out["table"][1:]] == ["zeta-base (baseline)", "alpha-grpo"], out["table"]
+
+
 # ---- sharing: adapters name their base as the user did; merged export
 @pytest.fixture
 def embedded_tiny(monkeypatch, tmp_path):
