@@ -42,11 +42,11 @@ import torch.nn.functional as F
 import tyro
 from transformers import set_seed
 
-from common.data import dataset_label, load_rows, micro_batch, setup_chat_template
+from common.data import load_rows, micro_batch, setup_chat_template
 from common.completions import collate_sft, concat_pairs
 from common.completions import tokenize_dataset, training_steps, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, broadcast, close_distributed
-from common.distributed import gathered, gathered_state, init_distributed, is_sharded, rank_and_world
+from common.distributed import gathered, init_distributed, is_sharded, rank_and_world
 from common.distributed import shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
@@ -60,9 +60,11 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import check_finite_files, check_run_dir_identity, load_weights, read_marker, run_identity
-from harness.checkpoints import check_finite, run_record, save_final, save_weights, swap_in, write_marker, writing
+from harness.checkpoints import check_finite, gathered_state, run_record, save_final, save_weights, swap_in
+from harness.checkpoints import write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import check_reward_fields, preset_label, resolve_preset
+from harness.held_out import dataset_label
 from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, plan_memory, row_tokens
 from harness.run import Logger, claim_run_dir, make_run_dir, peak_memory_gb

@@ -452,16 +452,6 @@ def concat_prompt_completion(
     }
 
 
-def dataset_label(spec: str) -> str:
-    """A short name for metric keys and files: openai/gsm8k:main -> gsm8k, builtin:math -> builtin_math,
-    data/gsm8k/test.jsonl -> gsm8k (a split-named file takes its folder's name), prefs.jsonl -> prefs."""
-    if spec.startswith("builtin:"):
-        return spec.replace(":", "_")
-    path = pathlib.Path(spec.split(":")[0])
-    stem = path.stem if path.suffix in (".json", ".jsonl", ".parquet") else path.name
-    return path.parent.name if stem in ("train", "test", "validation", "dev") and path.parent.name else stem
-
-
 def micro_batch(
     examples: list, index: int, batch_size: int, seed: int, drop_last: bool = False, min_rows: int = 1
 ) -> list:

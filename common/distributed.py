@@ -17,7 +17,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -169,15 +168,6 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded (DTensor) parameter, a view of the storage FSDP2 gathers from; a plain tensor
     as it is."""
     return p.to_local() if isinstance(p, DTensor) else p
-
-
-def gathered_state(model, optimizer=None) -> tuple[dict, dict | None]:
-    """A sharded model's full state dict (and its optimizer's, keyed by parameter name), gathered to CPU on rank 0
-    (the other ranks get empty dicts). Every rank must call it: it is a collective."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
-    return weights, optim
 
 
 def close_distributed() -> None:

@@ -35,14 +35,15 @@ import warnings
 
 import torch
 from peft import set_peft_model_state_dict
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from common.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
 from common.errors import ArgsError, DataError, UserError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from common.distributed import all_gather, broadcast, gathered_state, is_sharded, local_tensor, rank_and_world
+from common.distributed import all_gather, broadcast, is_sharded, local_tensor, rank_and_world
 from common.model import DEFAULT, REF, is_peft, pick_device, resolve_dtype, slot_params, snapshot_ref, unwrap
 from harness.hub import BEFORE_READ
 
@@ -83,7 +84,7 @@ def save_weights(model, out_dir: str, adapters: list[str] | None = None, state_d
     """Adapters via PEFT's save_pretrained (safetensors; "default" at the top, "ref" in ref/), else the full model.
     save_embedding_layers=False: our LoRA never resizes the vocabulary, and PEFT's "auto" looks a base name that is
     no local folder (an alias such as smollm2-135m) up on the hub at every save, with warnings when offline.
-    state_dict: the full weights gathered from a model sharded by FSDP2 (common.distributed.gathered_state), written
+    state_dict: the full weights gathered from a model sharded by FSDP2 (gathered_state), written
     as one plain transformers folder."""
     if state_dict is not None:
         model.save_pretrained(out_dir, safe_serialization=True, state_dict=state_dict)
@@ -242,6 +243,15 @@ def adapter_hash(model, slot: str = REF) -> str:
         h.update(key.encode())
         h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def gathered_state(model, optimizer=None) -> tuple[dict, dict | None]:
+    """A sharded model's full state dict (and its optimizer's, keyed by parameter name), gathered to CPU on rank 0
+    (the other ranks get empty dicts). Every rank must call it: it is a collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return weights, optim
 
 
 def load_gathered_state(model, weights: dict, optimizer=None, optim: dict | None = None) -> list[str]:

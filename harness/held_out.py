@@ -2,10 +2,10 @@
 completions' reward, length and final-number accuracy."""
 
 import os
+import pathlib
 
 import torch
 
-from common.data import dataset_label
 from common.rewards import math_reward, score_rollout
 
 
@@ -39,3 +39,13 @@ def eval_source(dataset: str, eval_dataset: str | None) -> str | None:
     if not (os.path.exists(dataset) or dataset.endswith((".json", ".jsonl", ".parquet"))):
         return dataset
     return None
+
+
+def dataset_label(spec: str) -> str:
+    """A short name for metric keys and files: openai/gsm8k:main -> gsm8k, builtin:math -> builtin_math,
+    data/gsm8k/test.jsonl -> gsm8k (a split-named file takes its folder's name), prefs.jsonl -> prefs."""
+    if spec.startswith("builtin:"):
+        return spec.replace(":", "_")
+    path = pathlib.Path(spec.split(":")[0])
+    stem = path.stem if path.suffix in (".json", ".jsonl", ".parquet") else path.name
+    return path.parent.name if stem in ("train", "test", "validation", "dev") and path.parent.name else stem

@@ -258,11 +258,13 @@ def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
     state loader, the reward-field check, hub and saved-dataset loading, GSM8K's layout, the 8-bit optimizer, the
     held-out eval) and transformers' set_seed, rotate_half and warpers replaced our copies of them); 3,365 since the
     math checker reads a number whole or scores 0 (issue #51: Unicode forms, repeating decimals, variables,
-    self-corrections, a last-number fallback that refuses competing numbers; grpo, raft and the evals use it))."""
+    self-corrections, a last-number fallback that refuses competing numbers; grpo, raft and the evals use it)); 8
+    files and 3,355 since bitsandbytes stays hidden until a flag asks for it (issue #52: common.HIDDEN, which
+    common.model.require reads) while the held-out label and the FSDP2 state gather left for the harness)."""
     core = counted(closure("grpo", skip=OPTIONAL))
     expected = ["common", "common.data", "common.distributed", "common.errors", "common.model", "common.rewards"]
     assert core == [*expected, "common.rollout", "grpo"]
-    assert lines(core) <= 3365, lines(core)
+    assert lines(core) <= 3355, lines(core)
 
 
 def test_closure_report():
