@@ -196,19 +196,23 @@ KNOWN_LAYOUTS = {
 
 def validate_rows(rows: list[dict], kind: str = "prompt", convert_flag: str | None = None, check=_check_prompt_row):
     """Check rows of `kind` with `check` (a row -> the row normalised, or DataError) before any model loads. Raises
-    one DataError listing the first bad rows; rows in a known other layout, which no check takes, get one line instead
-    saying how to convert them: with the caller's `convert_flag` ("--convert": the option's name) or in the file."""
+    one DataError listing the first bad rows; rows in a known other layout that the check refuses get one line
+    instead, saying how to convert them: with the caller's `convert_flag` ("--convert": the option's name) or in the
+    file."""
     if not rows:
         raise DataError(f"no rows to validate for {kind} data")
-    columns = rows[0].keys() - {"_loc"}
-    layout = next((k for k, (need, may) in KNOWN_LAYOUTS.items() if need <= columns <= need | may), None)
-    if layout is not None:
+    try:
+        return map_rows(rows, check, f"{kind} data")
+    except DataError:
+        columns = rows[0].keys() - {"_loc"}
+        layout = next((k for k, (need, may) in KNOWN_LAYOUTS.items() if need <= columns <= need | may), None)
+        if layout is None:
+            raise
         how = f"pass {convert_flag} {layout}" if convert_flag else "convert the file first (docs/data.md, Conversions)"
         raise DataError(
             f"{rows[0]['_loc']}: the rows are in {layout}'s layout ({', '.join(sorted(columns))}), not TRL's {kind} "
             f"rows: {how}"
-        )
-    return map_rows(rows, check, f"{kind} data")
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------------- templates

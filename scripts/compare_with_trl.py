@@ -1421,7 +1421,7 @@ def separating_settings(s: Setup, report: dict) -> list[str]:
             hints.append(
                 f"KTO's reference point z0 (kl in {SCRIPT[s.method]}.py's log) was 0 at every step (it is clamped at "
                 "0), where a loss that differs from KTO's only through z0 agrees with it: a higher --learning-rate or "
-                "more --steps, until kl leaves 0 (on the tiny model: --learning-rate 1e-2 --steps 4)"
+                "more --steps, until kl leaves 0 (on the tiny model: --learning-rate 3e-3 --steps 4)"
             )
     return hints
 

@@ -112,7 +112,7 @@ def test_vllm_venv_made_from_inside_a_venv_sees_that_venvs_packages(tmp_path):
     assert done.stdout.split()[2] == importlib.import_module("torch").__file__
 
 
-def test_the_vllm_venv_goes_outside_the_checkout_into_the_users_cache(tmp_path):
+def test_the_vllm_venv_goes_outside_the_checkout_into_the_users_cache(tmp_path, monkeypatch):
     """The tests' vLLM virtualenv (2.4 GB) was made as .venv-vllm/ inside the checkout (issue 52): by default it goes
     to the user's cache, $XDG_CACHE_HOME/onlyone/vllm-venv-<hex of the interpreter> (VLLM_VENV elsewhere), and the
     test command looks for it there."""
@@ -130,6 +130,10 @@ def test_the_vllm_venv_goes_outside_the_checkout_into_the_users_cache(tmp_path):
     moved = subprocess.run([*cmd[:2], "--where"], cwd=ROOT, env={**env, "VLLM_VENV": str(tmp_path / "v")},
                            capture_output=True, text=True, check=True)  # fmt: skip
     assert moved.stdout.strip() == str(tmp_path / "v")
+    # this process's default with the user's environment (run_tests sets ONLYONE_CACHE inside the checkout for the
+    # embedded model's copy, after it picked the venv)
+    monkeypatch.delenv("ONLYONE_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert ROOT not in run_tests.vllm_venv().default_venv().resolve().parents
 
 
