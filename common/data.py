@@ -195,10 +195,9 @@ KNOWN_LAYOUTS = {
 
 
 def validate_rows(rows: list[dict], kind: str = "prompt", convert_flag: str | None = None, check=_check_prompt_row):
-    """Check rows of `kind` with `check` (a row -> the row normalised, or DataError) before any model loads. Raises
-    one DataError listing the first bad rows; rows in a known other layout that the check refuses get one line
-    instead, saying how to convert them: with the caller's `convert_flag` ("--convert": the option's name) or in the
-    file."""
+    """Check rows of `kind` with `check` (a row -> the row normalised, or DataError) before any model loads: one
+    DataError listing the first bad rows, or where the check refuses rows in a known other layout, one line saying
+    how to convert them (with the caller's `convert_flag`, "--convert": the option's name, or in the file)."""
     if not rows:
         raise DataError(f"no rows to validate for {kind} data")
     try:
