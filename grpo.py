@@ -242,16 +242,12 @@ REWARDS = REWARD_FUNCS | {"code": code_reward, "api": api_reward}
 
 # ---------------------------------------------------------------------------------------------------- the math
 def group_advantages(rewards, group_size: int, scale_rewards: str = "group"):
-    """A_i = (r_i - mean_g(r)) / (std + 1e-4) over contiguous groups of group_size completions of one prompt.
-
-    std is the unbiased (Bessel) std of the group ("group"), of the whole batch ("batch"), or no division ("none").
-    Returns (advantages (B,), std_grouped (B,)): std_grouped is each sample's group std (for frac_reward_zero_std).
-    As TRL's _generate_and_score_completions: grouped mean, std with Bessel's correction,
-    `advantages / (std_rewards + 1e-4)` unless "none". Differences: rewards must be finite (TRL zeroes all-None
-    rows), and under "batch" TRL logs frac_reward_zero_std from the batch std while std_grouped is always per group.
-    "batch" is over the rewards passed in: pass the whole generation batch. A group of equal rewards gets std and
-    advantages exactly 0 (TRL: its float32 rounding, see below).
-    """
+    """A_i = (r_i - mean_g(r)) / (std + 1e-4) over contiguous groups of group_size completions of one prompt, std
+    the unbiased (Bessel) std of the group ("group"), of the whole batch passed in ("batch"), or no division ("none").
+    Returns (advantages (B,), std_grouped (B,): each sample's group std, for frac_reward_zero_std). As TRL's
+    _generate_and_score_completions, except: rewards must be finite (TRL zeroes all-None rows), a group of equal
+    rewards gets std and advantages exactly 0 (TRL: its float32 rounding), and under "batch" TRL's
+    frac_reward_zero_std reads the batch std."""
     if group_size < 2:
         raise ValueError(f"GRPO needs group_size >= 2 (the std of one sample is undefined), got {group_size}")
     if rewards.numel() % group_size != 0:
@@ -309,19 +305,15 @@ def grpo_per_token_loss(
 def aggregate_loss(
     per_token_loss, completion_mask, loss_type, max_completion_length=None, num_items=None, num_sequences=None
 ):
-    """Reduce per_token_loss (B, T) under completion_mask (B, T) to the scalar GRPO loss, as TRL does.
+    """Reduce per_token_loss (B, T) under completion_mask (B, T) to the scalar GRPO loss, as TRL's _compute_loss.
 
     With m the mask, S = num_sequences (default B), N = num_items (default m.sum()), L = max_completion_length:
       "grpo":    sum_i [sum_t m_it l_it / max(1, sum_t m_it)] / S   (mean over sequences of token means)
       "bnpo":    sum_it m_it l_it / max(1, N)                         (token mean over the batch)
       "dr_grpo": sum_it m_it l_it / (S * L)                           (Dr. GRPO's constant normaliser)
       "dapo":    sum_it m_it l_it / max(1, N)                         (token mean over the whole optimizer step)
-    With the defaults this is TRL's GRPOTrainer._compute_loss on one batch.
-
-    Micro-batching: when one optimizer step is split into micro-batches whose losses are summed by backward(), pass
-    num_sequences = sequences in the whole step and num_items = completion tokens in the whole step (every loss
-    type); the summed gradient then equals the one-big-batch gradient exactly (TRL under gradient accumulation:
-    docs/parity.md).
+    Micro-batches summed by backward(): pass S and N of the whole step, and the summed gradient equals the one-batch
+    gradient exactly (TRL under gradient accumulation: docs/parity.md).
     """
     B = per_token_loss.shape[0]
     num_sequences = B if num_sequences is None else num_sequences
@@ -346,12 +338,9 @@ def grouped_completion_logps(
     model, prompt_ids, completion_ids, group_size, pad_id, temperature=1.0, chunk_size=1024, return_entropy=False
 ):
     """per_token_logps[r, t] = log p(completion_ids[r][t] | prompt_ids[r // G], completion_ids[r][:t]), (B*G, C)
-    fp32, 0 past each completion's end; each of the B prompts runs through the backbone ONCE for its G completions.
-
-    The prompt pass (left-padded, B rows) fills a KV cache that is repeated G times (repeat_interleave: gradients
-    flow back into the prompt pass), then the completions (right-padded, B*G rows) attend to it. The same numbers
-    as sequence_logps on the concatenated rows (to fp32 rounding), for B*P + B*G*C tokens instead of B*G*(P + C).
-    Returns (logps, completion_mask[, entropy]).
+    fp32, 0 past each completion's end: each prompt's pass (left-padded) fills a KV cache repeated G times (gradients
+    flow back into it) that its completions (right-padded) attend to; sequence_logps' numbers on the concatenated
+    rows (to fp32 rounding) for B*P + B*G*C tokens instead of B*G*(P + C). Returns (logps, completion_mask[, entropy]).
     """
     lm = unwrap(model)
     device = lm.device
@@ -508,10 +497,9 @@ def rollout_metrics(rewards, per_func, reward_funcs, std_grouped, out: dict) -> 
 
 
 def per_update(tagged: list, updates: int, micro_batches: int, pick) -> float:
-    """TRL's clip_ratio/low_min (pick=min) and high_max (pick=max) of a rollout: each update's extreme over its
-    completions (every rank's), averaged over the updates that had one, as TRL logs one value per update (our
-    harness averages TRL's updates of a rollout); NaN when no completion had a ratio (every one masked, as TRL).
-    `tagged`: (micro-batch number in the step, ratio) pairs, add_token_stats'; micro_batches: per rank and step."""
+    """TRL's clip_ratio/low_min (pick=min) and high_max (pick=max): each update's extreme over its completions (every
+    rank's), averaged over the updates that had one (TRL logs one per update); NaN when none had a ratio. `tagged`:
+    add_token_stats' (micro-batch number in the step, ratio) pairs; micro_batches: per rank and step."""
     per = max(micro_batches // updates, 1)  # every update runs the same micro-batches
     by_update = {}
     for number, ratio in tagged:
@@ -561,10 +549,9 @@ def check_args(args: Args) -> None:
 
 
 def memory_plan(args: Args, rows: list[dict], quiet: bool = False) -> tuple[dict, bool]:
-    """The memory plan of what a step runs (harness.memory): the rollout, the reference / old-policy no-grad pass,
-    and a micro-batch's policy pass (each prompt once, its G completions attending to its cache; under gradient
-    checkpointing grouped_completion_logps scores whole rows instead). Returns (plan, gradient checkpointing); quiet:
-    (plan, whether it fits), nothing printed (harness.memory.fit_knob's question)."""
+    """The memory plan of a step (harness.memory): the rollout, the reference / old-policy no-grad pass, a
+    micro-batch's policy pass (prompts once; under gradient checkpointing whole rows). Returns (plan, gradient
+    checkpointing); quiet: (plan, whether it fits), nothing printed (harness.memory.fit_knob's question)."""
     world = args.plan_world_size or rank_and_world()[1]  # a rank samples its share of the step's prompts
     if args.groups_per_micro_batch is None:  # on a GPU the most groups that fit (harness.memory.fit_knob)
         fits = functools.partial(memory_plan, rows=rows, quiet=True)
@@ -602,10 +589,9 @@ def memory_plan(args: Args, rows: list[dict], quiet: bool = False) -> tuple[dict
 
 
 def circuit_breakers(args: Args, state: dict) -> Breakers:
-    """Conditions that stop (or warn about) a run gone wrong once they hold for --breaker-patience steps in a row:
-    the KL to the reference too high, completions pinned at the length limit or growing without bound (against the
-    first step's mean length, kept in `state`), every group's rewards equal (no learning signal); and at once, too
-    many skipped NaN/Inf updates. harness.run.Breakers keeps the streaks in `state`, which checkpoints save."""
+    """Stop (or warn) once a condition holds for --breaker-patience steps in a row: KL to the reference too high,
+    completions pinned at the length limit or growing past the first step's mean length (`state`), every group's
+    rewards equal; at once: too many skipped NaN/Inf updates. harness.run.Breakers keeps the streaks in `state`."""
     checks = {
         "kl": ("kl", lambda v: v > args.breaker_max_kl),
         "length_pinned": ("completions/clipped_ratio", lambda v: v >= args.breaker_max_clipped_ratio),

@@ -1,14 +1,9 @@
 """One backbone in memory: the model, its LoRA slots, and the log-probs it gives tokens.
 
-The policy is base + the trainable LoRA adapter "default"; the reference policy is a frozen copy of the starting
-adapter in a second slot "ref", switched in under no_grad by `as_reference` (a reward model may add a third slot,
-"reward"). No second copy of the base is ever made.
-
-Log-probs come from the final hidden states through the output head chunk by chunk (`chunked_logps`), recomputed in
-backward, so a full-vocabulary fp32 logits tensor of the batch never exists. `sequence_logps` scores padded or
-packed rows; `prompt_cache` and `shares_prompt_pass` let a script run each prompt through the backbone once for
-several completions (a group of samples, a preference pair).
-Every formula is stated in its docstring and checked against a naive reference in tests/test_logps.py.
+The policy is base + the trainable LoRA adapter "default"; the reference is a frozen copy of the starting adapter in
+a second slot "ref", switched in by `as_reference` (a reward model may add a third slot, "reward"). Log-probs come
+from the final hidden states through the output head chunk by chunk (`chunked_logps`), so the batch's full fp32
+logits never exist. Every formula is stated in its docstring and checked against a naive reference in tests/.
 """
 
 import contextlib
@@ -38,9 +33,8 @@ from common.errors import ModelError
 DEFAULT = "default"
 REF = "ref"
 REWARD = "reward"  # a reward model's LoRA on the policy's backbone (plugins.reward_model), never trained
-# Device type -> padded lengths round up to a multiple of this and a padded batch runs as one pass (no length
-# groups), so that a pass's shapes recur from step to step: attention plans and kernels are chosen once, the caching
-# allocator reuses its blocks, and a few big kernels replace many small ones. A CPU (absent) pays compute for every
+# Device type -> padded lengths round up to a multiple of this and a padded batch runs as one pass, so that shapes
+# recur from step to step (attention plans, kernels and the allocator's blocks reused). A CPU (absent) pays for every
 # padded token and plans nothing per shape: exact lengths, length groups. (Tests set "cpu" to count a GPU's shapes.)
 BUCKETS = {"cuda": 64}
 
@@ -259,11 +253,10 @@ def snapshot_ref(model) -> None:
 
 @contextlib.contextmanager
 def swapped_weights(model, weights: dict):
-    """Run the block with every parameter's tensor replaced by weights[name] (CPU tensors), one tensor at a time: the
-    trained tensor is parked in CPU memory before the reference's is brought to the device, so the device never
-    holds two copies of the backbone. On a CPU model both moves are no-ops (`.to` of a tensor already there returns
-    it): the parameters point at the reference's tensors and back at their own, bit for bit. Put back on exit, even
-    if the block raises; gradients and optimizer states are separate tensors and are not touched."""
+    """Run the block with every parameter's tensor replaced by weights[name] (CPU tensors), one tensor at a time (the
+    trained one parked in CPU memory first), so the device never holds two copies of the backbone; on a CPU model the
+    parameters point at the reference's tensors and back, bit for bit. Put back on exit, even if the block raises;
+    gradients and optimizer states are not touched."""
     parked = {}
     if is_sharded(model):  # FSDP2 gathers from each shard's own storage: the shards are copied in place, and back
         reshard(model)  # first: a gathered root's parameters are other tensors until it is resharded
@@ -294,10 +287,8 @@ def swapped_weights(model, weights: dict):
 @contextlib.contextmanager
 def as_reference(model, slot: str = REF):
     """Run the block as the reference policy (or another frozen slot, e.g. REWARD): `slot` active, eval mode,
-    no_grad; the active adapter, every requires_grad flag and train mode restored on exit, even if the block raises.
-    PEFT's set_adapter() also flips requires_grad (the active slot becomes trainable, the other frozen), so the
-    exact requires_grad of every parameter is saved first and put back. Full fine-tuning (no adapters): snapshot_ref's
-    CPU copy of the starting weights is swapped in for the block (swapped_weights)."""
+    no_grad; the active adapter, train mode and every requires_grad flag (PEFT's set_adapter flips them) restored on
+    exit, even if the block raises. Full fine-tuning: snapshot_ref's CPU copy of the starting weights swapped in."""
     reference_weights = getattr(unwrap(model), "reference_weights", None)
     if not is_peft(model) and slot == REF and reference_weights is not None:
         was_training = model.training
@@ -444,10 +435,9 @@ class _ChunkedLogps(torch.autograd.Function):
 def chunked_logps(hidden, weight, labels, temperature=1.0, chunk_size=1024, bias=None, return_entropy=False):
     """Per-row log p(labels_i) under softmax((hidden_i W^T + b) / T), fp32 (N,), never holding (N, V) logits.
 
-    hidden (N, H) any float dtype, weight (V, H) the output head, labels (N,) long. With return_entropy also returns
-    H_i = -sum_v p_iv log p_iv (N,) fp32, detached. Gradients flow to hidden, and to weight/bias only when they
-    require grad. Logits are computed in fp32 from the (possibly bf16) inputs, so bf16 models get fp32-accurate
-    logps rather than those of `lm_head(h).float()`, whose bf16 logits in [16, 32) are rounded by up to 1/16.
+    hidden (N, H) any float dtype, weight (V, H) the output head, labels (N,) long; with return_entropy also H_i (N,),
+    detached. Gradients flow to hidden, and to weight/bias only when they require grad. Logits are fp32 from bf16
+    inputs too: `lm_head(h).float()` would round bf16 logits in [16, 32) by up to 1/16.
     """
     grad = torch.is_grad_enabled()
     logps, entropy = _ChunkedLogps.apply(hidden, weight, bias, labels, temperature, chunk_size, return_entropy, grad)
@@ -455,10 +445,8 @@ def chunked_logps(hidden, weight, labels, temperature=1.0, chunk_size=1024, bias
 
 
 def head_is_plain_linear(lm) -> bool:
-    """True when logits == lm_head(decoder(x).last_hidden_state) exactly, so the chunked head is safe to use.
-
-    A PEFT-wrapped or quantized head (not exactly nn.Linear) has a different forward, and some configs rescale or
-    softcap logits after the head (_LOGIT_TRANSFORM_KEYS); those take the naive path through model(...).logits.
+    """True when logits == lm_head(decoder(x).last_hidden_state) exactly, so the chunked head is safe: not a PEFT or
+    quantized head, no config that rescales or softcaps logits (_LOGIT_TRANSFORM_KEYS; those take model(...).logits).
     """
     config = lm.config.get_text_config()
     # 1.0 multiplies or divides by one (Granite's default logits_scaling), so it leaves the plain head exact
@@ -478,13 +466,11 @@ def sequence_logps(
 ):
     """per_token_logps[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) where logps_mask[b, t] == 1, else 0.0.
 
-    input_ids, attention_mask, logps_mask: (B, T). Returns (B, T) fp32 (and entropy (B, T) fp32, detached, same
-    layout, when return_entropy). Position 0 and the first real token after left padding have no context: always 0.
-    Only the hidden states that predict a masked target go through the head (prompt tokens cost no logits at all).
-    On a CPU padded rows run in groups of similar length, each cut to the columns its tokens use (length_groups):
-    padding costs no compute or activation memory. On a GPU (BUCKETS) the batch runs as one pass, T rounded up to the
-    bucket with columns that score nothing, and reads the host once (how many tokens are scored, whether the rows are
-    right-padded). A batch without padding, or with padding on the right only, takes SDPA's causal path, no mask.
+    input_ids, attention_mask, logps_mask: (B, T). Returns (B, T) fp32 (and entropy (B, T), detached, when
+    return_entropy). Position 0 and the first real token after left padding have no context: always 0. Only the
+    hidden states that predict a masked target go through the head. On a CPU padded rows run in groups of similar
+    length, each cut to its columns (length_groups); on a GPU (BUCKETS) one pass, T rounded up to the bucket, one host
+    read. Padding on the right only (or none) takes SDPA's causal path, no mask.
     """
     multiple = BUCKETS.get(input_ids.device.type, 1)
     width = input_ids.shape[1]
@@ -574,10 +560,8 @@ def sequence_logps(
 
 
 def decoder_hidden(lm, inputs: dict):
-    """The decoder's last hidden state (after its final norm) for `inputs`. A model sharded by FSDP2 runs its own
-    forward instead, with no position's logits kept (an empty logits_to_keep), so that FSDP's hooks gather the
-    root's weights (embeddings, final norm, head) for the chunked head and reduce their gradients; a forward hook on
-    the decoder catches its output."""
+    """The decoder's last hidden state (after its final norm) for `inputs`. Under FSDP2 the model's own forward runs
+    instead (keeping no logits), so that FSDP's hooks gather the root's weights; a forward hook catches the output."""
     if not isinstance(lm, FSDPModule):
         return lm.get_decoder()(**inputs).last_hidden_state
     caught = []
@@ -617,19 +601,17 @@ def length_groups(attention_mask, slack: float = 1.125) -> list[tuple[list[int],
 
 
 def prompt_cache(lm):
-    """An empty DynamicCache for lm, or None when a layer of it would hold more than keys and values (the conv and
-    recurrent states of Falcon-H1, RecurrentGemma, LFM2, Qwen3-Next...): batch_repeat_interleave and a rebuilt
-    cache copy keys and values only, so those models never share a prompt's pass (they crashed or mixed up rows)."""
+    """An empty DynamicCache for lm, or None when a layer would hold more than keys and values (the conv and recurrent
+    states of Falcon-H1, LFM2, Qwen3-Next...): a repeated or rebuilt cache copies keys and values only."""
     cache = DynamicCache(config=lm.config)
     plain = all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
     return cache if plain else None
 
 
 def shares_prompt_pass(lm) -> bool:
-    """Whether a prompt's KV cache can feed its completions with the same numbers as scoring whole rows: the head is
-    a plain linear layer (chunked_logps reads it), the cache holds keys and values only (prompt_cache), and
-    activation checkpointing is off in train mode (transformers then drops the KV cache: the completions would
-    silently not see their prompt)."""
+    """Whether a prompt's KV cache can feed its completions with the numbers of whole rows: a plain linear head
+    (chunked_logps), a cache of keys and values only (prompt_cache), no activation checkpointing in train mode
+    (transformers then drops the cache: the completions would silently not see their prompt)."""
     if isinstance(lm, FSDPModule):  # the decoder's own calls would skip FSDP's gathering of the root's weights
         return False
     return head_is_plain_linear(lm) and prompt_cache(lm) is not None and not (lm.training and is_checkpointing(lm))
@@ -649,11 +631,8 @@ def masked_sum(values, mask, dim=None):
 
 
 def masked_mean(values, mask, dim=None, empty="raise"):
-    """sum_i values_i * mask_i / sum_i mask_i, over all elements (dim=None) or along dim.
-
-    An empty mask never silently gives 0 or NaN: dim=None raises ValueError. With dim given, rows whose mask is all
-    zero raise when empty="raise", or are exactly 0.0 when empty="zero" (a fully masked completion contributes
-    nothing, as TRL's `mask.sum(-1).clamp(min=1.0)` makes it).
+    """sum_i values_i * mask_i / sum_i mask_i, over all elements (dim=None) or along dim. An empty mask raises
+    ValueError (dim=None, or empty="raise"); empty="zero" makes an all-zero row exactly 0.0 (TRL's clamp(min=1.0)).
     """
     if empty not in ("raise", "zero"):
         raise ValueError(f"empty must be 'raise' or 'zero', got {empty!r}")

@@ -1,30 +1,17 @@
 """Rollouts: G sampled completions for each prompt from the live policy, with TRL's sampling semantics only.
 
-`hf_generate` (and the vLLM engine, plugins.vllm_engine) take tokenized prompts and return the same dict,
-prompt-major (the G completions of prompt i are rows i*G .. i*G+G-1, so each group is contiguous):
-  prompt_ids      B*G lists (each prompt repeated G times)
-  completion_ids  B*G lists, each ending at (and including) its first EOS; anything sampled after it is dropped
-  completions     B*G decoded texts (special tokens skipped)
-  truncated       B*G bools: no EOS within max_new_tokens
-  logprobs        B*G lists of the sampled tokens' log-probs under the sampling distribution, or None
-`hf_generate` samples from the live policy (the adapter is attached: no weight sync) with its own decode loop
-(`decode`): each distinct prompt prefilled once, a KV cache preallocated at prompt + max_new_tokens and written in
-place, each one-token step of a Llama, Mistral, Qwen2 or Qwen3 model through `decoder_step` (that forward written out
-over the model's own modules), every LoRA Linear on one weight with its update merged in for the rollout only
-(`merged_linears`; on a CPU float32 weights also packed for oneDNN). On a CPU finished rows leave the batch; on a GPU
-the shapes stay the same every step (static: no row dropped, the whole cache attended under a mask, prompts padded
-to a multiple of 64, whether all rows ended read every 8 tokens) and the step is captured as a CUDA graph. Sampling:
-temperature (0 = greedy), top_p (1 = off), top_k (0 = off, TRL's default), applied as transformers' warpers apply
-them; no repetition penalty, min_p or any other processor, whatever the model's generation_config.json says.
-logprobs are the sampled tokens' log-probs under the processed distribution (greedy: under the plain policy).
+`hf_generate` (and the vLLM engine, plugins.vllm_engine) return, prompt-major (the G completions of prompt i are rows
+i*G .. i*G+G-1): prompt_ids, completion_ids (each through its first EOS), completions (decoded, special tokens
+skipped), truncated (no EOS within max_new_tokens) and logprobs (the sampled tokens' log-probs under the sampling
+distribution, or None). `decode` is our decode loop: each distinct prompt prefilled once into a KV cache allocated at
+its final length (SlabLayer), one-token steps through `decoder_step`, LoRA merged for the rollout (`merged_linears`),
+on a GPU static shapes captured as a CUDA graph. Sampling: temperature (0 = greedy), top_p (1 = off), top_k (0 = off)
+as transformers' warpers apply them, nothing else (no repetition penalty or min_p, whatever generation_config says).
 
-Random stream: when sampling (temperature > 0), decode step k (k = 0 .. the longest completion's length - 1) draws
-exactly one `torch.rand(B*G, dtype=float64)` from the device's default generator, for every row whether it has ended
-or not, and row r takes the token at which the cumulative probability first exceeds u_r * total (inverse CDF). A
-rollout therefore consumes B*G x (longest completion) uniforms, whatever rows were dropped on the way, and resumes
-from a checkpoint's RNG state exactly; greedy consumes none. (model.generate draws one torch.multinomial per live step
-instead: same distribution, another stream.) Models that `decode` refuses (`decodes_exactly`: a cache holding more
-than keys and values, a rotary embedding not in STATIC_ROPE) are sampled by `model.generate`.
+Random stream: each sampled step draws one float64 uniform per row, for every row whether it has ended or not, and a
+row takes the token at which the cumulative probability first exceeds u * total (inverse CDF): a rollout consumes
+B*G x (longest completion) uniforms and resumes from a checkpoint's RNG state exactly; greedy draws none. Models that
+`decode` refuses (`decodes_exactly`) are sampled by `model.generate`, from its own stream.
 """
 
 import contextlib
@@ -184,16 +171,13 @@ def takes_decoder_step(config) -> bool:
 
 
 def decoder_step(lm, cache, input_ids, position_ids, attention_mask, column=None):
-    """_last_logits for one new token per row (input_ids (n, 1)) after a SlabLayer cache, for the configs
-    takes_decoder_step takes;
-    any other config runs _last_logits, the model's own forward. Their forward written out, calling each of their
-    modules (embedding, rotary embedding, norms, projections, MLP, head) as their forward does, without what the
-    model's forward adds around a one-token step: the mask built per call, the attention interface's keyword
-    plumbing, output objects. The attention is the same grouped-query attention over the slab: a row's one query per
-    head, the G query heads that share a key/value head taken together as G queries of that head (transformers'
-    repeat_kv order), the padded positions masked out. column ((1,) long): the static shapes, each key and value
-    written at that slab column (SlabLayer.write) and the whole slab attended under attention_mask (n, capacity);
-    None: appended, the filled part attended."""
+    """_last_logits for one new token per row (input_ids (n, 1)) after a SlabLayer cache, on takes_decoder_step's
+    configs (any other runs _last_logits): their forward written out over the model's own modules (embedding, rotary
+    embedding, norms, projections, MLP, head), without what the model's forward adds around a one-token step (the
+    mask built per call, the attention interface's plumbing, output objects). Attention is the same grouped-query
+    attention over the slab (repeat_kv's order), padded positions masked out. column ((1,) long): static shapes, each
+    key and value written at that slab column and the whole slab attended under attention_mask (n, capacity); None:
+    appended, the filled part attended."""
     if not takes_decoder_step(lm.config):
         return _last_logits(lm, cache, input_ids, position_ids, attention_mask)
     backbone = lm.get_decoder()
@@ -229,8 +213,7 @@ def decoder_step(lm, cache, input_ids, position_ids, attention_mask, column=None
 
 
 def _packed_forward(weight, bias, x):
-    """A Linear's forward on a weight packed for oneDNN (only x: anything else a caller passes is an error, not
-    dropped)."""
+    """A Linear's forward on a weight packed for oneDNN (only x: anything else passed is an error, not dropped)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -258,17 +241,13 @@ def _mergeable(lora) -> bool:
 
 @contextlib.contextmanager
 def merged_linears(model, rows: int, spare: int = 0):
-    """For the rollout, every LoRA Linear of the policy runs on one weight with its active adapters merged in
-    (W + s B A, what PEFT's get_delta_weight adds), a copy freed on exit: the adapters' A/B products leave the decode
-    step (half its kernels). Equal in exact arithmetic to PEFT's unmerged forward: a float32 weight's sums run in
-    another order (logits differ at float32 rounding); a bf16 / fp16 one is summed in float32 and rounded once to its
-    dtype, where PEFT adds the rounded base output to the adapters' (docs/results.md: the measured gap). On an x86-64
-    CPU with oneDNN every float32 Linear, merged or not, also runs on a copy of its weight reordered for oneDNN (rows:
-    the batch it lays the weights out for): the decode step's small-batch matmuls are then oneDNN's rather than
-    MKL's. A LoRA layer that cannot be merged (_mergeable) keeps its forward (around a packed base where it can);
-    quantized weights are left as they are. On CUDA a layer is merged only while the card keeps `spare` bytes free
-    besides (what the rollout allocates after: its KV cache, logits): a card without room for every copy merges what
-    fits and runs the other layers as PEFT does."""
+    """For the rollout, every LoRA Linear of the policy runs on one weight W + s B A (what PEFT's get_delta_weight
+    adds) with its active adapters merged in, a copy freed on exit: the A/B products leave the decode step (half its
+    kernels). Equal in exact arithmetic to PEFT's forward (docs/results.md: the measured rounding gap; a bf16 weight
+    is summed in float32 and rounded once). On an x86-64 CPU with oneDNN every float32 Linear also runs on a copy of
+    its weight reordered for oneDNN (rows: the batch it is laid out for). A layer that cannot be merged (_mergeable)
+    keeps its forward and quantized weights are left alone; on CUDA a layer is merged only while the card keeps
+    `spare` bytes free besides (the rollout's KV cache and logits): a full card merges what fits."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")  # where it was measured; ARM's oneDNN differs
     pack = x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     swapped = []
@@ -352,22 +331,18 @@ def decode(
     stream=None,
     cuda_graph=False,
 ):
-    """(tokens, logprobs), both (n, max_new_tokens), sampled for left-padded rows (n, P) whose groups of group_size
-    are contiguous repeats of a prompt (anything after a row's first EOS is meaningless); None when lm's cache holds
-    more than full-attention keys and values or not decodes_exactly(lm.config). sampling: temperature, top_p, top_k.
+    """(tokens, logprobs), both (n, max_new_tokens), for left-padded rows (n, P) whose groups of group_size are
+    contiguous repeats of a prompt (anything after a row's first EOS is meaningless); None when lm's cache holds more
+    than keys and values or not decodes_exactly(lm.config). sampling: temperature, top_p, top_k.
 
-    Each distinct prompt but its last token goes through the backbone once (no logits) into a SlabLayer cache of
-    P + max_new_tokens positions, repeated group_size times (when group_size > 1 and every prompt has more than one
-    token; else the first step runs whole prompts through _last_logits); each step feeds one token per row at
-    position prompt length + k. step: the one-token steps' forward, decoder_step by default (_last_logits: the
-    model's). Default (a CPU's): a row that sampled an EOS leaves the batch, attention reads the slab's filled part.
-    static=True (a GPU's; decoder_step on takes_decoder_step's configs, else ignored): the same shapes every step, so
-    that attention plans and kernels recur and the step can be captured (cuda_graph: once a rollout, then replayed):
-    every row runs every step, each key and value is written at a slab column held on the device and the whole slab
-    attended under the mask, and whether every row has ended is read every SYNC_EVERY tokens, so up to
-    SYNC_EVERY - 1 steps run past the longest row (hf_generate takes their uniforms back). stream (first, total):
-    these rows are rows first .. first + n - 1 of a global batch of `total` (a rank's share under torchrun): each
-    step draws the whole batch's uniforms and these rows take theirs, so they sample what one process would."""
+    Each distinct prompt but its last token is prefilled once into a SlabLayer cache of P + max_new_tokens positions
+    and repeated group_size times (else the first step runs whole prompts); each step then feeds one token per row
+    through `step` (decoder_step by default). Default (a CPU's): a row that sampled an EOS leaves the batch. static (a
+    GPU's, on takes_decoder_step's configs): every row runs every step, keys and values written at a slab column held
+    on the device and the whole slab attended under the mask, so the shapes recur and the step can be captured once a
+    rollout (cuda_graph); whether every row ended is read every SYNC_EVERY tokens (hf_generate takes the extra steps'
+    uniforms back). stream (first, total): these rows are rows first .. first + n - 1 of a global batch of `total`
+    (a rank's share): each step draws the whole batch's uniforms and these rows take theirs."""
     device = input_ids.device
     n, width = input_ids.shape
     plain = prompt_cache(lm)
@@ -480,19 +455,13 @@ def hf_generate(
     own_step: bool = True,
     stream: tuple[int, int] | None = None,
 ) -> dict:
-    """Sample group_size completions per prompt with `decode` (left padding, eval, no_grad), or with model.generate
-    for a model decode refuses (a cache holding more than keys and values, not decodes_exactly). static: decode's
-    static shapes (None: on a GPU, BUCKETS' devices), prompts then left-padded to a multiple of the bucket so that
-    rollouts share shapes.
-    cuda_graph: on CUDA with static shapes, the one-token step captured as a CUDA graph once a rollout and replayed
-    (False: the same kernels launched from Python every step). merge: the rollout on merged_linears (False: each LoRA
-    layer's own forward, to compare). own_step: decoder_step, on the configs it takes (False: the model's forward
-    every step). stream (first, total) under torchrun: these prompts' rows are rows first ... of the global batch's
-    `total`, and each step draws the whole batch's uniforms (decode). After the rollout the device's generator is
-    put back where it was and advanced by one draw a step of the longest row (under torchrun: of any rank's): the
-    draws static shapes made past it are taken back, and a rank whose rows ended early draws what the others drew,
-    so every rank's stream stays one process's. model.generate's fallback (models decode refuses) samples from each
-    rank's own stream instead."""
+    """Sample group_size completions per prompt with `decode` (left padding, eval mode, no_grad), or model.generate
+    for a model decode refuses. static: decode's static shapes (None: on a BUCKETS device), prompts then left-padded
+    to a multiple of the bucket so that rollouts share shapes; cuda_graph, stream: decode's. merge / own_step: the
+    rollout on merged_linears / decoder_step (False: PEFT's / the model's own forward, to compare). Afterwards the
+    device's generator is put back and advanced by one draw per step of the longest row (under torchrun: of any
+    rank's), so static shapes' extra draws are taken back and every rank's stream stays one process's
+    (model.generate's fallback draws from each rank's own stream)."""
     check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
