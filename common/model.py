@@ -26,7 +26,6 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.utils.import_utils import is_bitsandbytes_available
 
 from common import HIDDEN
-from common.data import looks_local
 from common.distributed import is_sharded, local_tensor, reshard
 from common.errors import ModelError
 
@@ -103,13 +102,6 @@ def load_model(
     base is frozen and prepared for k-bit training (norms in fp32)."""
     path = path or name
     device = pick_device()
-    if looks_local(path) and not os.path.exists(path):
-        raise ModelError(f"--model {name}: no such file or directory")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        shown = ", ".join(sorted(os.listdir(path))[:5]) or "nothing"
-        raise ModelError(
-            f"--model {name}: the folder {path} has no config.json, so it is not a model (it holds: {shown})"
-        )
     torch_dtype = resolve_dtype(dtype, device)
     kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
     if quantization is not None:

@@ -14,7 +14,7 @@ import urllib.request
 from huggingface_hub import constants, snapshot_download, try_to_load_from_cache
 
 from common.data import looks_local
-from common.errors import DataError, HubUnavailable
+from common.errors import DataError, HubUnavailable, ModelError
 from plugins.embedded import ALIAS_CONFIGS, SHIPPED, resolve_model
 
 PROBE_TIMEOUT_S = 3.0  # one HEAD request; a firewall that drops packets costs this long, a DNS failure nothing
@@ -74,8 +74,16 @@ def check_hub(repo_id: str, kind: str, offline: str | None = None) -> bool:
 def locate_model(name: str) -> str:
     """The folder or hub id to load --model `name` from: an embedded alias's converted folder (built on first use),
     a local path as it is, a hub id as it is when the hub answers, or its cached snapshot when the hub is out of
-    reach (loaded without a request); HubUnavailable when it is neither cached nor reachable."""
+    reach (loaded without a request); HubUnavailable when it is neither cached nor reachable, ModelError (one line)
+    for a local path that is not there or a folder without config.json."""
     path = resolve_model(name)
+    if looks_local(path) and not os.path.exists(path):
+        raise ModelError(f"--model {name}: no such file or directory")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        shown = ", ".join(sorted(os.listdir(path))[:5]) or "nothing"
+        raise ModelError(
+            f"--model {name}: the folder {path} has no config.json, so it is not a model (it holds: {shown})"
+        )
     if path != name or looks_local(name) or os.path.isdir(name):
         return path
     if check_hub(name, "model"):  # cached, hub unreachable: the cached folder, no requests (no retries)

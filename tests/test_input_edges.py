@@ -17,7 +17,7 @@ from common.errors import DataError, ModelError, OutputDirError
 from common.model import attach_lora, load_model
 from common.rewards import load_reward_funcs
 from harness.cli import check_reward_fields
-from harness.hub import hub_rows
+from harness.hub import hub_rows, locate_model
 from harness.run import make_run_dir
 from tests.prefs_helpers import write_jsonl
 
@@ -163,12 +163,12 @@ def test_a_rewards_row_problem_is_refused_even_when_another_reward_scores_the_ro
 def test_a_data_folder_as_model_is_named(tmp_path):
     write_jsonl(tmp_path / "rows.jsonl", SFT_ROWS)
     with pytest.raises(ModelError, match=f"--model {tmp_path}: .*no config.json, so it is not a model .*rows.jsonl"):
-        load_model(str(tmp_path))
+        locate_model(str(tmp_path))
 
 
 def test_a_missing_local_model_path_is_named(tmp_path):
     with pytest.raises(ModelError, match=f"--model {tmp_path}/nope: no such file or directory"):
-        load_model(str(tmp_path / "nope"))
+        locate_model(str(tmp_path / "nope"))
 
 
 def test_an_adapter_of_another_base_names_both_models(tiny_model_dir, tmp_path):
