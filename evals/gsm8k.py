@@ -54,52 +54,43 @@ BUILTIN = "--dataset builtin:math (built-in grade-school math word problems, gen
 @dataclass
 class Args:
     # model
-    model: str = "smollm2-135m"
-    """hub id, local path, or embedded alias; the base under --adapter / --checkpoint"""
-    adapter: str | None = None
-    """a LoRA adapter dir to evaluate on top of --model"""
+    model: str = "smollm2-135m"  # hub id, local path, or embedded alias; the base under --adapter / --checkpoint
+    adapter: str | None = None  # a LoRA adapter dir to evaluate on top of --model
+    # a run's checkpoint (runs/<run>/checkpoints/step-N), its final/ dir, or the run dir itself
     checkpoint: str | None = None
-    """a run's checkpoint (runs/<run>/checkpoints/step-N), its final/ dir, or the run dir itself"""
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # weights dtype; auto = bf16 on CUDA, fp32 on CPU
+    # chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3; use the one you trained with
     template: str = "auto"
-    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3; use the one you trained with"""
     # data
+
+    # hub id[:config], a .jsonl/.json/.parquet file with {question, answer}, or builtin:math
     dataset: str = "openai/gsm8k:main"
-    """hub id[:config], a .jsonl/.json/.parquet file with {question, answer}, or builtin:math"""
-    split: str = "test"
-    """split to evaluate (hub and builtin sets; ignored for files)"""
-    limit: int | None = None
-    """evaluate only the first N examples"""
+    split: str = "test"  # split to evaluate (hub and builtin sets; ignored for files)
+    limit: int | None = None  # evaluate only the first N examples
+    # appended to each {question} row on a new line ('' for the bare question); None =
+    # plugins.builtin_math.MATH_INSTRUCTION (asks for the final answer as '#### N'); builtin:math rows carry their own
     instruction: str | None = None
-    """appended to each {question} row on a new line ('' for the bare question); None =
-    plugins.builtin_math.MATH_INSTRUCTION (asks for the final answer as '#### N'); builtin:math rows carry their own"""
+    # SteerLM: the attribute levels to ask for, e.g. correct:1,length:0, written into every prompt the way sft.py wrote
+    # its rows' `attributes` (plugins.steerlm.steer_prompt); results are named with them
     attributes: str | None = None
-    """SteerLM: the attribute levels to ask for, e.g. correct:1,length:0, written into every prompt the way sft.py
-    wrote its rows' `attributes` (plugins.steerlm.steer_prompt); results are named with them"""
+    # where the attribute string goes: the system turn or each user turn; use sft.py's --attributes-in
     attributes_in: Literal["system", "user"] = "system"
-    """where the attribute string goes: the system turn or each user turn; use sft.py's --attributes-in"""
     # generation
-    batch_size: int = 16
-    """prompts per generate() call"""
-    max_new_tokens: int = 512
-    """completion budget; a cut-off solution usually has no final answer and scores 0"""
-    temperature: float = 0.0
-    """0 = greedy; > 0 samples (what GRPO's reward sees at its training temperature)"""
-    num_samples: int = 1
-    """samples per question when temperature > 0; accuracy is the mean over all of them (pass@1)"""
-    seed: int = 0
-    """torch seed for sampling"""
+    batch_size: int = 16  # prompts per generate() call
+    max_new_tokens: int = 512  # completion budget; a cut-off solution usually has no final answer and scores 0
+    temperature: float = 0.0  # 0 = greedy; > 0 samples (what GRPO's reward sees at its training temperature)
+    num_samples: int = 1  # samples per question when temperature > 0; accuracy is the mean over all of them (pass@1)
+    seed: int = 0  # torch seed for sampling
     # output
-    output_dir: str = "eval_results"
-    """where the JSONL and JSON files go"""
+    output_dir: str = "eval_results"  # where the JSONL and JSON files go
+    # name of this policy in file names and reports; default from --checkpoint / --adapter / --model
     label: str | None = None
-    """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
+    # besides the JSON files: none, or W&B (a run named like the files: these args, the scores; pip install wandb)
     report_to: Literal["none", "wandb"] = "none"
-    """besides the JSON files: none, or W&B (a run named like the files: these args, the scores; pip install wandb)"""
     # torchrun
+
+    # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
     ddp_timeout: int = 1800
-    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
 
 
 def main(args: Args) -> dict:

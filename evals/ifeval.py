@@ -55,38 +55,33 @@ METRICS = ("prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loo
 @dataclass
 class Args:
     # model
-    model: str = "smollm2-135m"
-    """hub id, local path, or embedded alias; the base under --adapter / --checkpoint"""
-    adapter: str | None = None
-    """a LoRA adapter dir to evaluate on top of --model"""
+    model: str = "smollm2-135m"  # hub id, local path, or embedded alias; the base under --adapter / --checkpoint
+    adapter: str | None = None  # a LoRA adapter dir to evaluate on top of --model
+    # a run's checkpoint (runs/<run>/checkpoints/step-N), its final/ dir, or the run dir itself
     checkpoint: str | None = None
-    """a run's checkpoint (runs/<run>/checkpoints/step-N), its final/ dir, or the run dir itself"""
-    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """weights dtype; auto = bf16 on CUDA, fp32 on CPU"""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # weights dtype; auto = bf16 on CUDA, fp32 on CPU
+    # chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3; use the one you trained with
     template: str = "auto"
-    """chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3; use the one you trained with"""
     # data
+
+    # hub id or a .jsonl file of {key, prompt, instruction_id_list, kwargs} (IFEval's input_data.jsonl)
     dataset: str = "google/IFEval"
-    """hub id or a .jsonl file of {key, prompt, instruction_id_list, kwargs} (IFEval's input_data.jsonl)"""
-    split: str = "train"
-    """split to evaluate (the hub set has only "train"; ignored for files)"""
-    limit: int | None = None
-    """evaluate only the first N prompts"""
+    split: str = "train"  # split to evaluate (the hub set has only "train"; ignored for files)
+    limit: int | None = None  # evaluate only the first N prompts
     # generation
-    batch_size: int = 16
-    """prompts per generate() call"""
+    batch_size: int = 16  # prompts per generate() call
+    # response budget; some prompts ask for 300+ words, and a cut-off response fails the end checks
     max_new_tokens: int = 1024
-    """response budget; some prompts ask for 300+ words, and a cut-off response fails the end checks"""
     # output
-    output_dir: str = "eval_results"
-    """where the JSONL and JSON files go"""
+    output_dir: str = "eval_results"  # where the JSONL and JSON files go
+    # name of this policy in file names and reports; default from --checkpoint / --adapter / --model
     label: str | None = None
-    """name of this policy in file names and reports; default from --checkpoint / --adapter / --model"""
+    # besides the JSON files: none, or W&B (a run named like the files: these args, the scores; pip install wandb)
     report_to: Literal["none", "wandb"] = "none"
-    """besides the JSON files: none, or W&B (a run named like the files: these args, the scores; pip install wandb)"""
     # torchrun
+
+    # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
     ddp_timeout: int = 1800
-    """under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)"""
 
 
 @functools.cache

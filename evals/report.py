@@ -43,23 +43,21 @@ HEADLINE = {
 
 @dataclasses.dataclass
 class Args:
+    # run dirs (each holding metrics.jsonl) whose training curves to draw; with neither --runs nor --evals, every run
+    # dir in ./runs
     runs: tuple[str, ...] = ()
-    """run dirs (each holding metrics.jsonl) whose training curves to draw; with neither --runs nor --evals, every
-    run dir in ./runs"""
+    # summary JSON files from evals.gsm8k / evals.ifeval; with neither --runs nor --evals, every summary
+    # in ./eval_results, oldest first (so the baseline is the first policy evaluated)
     evals: tuple[str, ...] = ()
-    """summary JSON files from evals.gsm8k / evals.ifeval; with neither --runs nor --evals, every summary in
-    ./eval_results, oldest first (so the baseline is the first policy evaluated)"""
+    # the policy (a summary's label) the deltas are against, its row marked; None = the first --evals entry's
     baseline: str | None = None
-    """the policy (a summary's label) the deltas are against, its row marked; None = the first --evals entry's"""
-    out: str = "report"
-    """output folder for report.md, report.html and the PNGs"""
+    out: str = "report"  # output folder for report.md, report.html and the PNGs
+    # training metrics to plot, when a run logged them (every eval/* key a run logged is added)
     metrics: tuple[str, ...] = ("loss", "reward", "kl", "completions/mean_length", "memory/peak_gb")
-    """training metrics to plot, when a run logged them (every eval/* key a run logged is added)"""
-    title: str = "OnlyOne report"
-    """page title"""
+    title: str = "OnlyOne report"  # page title
+    # EMA weight of the bold smoothed line beside each raw curve (TensorBoard's slider); 0 draws the raw line only, as
+    # does a run of fewer than 10 logged points
     smoothing: float = 0.6
-    """EMA weight of the bold smoothed line beside each raw curve (TensorBoard's slider); 0 draws the raw line only,
-    as does a run of fewer than 10 logged points"""
 
 
 DEFAULT_RUNS = "runs"  # the training scripts' --output-dir default

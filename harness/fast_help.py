@@ -61,7 +61,7 @@ def print_help(path: str, description: str | None) -> None:
         if all(module.split(".")[0] in sys.stdlib_module_names or module in LIGHT for module in modules):
             imports.append(node)
     body = imports + [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args"]
-    # A module of its own that names the real file: tyro reads each field's docstring from the class's source.
+    # A module of its own that names the real file: tyro reads each field's help (its comment) from the class's source.
     module = types.ModuleType("_onlyone_help_args")
     module.__file__ = path
     sys.modules[module.__name__] = module

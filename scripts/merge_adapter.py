@@ -47,25 +47,21 @@ TOKENIZER_TEXTS = [
 
 @dataclass
 class Args:
-    adapter: str
-    """a PEFT adapter folder (a run's final/, or checkpoints/step-N/weights)"""
+    adapter: str  # a PEFT adapter folder (a run's final/, or checkpoints/step-N/weights)
+    # the base model: hub id, local path or alias; default: the adapter's recorded base_model_name_or_path
     model: str | None = None
-    """the base model: hub id, local path or alias; default: the adapter's recorded base_model_name_or_path"""
-    out: str | None = None
-    """output folder; default merged/<run name>"""
+    out: str | None = None  # output folder; default merged/<run name>
+    # dtype to load, merge and save in (fp32: the merge adds no rounding of its own)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """dtype to load, merge and save in (fp32: the merge adds no rounding of its own)"""
+    # largest |logit difference| allowed between the adapter model and the merged one on a test prompt; default: what
+    # rounding alone stays under, 64 x eps(--dtype) x max|logit| x sqrt(layers) (the two compute the same sums in
+    # another order, each rounded in --dtype)
     tolerance: float | None = None
-    """largest |logit difference| allowed between the adapter model and the merged one on a test prompt; default:
-    what rounding alone stays under, 64 x eps(--dtype) x max|logit| x sqrt(layers) (the two compute the same sums
-    in another order, each rounded in --dtype)"""
+    # also write <out>/model-<f16|q8_0>.gguf for llama.cpp and Ollama (llama and qwen2 models), checked by loading it
+    # back through transformers
     gguf: Literal["f16", "q8_0"] | None = None
-    """also write <out>/model-<f16|q8_0>.gguf for llama.cpp and Ollama (llama and qwen2 models), checked by loading it
-    back through transformers"""
-    push_to_hub: str | None = None
-    """also upload the folder to this hub repo (user/name), created if missing"""
-    private: bool = False
-    """with --push-to-hub: create the repo private"""
+    push_to_hub: str | None = None  # also upload the folder to this hub repo (user/name), created if missing
+    private: bool = False  # with --push-to-hub: create the repo private
 
 
 def hub_token() -> str:

@@ -2,7 +2,7 @@
 `python grpo.py --model Qwen/Qwen2.5-1.5B --group-size 4`, resolves to the GSM8K experiment. Both resolve before any
 weights load, are printed at the start and saved in args.json; the GSM8K path runs end to end on the shared files."""
 
-import ast
+import dataclasses
 import json
 import os
 import re
@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 import tyro
+from tyro._docstrings import get_field_docstring
 
 import dpo
 import grpo
@@ -88,14 +89,9 @@ def test_explicit_flags_win_over_the_preset_and_the_preset_can_be_forced():
 
 
 def field_docs(module) -> dict[str, str]:
-    """Each Args field's docstring, as tyro shows it under --help."""
-    cls = next(
-        n for n in ast.parse(open(module.__file__).read()).body if isinstance(n, ast.ClassDef) and n.name == "Args"
-    )
+    """Each Args field's help as tyro shows it under --help (tyro's own reader of the comment on or above it)."""
     return {
-        a.target.id: " ".join(d.value.value.split())
-        for a, d in zip(cls.body, cls.body[1:], strict=False)
-        if isinstance(a, ast.AnnAssign) and isinstance(d, ast.Expr)
+        f.name: " ".join(get_field_docstring(module.Args, f.name, ()).split()) for f in dataclasses.fields(module.Args)
     }
 
 

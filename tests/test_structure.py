@@ -4,6 +4,8 @@ error type in common/errors.py; no import-time side effects; each script's loop 
 forker must read stays small (a script's static import closure without the optional harness and plug-ins)."""
 
 import ast
+import dataclasses
+import itertools
 import pathlib
 import re
 import subprocess
@@ -265,6 +267,57 @@ def test_grpo_closure_without_the_optional_harness_and_plugins_is_small():
     expected = ["common", "common.data", "common.distributed", "common.errors", "common.model", "common.rewards"]
     assert core == [*expected, "common.rollout", "grpo"]
     assert lines(core) <= 3355, lines(core)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Args' helps that do not fit beside their field take a comment line above it: grpo.py's header is over 150",
+)
+def test_grpo_reaches_its_math_within_150_lines():
+    """A reader who opens grpo.py meets the algorithm (the `# ---- the math` banner, group_advantages below it) within
+    150 lines, issue #52's figure: about 70 lines of module docstring and imports and one line for each of Args' ~70
+    fields, a field's help beside it; so nothing else may sit above the math (the presets are with what the harness
+    reads). Strict xfail until Args fits: it fails once the header is short enough, so that this mark comes off."""
+    text = (ROOT / "grpo.py").read_text().splitlines()
+    first = next(i for i, line in enumerate(text) if line.startswith("# ---") and line.endswith(" the math"))
+    assert text[first + 1].startswith("def group_advantages(")
+    assert first <= 150, f"grpo.py: {first} lines before its first algorithm line"
+
+
+TYRO_ARGS = (*SCRIPTS, "evals.gsm8k", "evals.ifeval", "evals.report", "scripts.merge_adapter")
+# The one-line comments that head Args' groups (STYLE.md's order; the evals' own): never part of a field's help
+GROUPS = ("experiment", "model & LoRA", "data", "algorithm", "generation", "optimisation", "circuit breakers")
+GROUPS += ("logging/eval/checkpoint", "model", "output", "torchrun")
+
+
+@pytest.mark.parametrize("name", TYRO_ARGS)
+def test_every_args_field_has_its_help_and_no_group_header_in_it(name):
+    """Each field's help is the comment on its line or right above it (tyro reads either as --help): a field without
+    one, or a help that swallowed its group's header comment (tyro joins the comment lines right above a field), is
+    a mistake the --help text would show only to a reader who looks. In the scripts, a group's first field names the
+    group in brackets."""
+    import importlib
+
+    from tyro._docstrings import get_field_docstring
+
+    args = importlib.import_module(name).Args
+    source = (ROOT / f"{name.replace('.', '/')}.py").read_text().splitlines()
+    start = next(i for i, line in enumerate(source) if line == "class Args:")
+    body = list(itertools.takewhile(lambda line: not line or line.startswith(" "), source[start + 1 :]))
+    comments = [line.strip()[2:] for line in body if line.strip().startswith("# ")]
+    headers = [text for text in comments if text in GROUPS]
+    assert len(set(headers)) == len(headers), (name, headers)
+    helps = {f.name: get_field_docstring(args, f.name, ()) for f in dataclasses.fields(args)}
+    for field, help_text in helps.items():
+        assert help_text and help_text.strip(), f"{name}: Args.{field} has no help"
+        for group in headers:
+            assert not re.match(rf"{re.escape(group)}\s", help_text), (
+                f"{name}: Args.{field}'s help starts with {group}"
+            )
+    if name in SCRIPTS:  # the check bites: every script has groups
+        assert len(headers) >= 5, (name, headers)
+        bracketed = [h.split("]")[0][1:] for h in helps.values() if h.startswith("[")]
+        assert bracketed == headers, name
 
 
 def test_closure_report():
