@@ -147,23 +147,6 @@ def load_rows(spec: str, split: str = "train", convert=None, builtin=None, hub=N
     return rows
 
 
-# -------------------------------------------------------------------------------------------------- converters
-def need(row: dict, field: str, kind: type) -> object:
-    if not isinstance(row.get(field), kind):
-        bad_field(
-            row,
-            field,
-            f"must be a {kind.__name__}, got {type(row[field]).__name__}"
-            if field in row
-            else f"missing (row has: {_columns(row)})",
-        )
-    return row[field]
-
-
-def without(row: dict, *drop: str) -> dict:
-    return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
-
-
 # -------------------------------------------------------------------------------------------------- validation
 def _text_problem(value: object, may_be_empty: bool) -> str | None:
     """What is wrong with a string-or-messages field, or None."""
