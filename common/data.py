@@ -21,6 +21,7 @@ import warnings
 
 import jinja2
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from common.errors import DataError
 
@@ -415,14 +416,8 @@ def tokenize_dataset(
 # ---------------------------------------------------------------------------------------------------- batching
 def pad_batch(seqs: list[list[int]], pad_value: int, side: str = "right") -> torch.LongTensor:
     """(B, T) with T the longest sequence; padding on the right or the left ("left" for generation)."""
-    if side not in ("right", "left"):
-        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), width), pad_value, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            out[i, slice(0, len(s)) if side == "right" else slice(width - len(s), width)] = torch.as_tensor(s)
-    return out
+    tensors = [torch.as_tensor(s, dtype=torch.long) for s in seqs]
+    return pad_sequence(tensors, batch_first=True, padding_value=pad_value, padding_side=side)
 
 
 def concat_prompt_completion(
