@@ -88,15 +88,6 @@ def all_gather(items: list) -> list:
     return [item for part in gathered for item in part]
 
 
-def broadcast(value):
-    """Rank 0's value on every rank (e.g. the run directory rank 0 created)."""
-    if rank_and_world()[1] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def average_gradients(params: list[torch.nn.Parameter]) -> None:
     """Average the trainable gradients over the ranks, in one flat all-reduce after the step's backward passes: DDP's
     math, written out because our log-prob path calls the decoder and the head directly and never the wrapped
