@@ -55,7 +55,3 @@ class RunStopped(UserError, RuntimeError):
         self.checkpoint = checkpoint
         self.result = result or {}
         self.requested = requested
-
-
-# What one_line_errors prints as the message alone; any other error also names its type.
-USER_ERRORS = (UserError, OSError, ImportError)
