@@ -228,12 +228,6 @@ SPECIALS = {
 }
 
 
-def _is_single_token(tokenizer, text: str) -> bool:
-    # The string must encode to exactly one id; a non-special "<|im_end|>" would be split into byte pieces, and the
-    # model would have to learn to stop by emitting a multi-token sequence that generation never stops on.
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
-
-
 def end_of_turn_token(tokenizer, template_name: str) -> str:
     """The token that closes an assistant turn under `template_name` ("tokenizer" = the tokenizer's own template)."""
     if template_name in SPECIALS:
@@ -279,9 +273,9 @@ def setup_chat_template(tokenizer, template: str = "auto") -> str:
     if template not in TEMPLATES and template != "tokenizer":
         raise ValueError(f"unknown chat template {template!r}; use 'auto', 'tokenizer' or one of {sorted(TEMPLATES)}")
     if template in TEMPLATES:
-        # We do not add missing specials ourselves: that would need an embedding resize and leave the new rows
-        # untrained, which silently hurts quality. Make the user pick a template the tokenizer already speaks.
-        missing = [t for t in SPECIALS[template] if not _is_single_token(tokenizer, t)]
+        # A non-special "<|im_end|>" splits into byte pieces, a stop generation never sees; adding the specials would
+        # need an embedding resize whose new rows are untrained (silently worse): pick a template the tokenizer speaks.
+        missing = [t for t in SPECIALS[template] if len(tokenizer(t, add_special_tokens=False)["input_ids"]) != 1]
         if missing:
             raise ValueError(
                 f"chat template {template!r} needs the special tokens {missing}, which this tokenizer "
@@ -317,15 +311,12 @@ class Ids(array.array):
     def __eq__(self, other):
         return self.tolist() == list(other) if isinstance(other, (list, array.array)) else NotImplemented
 
-    def __ne__(self, other):
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
+    __ne__ = object.__ne__  # the negation of __eq__ above (array's own != compares no list)
 
-    def __copy__(self):
+    def __copy__(self, memo=None):  # array's copies are plain arrays; ints need no deep copy
         return Ids(self.typecode, self)
 
-    def __deepcopy__(self, memo):
-        return Ids(self.typecode, self)
+    __deepcopy__ = __copy__
 
 
 def _chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -394,11 +385,8 @@ def tokenize_dataset(
         if now - shown >= PROGRESS_EVERY:
             shown = now
             done = first + len(batch)
-            print(
-                f"tokenizing {kind} rows: {done:,} of {len(rows):,} ({done / (now - start):,.0f} rows/s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            line = f"tokenizing {kind} rows: {done:,} of {len(rows):,} ({done / (now - start):,.0f} rows/s)"
+            print(line, file=sys.stderr, flush=True)
     if shown > start:
         took = time.perf_counter() - start
         print(f"tokenized {len(rows):,} {kind} rows in {took:.0f} s", file=sys.stderr, flush=True)

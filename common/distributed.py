@@ -99,10 +99,8 @@ def average_gradients(params: list[torch.nn.Parameter]) -> None:
     flat = torch.cat([g.reshape(-1).float() for g in grads])
     dist.all_reduce(flat)
     flat /= world
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
-        offset += g.numel()
+    for p, g, part in zip(params, grads, flat.split([g.numel() for g in grads])):
+        p.grad = part.view_as(g).to(g.dtype)
 
 
 def shard_model(model) -> torch.nn.Module:

@@ -28,8 +28,7 @@ def text_of(x, last_assistant: bool = True) -> str:
     if isinstance(x, str):
         return x
     msgs = ([m for m in x if m.get("role") == "assistant"][-1:] if last_assistant else []) or x
-    parts = [m.get("content") or "" for m in msgs]  # multimodal content is a list of {"type", "text"} parts
-    return "\n".join(p if isinstance(p, str) else " ".join(c.get("text", "") for c in p) for p in parts)
+    return "\n".join(m.get("content") or "" for m in msgs)
 
 
 # ---------------------------------------------------------------------------------------------------- math
@@ -273,16 +272,12 @@ def format_reward(prompts, completions, **kw) -> list[float]:
     """1.0 if the completion is `<think>...</think>` then `<answer>...</answer>` and nothing else (whitespace aside),
     each tag exactly once; else 0.0. Counting tags instead of a lazy regex keeps it linear on long completions."""
     tags = ("<think>", "</think>", "<answer>", "</answer>")
-    texts = [text_of(c).strip() for c in completions]
-    return [
-        float(
-            all(t.count(tag) == 1 for tag in tags)
-            and t.startswith(tags[0])
-            and t.endswith(tags[3])
-            and re.search(r"</think>\s*<answer>", t) is not None
-        )
-        for t in texts
-    ]
+    scores = []
+    for t in (text_of(c).strip() for c in completions):
+        once = all(t.count(tag) == 1 for tag in tags)
+        ordered = t.startswith(tags[0]) and t.endswith(tags[3]) and re.search(r"</think>\s*<answer>", t) is not None
+        scores.append(float(once and ordered))
+    return scores
 
 
 _NUMBER = r"\$?(-?[\d,]*\d(?:\.\d+)?)"
@@ -302,15 +297,9 @@ def gsm8k_format_reward(prompts, completions, **kw) -> list[float]:
     return scores
 
 
-_JSON_TYPES = {
-    "object": dict,
-    "array": list,
-    "string": str,
-    "number": (int, float),
-    "integer": int,
-    "boolean": bool,
-    "null": type(None),
-}
+_JSON_TYPES = dict(
+    object=dict, array=list, string=str, number=(int, float), integer=int, boolean=bool, null=type(None)
+)
 
 
 def _schema_ok(value, schema: dict) -> bool:
