@@ -1,13 +1,8 @@
 """Data for every script: load rows, validate them before any model loads, render chat templates, tokenize prompts,
-pad and batch. Row formats are TRL's, "standard" (strings) or "conversational" (lists of {role, content}); prompt
-rows are {prompt, ...extra fields such as answer} (GSM8K's {question, answer} rows become such rows through a
-converter load_rows is given, plugins.builtin_math.question_row). Rows with a completion (supervised,
-preference, binary) are common.completions'. Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" /
-"org/set:[3]" = index) for error messages. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated
-(TRL's GRPO does not truncate prompts), with one warning: count + first locations.
-Chat templates: `setup_chat_template` keeps a tokenizer's own template or installs a built-in one (ChatML, Qwen,
-Llama 3), and makes the template's end-of-turn token the tokenizer's eos (as TRL's clone_chat_template does), so one
-id means "stop" for generation, closes standard completions, and is in every completion's loss mask.
+pad and batch. Rows are TRL's, "standard" (strings) or "conversational" (lists of {role, content}); prompt rows are
+{prompt, ...extra fields such as answer}; rows with a completion are common.completions'. Every row carries "_loc"
+("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages. Prompt rows over
+max_prompt_length are DROPPED with one warning, not left-truncated (TRL's GRPO does not truncate prompts).
 """
 
 import array
@@ -123,10 +118,9 @@ def looks_local(spec: str) -> bool:
 
 
 def load_rows(spec: str, split: str = "train", convert=None, builtin=None, hub=None) -> list[dict]:
-    """Rows from a local .json/.jsonl/.parquet file, `builtin:<name>`, served by the `builtin(name, split)` function
-    given (e.g. plugins.builtin_math.builtin_rows), or a saved HF dataset folder or hub id ("org/name" or
-    "org/name:config"), served by `hub(spec, split)` (harness.hub.hub_rows); `convert`, a function of a row (e.g.
-    sharegpt_row), rewrites each one."""
+    """Rows from a local .json/.jsonl/.parquet file, `builtin:<name>` (from `builtin(name, split)`, e.g.
+    plugins.builtin_math.builtin_rows) or a saved HF dataset folder or hub id ("org/name[:config]", from `hub(spec,
+    split)`, e.g. harness.hub.hub_rows); `convert(row)` (e.g. sharegpt_row, question_row) rewrites each row."""
     path = pathlib.Path(spec)
     if spec.startswith("builtin:"):
         if builtin is None:
@@ -259,10 +253,10 @@ def end_of_turn_token(tokenizer, template_name: str) -> str:
 
 
 def setup_chat_template(tokenizer, template: str = "auto") -> str:
-    """Install a chat template and make its end-of-turn token the tokenizer's eos; returns the template name used.
-    "auto" keeps the tokenizer's own template ("tokenizer") when it has one, else installs ChatML; a name from
-    TEMPLATES overrides the tokenizer's. Callers should copy `tokenizer.eos_token_id` to the model's generation config
-    so generation stops at the end of a turn."""
+    """Install a chat template and make its end-of-turn token the tokenizer's eos, as TRL's clone_chat_template does
+    (one id stops generation, closes standard completions and is in every loss mask); returns the template's name.
+    "auto" keeps the tokenizer's own ("tokenizer") when it has one, else installs ChatML; a TEMPLATES name overrides
+    it. Callers copy `tokenizer.eos_token_id` to the model's generation config."""
     if template == "auto":
         template = "tokenizer" if tokenizer.chat_template else "chatml"
     if template == "tokenizer" and not tokenizer.chat_template:
@@ -291,10 +285,9 @@ def setup_chat_template(tokenizer, template: str = "auto") -> str:
 
 # ------------------------------------------------------------------------------------------------ tokenization
 class Ids(array.array):
-    """One tokenized row's token ids (typecode "i") or 0/1 mask ("b") as a C array: 4 or 1 bytes a token, where a
-    list of Python ints costs an 8-byte pointer plus an int object per token, several times the text it came from.
-    It reads like the list it replaces: a slice is an Ids, `+` with a list or an Ids gives a list, and == compares
-    values with a list, so code written for lists of ids (packing, padding, prompt + completion) runs unchanged."""
+    """A tokenized row's ids (typecode "i") or 0/1 mask ("b") as a C array, 4 or 1 bytes a token (a list of Python ints
+    costs a pointer and an int object per token). It reads like that list: a slice is an Ids, `+` with a list or an
+    Ids gives a list, == compares values with a list, so code written for lists of ids runs unchanged."""
 
     __hash__ = None  # mutable, like a list
 
@@ -324,9 +317,8 @@ def _chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> s
 
 
 def _encode_texts(tokenizer, texts: list[tuple[str, bool]]) -> list[list[int]]:
-    """The ids of each (text, add special tokens) in one call of the tokenizer per flag on the distinct texts (a fast
-    tokenizer encodes a batch in Rust, on several threads unless TOKENIZERS_PARALLELISM is off), the same ids as one
-    call per text. A rendered chat already holds its special tokens (BOS included); plain text gets the tokenizer's."""
+    """The ids of each (text, add special tokens: a rendered chat holds its own, BOS included), one tokenizer call per
+    flag on the distinct texts (a fast tokenizer encodes a batch in Rust): the same ids as one call per text."""
     ids = {}
     for special in (False, True):
         distinct = list(dict.fromkeys(text for text, flag in texts if flag is special))
@@ -354,27 +346,20 @@ PROGRESS_EVERY = 10.0  # seconds between progress lines; a set tokenized faster 
 
 
 def tokenize_dataset(
-    tokenizer,
-    rows: list[dict],
-    kind: str,
-    max_length: int | None,
-    texts_of=prompt_texts,
-    tokenize=tokenize_prompt,
-    **kw,
+    tokenizer, rows: list[dict], kind: str, max_length: int | None, texts=prompt_texts, tokenize=tokenize_prompt, **kw
 ) -> list[dict]:
-    """Tokenize validated rows of `kind` with `tokenize` (for "prompt", max_length is the prompt limit), dropping those
-    that do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs). The
-    texts of TOKENIZE_BATCH rows at a time are encoded in one call (_encode_texts), with a progress line on stderr
-    every PROGRESS_EVERY seconds."""
+    """Tokenize validated rows of `kind` with `texts` and `tokenize` (for "prompt", max_length is the prompt limit),
+    dropping those that do not fit with one warning. Examples keep "_loc", prompt rows all their fields (reward input).
+    TOKENIZE_BATCH rows' texts go to the tokenizer in one call, with a progress line every PROGRESS_EVERY seconds."""
     examples = []
     dropped = []
     start = time.perf_counter()
     shown = start
     for first in range(0, len(rows), TOKENIZE_BATCH):
         batch = rows[first : first + TOKENIZE_BATCH]
-        texts = [texts_of(tokenizer, row) for row in batch]
-        encoded = iter(_encode_texts(tokenizer, [t for row_texts in texts for t in row_texts]))
-        for row, row_texts in zip(batch, texts, strict=True):
+        batch_texts = [texts(tokenizer, row) for row in batch]
+        encoded = iter(_encode_texts(tokenizer, [t for row_texts in batch_texts for t in row_texts]))
+        for row, row_texts in zip(batch, batch_texts, strict=True):
             ids = [next(encoded) for _ in row_texts]
             example = tokenize(tokenizer, row, max_length, ids=ids, **kw)
             if example is None:
