@@ -45,7 +45,7 @@ from transformers import set_seed
 from common.data import load_rows, micro_batch, setup_chat_template
 from common.completions import collate_sft, concat_pairs
 from common.completions import tokenize_dataset, training_steps, validate_rows
-from common.distributed import all_gather, all_sum, any_rank, average_gradients, broadcast, close_distributed
+from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
 from common.distributed import gathered, init_distributed, is_sharded, rank_and_world
 from common.distributed import shard_model
 from common.completions import rank_micro_batches
@@ -61,7 +61,7 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 # that drops their calls still trains (with --model a local folder or hub id and --dataset a file).
 from harness.checkpoints import check_finite_files, check_run_dir_identity, load_weights, read_marker, run_identity
 from harness.checkpoints import check_finite, gathered_state, run_record, save_final, save_weights, swap_in
-from harness.checkpoints import write_marker, writing
+from harness.checkpoints import broadcast, write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.held_out import dataset_label

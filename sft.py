@@ -29,9 +29,9 @@ import torch
 import tyro
 from transformers import get_scheduler, set_seed
 
-from common.data import bad_field, micro_batch, need, pad_batch, setup_chat_template
+from common.data import bad_field, micro_batch, pad_batch, setup_chat_template
 from common.completions import collate_sft, load_splits
-from common.data import without
+from common.completions import need, without
 from common.completions import sharegpt_row, tokenize_dataset, training_steps
 from common.distributed import all_sum, any_rank, average_gradients, close_distributed, init_distributed
 from common.distributed import shard_model

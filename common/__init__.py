@@ -1,5 +1,4 @@
 """OnlyOne's core: the dual-adapter model and its log-probs, data and chat templates, rule rewards, HF rollouts."""
 
-# Optional packages an entry point hid until a flag asks for them (harness.fast_help: bitsandbytes), for
-# common.model.require to bring back. Nothing else here: importing the package costs nothing.
+# Packages harness.fast_help hid (bitsandbytes) for common.model.require to bring back. Nothing else: --help imports it
 HIDDEN = set()

@@ -16,8 +16,8 @@ import warnings
 import torch
 
 from common import data
-from common.data import Ids, _chat, _columns, _encode_texts, _first, _text_problem, bad_field, load_rows, need
-from common.data import concat_prompt_completion, pad_batch, without
+from common.data import Ids, _chat, _columns, _encode_texts, _first, _text_problem, bad_field, load_rows
+from common.data import concat_prompt_completion, pad_batch
 from common.distributed import rank_and_world
 from common.errors import ArgsError, DataError
 from common.model import masked_sum, sequence_logps
@@ -52,6 +52,23 @@ def load_splits(
     if eval_split is None:
         return rows, []
     return rows, validate_rows(load_rows(dataset, eval_split, convert, builtin, hub), kind, convert_flag)
+
+
+def need(row: dict, field: str, kind: type) -> object:
+    """row[field] when it is a `kind`; else a DataError naming the row and field."""
+    if not isinstance(row.get(field), kind):
+        bad_field(
+            row,
+            field,
+            f"must be a {kind.__name__}, got {type(row[field]).__name__}"
+            if field in row
+            else f"missing (row has: {_columns(row)})",
+        )
+    return row[field]
+
+
+def without(row: dict, *drop: str) -> dict:
+    return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
 
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

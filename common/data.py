@@ -1,13 +1,8 @@
 """Data for every script: load rows, validate them before any model loads, render chat templates, tokenize prompts,
-pad and batch. Row formats are TRL's, "standard" (strings) or "conversational" (lists of {role, content}); prompt
-rows are {prompt, ...extra fields such as answer} (GSM8K's {question, answer} rows become such rows through a
-converter load_rows is given, plugins.builtin_math.question_row). Rows with a completion (supervised,
-preference, binary) are common.completions'. Every row carries "_loc" ("f.jsonl:12" = 1-based line, "f.json:[3]" /
-"org/set:[3]" = index) for error messages. Prompt-only rows over max_prompt_length are DROPPED, not left-truncated
-(TRL's GRPO does not truncate prompts), with one warning: count + first locations.
-Chat templates: `setup_chat_template` keeps a tokenizer's own template or installs a built-in one (ChatML, Qwen,
-Llama 3), and makes the template's end-of-turn token the tokenizer's eos (as TRL's clone_chat_template does), so one
-id means "stop" for generation, closes standard completions, and is in every completion's loss mask.
+pad and batch. Rows are TRL's, "standard" (strings) or "conversational" (lists of {role, content}); prompt rows are
+{prompt, ...extra fields such as answer}; rows with a completion are common.completions'. Every row carries "_loc"
+("f.jsonl:12" = 1-based line, "f.json:[3]" / "org/set:[3]" = index) for error messages. Prompt rows over
+max_prompt_length are DROPPED with one warning, not left-truncated (TRL's GRPO does not truncate prompts).
 """
 
 import array
@@ -21,6 +16,7 @@ import warnings
 
 import jinja2
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from common.errors import DataError
 
@@ -122,10 +118,9 @@ def looks_local(spec: str) -> bool:
 
 
 def load_rows(spec: str, split: str = "train", convert=None, builtin=None, hub=None) -> list[dict]:
-    """Rows from a local .json/.jsonl/.parquet file, `builtin:<name>`, served by the `builtin(name, split)` function
-    given (e.g. plugins.builtin_math.builtin_rows), or a saved HF dataset folder or hub id ("org/name" or
-    "org/name:config"), served by `hub(spec, split)` (harness.hub.hub_rows); `convert`, a function of a row (e.g.
-    sharegpt_row), rewrites each one."""
+    """Rows from a local .json/.jsonl/.parquet file, `builtin:<name>` (from `builtin(name, split)`, e.g.
+    plugins.builtin_math.builtin_rows) or a saved HF dataset folder or hub id ("org/name[:config]", from `hub(spec,
+    split)`, e.g. harness.hub.hub_rows); `convert(row)` (e.g. sharegpt_row, question_row) rewrites each row."""
     path = pathlib.Path(spec)
     if spec.startswith("builtin:"):
         if builtin is None:
@@ -145,23 +140,6 @@ def load_rows(spec: str, split: str = "train", convert=None, builtin=None, hub=N
     if convert is not None:
         rows = map_rows(rows, convert, f"the {convert.__name__} conversion")
     return rows
-
-
-# -------------------------------------------------------------------------------------------------- converters
-def need(row: dict, field: str, kind: type) -> object:
-    if not isinstance(row.get(field), kind):
-        bad_field(
-            row,
-            field,
-            f"must be a {kind.__name__}, got {type(row[field]).__name__}"
-            if field in row
-            else f"missing (row has: {_columns(row)})",
-        )
-    return row[field]
-
-
-def without(row: dict, *drop: str) -> dict:
-    return {k: v for k, v in row.items() if k not in drop}  # extra columns (ids, answers, ...) pass through
 
 
 # -------------------------------------------------------------------------------------------------- validation
@@ -244,12 +222,6 @@ SPECIALS = {
 }
 
 
-def _is_single_token(tokenizer, text: str) -> bool:
-    # The string must encode to exactly one id; a non-special "<|im_end|>" would be split into byte pieces, and the
-    # model would have to learn to stop by emitting a multi-token sequence that generation never stops on.
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
-
-
 def end_of_turn_token(tokenizer, template_name: str) -> str:
     """The token that closes an assistant turn under `template_name` ("tokenizer" = the tokenizer's own template)."""
     if template_name in SPECIALS:
@@ -281,10 +253,10 @@ def end_of_turn_token(tokenizer, template_name: str) -> str:
 
 
 def setup_chat_template(tokenizer, template: str = "auto") -> str:
-    """Install a chat template and make its end-of-turn token the tokenizer's eos; returns the template name used.
-    "auto" keeps the tokenizer's own template ("tokenizer") when it has one, else installs ChatML; a name from
-    TEMPLATES overrides the tokenizer's. Callers should copy `tokenizer.eos_token_id` to the model's generation config
-    so generation stops at the end of a turn."""
+    """Install a chat template and make its end-of-turn token the tokenizer's eos, as TRL's clone_chat_template does
+    (one id stops generation, closes standard completions and is in every loss mask); returns the template's name.
+    "auto" keeps the tokenizer's own ("tokenizer") when it has one, else installs ChatML; a TEMPLATES name overrides
+    it. Callers copy `tokenizer.eos_token_id` to the model's generation config."""
     if template == "auto":
         template = "tokenizer" if tokenizer.chat_template else "chatml"
     if template == "tokenizer" and not tokenizer.chat_template:
@@ -295,9 +267,9 @@ def setup_chat_template(tokenizer, template: str = "auto") -> str:
     if template not in TEMPLATES and template != "tokenizer":
         raise ValueError(f"unknown chat template {template!r}; use 'auto', 'tokenizer' or one of {sorted(TEMPLATES)}")
     if template in TEMPLATES:
-        # We do not add missing specials ourselves: that would need an embedding resize and leave the new rows
-        # untrained, which silently hurts quality. Make the user pick a template the tokenizer already speaks.
-        missing = [t for t in SPECIALS[template] if not _is_single_token(tokenizer, t)]
+        # A non-special "<|im_end|>" splits into byte pieces, a stop generation never sees; adding the specials would
+        # need an embedding resize whose new rows are untrained (silently worse): pick a template the tokenizer speaks.
+        missing = [t for t in SPECIALS[template] if len(tokenizer(t, add_special_tokens=False)["input_ids"]) != 1]
         if missing:
             raise ValueError(
                 f"chat template {template!r} needs the special tokens {missing}, which this tokenizer "
@@ -313,10 +285,9 @@ def setup_chat_template(tokenizer, template: str = "auto") -> str:
 
 # ------------------------------------------------------------------------------------------------ tokenization
 class Ids(array.array):
-    """One tokenized row's token ids (typecode "i") or 0/1 mask ("b") as a C array: 4 or 1 bytes a token, where a
-    list of Python ints costs an 8-byte pointer plus an int object per token, several times the text it came from.
-    It reads like the list it replaces: a slice is an Ids, `+` with a list or an Ids gives a list, and == compares
-    values with a list, so code written for lists of ids (packing, padding, prompt + completion) runs unchanged."""
+    """A tokenized row's ids (typecode "i") or 0/1 mask ("b") as a C array, 4 or 1 bytes a token (a list of Python ints
+    costs a pointer and an int object per token). It reads like that list: a slice is an Ids, `+` with a list or an
+    Ids gives a list, == compares values with a list, so code written for lists of ids runs unchanged."""
 
     __hash__ = None  # mutable, like a list
 
@@ -333,15 +304,12 @@ class Ids(array.array):
     def __eq__(self, other):
         return self.tolist() == list(other) if isinstance(other, (list, array.array)) else NotImplemented
 
-    def __ne__(self, other):
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
+    __ne__ = object.__ne__  # the negation of __eq__ above (array's own != compares no list)
 
-    def __copy__(self):
+    def __copy__(self, memo=None):  # array's copies are plain arrays; ints need no deep copy
         return Ids(self.typecode, self)
 
-    def __deepcopy__(self, memo):
-        return Ids(self.typecode, self)
+    __deepcopy__ = __copy__
 
 
 def _chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -349,9 +317,8 @@ def _chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> s
 
 
 def _encode_texts(tokenizer, texts: list[tuple[str, bool]]) -> list[list[int]]:
-    """The ids of each (text, add special tokens) in one call of the tokenizer per flag on the distinct texts (a fast
-    tokenizer encodes a batch in Rust, on several threads unless TOKENIZERS_PARALLELISM is off), the same ids as one
-    call per text. A rendered chat already holds its special tokens (BOS included); plain text gets the tokenizer's."""
+    """The ids of each (text, add special tokens: a rendered chat holds its own, BOS included), one tokenizer call per
+    flag on the distinct texts (a fast tokenizer encodes a batch in Rust): the same ids as one call per text."""
     ids = {}
     for special in (False, True):
         distinct = list(dict.fromkeys(text for text, flag in texts if flag is special))
@@ -379,27 +346,20 @@ PROGRESS_EVERY = 10.0  # seconds between progress lines; a set tokenized faster 
 
 
 def tokenize_dataset(
-    tokenizer,
-    rows: list[dict],
-    kind: str,
-    max_length: int | None,
-    texts_of=prompt_texts,
-    tokenize=tokenize_prompt,
-    **kw,
+    tokenizer, rows: list[dict], kind: str, max_length: int | None, texts=prompt_texts, tokenize=tokenize_prompt, **kw
 ) -> list[dict]:
-    """Tokenize validated rows of `kind` with `tokenize` (for "prompt", max_length is the prompt limit), dropping those
-    that do not fit with one warning. Examples keep "_loc"; prompt-only ones keep all their fields (reward inputs). The
-    texts of TOKENIZE_BATCH rows at a time are encoded in one call (_encode_texts), with a progress line on stderr
-    every PROGRESS_EVERY seconds."""
+    """Tokenize validated rows of `kind` with `texts` and `tokenize` (for "prompt", max_length is the prompt limit),
+    dropping those that do not fit with one warning. Examples keep "_loc", prompt rows all their fields (reward input).
+    TOKENIZE_BATCH rows' texts go to the tokenizer in one call, with a progress line every PROGRESS_EVERY seconds."""
     examples = []
     dropped = []
     start = time.perf_counter()
     shown = start
     for first in range(0, len(rows), TOKENIZE_BATCH):
         batch = rows[first : first + TOKENIZE_BATCH]
-        texts = [texts_of(tokenizer, row) for row in batch]
-        encoded = iter(_encode_texts(tokenizer, [t for row_texts in texts for t in row_texts]))
-        for row, row_texts in zip(batch, texts, strict=True):
+        batch_texts = [texts(tokenizer, row) for row in batch]
+        encoded = iter(_encode_texts(tokenizer, [t for row_texts in batch_texts for t in row_texts]))
+        for row, row_texts in zip(batch, batch_texts, strict=True):
             ids = [next(encoded) for _ in row_texts]
             example = tokenize(tokenizer, row, max_length, ids=ids, **kw)
             if example is None:
@@ -410,11 +370,8 @@ def tokenize_dataset(
         if now - shown >= PROGRESS_EVERY:
             shown = now
             done = first + len(batch)
-            print(
-                f"tokenizing {kind} rows: {done:,} of {len(rows):,} ({done / (now - start):,.0f} rows/s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            line = f"tokenizing {kind} rows: {done:,} of {len(rows):,} ({done / (now - start):,.0f} rows/s)"
+            print(line, file=sys.stderr, flush=True)
     if shown > start:
         took = time.perf_counter() - start
         print(f"tokenized {len(rows):,} {kind} rows in {took:.0f} s", file=sys.stderr, flush=True)
@@ -432,14 +389,8 @@ def tokenize_dataset(
 # ---------------------------------------------------------------------------------------------------- batching
 def pad_batch(seqs: list[list[int]], pad_value: int, side: str = "right") -> torch.LongTensor:
     """(B, T) with T the longest sequence; padding on the right or the left ("left" for generation)."""
-    if side not in ("right", "left"):
-        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), width), pad_value, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if len(s):
-            out[i, slice(0, len(s)) if side == "right" else slice(width - len(s), width)] = torch.as_tensor(s)
-    return out
+    tensors = [torch.as_tensor(s, dtype=torch.long) for s in seqs]
+    return pad_sequence(tensors, batch_first=True, padding_value=pad_value, padding_side=side)
 
 
 def concat_prompt_completion(

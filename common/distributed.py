@@ -1,13 +1,9 @@
-"""Data parallelism under torchrun, as nanoGPT's train.py does it: a script that finds torchrun's environment
-(WORLD_SIZE, RANK, LOCAL_RANK) joins the process group and trains its slice of every global batch; without it, every
-function here is the one-process identity (rank 0 of 1) and no process group exists.
-
-The global batch is TRL's: per_device_train_batch_size x ranks x gradient_accumulation_steps. Rank r of N takes the
-micro-batches r, r + N, r + 2N, ... of what one process with N x the accumulation would take at the same step, so the
-ranks together see the same rows in the same epoch order. Each rank's loss carries the global normaliser (the whole
-step's tokens or rows) times N, and the gradients are averaged over the ranks (`average_gradients`, or FSDP2's
-reduce-scatter), which is the one-process gradient up to the rounding of the sum's order. Logged metrics are reduced
-over the ranks before anything is decided from them, so every rank takes the same decision at the same step.
+"""Data parallelism under torchrun, as nanoGPT's train.py does it: a script that finds torchrun's environment joins
+the process group and trains its slice of every global batch (TRL's: per-device batch x ranks x accumulation); without
+it every function here is the one-process identity (rank 0 of 1). Each rank's loss carries the whole step's
+normaliser times N and the gradients are averaged over the ranks (average_gradients, or FSDP2's reduce-scatter): the
+one-process gradient up to the sum's rounding. Logged metrics are reduced over the ranks before anything is decided
+from them, so every rank takes the same decision at the same step (docs/distributed.md).
 """
 
 import contextlib
@@ -20,15 +16,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-
 _OURS: list[bool] = []  # [True] while the process group is the one init_distributed set up
 
 
 def init_distributed(timeout_s: float) -> tuple[int, int]:
-    """(rank, world size). Under torchrun: join the process group (NCCL on CUDA, on this node's LOCAL_RANK card;
-    gloo on a CPU), every collective bounded by timeout_s (a rank that died makes the others fail, not hang), and
-    ranks other than 0 print nothing on stdout (rank 0 speaks for
-    the run; errors still reach stderr). Alone: (0, 1)."""
+    """(rank, world size). Under torchrun: join the process group (NCCL on this node's LOCAL_RANK card, gloo on a CPU),
+    every collective bounded by timeout_s (a dead rank makes the others fail, not hang); ranks other than 0 print
+    nothing on stdout (rank 0 speaks for the run; errors still reach stderr). Alone: (0, 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 or dist.is_initialized():
         return rank_and_world()
@@ -79,22 +73,12 @@ def any_rank(flag: bool) -> bool:
 
 
 def all_gather(items: list) -> list:
-    """Every rank's list, concatenated in rank order: what one process would have held (per-row statistics,
-    rewards, eval rows)."""
+    """Every rank's list, concatenated in rank order: what one process would have held (rewards, eval rows)."""
     if rank_and_world()[1] == 1:
         return list(items)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items)
     return [item for part in gathered for item in part]
-
-
-def broadcast(value):
-    """Rank 0's value on every rank (e.g. the run directory rank 0 created)."""
-    if rank_and_world()[1] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def average_gradients(params: list[torch.nn.Parameter]) -> None:
@@ -108,10 +92,8 @@ def average_gradients(params: list[torch.nn.Parameter]) -> None:
     flat = torch.cat([g.reshape(-1).float() for g in grads])
     dist.all_reduce(flat)
     flat /= world
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset : offset + g.numel()].view_as(g).to(g.dtype)
-        offset += g.numel()
+    for p, g, part in zip(params, grads, flat.split([g.numel() for g in grads])):
+        p.grad = part.view_as(g).to(g.dtype)
 
 
 def shard_model(model) -> torch.nn.Module:
@@ -144,9 +126,8 @@ def reshard(model) -> None:
 
 @contextlib.contextmanager
 def gathered(model):
-    """For the block (a rollout, which calls the decoder's modules directly and step by step), every FSDP2 unit's
-    full weights on every rank, not resharded after each forward; sharded again after. Nothing for an unsharded model.
-    The block then holds the whole model on each rank, as TRL's generation under FSDP does."""
+    """For the block (a rollout, which calls the decoder's modules step by step), every FSDP2 unit's full weights on
+    every rank, as TRL's generation under FSDP, not resharded after each forward; sharded again after."""
     if not is_sharded(model):
         yield model
         return

@@ -43,9 +43,8 @@ class NonFiniteWeightsError(UserError, RuntimeError):
 
 
 class RunStopped(UserError, RuntimeError):
-    """A run stopped before its last step (a circuit breaker, Ctrl-C): its checkpoint was saved, final/ was not
-    written, and the CLI exits non-zero with this one-line message. requested: the user asked for the stop (Ctrl-C),
-    which the CLI reports as a stop, not an error, with the exit status of an interrupt (130)."""
+    """A run stopped before its last step (a circuit breaker, Ctrl-C), its checkpoint saved and final/ not written.
+    requested: the user asked for it (Ctrl-C), which the CLI reports as a stop with an interrupt's status (130)."""
 
     def __init__(
         self, message: str, step: int, checkpoint: str | None, result: dict | None = None, requested: bool = False
@@ -55,7 +54,3 @@ class RunStopped(UserError, RuntimeError):
         self.checkpoint = checkpoint
         self.result = result or {}
         self.requested = requested
-
-
-# What one_line_errors prints as the message alone; any other error also names its type.
-USER_ERRORS = (UserError, OSError, ImportError)

@@ -1,11 +1,8 @@
-"""Rule rewards, a plain dict of them by name, and the batch scorer for rollouts.
-
-A reward function is `fn(prompts, completions, **row_fields) -> list[float | None]` (TRL's contract; None means
-"not applicable to this sample"). row_fields are the dataset's extra columns as lists plus `completion_ids` (token-id
-lists) and `max_completion_length` (int); every function takes unknown kwargs. Prompts and completions are strings
-or, for conversational data, lists of {role, content} messages (a completion's text is its last assistant message).
-REWARD_FUNCS: math, format, gsm8k_format, json, regex, length, target_length. The code reward (sandboxed tests), the
-API judge and reward models are plug-ins (plugins/) that a script adds to the dict it passes to load_reward_funcs.
+"""Rule rewards (REWARD_FUNCS, a plain dict by name) and the batch scorer for rollouts. A reward is TRL's
+`fn(prompts, completions, **row_fields) -> list[float | None]` (None: not applicable to this sample); row_fields are
+the dataset's extra columns as lists plus `completion_ids` and `max_completion_length`, and every function takes
+unknown kwargs. Prompts and completions are strings or lists of {role, content} messages. The code reward, the API
+judge and reward models are plug-ins that a script adds to the dict it passes to load_reward_funcs.
 """
 
 import importlib
@@ -28,19 +25,15 @@ def text_of(x, last_assistant: bool = True) -> str:
     if isinstance(x, str):
         return x
     msgs = ([m for m in x if m.get("role") == "assistant"][-1:] if last_assistant else []) or x
-    parts = [m.get("content") or "" for m in msgs]  # multimodal content is a list of {"type", "text"} parts
-    return "\n".join(p if isinstance(p, str) else " ".join(c.get("text", "") for c in p) for p in parts)
+    return "\n".join(m.get("content") or "" for m in msgs)
 
 
 # ---------------------------------------------------------------------------------------------------- math
-# Never hangs: only the last 2,000 characters are read and every pattern runs in linear time (no nested quantifiers).
-# No signal.alarm timeout: alarms are process-wide and not thread safe (verl's bug that silently zeroed MATH rewards).
-# Never guesses: an answer it cannot read exactly ('3\sqrt{2}', '7–9', '2^x') has no value and scores 0, never the 3, 9
-# or 2 inside it, which a policy would learn to collect.
+# Never hangs: only the last _TAIL characters are read, every pattern runs in linear time (no nested quantifiers), and
+# no signal.alarm (process-wide, not thread safe: verl's bug that silently zeroed MATH rewards). Never guesses: an
+# answer it cannot read exactly ('3\sqrt{2}', '7–9', '2^x') scores 0, not the 3, 9 or 2 a policy would learn to collect
 _TAIL = 2000
-# int() refuses longer digit strings (sys.int_info), and a power is evaluated up to about as many digits: the policy
-# chooses its exponent
-_MAX_DIGITS = 4300
+_MAX_DIGITS = 4300  # int() refuses longer digit strings (sys.int_info); a power, whose exponent the policy picks, too
 # Digits: thousands grouped by threes ('1,234,567'; _plain turns the other separators into commas), or not grouped
 _DIGITS = r"(?:\d{1,3}(?:,\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+"
 # A power of the number ('2^{10}', '2**10') or of ten ('3.2e5', '3.2 \times 10^{5}'); `kind` tells which
@@ -48,8 +41,7 @@ _EXPONENT = (
     r"(?P<kind>\^|\*\*|[eE]|\s*(?:\\times|\\cdot|[x*\u00d7\u22c5\u00b7])\s*10\s*(?:\^|\*\*))"
     r"(?P<exponent>[-+]?\d+|\{\s*[-+]?\d+\s*\})"
 )
-# After the sign: a mixed number's whole part ('2 1/2' is 5/2, not 21/2), numerator ('1,080', '.5'), denominator,
-# exponent, percent sign
+# After the sign: a mixed number's whole part ('2 1/2' is 5/2), numerator ('1,080', '.5'), denominator, exponent, %
 _UNSIGNED = (
     rf"\$?(?:(?P<whole>\d+) +(?=\d+/\d))?(?P<numerator>{_DIGITS})(?:/(?P<denominator>{_DIGITS}))?"
     rf"(?:{_EXPONENT})?(?P<percent>%?)"
@@ -61,19 +53,17 @@ _NUMBER_TOKEN = re.compile(r"(?<![A-Za-z0-9.^{\[])(?<![A-Za-z0-9}]_)(?P<sign>[-+
 _LEADING = re.compile(r"[\s*_${(\[]*(?:(?P<sign>[-+])\s*)?" + _UNSIGNED)
 # A sentence ends at a line break, '. ' or '; ' ('18. Check: 18 / 2 = 9' is 18), not ', ' ('9 eggs, 9 * 2 = 18' is 18)
 _SENTENCE_END = re.compile(r"\n|[.;](?=\s|$)")
-# What after a number makes it part of more than itself: a calculation, range or alternative ('9 * 2', '7–9', '5~7',
-# '10 to 12', '3 or 4', '3 \pm 1'), also after a variable or unit ('2n + 1', '2 hours and 30') or of one ('42 - y'), a
-# power left unread ('2^x', '(-2)^2', '10⁵'), a radical, pi or other LaTeX command ('3\sqrt{2}', '2\pi', '0.\dot{3}'),
-# another number ('3 4', '(3, 4)', '1,2', '3:4', '1.2.3', '0.(3)'), an overline ('0.3̅'), the imaginary unit ('3i')
+# What after a number makes it part of more: a calculation, range or alternative ('9 * 2', '7–9', '5~7', '10 to 12',
+# '3 or 4', '3 \pm 1', '2n + 1', '2 hours and 30', '42 - y'), a power left unread ('2^x', '(-2)^2', '10⁵'), LaTeX
+# ('3\sqrt{2}', '2\pi', '0.\dot{3}'), another number ('3 4', '(3, 4)', '1,2', '3:4', '1.2.3', '0.(3)'), '0.3̅', '3i'
 _OPERATOR = r"[-+*/\u00d7\u00f7\u22c5\u00b7\u00b1\u2013\u2014~\u301c]|\\times|\\cdot|\\div"
 _UNREADABLE_AFTER = re.compile(
     rf"[\s)\]}}]*(?:(?:[A-Za-z]+\b\s*)?(?:{_OPERATOR}|\b(?:x|or|and|plus|minus|times)\b)\s*[-+$(.\d\\{{/\u221a\u03c0]"
     rf"|to\s*[-+$(.\d]|(?:{_OPERATOR})\s*[A-Za-z](?![A-Za-z])|\^|\\[A-Za-z]|[\u221a\u03c0\u221e]|(?:pi|sqrt)\b|,\s*[-+]?\d|\d)"
     r"|[.:'\u2019]\d|\.?\(|\.\\|i\b|[\u00b2\u00b3\u00b9\u2070-\u2079\u0304\u0305]"
 )
-# What before a number joins it to more (the fallback's last number is then no answer): an operator after an
-# operand, a range or alternative, a radical ('9 * 2', '7–9', '10 to 12', '\sqrt 2'), a separator no grouping took
-# ('1,2', '3:4'), a sign set apart ('x = - 14' is no 14; nor is a list's '- 14')
+# What before a number joins it to more (the fallback's last number is then no answer): an operator, range, alternative
+# or radical ('9 * 2', '7–9', '10 to 12', '\sqrt 2'), a separator ('1,2', '3:4'), a sign apart ('x = - 14', '- 14')
 _JOINED = re.compile(
     rf"(?:[\w)\]}}]\s*(?:{_OPERATOR}|\^|\\pm|\bx)|\d\s*(?:to|or|and|plus|minus|times)|\\sqrt|\u221a|[-+])\s*\Z"
     r"|\d[,:'\u2019]\Z|\bor\s+[A-Za-z]\s*=\s*\Z"
@@ -273,16 +263,12 @@ def format_reward(prompts, completions, **kw) -> list[float]:
     """1.0 if the completion is `<think>...</think>` then `<answer>...</answer>` and nothing else (whitespace aside),
     each tag exactly once; else 0.0. Counting tags instead of a lazy regex keeps it linear on long completions."""
     tags = ("<think>", "</think>", "<answer>", "</answer>")
-    texts = [text_of(c).strip() for c in completions]
-    return [
-        float(
-            all(t.count(tag) == 1 for tag in tags)
-            and t.startswith(tags[0])
-            and t.endswith(tags[3])
-            and re.search(r"</think>\s*<answer>", t) is not None
-        )
-        for t in texts
-    ]
+    scores = []
+    for t in (text_of(c).strip() for c in completions):
+        once = all(t.count(tag) == 1 for tag in tags)
+        ordered = t.startswith(tags[0]) and t.endswith(tags[3]) and re.search(r"</think>\s*<answer>", t) is not None
+        scores.append(float(once and ordered))
+    return scores
 
 
 _NUMBER = r"\$?(-?[\d,]*\d(?:\.\d+)?)"
@@ -302,20 +288,13 @@ def gsm8k_format_reward(prompts, completions, **kw) -> list[float]:
     return scores
 
 
-_JSON_TYPES = {
-    "object": dict,
-    "array": list,
-    "string": str,
-    "number": (int, float),
-    "integer": int,
-    "boolean": bool,
-    "null": type(None),
-}
+_JSON_TYPES = dict(
+    object=dict, array=list, string=str, number=(int, float), integer=int, boolean=bool, null=type(None)
+)
 
 
 def _schema_ok(value, schema: dict) -> bool:
-    """A JSON Schema subset: type, enum, required, properties, items. Built in (jsonschema is no dependency), so a
-    reward never depends on which optional packages are installed."""
+    """A JSON Schema subset: type, enum, required, properties, items (jsonschema is no dependency of a reward)."""
     kind = schema.get("type")
     if not isinstance(value, _JSON_TYPES.get(kind, object)) or ("enum" in schema and value not in schema["enum"]):
         return False
@@ -361,10 +340,9 @@ def _lengths(completions, completion_ids) -> list[int]:
 def soft_overlong_reward(
     prompts, completions, max_completion_length=None, completion_ids=None, overlong_buffer=None, **kw
 ) -> list[float]:
-    """DAPO eq. 13 (arXiv:2503.14476; TRL's get_soft_overlong_punishment), L_max = max_completion_length,
-    L_cache = overlong_buffer (default L_max // 5: DAPO's 4,096 of 20,480):
-    0 if |y| <= L_max - L_cache; (L_max - L_cache - |y|) / L_cache up to L_max; -1 beyond. A completion cut at
-    L_max gets -1 from the middle case."""
+    """DAPO eq. 13 (arXiv:2503.14476; TRL's get_soft_overlong_punishment), L_max = max_completion_length, L_cache =
+    overlong_buffer (default L_max // 5: DAPO's 4,096 of 20,480): 0 if |y| <= L_max - L_cache;
+    (L_max - L_cache - |y|) / L_cache up to L_max (so a completion cut at L_max gets -1); -1 beyond."""
     if max_completion_length is None:
         raise ValueError("the length reward needs max_completion_length (score_rollout passes it)")
     l_cache = max_completion_length // 5 if overlong_buffer is None else overlong_buffer
@@ -376,8 +354,8 @@ def soft_overlong_reward(
 
 
 def target_length_reward(prompts, completions, target_length=None, completion_ids=None, **kw) -> list[float | None]:
-    """-|len - target| / target, target from the row field (a list) or a kwarg (one int) `target_length`; None
-    without one. len counted as in soft_overlong_reward."""
+    """-|len - target| / target, len as in soft_overlong_reward, target from the row field (a list) or a kwarg (one
+    int) `target_length`; None without one."""
     targets = target_length if isinstance(target_length, list) else [target_length] * len(completions)
     return [
         None if t is None else -abs(n - t) / t
@@ -395,10 +373,9 @@ REWARD_FUNCS = {
     "length": soft_overlong_reward,
     "target_length": target_length_reward,
 }
-# The row fields a reward needs to score a row at all (without them it returns None); a custom module:function
-# reward may declare its own `fn.needs = ("field",)`, and `fn.row_problem(row) -> (field, problem) | None`: what
-# makes a row that has its fields unusable (an answer without a number, a test case that does not parse).
-# harness.cli.check_reward_fields refuses such rows, and data no chosen reward can score, before the model loads.
+# The row fields a reward needs to score a row at all, and what makes a row that has them unusable (row_problem(row)
+# -> (field, problem) | None); a module:function reward may declare its own. harness.cli.check_reward_fields refuses
+# such rows, and data no chosen reward can score, before the model loads.
 math_reward.needs = ("answer",)
 math_reward.row_problem = math_row_problem
 regex_reward.needs = ("pattern",)
@@ -417,10 +394,9 @@ def split_weight(spec: str) -> tuple[str, float]:
 def load_reward_funcs(
     specs: list[str], registry: dict[str, Callable] = REWARD_FUNCS, loaders: dict[str, Callable] | None = None
 ) -> list[tuple[str, Callable, float]]:
-    """`name`, `name:weight`, `pkg.module:fn` or `pkg.module:fn:weight` -> (name, fn, weight). The weight is the last
-    `:` part if it parses as a float (default 1.0); a name still holding `:` is imported, else a `registry` key.
-    A spec `<prefix>:...` whose prefix is a key of `loaders` is that loader's to read: loaders[prefix](spec) ->
-    (name, fn, weight) (e.g. {"model": plugins.reward_model.model_reward} for `model:<dir>`)."""
+    """`name`, `name:weight`, `pkg.module:fn` or `pkg.module:fn:weight` -> (name, fn, weight) (split_weight); a name
+    still holding `:` is imported, else a `registry` key. A spec `<prefix>:...` whose prefix is a key of `loaders` is
+    read by loaders[prefix](spec) -> (name, fn, weight) (e.g. {"model": plugins.reward_model.model_reward})."""
     funcs = []
     for spec in specs:
         prefix = spec.partition(":")[0]
@@ -444,11 +420,10 @@ _warned_all_none: set[str] = set()
 
 
 def compute_rewards(funcs, prompts, completions, row_fields: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call every (name, fn, weight) on the batch -> (rewards (B,), rewards_per_func (B, F)).
-
-    None becomes NaN in rewards_per_func, and rewards = nansum_f weight_f * reward_f leaves it out, as TRL does. A
-    row that no function applies to gets 0 (nansum; advantages need finite rewards): TRL makes it NaN
-    and zeroes its advantage, which gives the same loss but keeps it out of its group's mean and std."""
+    """Call every (name, fn, weight) on the batch -> (rewards (B,), rewards_per_func (B, F)). None becomes NaN in
+    rewards_per_func, and rewards = nansum_f weight_f * reward_f leaves it out, as TRL does. A row that no function
+    applies to gets 0 (nansum; advantages need finite rewards): TRL makes it NaN and zeroes its advantage, which gives
+    the same loss but keeps it out of its group's mean and std."""
     per_func = torch.zeros(len(completions), len(funcs))
     for i, (name, fn, _) in enumerate(funcs):
         out = fn(prompts=prompts, completions=completions, **row_fields)

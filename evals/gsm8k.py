@@ -35,10 +35,11 @@ help_before_imports(__name__, __file__, None)
 import torch
 import tyro
 
-from common.distributed import broadcast, close_distributed, init_distributed
+from common.distributed import close_distributed, init_distributed
 from common.model import require
 from common.errors import ArgsError
 from evals.common_eval import dataset_tag, evaluate_gsm8k, gsm8k_rows, load_eval_model, model_label, write_results
+from harness.checkpoints import broadcast
 from harness.cli import one_line_errors
 from harness.hub import check_dataset
 from harness.run import log_scores

@@ -35,9 +35,10 @@ help_before_imports(__name__, __file__, None)
 import tyro
 
 from common.data import load_rows, tokenize_prompt
-from common.distributed import broadcast, close_distributed, init_distributed
+from common.distributed import close_distributed, init_distributed
 from common.errors import DataError
 from common.model import require
+from harness.checkpoints import broadcast
 from harness.cli import one_line_errors
 from harness.run import log_scores
 from harness.hub import check_dataset, hub_rows

@@ -34,6 +34,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 from peft import set_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -43,7 +44,7 @@ from common.errors import ArgsError, DataError, UserError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from common.distributed import all_gather, broadcast, is_sharded, local_tensor, rank_and_world
+from common.distributed import all_gather, is_sharded, local_tensor, rank_and_world
 from common.model import DEFAULT, REF, is_peft, pick_device, resolve_dtype, slot_params, snapshot_ref, unwrap
 from harness.hub import BEFORE_READ
 
@@ -135,6 +136,15 @@ def _out_of_space(e: Exception, folder: str) -> bool:
     if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
         return True
     return "unexpected pos" in str(e) and shutil.disk_usage(folder).free < 2**20
+
+
+def broadcast(value):
+    """Rank 0's value on every rank (the run directory rank 0 created, the error of a write only rank 0 made)."""
+    if rank_and_world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 @contextlib.contextmanager

@@ -24,13 +24,14 @@ from transformers.utils import logging as hf_logging
 
 from common.data import MAX_SHOWN, bad_field
 from common.distributed import any_rank, rank_and_world
-from common.errors import USER_ERRORS, ArgsError, DataError, ModelError, RewardError, RunStopped
+from common.errors import ArgsError, DataError, ModelError, RewardError, RunStopped, UserError
 from common.model import pick_device, require, resolve_dtype
 from harness.checkpoints import all_finite
 from plugins.embedded import MODEL_ALIASES
 
 _DEFERRED_CTRL_C = False  # a Ctrl-C a run answered by finishing its final/ (StopOnCtrlC.finishing): exit 130
 PROJECT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # a warning raised under it is ours
+USER_ERRORS = (UserError, OSError, ImportError)  # what one_line_errors prints as the message alone
 
 
 def _lost_peer(e: Exception) -> bool:
@@ -50,7 +51,7 @@ def _rank_tag(prog: str) -> str:
 @contextlib.contextmanager
 def one_line_errors():
     """Wraps a CLI's `main(tyro.cli(Args))`: an error ends the process with one line on stderr and exit status 1
-    (a second Ctrl-C: 130), not a traceback. Errors on the user's side (common.errors.USER_ERRORS) print their
+    (a second Ctrl-C: 130), not a traceback. Errors on the user's side (USER_ERRORS) print their
     message; any other also names its type and that ONLYONE_DEBUG=1 shows the traceback (the exception is then
     re-raised as it is). A stop the user asked for (Ctrl-C: RunStopped.requested) is no error: its message alone
     (it names the script, the checkpoint and the resume command) and status 130, the shell's code for an interrupt;

@@ -17,10 +17,10 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
-from common.distributed import broadcast, rank_and_world
+from common.distributed import rank_and_world
 from common.errors import OutputDirError
 from common.model import require
-from harness.checkpoints import COMPLETE
+from harness.checkpoints import COMPLETE, broadcast
 
 
 def make_run_dir(exp_name: str, model: str, seed: int, root: str = "runs", resume_path: str | None = None) -> str:

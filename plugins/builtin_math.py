@@ -9,7 +9,7 @@ import re
 import zlib
 from collections.abc import Callable
 
-from common.data import need, without
+from common.completions import need, without
 
 NAMES = {
     "Tom": "he",

@@ -2,7 +2,8 @@
 integer level}) are written into its prompt as NeMo-Aligner's attribute string ("name:level,..."), so the model learns
 to answer as asked; at inference the same string asks for the levels you want (evals.gsm8k --attributes)."""
 
-from common.data import bad_field, map_rows, without
+from common.completions import without
+from common.data import bad_field, map_rows
 from common.errors import DataError
 
 
