@@ -241,13 +241,11 @@ def _mergeable(lora) -> bool:
 
 @contextlib.contextmanager
 def merged_linears(model, rows: int, spare: int = 0):
-    """For the rollout, every LoRA Linear of the policy runs on one weight W + s B A (what PEFT's get_delta_weight
-    adds) with its active adapters merged in, a copy freed on exit: the A/B products leave the decode step (half its
-    kernels). Equal in exact arithmetic to PEFT's forward (docs/results.md: the measured rounding gap; a bf16 weight
-    is summed in float32 and rounded once). On an x86-64 CPU with oneDNN every float32 Linear also runs on a copy of
-    its weight reordered for oneDNN (rows: the batch it is laid out for). A layer that cannot be merged (_mergeable)
-    keeps its forward and quantized weights are left alone; on CUDA a layer is merged only while the card keeps
-    `spare` bytes free besides (the rollout's KV cache and logits): a full card merges what fits."""
+    """For the rollout, every LoRA Linear of the policy runs on one weight W + s B A (PEFT's get_delta_weight), a copy
+    freed on exit: the A/B products leave the decode step (half its kernels); equal to PEFT's forward in exact
+    arithmetic (docs/results.md: the rounding gap). On x86-64 with oneDNN every float32 Linear also runs on a copy of
+    its weight reordered for oneDNN (rows: the batch it is laid out for). Layers that cannot be merged (_mergeable)
+    and quantized weights are left as they are; on CUDA a layer is merged only while `spare` bytes stay free."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")  # where it was measured; ARM's oneDNN differs
     pack = x86 and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     swapped = []
@@ -336,13 +334,12 @@ def decode(
     than keys and values or not decodes_exactly(lm.config). sampling: temperature, top_p, top_k.
 
     Each distinct prompt but its last token is prefilled once into a SlabLayer cache of P + max_new_tokens positions
-    and repeated group_size times (else the first step runs whole prompts); each step then feeds one token per row
-    through `step` (decoder_step by default). Default (a CPU's): a row that sampled an EOS leaves the batch. static (a
-    GPU's, on takes_decoder_step's configs): every row runs every step, keys and values written at a slab column held
-    on the device and the whole slab attended under the mask, so the shapes recur and the step can be captured once a
-    rollout (cuda_graph); whether every row ended is read every SYNC_EVERY tokens (hf_generate takes the extra steps'
-    uniforms back). stream (first, total): these rows are rows first .. first + n - 1 of a global batch of `total`
-    (a rank's share): each step draws the whole batch's uniforms and these rows take theirs."""
+    and repeated group_size times; each step feeds one token per row through `step` (decoder_step by default). A
+    CPU's: a row that sampled an EOS leaves the batch. static (a GPU's, on takes_decoder_step's configs): every row
+    runs every step on the whole slab under the mask, keys and values written at a column held on the device, so the
+    step can be captured once a rollout (cuda_graph); whether all rows ended is read every SYNC_EVERY tokens. stream
+    (first, total): these rows are rows first .. first + n - 1 of a batch of `total` (a rank's share): each step
+    draws the whole batch's uniforms and these rows take theirs."""
     device = input_ids.device
     n, width = input_ids.shape
     plain = prompt_cache(lm)
