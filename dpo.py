@@ -37,7 +37,7 @@ from transformers import DynamicCache, get_scheduler, set_seed
 from common.data import micro_batch, setup_chat_template
 from common.completions import concat_pairs, load_splits, tokenize_dataset, training_steps
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
-from common.distributed import init_distributed, shard_model
+from common.distributed import init_distributed, keyed_stream, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError
 from common.model import BUCKETS, as_reference, attach_lora, cache_kwarg, chunked_logps
@@ -482,7 +482,8 @@ def main(args: Args) -> dict:
         timer = PhaseTimer()
         for index in rank_micro_batches(step, ga):  # this rank's share of the ga x world micro-batches of the step
             chunk = micro_batch(examples, index, bs, args.seed)
-            loss, micro_stats, micro_tokens = pair_losses(model, chunk, args, pad_id, device, logps_of, timer)
+            with keyed_stream(args.seed, index):  # dropout masks of the global micro-batch, as one process draws them
+                loss, micro_stats, micro_tokens = pair_losses(model, chunk, args, pad_id, device, logps_of, timer)
             timer.mark("forward")
             # each micro loss is a mean over its pairs; / GA, then averaged over the ranks: the mean of the step's
             # ga x world micro-batch means (the mean over all pairs when every micro-batch is full). A short one (an

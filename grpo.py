@@ -41,7 +41,7 @@ from transformers import get_scheduler, set_seed
 from common.data import concat_prompt_completion, load_rows, micro_batch, pad_batch
 from common.data import setup_chat_template, tokenize_dataset, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed, gathered
-from common.distributed import init_distributed, rank_and_world, shard_model
+from common.distributed import init_distributed, keyed_stream, rank_and_world, shard_model
 from common.errors import ArgsError
 from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, load_model, masked_mean, masked_sum
 from common.model import pick_device, prompt_cache, resolve_dtype, sequence_logps
@@ -714,8 +714,10 @@ def main(args: Args) -> dict:
         # TRL); with several, the sampling policy's log-probs are frozen here once, before the first update.
         old = None
         if args.num_iterations > 1:
-            with torch.no_grad():
-                old = [logps_of(s)[0] for s in micro]
+            old = []
+            for s in micro:  # train mode: dropout masks of their own, keyed as the updates' below
+                with torch.no_grad(), keyed_stream(args.seed, step, "old", rank * n + s.start):
+                    old.append(logps_of(s)[0])
         timer.mark("train")
         # (4) reference log-probs ("ref" adapter or the swapped-in starting weights, eval, no grad); none when the
         # KL term is off. as_reference: eval mode, so no LoRA dropout (the reference is deterministic); the policy's
@@ -730,10 +732,11 @@ def main(args: Args) -> dict:
         num_items, num_sequences = all_sum([float(completion_mask.sum()), n])
         stats = {}
         losses = []
-        for _ in range(args.num_iterations):
+        for iteration in range(args.num_iterations):
             loss_sum = torch.zeros((), device=device)  # on the device: read once an update, not a micro-batch
             for j, rows_j in enumerate(micro):
-                per_token_logps, entropy = logps_of(rows_j, return_entropy=True)
+                with keyed_stream(args.seed, step, iteration, rank * n + rows_j.start):  # its global rows' masks
+                    per_token_logps, entropy = logps_of(rows_j, return_entropy=True)
                 per_token_loss, per_token_kl, token_stats = grpo_per_token_loss(
                     per_token_logps=per_token_logps,
                     old_per_token_logps=per_token_logps.detach() if old is None else old[j],

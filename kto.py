@@ -44,7 +44,7 @@ from common.data import concat_prompt_completion, load_rows, micro_batch, setup_
 from common.completions import tokenize_dataset
 from common.completions import training_steps, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
-from common.distributed import init_distributed, shard_model
+from common.distributed import init_distributed, keyed_stream, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
 from common.model import as_reference, attach_lora, load_model
@@ -370,13 +370,15 @@ def main(args: Args) -> dict:
             matched, mismatched = kto_batches(chunk, pad_id, args.max_length, device)
             # The no-grad passes before the policy's graph is built: under FSDP2 a no-grad pass reshards the root,
             # which would free the gathered weights that graph holds for its backward
-            with torch.no_grad():  # TRL: the KL estimate takes no gradient, the policy side included
+            # TRL: the KL estimate takes no gradient, the policy side included; its dropout masks are its own
+            with torch.no_grad(), keyed_stream(args.seed, index, "kl"):
                 kl_logps = completion_logps(model, mismatched)[0]
             if args.precompute_ref_log_probs:
                 ref_logps, ref_kl_logps = (x.to(device, non_blocking=True) for x in precomputed.pop(index))
             else:
                 ref_logps, ref_kl_logps = reference_logps(model, matched, mismatched)
-            logps = completion_logps(model, matched)[0]  # (B,) with grad
+            with keyed_stream(args.seed, index):  # dropout masks of the global micro-batch, as one process draws them
+                logps = completion_logps(model, matched)[0]  # (B,) with grad
             # z0 from this micro-batch's mismatched pairs alone, as one process estimates it per micro-batch: never
             # reduced over the ranks, so N ranks train what one process with N x the accumulation does
             z0 = kto_reference_point(kl_logps, ref_kl_logps)

@@ -32,7 +32,7 @@ from transformers import get_scheduler, set_seed
 from common.data import micro_batch, setup_chat_template
 from common.completions import concat_pairs, load_splits, tokenize_dataset, training_steps
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
-from common.distributed import init_distributed, shard_model
+from common.distributed import init_distributed, keyed_stream, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError
 from common.model import attach_lora, load_model, masked_mean
@@ -324,7 +324,8 @@ def main(args: Args) -> dict:
         loss_sum = torch.zeros((), device=device)  # on the device: read once a step, not a micro-batch
         timer = PhaseTimer()
         for index in rank_micro_batches(step, ga):  # this rank's share of the ga x world micro-batches of the step
-            loss, micro_stats = pair_losses(micro_batch(examples, index, bs, args.seed))
+            with keyed_stream(args.seed, index):  # dropout masks of the global micro-batch, as one process draws them
+                loss, micro_stats = pair_losses(micro_batch(examples, index, bs, args.seed))
             # each micro loss is a mean over its pairs (TRL: the Trainer divides by GA); / GA, then averaged over the
             # ranks: the mean of the step's ga x world micro-batch means
             (loss / ga).backward()

@@ -47,7 +47,7 @@ from common.completions import collate_sft, concat_pairs
 from common.completions import tokenize_dataset, training_steps, validate_rows
 from common.distributed import all_gather, all_sum, any_rank, average_gradients, close_distributed
 from common.distributed import gathered, init_distributed, is_sharded, rank_and_world
-from common.distributed import shard_model
+from common.distributed import keyed_stream, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
 from common.model import attach_lora, load_model
@@ -362,7 +362,8 @@ def run_phase(model, examples: list[dict], args: Args, lr: float, step_loss, pre
         count = 0
         sums = {}
         for index in rank_micro_batches(step, ga):  # this rank's share of the step's ga x world micro-batches
-            loss, n, stats = step_loss(micro_batch(examples, index, bs, seed))
+            with keyed_stream(seed, prefix, index):  # dropout masks of the global micro-batch, as one process draws
+                loss, n, stats = step_loss(micro_batch(examples, index, bs, seed))
             loss.backward()  # the micro-batch's sum: the gradient is divided by the step's count below
             loss_sum = loss_sum + loss.detach()  # on the device: read once a step, not a micro-batch
             count += n

@@ -34,7 +34,7 @@ from common.completions import collate_sft, load_splits
 from common.completions import need, without
 from common.completions import sharegpt_row, tokenize_dataset, training_steps
 from common.distributed import all_sum, any_rank, average_gradients, close_distributed, init_distributed
-from common.distributed import shard_model
+from common.distributed import keyed_stream, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError
 from common.model import attach_lora, load_model, sequence_logps, trainable_parameters
@@ -380,8 +380,9 @@ def main(args: Args) -> dict:
         packed = "attention_mask" not in micro[0]
         tokens = sum(int(b["input_ids"].numel() if packed else b["attention_mask"].sum()) for b in micro)  # host's
         timer.mark("data")
-        for batch in micro:
-            per_token_logps, batch = forward_logps(batch)
+        for index, batch in zip(rank_micro_batches(step, ga), micro, strict=True):
+            with keyed_stream(args.seed, index):  # dropout masks of the global micro-batch, as one process draws them
+                per_token_logps, batch = forward_logps(batch)
             loss = sft_loss(per_token_logps, num_items) * world  # x world: the ranks' gradients are averaged
             timer.mark("forward")
             loss.backward()

@@ -8,6 +8,7 @@ from them, so every rank takes the same decision at the same step (docs/distribu
 
 import contextlib
 import datetime
+import hashlib
 import os
 import sys
 
@@ -79,6 +80,20 @@ def all_gather(items: list) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, items)
     return [item for part in gathered for item in part]
+
+
+@contextlib.contextmanager
+def keyed_stream(*key):
+    """For the block, torch's random stream (the CPU's, and this process's card's once CUDA is in use) seeded from the
+    key alone; the stream is as it was after. A training pass keyed to (seed, its global micro-batch, ...) draws the
+    dropout masks one process draws for those rows, on whichever rank it runs, and leaves the sampling stream alone."""
+    seed = int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little")  # not hash(): salted per process
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):  # host-side state only: no device sync
+        torch.random.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.manual_seed(seed)
+        yield
 
 
 def average_gradients(params: list[torch.nn.Parameter]) -> None:
