@@ -21,11 +21,13 @@ FLOPs, or one read of the weights, whichever is longer). Times: on a CPU the pro
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import sys
 import time
+import unittest.mock
 
 import torch
 
@@ -35,6 +37,7 @@ from bench.headline_cpu import host_syncs
 from common.data import load_rows, pad_batch, setup_chat_template
 from common.completions import tokenize_dataset
 from common.model import attach_lora, load_model, unwrap
+import common.rollout as rollout
 from common.rollout import DECODER_STEP_MODELS, _model_generate, eos_ids, hf_generate
 from plugins.builtin_math import builtin_rows
 
@@ -146,16 +149,20 @@ def main():
         with torch.no_grad():
             return _model_generate(model, tokenizer, input_ids, attention_mask, G, eos, args.tokens, sampling)
 
-    def ours(**kw):
-        return hf_generate(model, tokenizer, prompts, G, **sampling, max_new_tokens=args.tokens, **kw)
+    def ours(swapped=(), **kw):  # swapped: (name, stand-in) of common.rollout's functions for this run
+        with contextlib.ExitStack() as stack:
+            for name, stand_in in swapped:
+                stack.enter_context(unittest.mock.patch.object(rollout, name, stand_in))
+            return hf_generate(model, tokenizer, prompts, G, **sampling, max_new_tokens=args.tokens, **kw)
 
     engines = {"model.generate": generate, "decode": ours}
     if device.type == "cuda":  # the same loop's kernels launched from Python every step; a CPU's shapes
         engines["decode, no CUDA graph"] = lambda: ours(cuda_graph=False)
         engines["decode, a CPU's shapes"] = lambda: ours(static=False)
     if unwrap(model).config.model_type in DECODER_STEP_MODELS:  # the same loop on the model's forward every step
-        engines["decode, model forward"] = lambda: ours(own_step=False)
-    engines["decode, unmerged"] = lambda: ours(merge=False)  # PEFT's LoRA forward (a CPU: MKL's matmuls too)
+        engines["decode, model forward"] = lambda: ours([("decoder_step", rollout._last_logits)])
+    # PEFT's LoRA forward (a CPU: MKL's matmuls too)
+    engines["decode, unmerged"] = lambda: ours([("merged_linears", lambda *a: contextlib.nullcontext())])
     if args.only:
         engines = {n: fn for n, fn in engines.items() if n in args.only or n in ("decode", "model.generate")}
     results = {}

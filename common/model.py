@@ -167,8 +167,6 @@ def attach_lora(
 ):
     """Wrap the model in PEFT with a trainable "default" adapter, loaded from `adapter` (e.g. an SFT run's final/)
     or new (r, alpha, dropout on all linear layers)."""
-    if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
-        raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
     with warnings.catch_warnings():
         # PEFT reads transformers' deprecated model.is_gradient_checkpointing on every wrap; nothing we call can
         # avoid it, so only that one warning is hidden, here.

@@ -325,7 +325,6 @@ def decode(
     max_new_tokens,
     sampling,
     static=False,
-    step=None,
     stream=None,
     cuda_graph=False,
 ):
@@ -334,7 +333,7 @@ def decode(
     than keys and values or not decodes_exactly(lm.config). sampling: temperature, top_p, top_k.
 
     Each distinct prompt but its last token is prefilled once into a SlabLayer cache of P + max_new_tokens positions
-    and repeated group_size times; each step feeds one token per row through `step` (decoder_step by default). A
+    and repeated group_size times; each step feeds one token per row through decoder_step. A
     CPU's: a row that sampled an EOS leaves the batch. static (a GPU's, on takes_decoder_step's configs): every row
     runs every step on the whole slab under the mask, keys and values written at a column held on the device, so the
     step can be captured once a rollout (cuda_graph); whether all rows ended is read every SYNC_EVERY tokens. stream
@@ -346,8 +345,7 @@ def decode(
     refused = plain is None or not plain.layers or any(type(layer) is not DynamicLayer for layer in plain.layers)
     if refused or not decodes_exactly(lm.config):
         return None
-    static = static and step is None and takes_decoder_step(lm.config)
-    step = step or decoder_step
+    static = static and takes_decoder_step(lm.config)
     cache = Cache(layers=[SlabLayer(width + max_new_tokens) for _ in plain.layers])
     mask = attention_mask.new_zeros(n, width + max_new_tokens)  # one more column set per step, in place
     mask[:, :width] = attention_mask
@@ -383,7 +381,7 @@ def decode(
         if k == 0 and not prefilled:  # whole prompts: the model's forward
             logits = _last_logits(lm, cache, input_ids, (attention_mask.cumsum(-1) - 1).clamp(min=0), attention_mask)
         elif not static:
-            logits = step(lm, cache, feed, positions, mask[:, : width + k])
+            logits = decoder_step(lm, cache, feed, positions, mask[:, : width + k])
         elif cuda_graph:
             if replay is None:  # once a rollout: one warm-up step and the capture, said the first time
                 start = time.perf_counter()
@@ -448,14 +446,11 @@ def hf_generate(
     max_new_tokens: int = 256,
     static: bool | None = None,
     cuda_graph: bool = True,
-    merge: bool = True,
-    own_step: bool = True,
     stream: tuple[int, int] | None = None,
 ) -> dict:
     """Sample group_size completions per prompt with `decode` (left padding, eval mode, no_grad), or model.generate
     for a model decode refuses. static: decode's static shapes (None: on a BUCKETS device), prompts then left-padded
-    to a multiple of the bucket so that rollouts share shapes; cuda_graph, stream: decode's. merge / own_step: the
-    rollout on merged_linears / decoder_step (False: PEFT's / the model's own forward, to compare). Afterwards the
+    to a multiple of the bucket so that rollouts share shapes; cuda_graph, stream: decode's. Afterwards the
     device's generator is put back and advanced by one draw per step of the longest row (under torchrun: of any
     rank's), so static shapes' extra draws are taken back and every rank's stream stays one process's
     (model.generate's fallback draws from each rank's own stream)."""
@@ -484,8 +479,7 @@ def hf_generate(
     was_training = model.training
     try:
         model.eval()  # dropout off while sampling; HF also only checkpoints activations in train mode
-        step = None if own_step else _last_logits  # None: decode's default, decoder_step
-        with merged_linears(model, len(rows), spare) if merge else contextlib.nullcontext():
+        with merged_linears(model, len(rows), spare):
             decoded = decode(
                 lm,
                 input_ids,
@@ -496,7 +490,6 @@ def hf_generate(
                 max_new_tokens,
                 sampling,
                 static,
-                step,
                 stream,
                 cuda_graph=cuda_graph and cuda,
             )

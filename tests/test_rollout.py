@@ -2,6 +2,7 @@
 plugins/vllm_engine.py: the vLLM engine's install hint and refusals (its real behaviour, with vllm installed, is in
 test_vllm.py)."""
 
+import contextlib
 import copy
 import importlib.util
 import math
@@ -358,9 +359,10 @@ def test_decoder_step_samples_what_the_models_forward_samples(model_type, monkey
     sampling = dict(temperature=1.0, top_p=1.0, top_k=0)
     results = []
     with torch.no_grad():
-        for step in (None, original):  # original: not counted (the shared prefill leaves it every step)
+        for step in (rollout.decoder_step, original):  # original: not counted (the shared prefill leaves it each step)
+            monkeypatch.setattr(rollout, "decoder_step", step)  # decode's one-token steps
             torch.manual_seed(3)
-            results.append(decode(lm, input_ids, attention_mask, 3, eos, 0, 12, sampling, step=step))
+            results.append(decode(lm, input_ids, attention_mask, 3, eos, 0, 12, sampling))
     cut = [[cut_at_eos(r, eos)[0] for r in tokens.tolist()] for tokens, _ in results]
     assert len({len(c) for c in cut[0]}) > 1, "the test needs rows that end at different steps"
     assert cut[0] == cut[1]
@@ -680,16 +682,19 @@ def test_a_lora_layer_that_cannot_be_merged_keeps_its_forward_on_a_packed_base(t
     assert (base - before).abs().max() > 1e-3
 
 
-def test_a_cpu_rollout_runs_on_packed_weights(policy):
+def test_a_cpu_rollout_runs_on_packed_weights(policy, monkeypatch):
     """hf_generate on a CPU samples from the packed, merged weights: no LoRA A product runs during the rollout
-    (merge=False runs PEFT's forward, one per LoRA layer per forward), and the greedy tokens are the same."""
+    (without merged_linears PEFT's forward runs, one per LoRA layer per forward) and the greedy tokens are the same."""
+    import common.rollout as rollout
+
     model, tokenizer = policy
     prompts = [ids(tokenizer, "hello world"), ids(tokenizer, "Tom has 3 apples.")]
     calls, handles = _lora_calls(model)
     try:
         packed = hf_generate(model, tokenizer, prompts, 2, temperature=0.0, max_new_tokens=6)
         assert not calls
-        plain = hf_generate(model, tokenizer, prompts, 2, temperature=0.0, max_new_tokens=6, merge=False)
+        monkeypatch.setattr(rollout, "merged_linears", lambda *args: contextlib.nullcontext())
+        plain = hf_generate(model, tokenizer, prompts, 2, temperature=0.0, max_new_tokens=6)
         assert calls
     finally:
         for h in handles:
