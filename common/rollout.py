@@ -98,9 +98,6 @@ class SlabLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_max_length(self) -> int:
-        return self.capacity
-
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._slabs(self.slab_keys.repeat_interleave(repeats, 0), self.slab_values.repeat_interleave(repeats, 0))
 
