@@ -60,7 +60,7 @@ from harness.run import Breakers, Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows, question_row
 from plugins.code import code_reward
 from plugins.judge import api_reward
-from plugins.optim import adamw_8bit
+from plugins.quantization import adamw_8bit, bnb_config
 from plugins.reward_model import bind_model_rewards, model_reward, reward_model_bytes
 from plugins.vllm_engine import VLLMEngine
 
@@ -620,7 +620,7 @@ def main(args: Args) -> dict:
         args.model,
         args.dtype,
         args.attn_implementation,
-        args.quantization,
+        bnb_config(args.quantization, args.dtype),
         checkpointing,
         args.trust_remote_code,
         path=locate_model(args.model),

@@ -61,7 +61,7 @@ from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
-from plugins.optim import adamw_8bit
+from plugins.quantization import adamw_8bit, bnb_config
 
 
 @dataclass
@@ -284,7 +284,7 @@ def main(args: Args) -> dict:
         args.model,
         args.dtype,
         args.attn_implementation,
-        args.quantization,
+        bnb_config(args.quantization, args.dtype),
         checkpointing,
         args.trust_remote_code,
         path=locate_model(args.model),

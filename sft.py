@@ -48,7 +48,7 @@ from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Pass, plan_memory, sequence_tokens
 from harness.run import Logger, PhaseTimer, make_run_dir
 from plugins.builtin_math import builtin_rows
-from plugins.optim import adamw_8bit
+from plugins.quantization import adamw_8bit, bnb_config
 from plugins.reward_model import label_rows
 from plugins.steerlm import steer_rows
 
@@ -296,7 +296,7 @@ def main(args: Args) -> dict:
         args.model,
         args.dtype,
         args.attn_implementation,
-        args.quantization,
+        bnb_config(args.quantization, args.dtype),
         checkpointing,
         args.trust_remote_code,
         path=locate_model(args.model),

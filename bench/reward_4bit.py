@@ -21,6 +21,7 @@ from common.completions import validate_rows
 from common.model import attach_lora, load_model
 from harness.hub import hub_rows, locate_model
 from plugins.builtin_math import builtin_rows
+from plugins.quantization import bnb_config
 from plugins.reward_model import load_reward, read_config, score
 
 
@@ -31,7 +32,7 @@ def grpo_policy(model: str, quantization: str | None):
         args.model,
         args.dtype,
         args.attn_implementation,
-        args.quantization,
+        bnb_config(args.quantization, args.dtype),
         args.gradient_checkpointing,
         args.trust_remote_code,
         path=locate_model(args.model),

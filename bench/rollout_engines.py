@@ -26,11 +26,14 @@ from common.completions import tokenize_dataset
 from common.model import attach_lora, load_model, sequence_logps
 from harness.hub import locate_model
 from plugins.builtin_math import builtin_rows
+from plugins.quantization import bnb_config
 
 
 def policy(args, quantization=None):
     """The trainer's side as grpo.py builds it (fp32 on CPU) with a non-zero adapter (B ~ N(0, 0.02), seeded)."""
-    model, tokenizer = load_model(args.model, quantization=quantization, path=locate_model(args.model))
+    model, tokenizer = load_model(
+        args.model, quantization_config=bnb_config(quantization, "auto"), path=locate_model(args.model)
+    )
     setup_chat_template(tokenizer, "auto")
     model = attach_lora(model, dropout=0.0)
     torch.manual_seed(0)

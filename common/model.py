@@ -13,19 +13,15 @@ import importlib.util
 import inspect
 import json
 import os
-import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
-from peft.import_utils import is_bnb_4bit_available, is_bnb_available
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-from transformers.utils.import_utils import is_bitsandbytes_available
 
-from common import HIDDEN
 from common.distributed import is_sharded, local_tensor, reshard
 from common.errors import ModelError
 
@@ -45,11 +41,6 @@ def pick_device() -> torch.device:
 
 def require(package: str, hint: str):
     """Import an optional package or fail with a one-line install hint (GPU extras are never imported eagerly)."""
-    if package in HIDDEN:  # back, without what PEFT and transformers cached of it while it was hidden
-        HIDDEN.discard(package)
-        sys.modules.pop(package, None)
-        for cached in (is_bnb_available, is_bnb_4bit_available, is_bitsandbytes_available):
-            cached.cache_clear()
     if importlib.util.find_spec(package) is None:
         raise ImportError(f"{hint} needs the optional package '{package}': pip install {package}")
     return importlib.import_module(package)
@@ -89,7 +80,7 @@ def load_model(
     name: str,
     dtype: str = "auto",
     attn_implementation: str = "auto",
-    quantization: str | None = None,
+    quantization_config=None,
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
     path: str | None = None,
@@ -98,22 +89,13 @@ def load_model(
 
     `path`: where to load from when it is not `name` itself (the folder an alias or an offline hub id resolves to,
     see harness.hub.locate_model); the model keeps `name` as its name, which saved adapters record.
-    quantization: None, "4bit" (QLoRA NF4, double quant) or "8bit", through bitsandbytes (CPU too): the quantized
-    base is frozen and prepared for k-bit training (norms in fp32)."""
+    quantization_config: any transformers quantization config (QLoRA's: plugins.quantization.bnb_config): the base is
+    quantized on load, frozen and prepared for k-bit training (norms in fp32)."""
     path = path or name
     device = pick_device()
-    torch_dtype = resolve_dtype(dtype, device)
-    kwargs = dict(dtype=torch_dtype, attn_implementation=resolve_attn(attn_implementation, device))
-    if quantization is not None:
-        require("bitsandbytes", f"--quantization {quantization}")
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=quantization == "4bit",
-            load_in_8bit=quantization == "8bit",
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch_dtype,
-        )
-        # Quantized on load, straight onto its device
+    kwargs = dict(dtype=resolve_dtype(dtype, device), attn_implementation=resolve_attn(attn_implementation, device))
+    if quantization_config is not None:  # quantized on load, straight onto its device
+        kwargs["quantization_config"] = quantization_config
         kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
@@ -127,7 +109,7 @@ def load_model(
         # cuDNN's SDPA builds an execution plan on the host for every new (shape, stride) of q/k/v/mask, paid again
         # for each length a pass or a decode step brings (docs/results.md). Flash and memory-efficient attention don't.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    if quantization is None:
+    if quantization_config is None:
         model.to(device)
     else:
         # Checkpointing is switched on below, as without quantization (PEFT's would use a deprecated alias).

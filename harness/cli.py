@@ -28,6 +28,7 @@ from common.errors import ArgsError, DataError, ModelError, RewardError, RunStop
 from common.model import pick_device, require, resolve_dtype
 from harness.checkpoints import all_finite
 from plugins.embedded import MODEL_ALIASES
+from plugins.quantization import import_bitsandbytes
 
 _DEFERRED_CTRL_C = False  # a Ctrl-C a run answered by finishing its final/ (StopOnCtrlC.finishing): exit 130
 PROJECT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # a warning raised under it is ours
@@ -298,7 +299,7 @@ def check_model_flags(args) -> None:
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     if args.optim == "adamw_8bit":  # a missing bitsandbytes fails in seconds, not after the model loaded
-        require("bitsandbytes", "--optim adamw_8bit")
+        import_bitsandbytes("--optim adamw_8bit")
     if args.report_to == "wandb":  # the same: a missing wandb fails before the model loads, not at the first log
         require("wandb", "--report-to wandb")
         if wandb_credentials() is None:  # wandb.init() would stop (or prompt) only after the model loaded

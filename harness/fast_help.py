@@ -12,10 +12,11 @@ import types
 
 import tyro
 
-import common
-
 # Project modules an Args may import from that import nothing heavy (only typing and tyro).
 LIGHT = ("harness.flags",)
+# What import_peft_quietly hid (bitsandbytes), for plugins.quantization.import_bitsandbytes to bring back; a package
+# blocked otherwise (None in sys.modules, as a test does) stays missing.
+HIDDEN = set()
 
 
 def help_before_imports(module_name: str, path: str, description: str | None) -> None:
@@ -30,9 +31,9 @@ def import_peft_quietly() -> None:
     """PEFT imports bitsandbytes whenever it is installed (at import, and again for every LoRA it creates), and
     bitsandbytes on a CPU with AVX-512 BF16 then asks the hub for a kernel and logs a line on stderr, in every run.
     Hides bitsandbytes for the run (None in sys.modules: importing it fails and looking for it finds nothing, so PEFT
-    and transformers go on without it; common.HIDDEN says we did) and imports PEFT. common.model.require,
-    called where 4-bit, 8-bit or 8-bit AdamW asks for bitsandbytes, brings it back; each line it logs then says why
-    it was loaded."""
+    and transformers go on without it; HIDDEN says we did) and imports PEFT. plugins.quantization.import_bitsandbytes,
+    called where 4-bit, 8-bit or 8-bit AdamW asks for bitsandbytes, brings it back; each line it logs then says why it
+    was loaded."""
     if "peft" in sys.modules or "bitsandbytes" in sys.modules:
         return
     said = logging.StreamHandler()
@@ -40,7 +41,7 @@ def import_peft_quietly() -> None:
     logging.getLogger("bitsandbytes").addHandler(said)
     logging.getLogger("bitsandbytes").propagate = False
     sys.modules["bitsandbytes"] = None
-    common.HIDDEN.add("bitsandbytes")
+    HIDDEN.add("bitsandbytes")
     import peft  # noqa: F401
 
 

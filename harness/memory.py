@@ -173,9 +173,9 @@ def trained_tensors(c: dict, lora_r: int | None) -> list[tuple[int, int, bool]]:
 
 def adamw_state_bytes(tensors: list[tuple[int, int, bool]], optim: str, b: int) -> int:
     """AdamW's two moments of each trained tensor (trained_tensors). adamw_torch: in the parameter's dtype, `b` bytes
-    each (torch.optim.AdamW: zeros_like the parameter). adamw_8bit (plugins.optim.adamw_8bit): a uint8 code per element
-    and an fp32 absmax per 256 elements for each moment; a tensor under MIN_8BIT elements and an nn.Embedding weight
-    keep two fp32 moments, whatever the weights' dtype."""
+    each (torch.optim.AdamW: zeros_like the parameter). adamw_8bit (plugins.quantization.adamw_8bit): a uint8 code per
+    element and an fp32 absmax per 256 elements for each moment; a tensor under MIN_8BIT elements and an nn.Embedding
+    weight keep two fp32 moments, whatever the weights' dtype."""
     total = 0
     for n, count, embedding in tensors:
         if optim == "adamw_8bit" and not embedding and n >= MIN_8BIT:

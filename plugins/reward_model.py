@@ -35,6 +35,7 @@ from harness.checkpoints import adapter_hash, all_finite
 from harness.cli import check_adapter_weights
 from harness.memory import lora_params, model_config, weight_bytes
 from plugins.embedded import resolve_model
+from plugins.quantization import bnb_config
 
 HEAD_FILE = "reward_head.safetensors"
 CONFIG_FILE = "reward_config.json"
@@ -173,9 +174,8 @@ def load_reward(path: str, model=None, tokenizer=None, dtype: str = "auto") -> R
         with warnings.catch_warnings():  # PEFT reads a deprecated transformers attribute (see attach_lora)
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             base_name = config["base_model"]  # loaded as trained: its own base, quantized the same way
-            base = load_model(
-                base_name, dtype, quantization=config.get("quantization"), path=resolve_model(base_name)
-            )[0]
+            qconfig = bnb_config(config.get("quantization"), dtype)
+            base = load_model(base_name, dtype, quantization_config=qconfig, path=resolve_model(base_name))[0]
             rm_model = PeftModel.from_pretrained(base, path, adapter_name=REWARD)
         gb = sum(p.numel() * p.element_size() for p in rm_model.parameters()) / 2**30
         if model is not None:  # the cost a shared backbone would have saved

@@ -276,7 +276,8 @@ def test_a_plain_run_never_loads_bitsandbytes_and_4bit_still_does(tiny_model_dir
         f"sft.main(sft.Args(model={tiny_model_dir!r}, preset='demo', max_steps=1, output_dir={str(tmp_path)!r}))\n"
         "print('LOADED', [m for m, v in sys.modules.items() if 'bitsand' in m and v])\n"
         "from common.model import attach_lora, load_model\n"
-        f"model = attach_lora(load_model({tiny_model_dir!r}, quantization='4bit')[0])\n"
+        "from plugins.quantization import bnb_config\n"
+        f"model = attach_lora(load_model({tiny_model_dir!r}, quantization_config=bnb_config('4bit', 'auto'))[0])\n"
         "print('LORA', sorted({type(m).__module__ for m in model.modules() if hasattr(m, 'lora_A')}))\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")

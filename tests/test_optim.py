@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import sft
 from common.errors import ResumeError
-from plugins.optim import adamw_8bit
+from plugins.quantization import adamw_8bit
 from harness.memory import MIN_8BIT
 from tests.conftest import ROOT
 from tests.prefs_helpers import preference_rows, write_jsonl

@@ -22,6 +22,7 @@ import raft
 import sft
 from common.data import setup_chat_template
 from common.model import REF, REWARD, attach_lora, load_model, snapshot_ref, trainable_parameters
+from plugins.quantization import bnb_config
 from plugins.reward_model import load_reward, score
 from tests.prefs_helpers import binary_rows, make_sft_adapter, preference_rows, slot_state, write_jsonl
 
@@ -67,7 +68,7 @@ def assert_qlora_step(seen, history, with_ref):
 
 @pytest.mark.parametrize("quantization, layer", [("4bit", "Linear4bit"), ("8bit", "Linear8bitLt")])
 def test_load_a_quantized_base_on_cpu(tiny_model_dir, quantization, layer):
-    model, _ = load_model(tiny_model_dir, quantization=quantization)
+    model, _ = load_model(tiny_model_dir, quantization_config=bnb_config(quantization, "auto"))
     linear = model.model.layers[0].mlp.up_proj
     assert type(linear).__name__ == layer and linear.weight.device.type == "cpu"
     assert linear.weight.dtype == (torch.uint8 if quantization == "4bit" else torch.int8)
@@ -207,7 +208,9 @@ def reward_model(tiny_model_dir, tmp_path_factory):
 def policy(model_dir, quantization):
     """The policy grpo.main builds (its Args' LoRA defaults, "ref" snapshotted) on an fp32 or quantized base."""
     args = grpo.Args(model=model_dir, dtype="fp32", quantization=quantization)
-    model, tokenizer = load_model(args.model, args.dtype, quantization=args.quantization)
+    model, tokenizer = load_model(
+        args.model, args.dtype, quantization_config=bnb_config(args.quantization, args.dtype)
+    )
     setup_chat_template(tokenizer, args.template)
     model = attach_lora(model, args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
     snapshot_ref(model)
