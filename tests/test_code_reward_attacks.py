@@ -320,18 +320,23 @@ def test_bwrap_outside_the_runs_path_is_the_one_every_run_uses(tmp_path, bwrap_c
     assert f"code sandbox: bwrap ({tmp_path / 'bin' / 'bwrap'})" in result.stderr
 
 
-def test_a_sandbox_failing_its_self_check_stops_the_run_in_one_line(tmp_path, monkeypatch, bwrap_chosen_afresh):
-    """At first use a known-good and a known-bad solution run through the chosen sandbox: unless they score 1 and 0
-    the run stops with one line naming the sandbox and its stderr. Here a `bwrap` that passes the probe (it exits 0)
-    and runs nothing."""
+def refusal_with_fake_bwrap(tmp_path, monkeypatch, script: str) -> tuple:
+    """(the fake, the RewardError's message) of a code reward scored with `script` as the `bwrap` on PATH."""
     fake = tmp_path / "bin" / "bwrap"
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\necho 'fake-bwrap: runs nothing' >&2\n")
+    fake.write_text(script)
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     with pytest.raises(RewardError) as caught:
         code_reward(None, ["def f(x):\n    return x + 1"], test_cases=[["assert f(1) == 2"]])
-    message = str(caught.value)
+    return fake, str(caught.value)
+
+
+def test_a_sandbox_failing_its_self_check_stops_the_run_in_one_line(tmp_path, monkeypatch, bwrap_chosen_afresh):
+    """At first use a known-good and a known-bad solution run through the chosen sandbox: unless they score 1 and 0
+    the run stops with one line naming the sandbox and its stderr. Here a `bwrap` that passes the probe (it exits 0)
+    and runs nothing."""
+    fake, message = refusal_with_fake_bwrap(tmp_path, monkeypatch, "#!/bin/sh\necho 'fake-bwrap: runs nothing' >&2\n")
     assert message.startswith(f"reward 'code': the code sandbox bwrap ({fake}) failed its self-check: "), message
     assert "fake-bwrap: runs nothing" in message and "\n" not in message
 
@@ -341,18 +346,12 @@ def test_a_bwrap_without_namespaces_fails_the_isolation_check(tmp_path, monkeypa
     holding solution.py) passed the self-check, which tested function: good and bad solutions scored 1 and 0, and a
     solution then read a host file. The self-check runs a known escape now, a world-readable host file and a TCP
     listener of the trainer's: the run stops in one line naming bwrap and what the escape reached."""
-    fake = tmp_path / "bin" / "bwrap"
-    fake.parent.mkdir()
-    fake.write_text(
+    script = (
         f"#!{sys.executable}\nimport os, sys\nargs = sys.argv[1:]\n"
         "os.chdir(os.path.dirname(args[args.index('/tmp/solution.py') - 1]))\n"
         f"start = args.index({code._PYTHON!r})\nos.execv(args[start], args[start:])\n"
     )
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    with pytest.raises(RewardError) as caught:
-        code_reward(None, ["def f(x):\n    return x + 1"], test_cases=[["assert f(1) == 2"]])
-    message = str(caught.value)
+    fake, message = refusal_with_fake_bwrap(tmp_path, monkeypatch, script)
     assert message.startswith(f"reward 'code': the code sandbox bwrap ({fake}) failed its isolation check: "), message
     assert "read the host file" in message and "connected to the trainer's listener" in message, message
     assert "\n" not in message

@@ -135,15 +135,15 @@ def test_a_reward_that_is_no_number_is_an_error_naming_the_function(bad):
     assert compute_rewards(numbers, ["p"] * 3, ["a", "b", "c"], {})[0].tolist() == [1.0, 1.0, 0.5]
 
 
-def test_grpo_stops_on_a_nan_reward_from_a_custom_function(tiny_model_dir, tmp_path, monkeypatch):
-    code = "def score(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
-    (tmp_path / "nan_reward.py").write_text(code)
+def grpo_with_reward_module(tiny_model_dir, tmp_path, monkeypatch, module: str, code: str, rewards: list[str]):
+    """A 2-step demo grpo run's Args whose rewards include `module` (written from `code`, importable as module:fn)."""
+    (tmp_path / f"{module}.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
-    args = grpo.Args(
+    return grpo.Args(
         model=tiny_model_dir,
         dataset=data_for("grpo", tmp_path),
         output_dir=str(tmp_path / "runs"),
-        rewards=["nan_reward:score"],
+        rewards=rewards,
         preset="demo",
         eval_steps=0,
         max_steps=2,
@@ -151,6 +151,11 @@ def test_grpo_stops_on_a_nan_reward_from_a_custom_function(tiny_model_dir, tmp_p
         group_size=2,
         max_completion_length=4,
     )
+
+
+def test_grpo_stops_on_a_nan_reward_from_a_custom_function(tiny_model_dir, tmp_path, monkeypatch):
+    code = "def score(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
+    args = grpo_with_reward_module(tiny_model_dir, tmp_path, monkeypatch, "nan_reward", code, ["nan_reward:score"])
     with pytest.raises(RewardError, match="^reward 'score' returned nan for completion 0 of 4"):
         grpo.main(args)
 
@@ -239,20 +244,8 @@ def test_rewards_whose_group_statistics_overflow_are_refused_naming_the_function
     advantages, std = grpo.group_advantages(torch.tensor([3e38, -3e38]), 2)  # what it gave: no signal, no word
     assert advantages.tolist() == [0.0, 0.0] and std.isinf().all()
     code = "def wide(prompts, completions, **kw):\n    return [3e38 * (-1) ** i for i in range(len(completions))]\n"
-    (tmp_path / "wide_reward.py").write_text(code)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    args = grpo.Args(
-        model=tiny_model_dir,
-        dataset=data_for("grpo", tmp_path),
-        output_dir=str(tmp_path / "runs"),
-        rewards=["format", "wide_reward:wide"],
-        preset="demo",
-        eval_steps=0,
-        max_steps=2,
-        prompts_per_step=2,
-        group_size=2,
-        max_completion_length=4,
-    )
+    rewards = ["format", "wide_reward:wide"]
+    args = grpo_with_reward_module(tiny_model_dir, tmp_path, monkeypatch, "wide_reward", code, rewards)
     with pytest.raises(RewardError, match=r"^reward 'wide': rewards -3e\+38 .. 3e\+38 overflow float32 in a group's"):
         grpo.main(args)
 
