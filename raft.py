@@ -49,7 +49,8 @@ from common.distributed import all_gather, all_sum, any_rank, average_gradients,
 from common.distributed import gathered, init_distributed, is_sharded, rank_and_world
 from common.distributed import keyed_stream, shard_model
 from common.completions import rank_micro_batches
-from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError, RunStopped
+from common.errors import ArgsError, DataError
+from harness.errors import CorruptCheckpointError, ResumeError, RunStopped
 from common.model import attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
 from common.model import sequence_logps, trainable_parameters

@@ -39,7 +39,7 @@ from peft import set_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from common.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
+from harness.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
 from common.errors import ArgsError, DataError, UserError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file

@@ -24,7 +24,8 @@ from transformers.utils import logging as hf_logging
 
 from common.data import MAX_SHOWN, bad_field
 from common.distributed import any_rank, rank_and_world
-from common.errors import ArgsError, DataError, ModelError, RewardError, RunStopped, UserError
+from common.errors import ArgsError, DataError, ModelError, RewardError, UserError
+from harness.errors import RunStopped
 from common.model import pick_device, require, resolve_dtype
 from harness.checkpoints import all_finite
 from plugins.embedded import MODEL_ALIASES

@@ -14,7 +14,8 @@ import urllib.request
 from huggingface_hub import constants, snapshot_download, try_to_load_from_cache
 
 from common.data import looks_local
-from common.errors import DataError, HubUnavailable, ModelError
+from common.errors import DataError, ModelError
+from harness.errors import HubUnavailable
 from plugins.embedded import ALIAS_CONFIGS, SHIPPED, resolve_model
 
 PROBE_TIMEOUT_S = 3.0  # one HEAD request; a firewall that drops packets costs this long, a DNS failure nothing

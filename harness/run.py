@@ -18,7 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm.auto import tqdm
 
 from common.distributed import rank_and_world
-from common.errors import OutputDirError
+from harness.errors import OutputDirError
 from common.model import require
 from harness.checkpoints import COMPLETE, broadcast
 

@@ -16,7 +16,8 @@ import harness.checkpoints
 import kto
 import raft
 import sft
-from common.errors import ArgsError, ModelError, OutputDirError, RewardError
+from common.errors import ArgsError, ModelError, RewardError
+from harness.errors import OutputDirError
 from common.rewards import compute_rewards
 from harness.checkpoints import write_marker
 from harness.cli import wandb_credentials

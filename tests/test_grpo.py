@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import grpo
-from common.errors import RunStopped
+from harness.errors import RunStopped
 from grpo import Args, aggregate_loss, grpo_per_token_loss, main
 from tests.tiny import write_learnable
 from tests import cli

@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from common.errors import ArgsError, NonFiniteWeightsError, RunStopped
+from common.errors import ArgsError
+from harness.errors import NonFiniteWeightsError, RunStopped
 from tests.prefs_helpers import preference_rows, write_jsonl
 from tests import cli
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 import harness.hub
-from common.errors import HubUnavailable
+from harness.errors import HubUnavailable
 from harness.hub import check_hub, locate_model
 from tests.conftest import ROOT
 

@@ -13,7 +13,8 @@ import pytest
 import grpo
 import sft
 from common.data import load_rows, looks_local
-from common.errors import DataError, ModelError, OutputDirError
+from common.errors import DataError, ModelError
+from harness.errors import OutputDirError
 from common.model import attach_lora, load_model
 from common.rewards import load_reward_funcs
 from harness.cli import check_reward_fields

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from common.errors import CorruptCheckpointError
+from harness.errors import CorruptCheckpointError
 from common.model import (
     DEFAULT,
     REF,

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import grpo
-from common.errors import ArgsError, ModelError, RewardError, RunStopped
+from common.errors import ArgsError, ModelError, RewardError
+from harness.errors import RunStopped
 from common.model import attach_lora, load_model
 from common.rewards import compute_rewards, load_reward_funcs
 from plugins.reward_model import model_reward

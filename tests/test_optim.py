@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import sft
-from common.errors import ResumeError
+from harness.errors import ResumeError
 from plugins.quantization import adamw_8bit
 from harness.memory import MIN_8BIT
 from tests.conftest import ROOT

@@ -17,7 +17,7 @@ import torch
 import raft
 from common.data import load_rows
 from common.completions import validate_rows
-from common.errors import CorruptCheckpointError, ResumeError, RunStopped
+from harness.errors import CorruptCheckpointError, ResumeError, RunStopped
 from harness.checkpoints import write_marker
 from safetensors.torch import load_file, save_file
 from raft import Args, last_good_round, main, make_pairs, select_best, spin_pairs

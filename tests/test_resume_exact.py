@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 
-from common.errors import RunStopped
+from harness.errors import RunStopped
 from harness.checkpoints import marker_sha256
 from tests.prefs_helpers import preference_rows, write_jsonl
 

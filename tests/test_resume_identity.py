@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 import dpo
 import sft
 import harness.checkpoints
-from common.errors import ArgsError, CorruptCheckpointError, DataError, ResumeError
+from common.errors import ArgsError, DataError
+from harness.errors import CorruptCheckpointError, ResumeError
 from harness.checkpoints import _file_hashes, data_sha256, marker_sha256, rank_view, run_identity
 from tests.prefs_helpers import preference_rows, write_jsonl
 from tests.tiny import write_tiny

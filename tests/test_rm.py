@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import grpo
 from common.data import setup_chat_template
-from common.errors import CorruptCheckpointError, DataError, ResumeError
+from common.errors import DataError
+from harness.errors import CorruptCheckpointError, ResumeError
 from common.model import REWARD, attach_lora, load_model, snapshot_ref, trainable_parameters
 from plugins.reward_model import CONFIG_FILE, HEAD_FILE, label_rows, load_reward, model_reward, reward_logits, score
 from rm import Args, bradley_terry_loss, main, regression_loss

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import harness.checkpoints
 import raft
 import sft
-from common.errors import OutputDirError
+from harness.errors import OutputDirError
 from harness.checkpoints import _read_verified_meta, write_marker
 from harness.cli import one_line_errors
 from harness.run import Logger
