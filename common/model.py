@@ -8,7 +8,6 @@ logits never exist. Every formula is stated in its docstring and checked against
 
 import contextlib
 import copy
-import importlib
 import importlib.util
 import inspect
 import json
@@ -39,13 +38,6 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def require(package: str, hint: str):
-    """Import an optional package or fail with a one-line install hint (GPU extras are never imported eagerly)."""
-    if importlib.util.find_spec(package) is None:
-        raise ImportError(f"{hint} needs the optional package '{package}': pip install {package}")
-    return importlib.import_module(package)
-
-
 def cache_kwarg(lm) -> str:
     """The name under which lm's forward (and generate) takes a KV cache: `cache`, or `past_key_values`."""
     return "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
@@ -68,8 +60,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def resolve_attn(attn_implementation: str, device: torch.device) -> str:
     """'auto' = flash_attention_2 when flash-attn is installed and we are on CUDA, else PyTorch SDPA."""
-    if attn_implementation == "flash_attention_2":
-        require("flash_attn", "--attn-implementation flash_attention_2")
     if attn_implementation != "auto":
         return attn_implementation
     flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
@@ -131,13 +121,6 @@ def load_model(
     return model, tokenizer
 
 
-def same_base(a: str, b: str) -> bool:
-    """Do two model names (hub ids or local paths) name the same model?"""
-    if a == b:
-        return True
-    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
-
-
 # ------------------------------------------------------------------------------------------------- LoRA slots
 def attach_lora(
     model,
@@ -148,7 +131,8 @@ def attach_lora(
     target_modules: str | list[str] = "all-linear",
 ):
     """Wrap the model in PEFT with a trainable "default" adapter, loaded from `adapter` (e.g. an SFT run's final/)
-    or new (r, alpha, dropout on all linear layers)."""
+    or new (r, alpha, dropout on all linear layers). An adapter of another base with the same shapes loads without a
+    word (harness.cli.check_adapter names the two models before the base loads)."""
     with warnings.catch_warnings():
         # PEFT reads transformers' deprecated model.is_gradient_checkpointing on every wrap; nothing we call can
         # avoid it, so only that one warning is hidden, here.
@@ -162,7 +146,7 @@ def attach_lora(
             trained_on = json.load(f).get("base_model_name_or_path")
         name = model.config._name_or_path
         try:
-            peft_model = PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
+            return PeftModel.from_pretrained(model, adapter, adapter_name=DEFAULT, is_trainable=True)
         except RuntimeError as e:  # PEFT lists every mismatched tensor, one line each: name the models instead
             if "size mismatch" not in str(e):
                 raise
@@ -171,9 +155,6 @@ def attach_lora(
                 f"--adapter {adapter} was trained on {trained_on!r}, whose shapes differ from the base "
                 f"--model {name!r} ({str(e).count('size mismatch')} tensors, e.g. {first[:200]})"
             ) from None
-    if trained_on and name and not same_base(trained_on, name):  # same shapes: PEFT loads it without a word
-        print(f"note: --adapter {adapter} was trained on {trained_on!r}, not on --model {name!r} (same shapes)")
-    return peft_model
 
 
 def is_peft(model) -> bool:

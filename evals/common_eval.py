@@ -25,6 +25,7 @@ from common.model import attach_lora, load_model
 from common.rewards import extract_answer, math_reward
 from common.rollout import hf_generate
 from harness.checkpoints import load_weights, resolve_checkpoint
+from harness.cli import note_other_base
 from harness.hub import check_dataset, hub_rows, locate_model
 from plugins.builtin_math import MATH_INSTRUCTION, builtin_rows, question_row
 from plugins.steerlm import parse_attributes, steer_prompt
@@ -55,10 +56,13 @@ def load_eval_model(
     training scripts run, so the prompt tokens match what the policy was trained on."""
     if adapter and checkpoint:
         raise ArgsError("give --adapter or --checkpoint, not both")
+    weights = checkpoint_weights(checkpoint) if checkpoint else adapter
+    lora = weights and os.path.isfile(os.path.join(weights, "adapter_config.json"))
+    if lora:
+        note_other_base(weights, model)
     policy, tokenizer = load_model(model, dtype, attn_implementation, path=locate_model(model))
     setup_chat_template(tokenizer, template)
-    weights = checkpoint_weights(checkpoint) if checkpoint else adapter
-    if weights and os.path.isfile(os.path.join(weights, "adapter_config.json")):
+    if lora:
         policy = attach_lora(policy, weights)  # PEFT loads the "default" adapter; a saved "ref" slot is ignored
     elif weights:
         load_weights(policy, weights)  # full fine-tuning: the whole state dict replaces the base weights

@@ -36,7 +36,7 @@ import torch
 import tyro
 
 from common.distributed import close_distributed, init_distributed
-from common.model import require
+from harness.fast_help import require
 from common.errors import ArgsError
 from evals.common_eval import dataset_tag, evaluate_gsm8k, gsm8k_rows, load_eval_model, model_label, write_results
 from harness.checkpoints import broadcast

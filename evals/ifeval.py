@@ -37,7 +37,7 @@ import tyro
 from common.data import load_rows, tokenize_prompt
 from common.distributed import close_distributed, init_distributed
 from common.errors import DataError
-from common.model import require
+from harness.fast_help import require
 from harness.checkpoints import broadcast
 from harness.cli import one_line_errors
 from harness.run import log_scores

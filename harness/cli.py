@@ -26,8 +26,9 @@ from common.data import MAX_SHOWN, bad_field
 from common.distributed import any_rank, rank_and_world
 from common.errors import ArgsError, DataError, ModelError, RewardError, UserError
 from harness.errors import RunStopped
-from common.model import pick_device, require, resolve_dtype
+from common.model import pick_device, resolve_dtype
 from harness.checkpoints import all_finite
+from harness.fast_help import require
 from plugins.embedded import MODEL_ALIASES
 from plugins.quantization import import_bitsandbytes
 
@@ -193,6 +194,16 @@ def positive(args, *names: str) -> None:
             raise ArgsError(f"{flag_name(name)} {value}: must be a finite number > 0")
 
 
+def check_sampling(top_p: float, top_k: int) -> None:
+    """Refuse what the two engines would read differently: top_p = 0 (HF: silently greedy; vLLM: an error), top_k < 0
+    (vLLM: -1 = off; HF: an error), NaN; the message names the flag (the scripts' check_args and plugins.vllm_engine
+    call it)."""
+    if not 0 < top_p <= 1:
+        raise ArgsError(f"--top-p {top_p}: must be in (0, 1] (1 = off)")
+    if not top_k >= 0:
+        raise ArgsError(f"--top-k {top_k}: must be >= 0 (0 = off)")
+
+
 def check_lora(r: int, alpha: float, dropout: float) -> None:
     """Refuse LoRA settings that cannot train, naming the flag, before any weights load: PEFT scales the adapter's
     output by alpha / r, so alpha 0 trains an adapter that never changes the model (and a negative one flips its
@@ -235,9 +246,26 @@ def read_adapter_config(path: str, what: str) -> dict:
     return config
 
 
-def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
-    """Before the base loads: `adapter` is a PEFT adapter folder with finite weights. It trains with its own r,
-    alpha and dropout (PEFT reads them from its adapter_config.json): --lora-* flags that differ are named."""
+def same_base(a: str, b: str) -> bool:
+    """Do two model names (hub ids or local paths) name the same model?"""
+    if a == b:
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def note_other_base(adapter: str, model: str) -> None:
+    """One note when `adapter` was trained on a base other than `model` (the --model name): PEFT loads an adapter onto
+    any base of the same shapes without a word (other shapes: common.model.attach_lora's one-line error)."""
+    config = read_adapter_config(os.path.join(adapter, "adapter_config.json"), "--adapter")
+    trained_on = config.get("base_model_name_or_path")
+    if trained_on and model and not same_base(trained_on, model):
+        print(f"note: --adapter {adapter} was trained on {trained_on!r}, not on --model {model!r}")
+
+
+def check_adapter(adapter: str, r: int, alpha: float, dropout: float, model: str) -> None:
+    """Before the base loads: `adapter` is a PEFT adapter folder with finite weights, trained on `model`'s base
+    (else note_other_base says so). It trains with its own r, alpha and dropout (PEFT reads them from its
+    adapter_config.json): --lora-* flags that differ are named."""
     config_file = os.path.join(adapter, "adapter_config.json")
     if not os.path.isfile(config_file):
         raise ModelError(f"--adapter {adapter}: no adapter_config.json there (expected a PEFT adapter dir)")
@@ -248,6 +276,7 @@ def check_adapter(adapter: str, r: int, alpha: float, dropout: float) -> None:
     if unused:
         own = ", ".join(f"{key} {config[key]}" for key, _ in flags.values())
         print(f"note: --adapter {adapter} trains with its own {own}: {', '.join(unused)} not applied")
+    note_other_base(adapter, model)
 
 
 MAX_TORCH_THREADS = 1024  # --torch-threads above it: torch tries to start them all (100,000 ends in a segfault)
@@ -281,8 +310,9 @@ def wandb_credentials() -> str | None:
 def check_model_flags(args) -> None:
     """The model flags every script has, before any weights load: --torch-threads in 1..MAX_TORCH_THREADS, the LoRA
     settings (check_lora), an --adapter's files (check_adapter), what --no-use-lora cannot take (a quantized base
-    takes no gradient; an --adapter would be dropped without a word: merge it first), bitsandbytes for --optim
-    adamw_8bit and wandb and its credentials for --report-to wandb."""
+    takes no gradient; an --adapter would be dropped without a word: merge it first), flash-attn for
+    --attn-implementation flash_attention_2, bitsandbytes for --optim adamw_8bit and wandb and its credentials for
+    --report-to wandb."""
     threads = args.torch_threads
     if threads is not None and not (isinstance(threads, int) and 1 <= threads <= MAX_TORCH_THREADS):
         raise ArgsError(f"--torch-threads {threads}: must be 1..{MAX_TORCH_THREADS} (or unset: torch's default)")
@@ -298,7 +328,9 @@ def check_model_flags(args) -> None:
             f"{args.adapter} --out <dir>) and pass that folder as --model"
         )
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
-        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout)
+        check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout, args.model)
+    if getattr(args, "attn_implementation", None) == "flash_attention_2":  # the same for flash-attn
+        require("flash_attn", "--attn-implementation flash_attention_2")
     if args.optim == "adamw_8bit":  # a missing bitsandbytes fails in seconds, not after the model loaded
         import_bitsandbytes("--optim adamw_8bit")
     if args.report_to == "wandb":  # the same: a missing wandb fails before the model loads, not at the first log

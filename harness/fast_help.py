@@ -2,9 +2,11 @@
 installed) take seconds of CPU to import, and --help needs none of them. A script calls help_before_imports() above
 its third-party imports; it prints the same text tyro would print from the script's own Args and exits, or returns.
 Imports only the standard library and tyro before that choice; when it returns, it imports PEFT with bitsandbytes
-hidden (`import_peft_quietly`)."""
+hidden (`import_peft_quietly`). Optional packages are imported through `require`, which fails with an install hint."""
 
 import ast
+import importlib
+import importlib.util
 import logging
 import pathlib
 import sys
@@ -17,6 +19,13 @@ LIGHT = ("harness.flags",)
 # What import_peft_quietly hid (bitsandbytes), for plugins.quantization.import_bitsandbytes to bring back; a package
 # blocked otherwise (None in sys.modules, as a test does) stays missing.
 HIDDEN = set()
+
+
+def require(package: str, hint: str):
+    """Import an optional package or fail with a one-line install hint naming `hint` (the flag that asks for it)."""
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(f"{hint} needs the optional package '{package}': pip install {package}")
+    return importlib.import_module(package)
 
 
 def help_before_imports(module_name: str, path: str, description: str | None) -> None:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from common.distributed import rank_and_world
 from harness.errors import OutputDirError
-from common.model import require
+from harness.fast_help import require
 from harness.checkpoints import COMPLETE, broadcast
 
 

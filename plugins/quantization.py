@@ -10,8 +10,8 @@ from peft.import_utils import is_bnb_4bit_available, is_bnb_available
 from transformers import BitsAndBytesConfig
 from transformers.utils.import_utils import is_bitsandbytes_available
 
-from common.model import pick_device, require, resolve_dtype
-from harness.fast_help import HIDDEN
+from common.model import pick_device, resolve_dtype
+from harness.fast_help import HIDDEN, require
 
 
 def import_bitsandbytes(hint: str):

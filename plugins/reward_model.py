@@ -29,10 +29,10 @@ from common.completions import collate_sft, tokenize_sft
 from common.errors import ArgsError, DataError, ModelError
 from common.distributed import reshard
 from common.model import REWARD, as_reference, decoder_hidden, is_peft, load_model, pick_device, resolve_dtype
-from common.model import same_base, unwrap
+from common.model import unwrap
 from common.rewards import split_weight
 from harness.checkpoints import adapter_hash, all_finite
-from harness.cli import check_adapter_weights
+from harness.cli import check_adapter_weights, same_base
 from harness.memory import lora_params, model_config, weight_bytes
 from plugins.embedded import resolve_model
 from plugins.quantization import bnb_config

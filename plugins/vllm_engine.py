@@ -12,8 +12,10 @@ import weakref
 
 import torch
 
-from common.model import DEFAULT, require, sequence_logps
-from common.rollout import _result, check_sampling, eos_ids
+from common.model import DEFAULT, sequence_logps
+from common.rollout import _result, eos_ids
+from harness.cli import check_sampling
+from harness.fast_help import require
 from plugins.embedded import resolve_model
 
 

@@ -32,7 +32,7 @@ from common.data import setup_chat_template
 from common.errors import ArgsError, ModelError
 from common.model import attach_lora, load_model
 from harness.checkpoints import stop_at_end_of_turn, whole_dir, writing
-from harness.cli import check_adapter_weights, one_line_errors, read_adapter_config
+from harness.cli import check_adapter_weights, note_other_base, one_line_errors, read_adapter_config
 from harness.hub import locate_model
 from scripts.gguf_export import check_exportable, check_gguf, pre_tokenizer_name, rounding_tolerance, write_gguf
 
@@ -99,6 +99,7 @@ def merge(adapter: str, model: str | None = None, dtype: str = "fp32"):
     check_adapter_weights(adapter, "--adapter")  # a NaN or a truncated file named before anything loads
     if not base:
         raise ArgsError(f"{config_path} names no base model: give --model")
+    note_other_base(adapter, base)
     policy, tokenizer = load_model(base, dtype, path=locate_model(base))
     tokenizer = run_tokenizer(adapter, tokenizer)
     policy = attach_lora(policy, adapter).eval()  # PEFT loads the "default" adapter; a saved "ref" is ignored

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from harness.errors import CorruptCheckpointError
+from harness.fast_help import require
 from common.model import (
     DEFAULT,
     REF,
@@ -18,7 +19,6 @@ from common.model import (
     cache_kwarg,
     is_checkpointing,
     load_model,
-    require,
     snapshot_ref,
     trainable_parameters,
     unwrap,
@@ -233,15 +233,19 @@ def test_disable_dropout_also_zeroes_the_attention_dropout_of_config_json():
 
 
 def test_an_adapter_of_another_base_with_the_same_shapes_is_named(tiny_model_dir, tmp_path, capsys):
-    """PEFT loads an adapter onto any base of the same shapes without a word: the two models are named."""
+    """PEFT loads an adapter onto any base of the same shapes without a word: the flag check (harness.cli's
+    check_adapter, before the base loads) names the two models."""
+    from harness.cli import check_adapter
     from tests.tiny import write_tiny
 
     lora_model(tiny_model_dir)[0].save_pretrained(str(tmp_path / "sft"))
+    check_adapter(str(tmp_path / "sft"), 4, 8, 0.1, tiny_model_dir)
     attach_lora(load_model(tiny_model_dir)[0], adapter=str(tmp_path / "sft"))
     assert "note:" not in capsys.readouterr().out  # its own base: nothing to say
     other = write_tiny(tmp_path / "other", seed=1)
-    attach_lora(load_model(other)[0], adapter=str(tmp_path / "sft"))
-    assert f"was trained on {tiny_model_dir!r}, not on --model {other!r} (same shapes)" in capsys.readouterr().out
+    check_adapter(str(tmp_path / "sft"), 4, 8, 0.1, other)
+    attach_lora(load_model(other)[0], adapter=str(tmp_path / "sft"))  # loads: the same shapes
+    assert f"was trained on {tiny_model_dir!r}, not on --model {other!r}" in capsys.readouterr().out
 
 
 def test_missing_optional_package_gives_install_hint():

@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source (docs/layout.md): the core never sees a script's Args and imports nothing
 outside itself; no shared module names a script or a field only one script has; no import cycle anywhere; every
-error type in common/errors.py (the core's) or harness/errors.py (the harness's); no import-time side effects; each script's loop shows its update; and the code a
-forker must read stays small (a script's static import closure without the optional harness and plug-ins)."""
+error type in common/errors.py (the core's) or harness/errors.py (the harness's); no import-time side effects; each
+script's loop shows its update; and the code a forker must read stays small (a script's static import closure without
+the optional harness and plug-ins)."""
 
 import ast
 import dataclasses
