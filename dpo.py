@@ -453,16 +453,7 @@ def main(args: Args) -> dict:
     )
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "rewards/accuracies")
-    logger = Logger(
-        run_dir,
-        dataclasses.asdict(args),
-        total_steps,
-        show,
-        start_step,
-        args.logging_steps,
-        args.report_to,
-        args.resume_from_checkpoint,
-    )
+    logger = Logger(run_dir, args, total_steps, show, start_step)
     if use_ref and args.precompute_ref_log_probs:  # after a resume: "ref" restored (hash-checked), or the start's copy
         drawn = examples  # the rows the run's steps draw: all of them once it reaches an epoch's end
         if total_steps * ga * world < batches_per_epoch:  # every rank scores them all (the same forwards on each)

@@ -259,20 +259,14 @@ def grouped_completion_logps(
         rows = [p for p in prompt_ids for _ in range(group_size)]
         seqs = concat_prompt_completion(rows, completion_ids, pad_id)
         seqs = {k: v.to(device, non_blocking=True) for k, v in seqs.items()}
+        ids, mask, scored = seqs["input_ids"], seqs["attention_mask"], seqs["completion_mask"]
         out = sequence_logps(
-            model,
-            seqs["input_ids"],
-            seqs["attention_mask"],
-            seqs["completion_mask"],
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_entropy=return_entropy,
+            model, ids, mask, scored, temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy
         )
         out = out if return_entropy else (out,)
-        scored = seqs["completion_mask"].bool()
         c_mask = c_mask.to(device, non_blocking=True)
         # Row-major, both masks list each row's completion tokens in order: move them to the (B*G, C) layout.
-        picked = [torch.zeros(c_mask.shape, device=device).masked_scatter(c_mask.bool(), x[scored]) for x in out]
+        picked = [torch.zeros(c_mask.shape, device=device).masked_scatter(c_mask.bool(), x[scored > 0]) for x in out]
         return (picked[0], c_mask, picked[1]) if return_entropy else (picked[0], c_mask)
     # On a GPU widths round up to the bucket (common.model.BUCKETS), so that a pass's shapes recur from step to step;
     # everything the host knows (ids, masks, where the completion tokens sit) is built here and copied without a wait
@@ -654,17 +648,7 @@ def main(args: Args) -> dict:
         args.resume_from_checkpoint, model, optimizer, scheduler, args.max_steps, args.resume_ignore_mismatch
     )
     state = {"nonfinite_updates": 0} | resumed  # + the breakers' memory, which checkpoints keep
-    show = ("reward", "kl", "loss")
-    logger = Logger(
-        run_dir,
-        dataclasses.asdict(args),
-        args.max_steps,
-        show,
-        start_step,
-        args.logging_steps,
-        args.report_to,
-        args.resume_from_checkpoint,
-    )
+    logger = Logger(run_dir, args, args.max_steps, ("reward", "kl", "loss"), start_step)  # metrics.jsonl, TensorBoard
     breakers = circuit_breakers(args, state)
     generate, engine = rollout_engine(args, model, tokenizer)
     if eval_examples and start_step == 0:  # the starting policy's held-out score: the baseline the run is judged by

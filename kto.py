@@ -334,16 +334,7 @@ def main(args: Args) -> dict:
     )
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "kl")
-    logger = Logger(
-        run_dir,
-        dataclasses.asdict(args),
-        total_steps,
-        show,
-        start_step,
-        args.logging_steps,
-        args.report_to,
-        args.resume_from_checkpoint,
-    )
+    logger = Logger(run_dir, args, total_steps, show, start_step)
     precomputed = {}  # micro-batch index -> the reference's (matched, mismatched) log-probs, on the CPU
     if args.precompute_ref_log_probs:  # after a resume: "ref" restored (hash-checked), or the start's copy
         # this rank's micro-batches still to train (under torchrun each rank scores its own: as many forwards on

@@ -13,7 +13,6 @@ Differences from TRL's ORPOTrainer defaults:
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -260,16 +259,7 @@ def main(args: Args) -> dict:
     )
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "rewards/accuracies")
-    logger = Logger(
-        run_dir,
-        dataclasses.asdict(args),
-        total_steps,
-        show,
-        start_step,
-        args.logging_steps,
-        args.report_to,
-        args.resume_from_checkpoint,
-    )
+    logger = Logger(run_dir, args, total_steps, show, start_step)
 
     def pair_losses(chunk):
         """ORPO loss of one micro-batch and its metrics; one forward scores chosen and rejected together."""

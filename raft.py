@@ -20,7 +20,6 @@ Differences from the reference implementations (TRL has no RAFT/SPIN trainer; LM
 - SPIN: prompts_per_round prompts an iteration (NeMo-Aligner: all); no mixing in of iteration t-1's data (the paper's).
 """
 
-import dataclasses
 import functools
 import json
 import math
@@ -608,9 +607,7 @@ def main(args: Args) -> dict:
     examples = tokenize_dataset(tokenizer, rows, "prompt", args.max_prompt_length)
     acc_key = f"eval/{dataset_label(args.eval_dataset)}/accuracy"
     show = ("reward", "kept_fraction", acc_key)
-    logger = Logger(
-        run_dir, dataclasses.asdict(args), args.num_rounds, show, start_step=max(done, 0), report_to=args.report_to
-    )
+    logger = Logger(run_dir, args, args.num_rounds, show, start_step=max(done, 0))
     if done < 0:  # round 0: the starting policy's held-out accuracy, the baseline every round is compared to
         metrics, records = evaluate(model, tokenizer, eval_rows, args)
         write_round(run_dir, 0, {"eval.jsonl": records}, metrics)

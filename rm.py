@@ -16,7 +16,6 @@ Differences from TRL's RewardTrainer defaults:
 - bf16 on CUDA only; checkpointing if memory needs it; log every step (TRL: bf16, checkpointing on, logging_steps=10).
 """
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -347,16 +346,7 @@ def main(args: Args) -> dict:
         with torch.no_grad():
             head.weight.copy_(state["head"])  # saved in the hashed state.pt
     show = ("loss", "accuracy")
-    logger = Logger(
-        run_dir,
-        dataclasses.asdict(args),
-        total_steps,
-        show,
-        start_step,
-        args.logging_steps,
-        args.report_to,
-        args.resume_from_checkpoint,
-    )
+    logger = Logger(run_dir, args, total_steps, show, start_step)
 
     # ---- 4 loop
     model.train()

@@ -14,7 +14,6 @@ Differences from TRL's SFTTrainer defaults:
 - Chat completions end at their end-of-turn token (TRL also trains what the template writes after it: ChatML's "\n").
 """
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -344,16 +343,7 @@ def main(args: Args) -> dict:
     )
     nonfinite = state.get("nonfinite_updates", 0)  # updates skipped for a NaN/Inf loss or gradient, so far
     show = ("loss", "learning_rate")
-    logger = Logger(
-        run_dir,
-        dataclasses.asdict(args),
-        total_steps,
-        show,
-        start_step,
-        args.logging_steps,
-        args.report_to,
-        args.resume_from_checkpoint,
-    )
+    logger = Logger(run_dir, args, total_steps, show, start_step)
 
     def forward_logps(batch):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # no wait: the host built them

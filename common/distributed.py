@@ -59,15 +59,6 @@ def all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def all_max(value: int) -> int:
-    """The largest of the ranks' values (e.g. the longest rollout, whose random draws every rank must match)."""
-    if rank_and_world()[1] == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any (a Ctrl-C one rank saw first stops all of them at one step)."""
     return all_sum([float(flag)])[0] > 0

@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import rotate_half
 
 from common.data import pad_batch
-from common.distributed import all_max, rank_and_world
+from common.distributed import all_gather, rank_and_world
 from common.model import BUCKETS, cache_kwarg, prompt_cache, unwrap
 
 
@@ -204,11 +204,6 @@ def _packed_forward(weight, bias, x):
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _merged_forward(weight, bias, x):
-    """A Linear's forward on its merged weight (only x, as _packed_forward)."""
-    return F.linear(x, weight, bias)
-
-
 def _packable(linear) -> bool:
     """A float32 nn.Linear on a CPU: what oneDNN's packed matmul takes."""
     return _plain(linear) and linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32
@@ -249,7 +244,7 @@ def merged_linears(model, rows: int, spare: int = 0):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
             module.forward = functools.partial(_packed_forward, packed, bias)
         else:
-            module.forward = functools.partial(_merged_forward, weight, bias)
+            module.forward = functools.partial(F.linear, weight=weight, bias=bias)  # x alone (more: an error)
         swapped.append(module)
 
     try:
@@ -489,7 +484,7 @@ def hf_generate(
     result = _result(rows, decoded[0].tolist(), eos, tokenizer, decoded[1].tolist())
     if temperature > 0:  # one draw per step of the longest row, as if decode had stopped there (on every rank)
         drawn = max(map(len, result["completion_ids"]))
-        drawn = all_max(drawn) if stream is not None else drawn
+        drawn = max(all_gather([drawn])) if stream is not None else drawn
         torch.cuda.set_rng_state(state, device) if cuda else torch.set_rng_state(state)
         for _ in range(drawn):
             torch.rand(len(rows) if stream is None else stream[1], dtype=torch.float64, device=device)

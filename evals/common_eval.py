@@ -25,8 +25,7 @@ from common.model import attach_lora, load_model
 from common.rewards import extract_answer, math_reward
 from common.rollout import hf_generate
 from harness.checkpoints import load_weights, resolve_checkpoint
-from harness.cli import note_other_base
-from harness.hub import check_dataset, hub_rows, locate_model
+from harness.hub import check_dataset, hub_rows, locate_model, note_other_base
 from plugins.builtin_math import MATH_INSTRUCTION, builtin_rows, question_row
 from plugins.steerlm import parse_attributes, steer_prompt
 

@@ -5,7 +5,6 @@ before any weights load (LoRA settings, an --adapter's files, the fields the cho
 import contextlib
 import ctypes
 import dataclasses
-import json
 import math
 import netrc
 import os
@@ -29,6 +28,7 @@ from harness.errors import RunStopped
 from common.model import pick_device, resolve_dtype
 from harness.checkpoints import all_finite
 from harness.fast_help import require
+from harness.hub import note_other_base, read_adapter_config
 from plugins.embedded import MODEL_ALIASES
 from plugins.quantization import import_bitsandbytes
 
@@ -233,33 +233,6 @@ def check_adapter_weights(folder: str, what: str) -> None:
     for name, tensor in tensors.items():
         if not all_finite(tensor):
             raise ModelError(f"{what} {folder}: tensor {name} in {os.path.basename(file)} holds NaN/Inf; not loaded")
-
-
-def read_adapter_config(path: str, what: str) -> dict:
-    """An adapter_config.json as a dict, or ModelError naming the file when it is no JSON object (damaged)."""
-    try:
-        config = json.loads(pathlib.Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{what}: {path} cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(config, dict):
-        raise ModelError(f"{what}: {path} holds no JSON object")
-    return config
-
-
-def same_base(a: str, b: str) -> bool:
-    """Do two model names (hub ids or local paths) name the same model?"""
-    if a == b:
-        return True
-    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
-
-
-def note_other_base(adapter: str, model: str) -> None:
-    """One note when `adapter` was trained on a base other than `model` (the --model name): PEFT loads an adapter onto
-    any base of the same shapes without a word (other shapes: common.model.attach_lora's one-line error)."""
-    config = read_adapter_config(os.path.join(adapter, "adapter_config.json"), "--adapter")
-    trained_on = config.get("base_model_name_or_path")
-    if trained_on and model and not same_base(trained_on, model):
-        print(f"note: --adapter {adapter} was trained on {trained_on!r}, not on --model {model!r}")
 
 
 def check_adapter(adapter: str, r: int, alpha: float, dropout: float, model: str) -> None:

@@ -3,9 +3,10 @@ into its converted folder and a hub id into its cached folder when the hub is ou
 a hub dataset that is neither cached nor reachable; `check_inputs` looks at every input of a run at once (model,
 dataset, eval set) before anything loads. Either way the run stops at once with one line naming what is missing (all
 of it) and the local alternative, instead of the hub client's retries ending in a long traceback (docs/
-reliability.md has the measured delays)."""
+reliability.md has the measured delays). `note_other_base` names an adapter's own base when it is not --model's."""
 
 import functools
+import json
 import os
 import pathlib
 import urllib.error
@@ -195,3 +196,30 @@ def check_dataset(spec: str | None, offline: str | None = None) -> None:
     if spec.endswith((".json", ".jsonl", ".parquet")):
         return
     check_hub(spec.partition(":")[0], "dataset", offline)
+
+
+def read_adapter_config(path: str, what: str) -> dict:
+    """An adapter_config.json as a dict, or ModelError naming the file when it is no JSON object (damaged)."""
+    try:
+        config = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{what}: {path} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{what}: {path} holds no JSON object")
+    return config
+
+
+def same_base(a: str, b: str) -> bool:
+    """Do two model names (hub ids or local paths) name the same model?"""
+    if a == b:
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+
+
+def note_other_base(adapter: str, model: str) -> None:
+    """One note when `adapter` was trained on a base other than `model` (the --model name): PEFT loads an adapter onto
+    any base of the same shapes without a word (other shapes: common.model.attach_lora's one-line error)."""
+    config = read_adapter_config(os.path.join(adapter, "adapter_config.json"), "--adapter")
+    trained_on = config.get("base_model_name_or_path")
+    if trained_on and model and not same_base(trained_on, model):
+        print(f"note: --adapter {adapter} was trained on {trained_on!r}, not on --model {model!r}")

@@ -309,19 +309,12 @@ class Logger:
     from start_step + 1 on, and W&B continues the run's own id. Under torchrun only rank 0 writes or prints (the
     metrics a script logs are already reduced over the ranks); every rank keeps the history."""
 
-    def __init__(
-        self,
-        run_dir: str,
-        config: dict,
-        total_steps: int,
-        show: tuple[str, ...] = ("loss",),
-        start_step: int = 0,
-        every: int = 1,
-        report_to: str = "tensorboard",
-        resumed_from: str | None = None,
-    ):
-        """config: the run's resolved arguments, written to args.json (and W&B's config); every: log each every-th
-        step (and the last); resumed_from: the checkpoint or run dir a resume starts from (its W&B run continues)."""
+    def __init__(self, run_dir: str, args, total_steps: int, show: tuple[str, ...] = ("loss",), start_step: int = 0):
+        """args: the run's resolved arguments (its Args), written to args.json (and W&B's config), of which it reads
+        logging_steps (log each N-th step and the last; absent: every step), report_to (absent: "tensorboard") and
+        resume_from_checkpoint (the checkpoint or run dir a resume starts from: its W&B run continues)."""
+        config = dict(vars(args))
+        report_to = getattr(args, "report_to", "tensorboard")
         self.run_dir = run_dir
         self.show = show
         self.main = rank_and_world()[0] == 0  # the run's one writer
@@ -339,7 +332,9 @@ class Logger:
         self.wandb = None
         if report_to == "wandb":
             self.wandb = wandb_run(
-                os.path.basename(os.path.normpath(run_dir)), config, wandb_id_of(run_dir, resumed_from)
+                os.path.basename(os.path.normpath(run_dir)),
+                config,
+                wandb_id_of(run_dir, getattr(args, "resume_from_checkpoint", None)),
             )
             with open(os.path.join(run_dir, WANDB_ID), "w") as f:
                 f.write(self.wandb.id)
@@ -349,7 +344,7 @@ class Logger:
         self.total = total_steps
         self.start = start_step
         self.t0 = time.perf_counter()
-        self.every = every
+        self.every = getattr(args, "logging_steps", 1)
         self.history = earlier or []
         self.paced = False  # the first step this process trains says what the run will take
 

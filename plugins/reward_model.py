@@ -32,7 +32,8 @@ from common.model import REWARD, as_reference, decoder_hidden, is_peft, load_mod
 from common.model import unwrap
 from common.rewards import split_weight
 from harness.checkpoints import adapter_hash, all_finite
-from harness.cli import check_adapter_weights, same_base
+from harness.cli import check_adapter_weights
+from harness.hub import same_base
 from harness.memory import lora_params, model_config, weight_bytes
 from plugins.embedded import resolve_model
 from plugins.quantization import bnb_config

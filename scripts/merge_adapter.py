@@ -32,8 +32,8 @@ from common.data import setup_chat_template
 from common.errors import ArgsError, ModelError
 from common.model import attach_lora, load_model
 from harness.checkpoints import stop_at_end_of_turn, whole_dir, writing
-from harness.cli import check_adapter_weights, note_other_base, one_line_errors, read_adapter_config
-from harness.hub import locate_model
+from harness.cli import check_adapter_weights, one_line_errors
+from harness.hub import locate_model, note_other_base, read_adapter_config
 from scripts.gguf_export import check_exportable, check_gguf, pre_tokenizer_name, rounding_tolerance, write_gguf
 
 PROMPT = [{"role": "user", "content": "What is 12 plus 7? Answer in one line."}]

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def test_end_of_run_trend_averages_the_first_and_last_quarter_of_logged_values(t
     of them, 1 to 5); a key logged on only some steps (a held-out eval) uses its own values; nothing logged says so."""
     from harness.run import Logger, PhaseTimer
 
-    logger = Logger(str(tmp_path), {"logging_steps": 1}, 20, every=1)
+    logger = Logger(str(tmp_path), SimpleNamespace(logging_steps=1), 20)
     assert logger.trend("loss") == "no step logged"
     for step in range(1, 21):
         logger.log(step, {"loss": float(step), **({"eval/x/accuracy": step / 100} if step in (1, 20) else {})})
@@ -469,17 +470,12 @@ def test_a_resumed_run_continues_its_wandb_run_and_none_writes_no_tensorboard_ev
     resumed = tmp_path / "sft__m__1__b"
     for folder in (first, resumed):
         folder.mkdir()
-    logger = Logger(str(first), {"learning_rate": 0.1}, 2, report_to="wandb")
+    logger = Logger(str(first), SimpleNamespace(learning_rate=0.1, report_to="wandb"), 2)
     logger.log(1, {"loss": 1.5})
     logger.close()
-    logger = Logger(
-        str(resumed),
-        {"learning_rate": 0.1},
-        2,
-        start_step=1,
-        report_to="wandb",
-        resumed_from=str(first / "checkpoints" / "step-1"),
-    )
+    resume = str(first / "checkpoints" / "step-1")
+    args = SimpleNamespace(learning_rate=0.1, report_to="wandb", resume_from_checkpoint=resume)
+    logger = Logger(str(resumed), args, 2, start_step=1)
     logger.log(2, {"loss": 1.25})
     logger.close()
     runs = wandb_offline_runs(wandb_offline)
@@ -489,7 +485,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_none_writes_no_tensorboard_ev
     for report_to, events in (("none", 0), ("tensorboard", 1)):
         folder = tmp_path / report_to
         folder.mkdir()
-        logger = Logger(str(folder), {}, 1, report_to=report_to)
+        logger = Logger(str(folder), SimpleNamespace(report_to=report_to), 1)
         logger.log(1, {"loss": 1.0})
         logger.close()
         assert len([f for f in os.listdir(folder) if f.startswith("events.out.tfevents")]) == events
@@ -539,7 +535,7 @@ def test_first_logged_step_says_what_the_whole_run_will_take(tmp_path, monkeypat
         monkeypatch.setattr(sys, "stderr", stream)
         folder = tmp_path / f"{type(stream).__name__}{every}"
         folder.mkdir()
-        logger = Logger(str(folder), {}, 6, every=every, report_to="none")
+        logger = Logger(str(folder), SimpleNamespace(logging_steps=every, report_to="none"), 6)
         for step in range(1, 7):
             logger.log(step, {"loss": 1.0})
         logger.close()
@@ -551,7 +547,7 @@ def test_first_logged_step_says_what_the_whole_run_will_take(tmp_path, monkeypat
     monkeypatch.setattr(harness.run, "rank_and_world", lambda: (1, 2))
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", stream)
-    logger = Logger(str(tmp_path / "rank1"), {}, 6, report_to="none")
+    logger = Logger(str(tmp_path / "rank1"), SimpleNamespace(report_to="none"), 6)
     logger.log(1, {"loss": 1.0})
     logger.close()
     assert stream.getvalue() == ""
