@@ -302,7 +302,7 @@ def check_model_flags(args) -> None:
         )
     if args.adapter is not None:  # read now: an adapter holding a NaN/Inf is refused before the base loads
         check_adapter(args.adapter, args.lora_r, args.lora_alpha, args.lora_dropout, args.model)
-    if getattr(args, "attn_implementation", None) == "flash_attention_2":  # the same for flash-attn
+    if args.attn_implementation == "flash_attention_2":  # the same for flash-attn
         require("flash_attn", "--attn-implementation flash_attention_2")
     if args.optim == "adamw_8bit":  # a missing bitsandbytes fails in seconds, not after the model loaded
         import_bitsandbytes("--optim adamw_8bit")

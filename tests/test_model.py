@@ -1,5 +1,6 @@
 """The dual-adapter backbone: snapshot_ref / as_reference / trainable set / save-load / checkpoints."""
 
+import importlib.util
 import inspect
 import os
 import shutil
@@ -251,6 +252,15 @@ def test_an_adapter_of_another_base_with_the_same_shapes_is_named(tiny_model_dir
 def test_missing_optional_package_gives_install_hint():
     with pytest.raises(ImportError, match="pip install surely_not_installed_pkg"):
         require("surely_not_installed_pkg", "--engine vllm")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed")
+def test_flash_attention_without_flash_attn_is_named_before_the_model_loads():
+    """The flag checks (harness.cli.check_model_flags) name the missing package: no model is loaded first."""
+    import sft
+
+    with pytest.raises(ImportError, match="flash_attention_2 needs the optional package 'flash_attn': pip install"):
+        sft.check_args(sft.Args(model="unused", attn_implementation="flash_attention_2"))
 
 
 @pytest.mark.parametrize("entry", ["sft", "orpo", "kto", "dpo", "rm", "grpo", "raft", "evals.gsm8k", "evals.ifeval"])
