@@ -47,12 +47,12 @@ from common.model import as_reference, attach_lora, cache_kwarg, chunked_logps, 
 from common.model import pick_device, prompt_cache, resolve_dtype, sequence_logps
 from common.model import BUCKETS, shares_prompt_pass, snapshot_ref, trainable_parameters, unwrap
 from common.rewards import REWARD_FUNCS, load_reward_funcs, score_rollout
-from common.rollout import hf_generate
+from common.rollout import check_sampling, hf_generate
 
 # The optional harness (presets, memory plan, checkpoints, breakers, logging) and plug-ins: a copy without them trains
 from harness.checkpoints import Checkpoints, run_identity, save_final
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import check_reward_fields, check_sampling, check_reward_statistics, preset_label, resolve_preset
+from harness.cli import check_reward_fields, check_reward_statistics, preset_label, resolve_preset
 from harness.held_out import eval_source, reward_eval
 from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, fit_knob, plan_memory, release_heap, row_tokens

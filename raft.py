@@ -54,7 +54,7 @@ from common.model import attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
 from common.model import sequence_logps, trainable_parameters
 from common.rewards import REWARD_FUNCS, load_reward_funcs, score_rollout
-from common.rollout import hf_generate
+from common.rollout import check_sampling, hf_generate
 from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 
 # The optional harness (plumbing: presets, memory plan, run identity, logging) and plug-ins; a copy of this script
@@ -63,7 +63,7 @@ from harness.checkpoints import check_finite_files, check_run_dir_identity, load
 from harness.checkpoints import check_finite, gathered_state, run_record, save_final, save_weights, swap_in
 from harness.checkpoints import broadcast, write_marker, writing
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
-from harness.cli import check_reward_fields, check_sampling, preset_label, resolve_preset
+from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.held_out import dataset_label
 from harness.hub import check_inputs, hub_rows, locate_model
 from harness.memory import Generate, Pass, plan_memory, row_tokens

@@ -45,16 +45,12 @@ def rank_and_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _device() -> torch.device:
-    """Where this backend reduces tensors: NCCL only on this rank's card, gloo on the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def all_sum(values: list[float]) -> list[float]:
     """Each value summed over the ranks (float64, so token counts and sums of losses add exactly)."""
     if rank_and_world()[1] == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    nccl = dist.get_backend() == "nccl"  # NCCL reduces on this rank's card only, gloo on the CPU
+    t = torch.tensor(values, dtype=torch.float64, device=torch.cuda.current_device() if nccl else "cpu")
     dist.all_reduce(t)
     return t.tolist()
 

@@ -58,14 +58,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
 
-def resolve_attn(attn_implementation: str, device: torch.device) -> str:
-    """'auto' = flash_attention_2 when flash-attn is installed and we are on CUDA, else PyTorch SDPA."""
-    if attn_implementation != "auto":
-        return attn_implementation
-    flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-    return "flash_attention_2" if flash else "sdpa"
-
-
 def load_model(
     name: str,
     dtype: str = "auto",
@@ -83,7 +75,10 @@ def load_model(
     quantized on load, frozen and prepared for k-bit training (norms in fp32)."""
     path = path or name
     device = pick_device()
-    kwargs = dict(dtype=resolve_dtype(dtype, device), attn_implementation=resolve_attn(attn_implementation, device))
+    if attn_implementation == "auto":  # flash_attention_2 when flash-attn is installed and we are on CUDA, else SDPA
+        flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        attn_implementation = "flash_attention_2" if flash else "sdpa"
+    kwargs = dict(dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation)
     if quantization_config is not None:  # quantized on load, straight onto its device
         kwargs["quantization_config"] = quantization_config
         kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}

@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from common.data import pad_batch
 from common.distributed import all_gather, rank_and_world
+from common.errors import ArgsError
 from common.model import BUCKETS, cache_kwarg, prompt_cache, unwrap
 
 
@@ -44,6 +45,15 @@ def cut_at_eos(ids: list[int], eos: list[int]) -> tuple[list[int], bool]:
         if token in eos:
             return ids[: i + 1], False
     return ids, True
+
+
+def check_sampling(top_p: float, top_k: int) -> None:
+    """Refuse what the two engines would read differently: top_p = 0 (HF: silently greedy; vLLM: an error), top_k < 0
+    (vLLM: -1 = off; HF: an error), NaN; the message names the flag."""
+    if not 0 < top_p <= 1:
+        raise ArgsError(f"--top-p {top_p}: must be in (0, 1] (1 = off)")
+    if not top_k >= 0:
+        raise ArgsError(f"--top-k {top_k}: must be >= 0 (0 = off)")
 
 
 class SlabLayer(DynamicLayer):
@@ -84,9 +94,6 @@ class SlabLayer(DynamicLayer):
         self.slab_keys.index_copy_(2, column, key_states)
         self.slab_values.index_copy_(2, column, value_states)
         return self.slab_keys, self.slab_values
-
-    def get_seq_length(self) -> int:
-        return self.length
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._slabs(self.slab_keys.repeat_interleave(repeats, 0), self.slab_values.repeat_interleave(repeats, 0))
@@ -436,6 +443,7 @@ def hf_generate(
     device's generator is put back and advanced by one draw per step of the longest row (under torchrun: of any
     rank's), so static shapes' extra draws are taken back and every rank's stream stays one process's
     (model.generate's fallback draws from each rank's own stream)."""
+    check_sampling(top_p, top_k)
     lm = unwrap(model)
     eos = eos_ids(model, tokenizer)
     rows = [p for p in prompts for _ in range(group_size)]  # repeat, not num_return_sequences: greedy allows it too

@@ -86,12 +86,19 @@ def save_weights(model, out_dir: str, adapters: list[str] | None = None, state_d
     save_embedding_layers=False: our LoRA never resizes the vocabulary, and PEFT's "auto" looks a base name that is
     no local folder (an alias such as smollm2-135m) up on the hub at every save, with warnings when offline.
     state_dict: the full weights gathered from a model sharded by FSDP2 (gathered_state), written
-    as one plain transformers folder."""
+    as one plain transformers folder. An adapter's target_modules are written sorted: PEFT writes them in a set's
+    order, which follows the process's string hashes, so the same adapter saved by two processes (a run and its
+    resume) differed."""
     if state_dict is not None:
         model.save_pretrained(out_dir, safe_serialization=True, state_dict=state_dict)
-        return
-    kwargs = {"selected_adapters": adapters, "save_embedding_layers": False} if is_peft(model) else {}
-    model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    else:
+        kwargs = {"selected_adapters": adapters, "save_embedding_layers": False} if is_peft(model) else {}
+        model.save_pretrained(out_dir, safe_serialization=True, **kwargs)
+    for path in pathlib.Path(out_dir).rglob("adapter_config.json"):
+        config = json.loads(path.read_text())
+        if isinstance(config.get("target_modules"), list):
+            config["target_modules"] = sorted(config["target_modules"])
+            path.write_text(json.dumps(config, indent=2, sort_keys=True))  # as PEFT writes it
 
 
 def all_finite(tensor: torch.Tensor, chunk: int = 1 << 20) -> bool:

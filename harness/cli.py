@@ -194,16 +194,6 @@ def positive(args, *names: str) -> None:
             raise ArgsError(f"{flag_name(name)} {value}: must be a finite number > 0")
 
 
-def check_sampling(top_p: float, top_k: int) -> None:
-    """Refuse what the two engines would read differently: top_p = 0 (HF: silently greedy; vLLM: an error), top_k < 0
-    (vLLM: -1 = off; HF: an error), NaN; the message names the flag (the scripts' check_args and plugins.vllm_engine
-    call it)."""
-    if not 0 < top_p <= 1:
-        raise ArgsError(f"--top-p {top_p}: must be in (0, 1] (1 = off)")
-    if not top_k >= 0:
-        raise ArgsError(f"--top-k {top_k}: must be >= 0 (0 = off)")
-
-
 def check_lora(r: int, alpha: float, dropout: float) -> None:
     """Refuse LoRA settings that cannot train, naming the flag, before any weights load: PEFT scales the adapter's
     output by alpha / r, so alpha 0 trains an adapter that never changes the model (and a negative one flips its

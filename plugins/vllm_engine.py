@@ -13,8 +13,7 @@ import weakref
 import torch
 
 from common.model import DEFAULT, sequence_logps
-from common.rollout import _result, eos_ids
-from harness.cli import check_sampling
+from common.rollout import _result, check_sampling, eos_ids
 from harness.fast_help import require
 from plugins.embedded import resolve_model
 

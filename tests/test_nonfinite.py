@@ -214,14 +214,14 @@ def test_an_adapter_holding_inf_is_refused_before_the_model_loads(script, adapte
         module.main(args)
 
 
-def test_an_adapters_own_lora_settings_are_named_when_flags_differ(adapter_dir, tmp_path, capsys):
+def test_an_adapters_own_lora_settings_are_named_when_flags_differ(adapter_dir, tiny_model_dir, capsys):
     """--adapter with another --lora-r trained the adapter's r without a word."""
     import sft
 
-    sft.check_args(sft.Args(model="unused", adapter=adapter_dir, lora_r=32))
+    sft.check_args(sft.Args(model=tiny_model_dir, adapter=adapter_dir, lora_r=32))
     note = f"note: --adapter {adapter_dir} trains with its own r 8, lora_alpha 16, lora_dropout 0.05: "
     assert note + "--lora-r 32, --lora-alpha 32 not applied" in capsys.readouterr().out
-    sft.check_args(sft.Args(model="unused", adapter=adapter_dir, lora_r=8, lora_alpha=16))
+    sft.check_args(sft.Args(model=tiny_model_dir, adapter=adapter_dir, lora_r=8, lora_alpha=16))
     assert capsys.readouterr().out == ""
 
 

@@ -8,6 +8,8 @@ import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from common.errors import ArgsError, DataError
 from harness.errors import CorruptCheckpointError, ResumeError
 from harness.checkpoints import _file_hashes, data_sha256, marker_sha256, rank_view, run_identity
 from tests.prefs_helpers import preference_rows, write_jsonl
+from tests.conftest import ROOT
 from tests.tiny import write_tiny
 
 
@@ -457,3 +460,19 @@ def test_a_dataset_rewritten_while_the_run_reads_it_is_refused(tiny_model_dir, m
     with pytest.raises(DataError, match=f"^--dataset {data}: it changed while this run read it"):
         sft_run(tiny_model_dir, data, tmp_path / "runs")
     assert not list((tmp_path / "runs").glob("*/checkpoints"))
+
+
+def test_an_adapter_is_saved_as_the_same_bytes_by_every_process(tiny_model_dir, tmp_path):
+    """PEFT writes target_modules in a set's order, which follows the process's string hashes (PYTHONHASHSEED): a
+    raft run's final/ and the one its resume wrote from the same round differed in adapter_config.json (seeds 23 and
+    25 of test_raft_resume_at_its_last_round_makes_a_lost_final_and_past_it_is_an_error). save_weights sorts them."""
+    code = (
+        "import sys; from common.model import attach_lora, load_model; from harness.checkpoints import save_weights; "
+        "save_weights(attach_lora(load_model(sys.argv[1])[0], r=4), sys.argv[2], adapters=['default'])"
+    )
+    written = set()
+    for seed in ("23", "25", "7"):
+        command = [sys.executable, "-c", code, tiny_model_dir, str(tmp_path / seed)]
+        subprocess.run(command, env={**os.environ, "PYTHONHASHSEED": seed}, cwd=ROOT, check=True)
+        written.add((tmp_path / seed / "adapter_config.json").read_bytes())
+    assert len(written) == 1
