@@ -49,7 +49,6 @@ from common.distributed import gathered, init_distributed, is_sharded, rank_and_
 from common.distributed import keyed_stream, shard_model
 from common.completions import rank_micro_batches
 from common.errors import ArgsError, DataError
-from harness.errors import CorruptCheckpointError, ResumeError, RunStopped
 from common.model import attach_lora, load_model
 from common.completions import completion_logps, disable_dropout
 from common.model import sequence_logps, trainable_parameters
@@ -62,6 +61,7 @@ from evals.common_eval import evaluate_gsm8k, gsm8k_rows
 from harness.checkpoints import check_finite_files, check_run_dir_identity, load_weights, read_marker, run_identity
 from harness.checkpoints import check_finite, gathered_state, run_record, save_final, save_weights, swap_in
 from harness.checkpoints import broadcast, write_marker, writing
+from harness.errors import CorruptCheckpointError, ResumeError, RunStopped
 from harness.cli import StopOnCtrlC, at_least, check_model_flags, one_line_errors, positive, print_config
 from harness.cli import check_reward_fields, preset_label, resolve_preset
 from harness.held_out import dataset_label

@@ -39,13 +39,13 @@ from peft import set_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from harness.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
 from common.errors import ArgsError, DataError, UserError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from common.distributed import all_gather, is_sharded, local_tensor, rank_and_world
 from common.model import DEFAULT, REF, is_peft, pick_device, resolve_dtype, slot_params, snapshot_ref, unwrap
+from harness.errors import CorruptCheckpointError, NonFiniteWeightsError, OutputDirError, ResumeError, RunStopped
 from harness.hub import BEFORE_READ
 
 COMPLETE = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short and is never used

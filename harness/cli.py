@@ -24,9 +24,9 @@ from transformers.utils import logging as hf_logging
 from common.data import MAX_SHOWN, bad_field
 from common.distributed import any_rank, rank_and_world
 from common.errors import ArgsError, DataError, ModelError, RewardError, UserError
-from harness.errors import RunStopped
 from common.model import pick_device, resolve_dtype
 from harness.checkpoints import all_finite
+from harness.errors import RunStopped
 from harness.fast_help import require
 from harness.hub import note_other_base, read_adapter_config
 from plugins.embedded import MODEL_ALIASES
